@@ -1,0 +1,173 @@
+"""Forward attention benchmark: flash_attn_cuda against PyTorch SDPA's FLASH_ATTENTION, CUDNN_ATTENTION and
+EFFICIENT_ATTENTION backends, in one run, on the anchor shapes (batch*seqlen tokens fixed, hidden = heads*hdim fixed).
+
+    python bench/mma_peak.py && python bench/bench_fwd.py            # full anchor grid, bf16
+    python bench/bench_fwd.py --quick --hdims 128                     # a few shapes
+"""
+import argparse
+import contextlib
+import os
+import sys
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.append(os.path.dirname(HERE))  # repo root, last: an installed flash_attn_cuda wins over an unbuilt tree
+import common  # noqa: E402
+
+IMPLS = ["ours", "flash", "cudnn", "efficient"]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+SANITY_REL_TOL = 0.05  # a loose "is it the same function" check against SDPA, not the correctness rule
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--hdims", type=ints, default=[64, 128, 256])
+    p.add_argument("--seqlens", type=ints, default=None, help="default 512,1024,...,16384 (--quick: 2048,8192,16384)")
+    p.add_argument("--causal", choices=["both", "yes", "no"], default="both")
+    p.add_argument("--impls", type=lambda s: s.split(","), default=IMPLS)
+    p.add_argument("--tokens", type=int, default=16384, help="batch * seqlen")
+    p.add_argument("--hidden", type=int, default=2048, help="nheads * hdim")
+    p.add_argument("--warmup", type=int, default=None, help="untimed calls per measurement (default 5, --quick 3)")
+    p.add_argument("--rep", type=int, default=None, help="timed calls per measurement, >= 20 (default 30, --quick 20)")
+    p.add_argument("--quick", action="store_true", help="fewer shapes and repetitions")
+    p.add_argument("--out-dir", default=os.path.join(HERE, "results"))
+    p.add_argument("--mma-peak", default=None, help="mma_peak.json to use (default <out-dir>/mma_peak.json)")
+    a = p.parse_args(argv)
+    a.seqlens = a.seqlens or ([2048, 8192, 16384] if a.quick else [512, 1024, 2048, 4096, 8192, 16384])
+    a.warmup = a.warmup if a.warmup is not None else (3 if a.quick else 5)
+    a.rep = a.rep if a.rep is not None else (20 if a.quick else 30)
+    unknown = set(a.impls) - set(IMPLS)
+    if unknown or "ours" not in a.impls:
+        p.error(f"--impls must include 'ours' and be drawn from {IMPLS}")
+    return a
+
+
+def load_ours():
+    try:
+        import flash_attn_cuda
+        return flash_attn_cuda, None
+    except Exception as exc:
+        print(f"[bench] WARNING: cannot import flash_attn_cuda ({type(exc).__name__}: {exc}); 'ours' will be n/a")
+        return None, f"import failed: {type(exc).__name__}: {exc}"
+
+
+def make_runners(lib, lib_err, q, k, v, qt, kt, vt, causal, impls):
+    """name -> (context factory, fn returning the output in (b, s, h, d)) or an error string."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                "efficient": SDPBackend.EFFICIENT_ATTENTION}
+    runners = {}
+    for name in impls:
+        if name == "ours":
+            hdim, dtype = q.shape[-1], q.dtype
+            if lib is None:
+                runners[name] = lib_err
+            elif hasattr(lib, "kernel_available") and not lib.kernel_available(hdim, dtype, causal):
+                runners[name] = f"kernel not compiled (hdim {hdim}, {dtype}, causal={causal})"
+            else:
+                runners[name] = (contextlib.nullcontext, lambda: lib.flash_attn_func(q, k, v, causal=causal))
+        else:
+            runners[name] = (lambda b=backends[name]: sdpa_kernel([b]),
+                             lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))
+    return runners
+
+
+def run_one(runner, warmup, rep):
+    """(ms, output, error) for one runner; SDPA's 'why not' warnings are folded into the error message."""
+    if isinstance(runner, str):
+        return None, None, runner
+    ctx, fn = runner
+    with warnings.catch_warnings(record=True) as caught, ctx():
+        warnings.simplefilter("always")
+        ms, err = common.try_time(fn, warmup, rep)
+        out = fn() if err is None else None
+    if err and caught:
+        err += " | " + str(caught[0].message).strip().splitlines()[0][:200]
+    return ms, out, err
+
+
+def shape_of(args, hdim, seqlen):
+    return max(1, args.tokens // seqlen), args.hidden // hdim  # batch, nheads
+
+
+def new_row(args, hdim, causal, seqlen, err=None):
+    """A row with every implementation n/a; err, if given, is recorded as every implementation's failure."""
+    batch, nheads = shape_of(args, hdim, seqlen)
+    return {"pass": "fwd", "dtype": args.dtype, "hdim": hdim, "causal": causal, "batch": batch, "seqlen": seqlen,
+            "nheads": nheads, "flops": common.attn_flops(batch, nheads, seqlen, seqlen, hdim, causal, "fwd"),
+            "ms": {k: None for k in args.impls}, "warnings": [],
+            "errors": {k: err.splitlines()[0][:300] for k in args.impls} if err else {}}
+
+
+def bench_shape(lib, lib_err, dtype_name, hdim, causal, seqlen, args):
+    dtype = DTYPES[dtype_name]
+    batch, nheads = shape_of(args, hdim, seqlen)
+    gen = torch.Generator(device="cuda").manual_seed(hdim * 100003 + seqlen * 7 + int(causal))
+    # Fresh random data (never zeros) in both layouts, made contiguous before timing so no copy is timed.
+    q, k, v = (torch.randn(batch, seqlen, nheads, hdim, device="cuda", dtype=dtype, generator=gen) for _ in range(3))
+    qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+    row = new_row(args, hdim, causal, seqlen)
+    outs = {}
+    for name, runner in make_runners(lib, lib_err, q, k, v, qt, kt, vt, causal, args.impls).items():
+        ms, out, err = run_one(runner, args.warmup, args.rep)
+        row["ms"][name] = ms
+        if err:
+            row["errors"][name] = err
+        if out is not None:
+            outs[name] = out if name == "ours" else out.transpose(1, 2)
+    ref = next((n for n in args.impls if n != "ours" and n in outs), None)
+    if "ours" in outs and ref:
+        diff = (outs["ours"].float() - outs[ref].float()).abs().max().item()
+        rel = diff / max(outs[ref].float().abs().max().item(), 1e-30)
+        row["check"] = {"vs": ref, "max_abs_diff": diff, "rel_to_max": rel}
+        if not rel <= SANITY_REL_TOL:  # also catches NaN
+            row["warnings"].append(f"ours differs from {ref}: max|diff| = {diff:.3g} ({rel:.1%} of max|out|)")
+    del q, k, v, qt, kt, vt, outs
+    return row
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("bench_fwd.py needs a CUDA GPU")
+    lib, lib_err = load_ours()
+    meta = common.stamp()
+    meta.update({"title": f"Forward attention, {args.dtype}", "pass": "fwd", "dtype": args.dtype,
+                 "tokens": args.tokens, "hidden": args.hidden, "warmup": args.warmup, "rep": max(args.rep, 20)})
+    meta["method"] = (f"{args.dtype}, batch x seqlen = {args.tokens} tokens, hidden {args.hidden} "
+                      f"(nheads = {args.hidden} / hdim). TFLOP/s by the FA2 convention: 4*b*h*s^2*d, halved when "
+                      f"causal. Median of {max(args.rep, 20)} timed calls (CUDA events) after {args.warmup} "
+                      f"warm-up calls. Inputs contiguous in each layout (ours (b,s,h,d), SDPA (b,h,s,d)). "
+                      f"flash / cudnn / efficient: torch SDPA backends FLASH_ATTENTION / CUDNN_ATTENTION / "
+                      f"EFFICIENT_ATTENTION. n/a: failed or unsupported.")
+    peak = common.load_mma_peak(args.mma_peak or os.path.join(args.out_dir, "mma_peak.json"), meta["gpu"])
+    print(f"[bench] {meta['gpu']} commit {meta['commit']} torch {meta['torch']} cuDNN {meta['cudnn']}; mma.sync peak: "
+          + (f"{peak['tflops']:.0f} TFLOP/s" if peak else "not measured"))
+    causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
+    rows = []
+    for hdim in args.hdims:
+        for causal in causals:
+            for seqlen in args.seqlens:
+                try:
+                    row = bench_shape(lib, lib_err, args.dtype, hdim, causal, seqlen, args)
+                except Exception as exc:  # e.g. out of memory making inputs: record the shape as n/a, go on
+                    row = new_row(args, hdim, causal, seqlen, f"{type(exc).__name__}: {exc}")
+                row = common.finish_row(row, args.impls, peak["tflops"] if peak else None)
+                rows.append(row)
+                print(f"hdim {hdim:3d} {'causal    ' if causal else 'non-causal'} s={seqlen:5d} b={row['batch']:3d}: "
+                      + "  ".join(f"{k} {common.fmt_num(row['tflops'][k])}" for k in args.impls)
+                      + "".join(f"\n    {k}: {e}" for k, e in row["errors"].items())
+                      + "".join(f"\n    WARNING {w}" for w in row["warnings"]), flush=True)
+    name = f"fwd_{meta['gpu_slug']}" + ("" if args.dtype == "bf16" else f"_{args.dtype}")
+    print()
+    print(common.write_reports(args.out_dir, name, meta, rows, args.impls, peak))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""Measure forward tile shapes (kBlockM, kBlockN, warps) per head dim on this GPU.
+
+Builds one reduced copy of the extension per candidate tile (bf16, the requested head dims, this GPU's arch)
+in parallel, then times each on the anchor shapes (16k tokens, hidden 2048) next to SDPA's flash backend,
+and reports the best tile per (head dim, causal) by geometric mean over seqlens.
+
+    python bench/tune_fwd_tiles.py --hdims 64,128,256 --tiles "128,64,4;128,128,8;128,64,8"
+"""
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hdims", default="64,128,256")
+    p.add_argument("--tiles", default="128,64,4;128,128,8;128,64,8;64,64,4")
+    p.add_argument("--seqlens", default="1024,4096,16384")
+    p.add_argument("--work-dir", default="/tmp/flash_tune")
+    p.add_argument("--out-dir", default=os.path.join(HERE, "results"))
+    p.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # internal: time one built copy
+    return p.parse_args(argv)
+
+
+def tile_dir(work_dir, tile):
+    return os.path.join(work_dir, "m{}n{}w{}".format(*tile.split(",")))
+
+
+def build_all(args, tiles):
+    """Starts every build at once; each gets a share of the cores. Returns {tile: error or None}."""
+    import torch
+
+    major, minor = torch.cuda.get_device_capability()
+    jobs = max(1, (os.cpu_count() or 1) // len(tiles))
+    procs = {}
+    for tile in tiles:
+        dest = tile_dir(args.work_dir, tile)
+        shutil.rmtree(dest, ignore_errors=True)
+        os.makedirs(dest)
+        for item in ("setup.py", "pyproject.toml", "csrc", "flash_attn_cuda"):
+            src = os.path.join(ROOT, item)
+            (shutil.copytree if os.path.isdir(src) else shutil.copy)(src, os.path.join(dest, item))
+        env = dict(os.environ, FLASH_ATTN2_HDIMS=args.hdims, FLASH_ATTN2_DTYPES="bf16",
+                   FLASH_ATTN2_CUDA_ARCHS=f"{major}{minor}", FLASH_ATTN2_FWD_TILE=tile,
+                   FLASH_ATTN2_PTXAS_VERBOSE="1", MAX_JOBS=str(jobs))
+        log = open(os.path.join(dest, "build.log"), "w")
+        procs[tile] = (subprocess.Popen([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=dest, env=env,
+                                        stdout=log, stderr=subprocess.STDOUT), log)
+    status = {}
+    for tile, (proc, log) in procs.items():
+        status[tile] = None if proc.wait() == 0 else f"build failed (see {log.name})"
+        log.close()
+    return status
+
+
+def spills(tile, work_dir):
+    """Lines of the ptxas report that mention spills, per kernel, from the build log."""
+    with open(os.path.join(tile_dir(work_dir, tile), "build.log")) as f:
+        return sorted({line.strip() for line in f if "spill stores" in line})
+
+
+def measure(args):
+    """Runs inside a copy: times its flash_attn_cuda and SDPA flash, prints one JSON list."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import common
+    from flash_attn_cuda import flash_attn_func
+
+    rows = []
+    for hdim in [int(x) for x in args.hdims.split(",")]:
+        nheads = 2048 // hdim
+        for seqlen in [int(x) for x in args.seqlens.split(",")]:
+            batch = max(1, 16384 // seqlen)
+            q, k, v = (torch.randn(batch, seqlen, nheads, hdim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+            qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+            for causal in (False, True):
+                flops = common.attn_flops(batch, nheads, seqlen, seqlen, hdim, causal)
+                ours, err = common.try_time(lambda: flash_attn_func(q, k, v, causal=causal), 3, 20)
+                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                    flash, _ = common.try_time(
+                        lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal), 3, 20)
+                rows.append({"hdim": hdim, "seqlen": seqlen, "causal": causal,
+                             "ours_tflops": flops / ours / 1e9 if ours else None,
+                             "flash_tflops": flops / flash / 1e9 if flash else None, "error": err})
+    print(json.dumps(rows))
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.measure:
+        return measure(args)
+    import common
+
+    tiles = [t.strip() for t in args.tiles.split(";") if t.strip()]
+    start = time.time()
+    status = build_all(args, tiles)
+    print(f"built {len(tiles)} variants in {time.time() - start:.0f} s", flush=True)
+    results = {}
+    for tile in tiles:
+        if status[tile]:
+            results[tile] = {"error": status[tile]}
+            continue
+        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--measure", "1", "--hdims", args.hdims,
+                              "--seqlens", args.seqlens],
+                             cwd=tile_dir(args.work_dir, tile), capture_output=True, text=True,
+                             env=dict(os.environ, PYTHONPATH=tile_dir(args.work_dir, tile) + os.pathsep + HERE))
+        try:
+            results[tile] = {"rows": json.loads(out.stdout.strip().splitlines()[-1]),
+                             "spills": spills(tile, args.work_dir)}
+        except (ValueError, IndexError):
+            results[tile] = {"error": (out.stderr or out.stdout)[-2000:]}
+
+    lines = ["| hdim | causal | tile (M,N,warps) | geomean TFLOP/s | geomean vs flash | spills |", "|---|---|---|---|---|---|"]
+    best = {}
+    for hdim in [int(x) for x in args.hdims.split(",")]:
+        for causal in (False, True):
+            for tile, res in results.items():
+                rows = [r for r in res.get("rows", []) if r["hdim"] == hdim and r["causal"] == causal and r["ours_tflops"]]
+                if not rows:
+                    lines.append(f"| {hdim} | {causal} | {tile} | failed | | {res.get('error', '')[:80]} |")
+                    continue
+                g = common.geomean([r["ours_tflops"] for r in rows])
+                ratio = common.geomean([r["ours_tflops"] / r["flash_tflops"] for r in rows if r["flash_tflops"]])
+                nspill = sum(1 for s in res["spills"] if not s.startswith("0 bytes stack frame, 0 bytes spill"))
+                lines.append(f"| {hdim} | {causal} | {tile} | {g:.0f} | {ratio:.3f} | {nspill} kernels spill |")
+                if g > best.get((hdim, causal), (0, None))[0]:
+                    best[(hdim, causal)] = (g, tile)
+    lines.append("")
+    lines += [f"best hdim {h} causal={c}: {t} ({g:.0f} TFLOP/s)" for (h, c), (g, t) in sorted(best.items())]
+    meta = common.stamp()
+    os.makedirs(args.out_dir, exist_ok=True)
+    name = f"tune_fwd_{common.slug(meta['gpu'])}"
+    with open(os.path.join(args.out_dir, name + ".json"), "w") as f:
+        json.dump({"meta": meta, "seqlens": args.seqlens, "results": results}, f, indent=1)
+    text = f"# Forward tile tuning\n\n{meta}\n\n" + "\n".join(lines) + "\n"
+    with open(os.path.join(args.out_dir, name + ".md"), "w") as f:
+        f.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

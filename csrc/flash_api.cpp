@@ -1,0 +1,144 @@
+// Torch binding: op schemas, input validation, FwdParams filling and kernel dispatch.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "flash_params.h"
+#include "kernel_registry.h"
+
+namespace flash {
+namespace {
+
+constexpr int kKernelHeadDims[] = {32, 64, 96, 128, 160, 192, 224, 256};
+constexpr int kMaxHeadDim = 256;
+constexpr int kMaxGridYZ = 65535;  // batch and heads index the grid's y and z
+
+// The smallest compiled-in kernel head dim that holds head_dim.
+int kernel_head_dim(int64_t head_dim) {
+    for (int d : kKernelHeadDims) {
+        if (head_dim <= d) { return d; }
+    }
+    return -1;
+}
+
+// Every check here runs before the device check, so argument errors read the same on any device.
+void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+    TORCH_CHECK_VALUE(q.dim() == 4, "q must have shape (batch, seqlen_q, nheads, head_dim), got ", q.dim(), " dims");
+    TORCH_CHECK_VALUE(k.dim() == 4, "k must have shape (batch, seqlen_k, nheads_k, head_dim), got ", k.dim(), " dims");
+    TORCH_CHECK_VALUE(v.dim() == 4, "v must have shape (batch, seqlen_k, nheads_k, head_dim), got ", v.dim(), " dims");
+
+    const auto dtype = q.scalar_type();
+    TORCH_CHECK_TYPE(dtype == at::kHalf || dtype == at::kBFloat16, "q must be float16 or bfloat16, got ", dtype);
+    TORCH_CHECK_TYPE(k.scalar_type() == dtype, "k must have the same dtype as q (", dtype, "), got ", k.scalar_type());
+    TORCH_CHECK_TYPE(v.scalar_type() == dtype, "v must have the same dtype as q (", dtype, "), got ", v.scalar_type());
+
+    const int64_t batch = q.size(0), nheads = q.size(2), head_dim = q.size(3);
+    TORCH_CHECK_VALUE(k.size(0) == batch, "k must have the same batch size as q (", batch, "), got ", k.size(0));
+    TORCH_CHECK_VALUE(v.size(0) == batch, "v must have the same batch size as q (", batch, "), got ", v.size(0));
+    TORCH_CHECK_VALUE(v.size(1) == k.size(1), "v must have the same seqlen_k as k (", k.size(1), "), got ", v.size(1));
+    TORCH_CHECK_VALUE(v.size(2) == k.size(2), "v must have the same nheads_k as k (", k.size(2), "), got ", v.size(2));
+    TORCH_CHECK_VALUE(k.size(3) == head_dim, "k must have the same head_dim as q (", head_dim, "), got ", k.size(3));
+    TORCH_CHECK_VALUE(v.size(3) == head_dim, "v must have the same head_dim as q (", head_dim, "), got ", v.size(3));
+    TORCH_CHECK_VALUE(head_dim > 0 && head_dim <= kMaxHeadDim && head_dim % 8 == 0,
+                      "head_dim must be a multiple of 8 in [8, 256] (flash_attn_func pads other sizes), got ", head_dim);
+    const int64_t nheads_k = k.size(2);
+    TORCH_CHECK_VALUE(nheads_k > 0 && nheads % nheads_k == 0, "nheads (", nheads,
+                      ") must be a multiple of nheads_k (", nheads_k, ")");
+    TORCH_CHECK_VALUE(batch <= kMaxGridYZ, "batch must be at most ", kMaxGridYZ, ", got ", batch);
+    TORCH_CHECK_VALUE(nheads <= kMaxGridYZ, "nheads must be at most ", kMaxGridYZ, ", got ", nheads);
+    TORCH_CHECK_VALUE(q.size(1) <= INT32_MAX && k.size(1) <= INT32_MAX, "seqlen_q and seqlen_k must fit in int32");
+
+    // The kernel moves 16-byte chunks: unit stride on head_dim, other strides and the base address aligned.
+    for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"q", q}, {"k", k}, {"v", v}}) {
+        TORCH_CHECK_VALUE(t.stride(3) == 1, name, " must have a contiguous last dimension (stride 1), got stride ",
+                          t.stride(3));
+        for (int d = 0; d < 3; ++d) {
+            TORCH_CHECK_VALUE(t.size(d) <= 1 || t.stride(d) % 8 == 0, name, " must have strides that are multiples of 8 elements, got ",
+                              t.strides());
+        }
+    }
+}
+
+void check_device(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+    TORCH_CHECK_VALUE(q.is_cuda(), "q must be a CUDA tensor, got device ", q.device());
+    TORCH_CHECK_VALUE(k.device() == q.device(), "k must be on the same device as q (", q.device(), "), got ", k.device());
+    TORCH_CHECK_VALUE(v.device() == q.device(), "v must be on the same device as q (", q.device(), "), got ", v.device());
+    for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"q", q}, {"k", k}, {"v", v}}) {
+        TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name,
+                          " must start at a 16-byte aligned address");
+    }
+    int cc_major = 0;
+    TORCH_CHECK(cudaDeviceGetAttribute(&cc_major, cudaDevAttrComputeCapabilityMajor, q.get_device()) == cudaSuccess,
+                "could not query the compute capability of ", q.device());
+    TORCH_CHECK(cc_major >= 8, "flash_attn_cuda needs an Ampere (sm_80) or newer GPU, got compute capability ", cc_major,
+                ".x on ", q.device());
+}
+
+std::tuple<at::Tensor, at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                       double softmax_scale, bool causal) {
+    check_qkv(q, k, v);
+    TORCH_CHECK_VALUE(std::isfinite(softmax_scale), "softmax_scale must be finite, got ", softmax_scale);
+    check_device(q, k, v);
+    const FwdKernelKey key{q.scalar_type() == at::kBFloat16, kernel_head_dim(q.size(3)), causal};
+    const FwdLauncher launcher = find_fwd_launcher(key);
+    TORCH_CHECK(launcher != nullptr, "flash_attn_cuda was built without the forward kernel ", fwd_kernel_name(key),
+                "; rebuild with FLASH_ATTN2_HDIMS and FLASH_ATTN2_DTYPES covering it");
+
+    const c10::cuda::CUDAGuard device_guard(q.device());
+    const int64_t batch = q.size(0), seqlen_q = q.size(1), nheads = q.size(2), head_dim = q.size(3);
+    at::Tensor out = at::empty({batch, seqlen_q, nheads, head_dim}, q.options());
+    at::Tensor lse = at::empty({batch, nheads, seqlen_q}, q.options().dtype(at::kFloat));
+    if (out.numel() == 0) { return {out, lse}; }
+
+    FwdParams params{};
+    params.q_ptr = q.data_ptr();
+    params.k_ptr = k.data_ptr();
+    params.v_ptr = v.data_ptr();
+    params.o_ptr = out.data_ptr();
+    params.lse_ptr = lse.data_ptr<float>();
+    params.q_batch_stride = q.stride(0);
+    params.q_row_stride = q.stride(1);
+    params.q_head_stride = q.stride(2);
+    params.k_batch_stride = k.stride(0);
+    params.k_row_stride = k.stride(1);
+    params.k_head_stride = k.stride(2);
+    params.v_batch_stride = v.stride(0);
+    params.v_row_stride = v.stride(1);
+    params.v_head_stride = v.stride(2);
+    params.o_batch_stride = out.stride(0);
+    params.o_row_stride = out.stride(1);
+    params.o_head_stride = out.stride(2);
+    params.batch = static_cast<int>(batch);
+    params.seqlen_q = static_cast<int>(seqlen_q);
+    params.seqlen_k = static_cast<int>(k.size(1));
+    params.num_heads = static_cast<int>(nheads);
+    params.num_heads_k = static_cast<int>(k.size(2));
+    params.head_dim = static_cast<int>(head_dim);
+    params.softmax_scale = static_cast<float>(softmax_scale);
+    params.softmax_scale_log2 = static_cast<float>(softmax_scale * M_LOG2E);
+    params.is_causal = causal;
+    params.is_bf16 = key.is_bf16;
+
+    const cudaError_t err = launcher(params, c10::cuda::getCurrentCUDAStream());
+    TORCH_CHECK(err == cudaSuccess, "flash_attn2::fwd kernel launch failed: ", cudaGetErrorString(err));
+    return {out, lse};
+}
+
+}  // namespace
+}  // namespace flash
+
+TORCH_LIBRARY(flash_attn2, m) {
+    m.def("fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal) -> (Tensor out, Tensor softmax_lse)");
+    m.def("compiled_kernels() -> str[]", [] { return flash::compiled_fwd_kernels(); });
+}
+
+// The CPU registration only exists to reject CPU tensors with a message that names the argument.
+TORCH_LIBRARY_IMPL(flash_attn2, CUDA, m) { m.impl("fwd", &flash::fwd); }
+TORCH_LIBRARY_IMPL(flash_attn2, CPU, m) { m.impl("fwd", &flash::fwd); }

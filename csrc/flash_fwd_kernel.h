@@ -1,0 +1,211 @@
+// FlashAttention-2 forward kernel body. One CTA computes one (query block, sequence, head) tile;
+// each warp owns 16-row slices of the query block (split-Q), so warps never exchange partial results.
+#pragma once
+
+#include <cmath>
+
+#include <cute/tensor.hpp>
+#include <cutlass/array.h>
+#include <cutlass/numeric_conversion.h>
+#include <cutlass/numeric_types.h>
+
+#include "block_info.h"
+#include "flash_params.h"
+#include "kernel_traits.h"
+#include "mask.h"
+#include "softmax.h"
+#include "utils.h"
+
+namespace flash {
+
+using namespace cute;
+
+// Copies a (CPY, CPY_ROWS, CPY_COLS) partition global -> shared with cp.async, zero-filling every
+// 16 B chunk whose row is >= max_row or whose column is >= max_col. coords holds the chunk positions.
+template <class TiledCopy, class SrcTensor, class DstTensor, class CoordTensor>
+__forceinline__ __device__ void copy_zfill(const TiledCopy& tiled_copy, const SrcTensor& src, DstTensor& dst,
+                                           const CoordTensor& coords, int max_row, int max_col) {
+    CUTE_UNROLL
+    for (int m = 0; m < size<1>(src); ++m) {
+        const bool row_ok = get<0>(coords(0, m, 0)) < max_row;
+        CUTE_UNROLL
+        for (int k = 0; k < size<2>(src); ++k) {
+            const bool ok = row_ok && get<1>(coords(0, m, k)) < max_col;
+            copy(tiled_copy.with(ok), src(_, m, k), dst(_, m, k));
+        }
+    }
+}
+
+template <class Traits, bool kCausal>
+__global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const __grid_constant__ FwdParams params) {
+    using Element = typename Traits::Element;
+    constexpr int kBlockM = Traits::kBlockM;
+    constexpr int kBlockN = Traits::kBlockN;
+    constexpr int kHeadDim = Traits::kHeadDim;
+    using Mask = CausalMask<kBlockM, kBlockN, kCausal>;
+
+    // Causal query blocks near the end of the sequence visit the most key blocks: launch them first
+    // so the short ones fill the tail of the wave.
+    const int m_block = kCausal ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
+    const int batch_idx = blockIdx.y;
+    const int head_idx = blockIdx.z;
+    const int head_idx_k = head_idx / (params.num_heads / params.num_heads_k);
+    const int tidx = threadIdx.x;
+
+    const BlockInfo binfo(params, batch_idx);
+    if (m_block * kBlockM >= binfo.seqlen_q) { return; }
+    const Mask mask(binfo.seqlen_q, binfo.seqlen_k);
+    const int n_block_end = mask.n_block_end(m_block);
+
+    // Global memory views. Tiles may run past seqlen or head_dim; those positions are predicated.
+    const auto* q_base = static_cast<const Element*>(params.q_ptr) + binfo.q_offset(params, batch_idx, head_idx);
+    const auto* k_base = static_cast<const Element*>(params.k_ptr) + binfo.k_offset(params, batch_idx, head_idx_k);
+    const auto* v_base = static_cast<const Element*>(params.v_ptr) + binfo.v_offset(params, batch_idx, head_idx_k);
+    Tensor mQ = make_tensor(make_gmem_ptr(q_base), make_shape(binfo.seqlen_q, params.head_dim),
+                            make_stride(params.q_row_stride, _1{}));  // (seqlen_q, head_dim)
+    Tensor mK = make_tensor(make_gmem_ptr(k_base), make_shape(binfo.seqlen_k, params.head_dim),
+                            make_stride(params.k_row_stride, _1{}));  // (seqlen_k, head_dim)
+    Tensor mV = make_tensor(make_gmem_ptr(v_base), make_shape(binfo.seqlen_k, params.head_dim),
+                            make_stride(params.v_row_stride, _1{}));  // (seqlen_k, head_dim)
+    Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));  // (kBlockM, kHeadDim)
+    Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));  // (kBlockN, kHeadDim, n)
+    Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));  // (kBlockN, kHeadDim, n)
+
+    extern __shared__ __align__(128) char smem[];
+    Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)),
+                            typename Traits::SmemLayoutQ{});  // (kBlockM, kHeadDim)
+    Tensor sK = make_tensor(sQ.data() + size(sQ), typename Traits::SmemLayoutKV{});  // (kBlockN, kHeadDim)
+    Tensor sV = make_tensor(sK.data() + size(sK), typename Traits::SmemLayoutKV{});  // (kBlockN, kHeadDim)
+    Tensor sVt = make_tensor(sV.data(), typename Traits::SmemLayoutVt{});  // (kHeadDim, kBlockN)
+
+    // Positions inside a tile, for predicates and masks.
+    Tensor cQ = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});   // (kBlockM, kHeadDim)
+    Tensor cKV = make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{});  // (kBlockN, kHeadDim)
+    Tensor cS = make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{});    // (kBlockM, kBlockN)
+
+    typename Traits::GmemTiledCopyQKV gmem_tiled_copy;
+    auto gmem_thr_copy = gmem_tiled_copy.get_thread_slice(tidx);
+    Tensor tQgQ = gmem_thr_copy.partition_S(gQ);     // (CPY, CPY_M, CPY_K)
+    Tensor tQsQ = gmem_thr_copy.partition_D(sQ);     // (CPY, CPY_M, CPY_K)
+    Tensor tQcQ = gmem_thr_copy.partition_S(cQ);     // (CPY, CPY_M, CPY_K)
+    Tensor tKgK = gmem_thr_copy.partition_S(gK);     // (CPY, CPY_N, CPY_K, n)
+    Tensor tKsK = gmem_thr_copy.partition_D(sK);     // (CPY, CPY_N, CPY_K)
+    Tensor tVgV = gmem_thr_copy.partition_S(gV);     // (CPY, CPY_N, CPY_K, n)
+    Tensor tVsV = gmem_thr_copy.partition_D(sV);     // (CPY, CPY_N, CPY_K)
+    Tensor tKVcKV = gmem_thr_copy.partition_S(cKV);  // (CPY, CPY_N, CPY_K)
+
+    typename Traits::TiledMma tiled_mma;
+    auto thr_mma = tiled_mma.get_thread_slice(tidx);
+    Tensor tSrQ = thr_mma.partition_fragment_A(sQ);    // (MMA, MMA_M, MMA_K)
+    Tensor tSrK = thr_mma.partition_fragment_B(sK);    // (MMA, MMA_N, MMA_K)
+    Tensor tOrVt = thr_mma.partition_fragment_B(sVt);  // (MMA, MMA_K over head_dim, MMA_N over keys)
+    Tensor acc_o = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (MMA, MMA_M, MMA_K)
+    clear(acc_o);
+    Tensor tScS = thr_mma.partition_C(cS);  // (MMA, MMA_M, MMA_N)
+    Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol_layout(tScS.layout()));  // (rows, cols)
+
+    auto smem_tiled_copy_Q = make_tiled_copy_A(typename Traits::SmemCopyAtomQK{}, tiled_mma);
+    auto smem_thr_copy_Q = smem_tiled_copy_Q.get_thread_slice(tidx);
+    Tensor tSsQ = smem_thr_copy_Q.partition_S(sQ);
+    Tensor tSrQ_view = smem_thr_copy_Q.retile_D(tSrQ);
+    auto smem_tiled_copy_K = make_tiled_copy_B(typename Traits::SmemCopyAtomQK{}, tiled_mma);
+    auto smem_thr_copy_K = smem_tiled_copy_K.get_thread_slice(tidx);
+    Tensor tSsK = smem_thr_copy_K.partition_S(sK);
+    Tensor tSrK_view = smem_thr_copy_K.retile_D(tSrK);
+    auto smem_tiled_copy_V = make_tiled_copy_B(typename Traits::SmemCopyAtomVt{}, tiled_mma);
+    auto smem_thr_copy_V = smem_tiled_copy_V.get_thread_slice(tidx);
+    Tensor tOsVt = smem_thr_copy_V.partition_S(sVt);
+    Tensor tOrVt_view = smem_thr_copy_V.retile_D(tOrVt);
+
+    const int q_rows_left = binfo.seqlen_q - m_block * kBlockM;
+    auto load_kv = [&](auto& tSrc, auto& tDst, int n_block) {
+        copy_zfill(gmem_tiled_copy, tSrc(_, _, _, n_block), tDst, tKVcKV, binfo.seqlen_k - n_block * kBlockN,
+                   params.head_dim);
+    };
+
+    // Key blocks run from the last to the first, so the tiles that need masking (the sequence end
+    // and the causal diagonal) come first. K for the next step loads during the P V product, and V
+    // loads during the Q K^T product.
+    int n_block = n_block_end - 1;
+    copy_zfill(gmem_tiled_copy, tQgQ, tQsQ, tQcQ, q_rows_left, params.head_dim);
+    if (n_block >= 0) { load_kv(tKgK, tKsK, n_block); }
+    cp_async_fence();
+
+    Tensor acc_o_rc = as_rowcol(acc_o);  // (rows, kHeadDim cols)
+    OnlineSoftmax<decltype(size<0>(acc_o_rc))::value> softmax(params.softmax_scale_log2);
+
+    for (; n_block >= 0; --n_block) {
+        Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA, MMA_M, MMA_N)
+        clear(acc_s);
+        cp_async_wait<0>();
+        __syncthreads();  // K is in smem, and every warp has finished reading the previous V.
+        load_kv(tVgV, tVsV, n_block);
+        cp_async_fence();
+
+        gemm_smem_smem(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK, smem_tiled_copy_Q, smem_tiled_copy_K, tSrQ_view,
+                       tSrK_view);
+        Tensor scores = as_rowcol(acc_s);  // (rows, kBlockN cols)
+        if (mask.tile_needs_mask(m_block, n_block)) { mask.apply(scores, tScS_rc, m_block, n_block); }
+
+        cp_async_wait<0>();
+        __syncthreads();  // V is in smem, and every warp has finished reading K.
+        if (n_block > 0) {
+            load_kv(tKgK, tKsK, n_block - 1);
+            cp_async_fence();
+        }
+
+        softmax.update(scores, acc_o_rc);
+        Tensor rP = convert_fragment<Element>(acc_s);
+        Tensor tOrP = make_tensor(rP.data(), acc_as_a_operand_layout(rP.layout()));  // (MMA, MMA_M, MMA_K)
+        gemm_reg_smem(tiled_mma, acc_o, tOrP, tOrVt, tOsVt, smem_tiled_copy_V, tOrVt_view);
+    }
+
+    // Epilogue: normalize once, stage O through shared memory (Q's buffer) for 16 B global stores.
+    Tensor lse = softmax.finalize(acc_o_rc, params.softmax_scale);
+    Tensor rO = convert_fragment<Element>(acc_o);
+    Tensor sO = make_tensor(sQ.data(), typename Traits::SmemLayoutO{});  // (kBlockM, kHeadDim)
+    auto smem_tiled_copy_O = make_tiled_copy_C(typename Traits::SmemCopyAtomO{}, tiled_mma);
+    auto smem_thr_copy_O = smem_tiled_copy_O.get_thread_slice(tidx);
+    Tensor taccOrO = smem_thr_copy_O.retile_S(rO);
+    Tensor taccOsO = smem_thr_copy_O.partition_D(sO);
+    cp_async_wait<0>();  // Q may still be in flight when no key block was visited.
+    __syncthreads();
+    copy(smem_tiled_copy_O, taccOrO, taccOsO);
+
+    // One LSE per row, written by the thread that holds the row's first column.
+    Tensor cO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (kBlockM, kHeadDim)
+    Tensor tOcO_acc = thr_mma.partition_C(cO);
+    Tensor tOcO_rc = make_tensor(tOcO_acc.data(), acc_rowcol_layout(tOcO_acc.layout()));  // (rows, cols)
+    if (get<1>(tOcO_rc(0, 0)) == 0) {
+        float* lse_row0 = params.lse_ptr +
+                          (index_t(batch_idx) * params.num_heads + head_idx) * params.seqlen_q + m_block * kBlockM;
+        CUTE_UNROLL
+        for (int r = 0; r < size(lse); ++r) {
+            const int row = get<0>(tOcO_rc(r, 0));
+            if (row < q_rows_left) { lse_row0[row] = lse(r); }
+        }
+    }
+
+    __syncthreads();
+    auto* o_base = static_cast<Element*>(params.o_ptr) + binfo.o_offset(params, batch_idx, head_idx);
+    Tensor mO = make_tensor(make_gmem_ptr(o_base), make_shape(binfo.seqlen_q, params.head_dim),
+                            make_stride(params.o_row_stride, _1{}));  // (seqlen_q, head_dim)
+    Tensor gO = local_tile(mO, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));  // (kBlockM, kHeadDim)
+    typename Traits::GmemTiledCopyO gmem_tiled_copy_O;
+    auto gmem_thr_copy_O = gmem_tiled_copy_O.get_thread_slice(tidx);
+    Tensor tOsO = gmem_thr_copy_O.partition_S(sO);  // (CPY, CPY_M, CPY_K)
+    Tensor tOgO = gmem_thr_copy_O.partition_D(gO);  // (CPY, CPY_M, CPY_K)
+    Tensor tOcO = gmem_thr_copy_O.partition_D(cO);  // (CPY, CPY_M, CPY_K)
+    Tensor tOrO = make_tensor<Element>(shape(tOgO));
+    copy(gmem_tiled_copy_O, tOsO, tOrO);
+    CUTE_UNROLL
+    for (int m = 0; m < size<1>(tOgO); ++m) {
+        if (get<0>(tOcO(0, m, 0)) >= q_rows_left) { continue; }
+        CUTE_UNROLL
+        for (int k = 0; k < size<2>(tOgO); ++k) {
+            if (get<1>(tOcO(0, m, k)) < params.head_dim) { copy(gmem_tiled_copy_O, tOrO(_, m, k), tOgO(_, m, k)); }
+        }
+    }
+}
+
+}  // namespace flash

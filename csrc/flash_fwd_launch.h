@@ -1,0 +1,53 @@
+// Per-head-dim tile choice and the host-side launcher of the forward kernel. Included only by the
+// generated instantiation files, one (dtype, head dim, causal) each.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "flash_fwd_kernel.h"
+#include "kernel_registry.h"
+
+namespace flash {
+
+// (kBlockM, kBlockN, warps) per head dim: the shapes that compile without register spills (ptxas -v, sm_90)
+// and measured fastest on an H200 (bench/tune_fwd_tiles.py, results in bench/results/).
+template <int kHeadDim, bool kCausal>
+struct FwdTileConfig;
+template <bool kCausal> struct FwdTileConfig<32, kCausal> { static constexpr int kBlockM = 128, kBlockN = 128, kNWarps = 4; };
+template <bool kCausal> struct FwdTileConfig<64, kCausal> { static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 4; };
+template <bool kCausal> struct FwdTileConfig<96, kCausal> { static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 4; };
+template <bool kCausal> struct FwdTileConfig<128, kCausal> { static constexpr int kBlockM = 128, kBlockN = 128, kNWarps = 8; };
+template <bool kCausal> struct FwdTileConfig<160, kCausal> { static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 8; };
+template <bool kCausal> struct FwdTileConfig<192, kCausal> { static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 8; };
+template <bool kCausal> struct FwdTileConfig<224, kCausal> { static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 8; };
+template <bool kCausal> struct FwdTileConfig<256, kCausal> { static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 8; };
+
+// Tile-tuning builds (bench/tune_fwd_tiles.py) force one tile shape on every kernel.
+#if defined(FLASH_FWD_TILE_M) && defined(FLASH_FWD_TILE_N) && defined(FLASH_FWD_TILE_WARPS)
+template <int kHeadDim, bool kCausal>
+struct ForcedTileConfig { static constexpr int kBlockM = FLASH_FWD_TILE_M, kBlockN = FLASH_FWD_TILE_N, kNWarps = FLASH_FWD_TILE_WARPS; };
+template <int kHeadDim, bool kCausal>
+using SelectedTileConfig = ForcedTileConfig<kHeadDim, kCausal>;
+#else
+template <int kHeadDim, bool kCausal>
+using SelectedTileConfig = FwdTileConfig<kHeadDim, kCausal>;
+#endif
+
+template <typename Element, int kHeadDim, bool kCausal>
+cudaError_t run_fwd(const FwdParams& params, cudaStream_t stream) {
+    using Config = SelectedTileConfig<kHeadDim, kCausal>;
+    using Traits = FwdKernelTraits<Element, kHeadDim, Config::kBlockM, Config::kBlockN, Config::kNWarps>;
+    constexpr int kSmemBytes = Traits::kSmemBytes;
+    auto kernel = &flash_fwd_kernel<Traits, kCausal>;
+    // Above 48 KB of dynamic shared memory a kernel must opt in; the setting is per device, so it
+    // is made at every launch (a cheap driver call).
+    if constexpr (kSmemBytes > 48 * 1024) {
+        const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+        if (err != cudaSuccess) { return err; }
+    }
+    const dim3 grid((params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, params.batch, params.num_heads);
+    kernel<<<grid, Traits::kNThreads, kSmemBytes, stream>>>(params);
+    return cudaGetLastError();
+}
+
+}  // namespace flash

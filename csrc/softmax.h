@@ -1,0 +1,75 @@
+// Online softmax over key blocks, kept in registers. Scores arrive unscaled; the softmax scale is
+// folded into the exp2 argument (one FFMA per score), and the output accumulator stays
+// unnormalized until finalize().
+#pragma once
+
+#include <cmath>
+
+#include <cute/tensor.hpp>
+
+#include "utils.h"
+
+namespace flash {
+
+using namespace cute;
+
+template <int kRows>
+struct OnlineSoftmax {
+    // Per thread: the rows it holds in its accumulator fragments.
+    Tensor<ArrayEngine<float, kRows>, Layout<Int<kRows>>> row_max;
+    Tensor<ArrayEngine<float, kRows>, Layout<Int<kRows>>> row_sum;  // partial: this thread's columns only
+    float scale_log2;
+
+    __forceinline__ __device__ explicit OnlineSoftmax(float softmax_scale_log2) : scale_log2(softmax_scale_log2) {
+        fill(row_max, -INFINITY);
+        fill(row_sum, 0.f);
+    }
+
+    // Turns scores (rows, cols) into unnormalized probabilities exp2(s*scale - max*scale),
+    // rescaling acc_o (rows, head_dim cols) by how much each row's running max moved.
+    template <class ScoreTensor, class AccOTensor>
+    __forceinline__ __device__ void update(ScoreTensor& scores, AccOTensor& acc_o) {
+        static_assert(decltype(size<0>(scores))::value == kRows);
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+            float block_max = row_max(r);
+            CUTE_UNROLL
+            for (int c = 0; c < size<1>(scores); ++c) { block_max = fmaxf(block_max, scores(r, c)); }
+            block_max = quad_allreduce(block_max, [](float a, float b) { return fmaxf(a, b); });
+            // A row that has seen only masked keys keeps max = -inf; subtracting 0 instead keeps
+            // exp2(-inf) = 0 rather than NaN.
+            const float max_scaled = block_max == -INFINITY ? 0.f : block_max * scale_log2;
+            const float correction = exp2f(row_max(r) * scale_log2 - max_scaled);
+            row_max(r) = block_max;
+            row_sum(r) *= correction;
+            CUTE_UNROLL
+            for (int c = 0; c < size<1>(acc_o); ++c) { acc_o(r, c) *= correction; }
+            float sum = 0.f;
+            CUTE_UNROLL
+            for (int c = 0; c < size<1>(scores); ++c) {
+                scores(r, c) = exp2f(scores(r, c) * scale_log2 - max_scaled);
+                sum += scores(r, c);
+            }
+            row_sum(r) += sum;
+        }
+    }
+
+    // Divides acc_o by the row sums once and returns each row's natural-log LSE.
+    // Rows that saw no key get output 0 and LSE +inf (so a later exp(s - lse) is 0).
+    template <class AccOTensor>
+    __forceinline__ __device__ auto finalize(AccOTensor& acc_o, float softmax_scale) {
+        Tensor lse = make_tensor<float>(Shape<Int<kRows>>{});
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+            const float sum = quad_allreduce(row_sum(r), [](float a, float b) { return a + b; });
+            const bool empty = sum == 0.f;
+            const float inv_sum = empty ? 0.f : 1.f / sum;
+            lse(r) = empty ? INFINITY : row_max(r) * softmax_scale + __logf(sum);
+            CUTE_UNROLL
+            for (int c = 0; c < size<1>(acc_o); ++c) { acc_o(r, c) *= inv_sum; }
+        }
+        return lse;
+    }
+};
+
+}  // namespace flash

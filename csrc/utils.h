@@ -1,0 +1,87 @@
+// Small device helpers: register-layout views of MMA accumulators, warp-quad reductions,
+// and the two GEMM shapes the forward needs (both operands in smem, or A in registers).
+#pragma once
+
+#include <cute/tensor.hpp>
+
+namespace flash {
+
+using namespace cute;
+
+// An SM80 accumulator fragment is ((2 cols, 2 row halves), MMA_M, MMA_N). Viewed as
+// (rows, cols) = ((2, MMA_M), (2, MMA_N)) so softmax code can loop over rows and columns.
+template <class Layout>
+__forceinline__ __device__ auto acc_rowcol_layout(Layout acc) {
+    static_assert(decltype(rank<0>(acc))::value == 2 && decltype(size<0>(acc))::value == 4);
+    return make_layout(make_layout(get<0, 1>(acc), get<1>(acc)), make_layout(get<0, 0>(acc), get<2>(acc)));
+}
+
+template <class Engine, class Layout>
+__forceinline__ __device__ auto as_rowcol(Tensor<Engine, Layout>& acc) {
+    return make_tensor(acc.data(), acc_rowcol_layout(acc.layout()));
+}
+
+// Two neighbouring 16x8 accumulator tiles hold exactly the values of one 16x16 A-operand tile,
+// so the probabilities can feed the second GEMM without leaving registers:
+// ((2,2), MMA_M, MMA_N) -> ((2,2,2), MMA_M, MMA_N / 2).
+template <class Layout>
+__forceinline__ __device__ auto acc_as_a_operand_layout(Layout acc) {
+    static_assert(decltype(size<2>(acc))::value % 2 == 0, "needs pairs of N tiles");
+    auto split = logical_divide(acc, Shape<Underscore, Underscore, _2>{});  // ((2,2), MMA_M, (2, MMA_N/2))
+    return make_layout(make_layout(get<0, 0>(split), get<0, 1>(split), get<2, 0>(split)), get<1>(split),
+                       get<2, 1>(split));
+}
+
+template <typename To, class Engine, class Layout>
+__forceinline__ __device__ auto convert_fragment(const Tensor<Engine, Layout>& src) {
+    using From = typename Engine::value_type;
+    constexpr int kN = decltype(size(src))::value;
+    auto frag = *reinterpret_cast<const cutlass::Array<From, kN>*>(src.data());
+    cutlass::NumericArrayConverter<To, From, kN> convert;
+    auto out = convert(frag);
+    Tensor dst = make_tensor<To>(src.layout());
+    *reinterpret_cast<cutlass::Array<To, kN>*>(dst.data()) = out;
+    return dst;
+}
+
+// Each row of an accumulator is spread over the 4 threads of a quad (lanes 4r..4r+3).
+template <class Op>
+__forceinline__ __device__ float quad_allreduce(float x, Op op) {
+    x = op(x, __shfl_xor_sync(0xffffffff, x, 1));
+    x = op(x, __shfl_xor_sync(0xffffffff, x, 2));
+    return x;
+}
+
+// acc += A B^T with A and B in shared memory; the ldmatrix of k-slice i+1 is issued before the
+// MMAs of slice i so shared-memory latency hides behind tensor-core work.
+template <class TiledMma, class AccTensor, class RegA, class RegB, class SmemA, class SmemB, class CopyA,
+          class CopyB>
+__forceinline__ __device__ void gemm_smem_smem(const TiledMma& tiled_mma, AccTensor& acc, RegA& tCrA, RegB& tCrB,
+                                               const SmemA& tCsA, const SmemB& tCsB, const CopyA& copy_a,
+                                               const CopyB& copy_b, auto& tCrA_view, auto& tCrB_view) {
+    copy(copy_a, tCsA(_, _, _0{}), tCrA_view(_, _, _0{}));
+    copy(copy_b, tCsB(_, _, _0{}), tCrB_view(_, _, _0{}));
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(tCrA); ++k) {
+        if (k + 1 < size<2>(tCrA)) {
+            copy(copy_a, tCsA(_, _, k + 1), tCrA_view(_, _, k + 1));
+            copy(copy_b, tCsB(_, _, k + 1), tCrB_view(_, _, k + 1));
+        }
+        cute::gemm(tiled_mma, tCrA(_, _, k), tCrB(_, _, k), acc);
+    }
+}
+
+// acc += A B^T with A already in registers and B in shared memory.
+template <class TiledMma, class AccTensor, class RegA, class RegB, class SmemB, class CopyB>
+__forceinline__ __device__ void gemm_reg_smem(const TiledMma& tiled_mma, AccTensor& acc, const RegA& tCrA,
+                                              RegB& tCrB, const SmemB& tCsB, const CopyB& copy_b,
+                                              auto& tCrB_view) {
+    copy(copy_b, tCsB(_, _, _0{}), tCrB_view(_, _, _0{}));
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(tCrA); ++k) {
+        if (k + 1 < size<2>(tCrA)) { copy(copy_b, tCsB(_, _, k + 1), tCrB_view(_, _, k + 1)); }
+        cute::gemm(tiled_mma, tCrA(_, _, k), tCrB(_, _, k), acc);
+    }
+}
+
+}  // namespace flash

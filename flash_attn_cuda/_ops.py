@@ -1,0 +1,40 @@
+"""Loads the compiled ops (torch.ops.flash_attn2.*) and registers their fake implementations."""
+
+import functools
+
+import torch
+
+from . import _C  # noqa: F401  (loading the library registers the ops)
+
+KERNEL_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
+_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+@torch.library.register_fake("flash_attn2::fwd")
+def _fwd_fake(q, k, v, softmax_scale, causal):
+    batch, seqlen_q, nheads, head_dim = q.shape
+    out = q.new_empty((batch, seqlen_q, nheads, head_dim))
+    softmax_lse = q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
+    return out, softmax_lse
+
+
+@functools.cache
+def compiled_kernels() -> frozenset:
+    """Names of the forward kernels in this build, e.g. 'fwd_hdim128_bf16_causal'."""
+    return frozenset(torch.ops.flash_attn2.compiled_kernels())
+
+
+def kernel_head_dim(head_dim: int) -> int:
+    """The compiled head dim that serves `head_dim` (after padding to a multiple of 8)."""
+    for kernel_dim in KERNEL_HEAD_DIMS:
+        if head_dim <= kernel_dim:
+            return kernel_dim
+    raise ValueError(f"head_dim must be at most {KERNEL_HEAD_DIMS[-1]}, got {head_dim}")
+
+
+def kernel_available(head_dim: int, dtype: torch.dtype, causal: bool) -> bool:
+    """Whether this build contains the forward kernel that a call with these settings needs."""
+    if dtype not in _DTYPE_NAMES:
+        return False
+    name = f"fwd_hdim{kernel_head_dim(head_dim)}_{_DTYPE_NAMES[dtype]}_{'causal' if causal else 'noncausal'}"
+    return name in compiled_kernels()

@@ -1,0 +1,348 @@
+"""Tests that need the built extension but no GPU: op registration, shape inference, TorchScript,
+the pure-PyTorch reference, and argument validation (which runs before the device check)."""
+
+import math
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import flash_attn_cuda
+from flash_attn_cuda import flash_attn_func
+from flash_attn_cuda.reference import attention_ref
+
+fwd = torch.ops.flash_attn2.fwd
+KERNEL_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
+# Validation errors may be any of these; what matters is that the message names the argument.
+BAD_INPUT = (RuntimeError, ValueError, TypeError)
+
+
+def qkv(b=2, sq=16, sk=16, h=4, hk=4, d=64, dtype=torch.float16, device="cpu", **dtypes):
+    """Random q, k, v in the (batch, seqlen, heads, head_dim) layout; dtypes= overrides one."""
+    shapes = {"q": (b, sq, h, d), "k": (b, sk, hk, d), "v": (b, sk, hk, d)}
+    return [torch.randn(shapes[n], dtype=dtypes.get(n, dtype), device=device) for n in "qkv"]
+
+
+def compiled_config(causal=False):
+    """(head_dim, dtype) of some compiled kernel, so that a reduced build still reaches the
+    device check (which may come after the kernel lookup)."""
+    for name in sorted(torch.ops.flash_attn2.compiled_kernels()):
+        _, hdim, dtype, mask = name.split("_")
+        if mask == ("causal" if causal else "noncausal"):
+            return int(hdim[len("hdim") :]), torch.bfloat16 if dtype == "bf16" else torch.float16
+    pytest.skip("no compiled kernel")
+
+
+# ---------------------------------------------------------------- registration
+
+
+def test_fwd_schema():
+    schema = str(fwd.default._schema)
+    assert schema.startswith("flash_attn2::fwd(")
+    for arg in ("Tensor q", "Tensor k", "Tensor v", "float softmax_scale", "bool causal"):
+        assert arg in schema, schema
+    assert "-> (Tensor out, Tensor softmax_lse)" in schema, schema
+
+
+def test_compiled_kernels_names():
+    names = torch.ops.flash_attn2.compiled_kernels()
+    assert isinstance(names, list) and names
+    valid = {
+        f"fwd_hdim{d}_{t}_{c}"
+        for d in KERNEL_HEAD_DIMS
+        for t in ("fp16", "bf16")
+        for c in ("causal", "noncausal")
+    }
+    assert all(isinstance(n, str) for n in names)
+    assert set(names) <= valid, sorted(set(names) - valid)
+
+
+@pytest.mark.parametrize("head_dim", [8, 32, 40, 64, 100, 128, 200, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_kernel_available_matches_compiled_kernels(head_dim, dtype, causal):
+    # A head dim uses the smallest compiled kernel head dim that holds it.
+    kernel_dim = next(d for d in KERNEL_HEAD_DIMS if d >= head_dim)
+    name = "fwd_hdim{}_{}_{}".format(
+        kernel_dim,
+        "bf16" if dtype == torch.bfloat16 else "fp16",
+        "causal" if causal else "noncausal",
+    )
+    expected = name in torch.ops.flash_attn2.compiled_kernels()
+    assert flash_attn_cuda.kernel_available(head_dim, dtype, causal) is expected
+
+
+# ---------------------------------------------------------------- shape inference
+
+SHAPES = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim)
+    (2, 128, 128, 8, 8, 64),  # MHA
+    (3, 17, 113, 8, 2, 128),  # GQA, seqlen_q < seqlen_k
+    (1, 1023, 5, 6, 1, 256),  # MQA, seqlen_q > seqlen_k
+]
+
+
+def check_fake_outputs(out, lse, q):
+    b, sq, h, _ = q.shape
+    assert out.shape == q.shape and out.dtype == q.dtype and out.device == q.device
+    assert lse.shape == (b, h, sq) and lse.dtype == torch.float32 and lse.device == q.device
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fake_tensor_mode(shape, dtype, causal):
+    b, sq, sk, h, hk, d = shape
+    with FakeTensorMode():
+        q, k, v = qkv(b, sq, sk, h, hk, d, dtype, device="cuda")
+        out, lse = fwd(q, k, v, 1.0 / math.sqrt(d), causal)
+    check_fake_outputs(out, lse, q)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_meta_tensors(shape):
+    b, sq, sk, h, hk, d = shape
+    q, k, v = qkv(b, sq, sk, h, hk, d, torch.bfloat16, device="meta")
+    out, lse = fwd(q, k, v, 0.5, True)
+    check_fake_outputs(out, lse, q)
+
+
+@pytest.mark.parametrize("head_dim", [20, 100, 250])
+def test_fake_tensor_mode_flash_attn_func(head_dim):
+    # Exercises the Python wrapper's padding of head dims that are not a multiple of 8.
+    with FakeTensorMode():
+        q, k, v = qkv(2, 33, 65, 8, 4, head_dim, torch.float16, device="cuda")
+        out, lse, probs = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    check_fake_outputs(out, lse, q)
+    assert probs is None
+
+
+# ---------------------------------------------------------------- TorchScript
+
+
+@pytest.mark.filterwarnings("ignore:.*torch.jit.script.*deprecated")
+def test_torchscript_compiles():
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool):
+        return torch.ops.flash_attn2.fwd(q, k, v, scale, causal)
+
+    scripted = torch.jit.script(attend)
+    assert "flash_attn2::fwd" in str(scripted.graph)
+
+
+# ---------------------------------------------------------------- reference
+
+
+def naive_attention(q, k, v, scale, causal):
+    """One query row at a time with Python scalars: slow, but each step is visible."""
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    out = torch.zeros(b, sq, h, d, dtype=q.dtype)
+    lse = torch.empty(b, h, sq, dtype=q.dtype)
+    for bi in range(b):
+        for hi in range(h):
+            kv_head = hi // (h // hk)
+            for i in range(sq):
+                last = i + sk - sq if causal else sk - 1  # last visible key index
+                if last < 0:
+                    lse[bi, hi, i] = math.inf
+                    continue
+                scores = [scale * float(q[bi, i, hi] @ k[bi, j, kv_head]) for j in range(last + 1)]
+                top = max(scores)
+                weights = [math.exp(s - top) for s in scores]
+                total = sum(weights)
+                lse[bi, hi, i] = top + math.log(total)
+                for j, w in enumerate(weights):
+                    out[bi, i, hi] += (w / total) * v[bi, j, kv_head]
+    return out, lse
+
+
+REF_CASES = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim)
+    (2, 5, 5, 2, 2, 8),
+    (1, 3, 7, 4, 2, 16),  # seqlen_q < seqlen_k, GQA
+    (2, 7, 3, 3, 1, 8),  # seqlen_q > seqlen_k: causal leaves the first 4 rows empty, MQA
+    (1, 1, 9, 2, 1, 4),
+    (1, 6, 1, 2, 2, 4),
+]
+
+
+@pytest.mark.parametrize("shape", REF_CASES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("scale", [None, 0.3])
+def test_reference_matches_naive(shape, causal, scale):
+    b, sq, sk, h, hk, d = shape
+    torch.manual_seed(0)
+    q, k, v = qkv(b, sq, sk, h, hk, d, torch.float64)
+    expect_out, expect_lse = naive_attention(q, k, v, scale or 1 / math.sqrt(d), causal)
+
+    # upcast=False computes in the input dtype, here float64; lse is float32 by contract.
+    out, lse = attention_ref(q, k, v, softmax_scale=scale, causal=causal, upcast=False)
+    assert out.dtype == torch.float64 and lse.dtype == torch.float32
+    assert lse.shape == (b, h, sq)
+    torch.testing.assert_close(out, expect_out, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(lse, expect_lse.float(), rtol=1e-6, atol=1e-6)
+
+    out32, lse32 = attention_ref(q, k, v, softmax_scale=scale, causal=causal)
+    assert out32.dtype == torch.float32 and lse32.dtype == torch.float32
+    torch.testing.assert_close(out32, expect_out.float(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse32, expect_lse.float(), rtol=1e-5, atol=1e-5)
+
+
+def test_reference_empty_rows():
+    # seqlen_q - seqlen_k = 4 rows see no key under the bottom-right causal mask.
+    q, k, v = qkv(1, 7, 3, 2, 2, 8, torch.float32)
+    out, lse = attention_ref(q, k, v, causal=True)
+    assert torch.all(out[:, :4] == 0)
+    assert torch.all(torch.isposinf(lse[:, :, :4]))
+    assert torch.isfinite(out).all() and torch.isfinite(lse[:, :, 4:]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_reference_lowp(dtype):
+    q, k, v = qkv(1, 9, 12, 4, 2, 16, dtype)
+    out, lse = attention_ref(q, k, v, causal=True, upcast=False)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    out32, lse32 = attention_ref(q, k, v, causal=True)
+    assert out32.dtype == torch.float32
+    # Same math, lower precision: close but not identical.
+    torch.testing.assert_close(out.float(), out32, rtol=0, atol=0.05)
+    torch.testing.assert_close(lse, lse32, rtol=0, atol=0.05)
+
+
+# ---------------------------------------------------------------- input validation
+# All shape/dtype/stride checks run before the device check, so CPU tensors reach them.
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_op_rejects_cpu_tensors(causal):
+    d, dtype = compiled_config(causal)
+    q, k, v = qkv(d=d, dtype=dtype)
+    with pytest.raises(BAD_INPUT, match="CUDA"):
+        fwd(q, k, v, 0.125, causal)
+
+
+def test_flash_attn_func_rejects_cpu_tensors():
+    d, dtype = compiled_config()
+    q, k, v = qkv(d=d, dtype=dtype)
+    with pytest.raises(BAD_INPUT, match="CUDA"):
+        flash_attn_func(q, k, v)
+
+
+@pytest.mark.parametrize("call", ["op", "func"])
+def test_rejects_float32(call):
+    q, k, v = qkv(dtype=torch.float32)
+    with pytest.raises(BAD_INPUT, match=r"\bq\b"):
+        fwd(q, k, v, 0.125, False) if call == "op" else flash_attn_func(q, k, v)
+
+
+@pytest.mark.parametrize("call", ["op", "func"])
+@pytest.mark.parametrize("odd", ["k", "v"])
+def test_rejects_mixed_dtypes(call, odd):
+    q, k, v = qkv(**{odd: torch.bfloat16})
+    with pytest.raises(BAD_INPUT, match=rf"\b{odd}\b"):
+        fwd(q, k, v, 0.125, False) if call == "op" else flash_attn_func(q, k, v)
+
+
+def test_flash_attn_func_rejects_head_dim_over_256():
+    q, k, v = qkv(d=264)
+    with pytest.raises(BAD_INPUT, match="head_dim"):
+        flash_attn_func(q, k, v)
+    q, k, v = qkv(d=257)  # would pad to 264
+    with pytest.raises(BAD_INPUT, match="head_dim"):
+        flash_attn_func(q, k, v)
+
+
+@pytest.mark.parametrize("head_dim", [264, 60, 4])
+def test_op_rejects_bad_head_dim(head_dim):
+    # Over 256, or not a multiple of 8 (the wrapper pads; the raw op does not).
+    q, k, v = qkv(d=head_dim)
+    with pytest.raises(BAD_INPUT, match="head_dim"):
+        fwd(q, k, v, 0.125, False)
+
+
+def test_op_rejects_head_dim_mismatch():
+    q, _, _ = qkv(d=64)
+    _, k, v = qkv(d=128)
+    with pytest.raises(BAD_INPUT, match="head_dim"):
+        fwd(q, k, v, 0.125, False)
+
+
+@pytest.mark.parametrize("call", ["op", "func"])
+def test_rejects_batch_mismatch(call):
+    q, _, _ = qkv(b=2)
+    _, k, v = qkv(b=3)
+    with pytest.raises(BAD_INPUT, match=r"\bk\b|batch"):
+        fwd(q, k, v, 0.125, False) if call == "op" else flash_attn_func(q, k, v)
+
+
+@pytest.mark.parametrize("call", ["op", "func"])
+def test_rejects_k_v_head_mismatch(call):
+    q, k, _ = qkv(h=4, hk=4)
+    _, _, v = qkv(h=4, hk=2)
+    with pytest.raises(BAD_INPUT, match=r"\bv\b"):
+        fwd(q, k, v, 0.125, False) if call == "op" else flash_attn_func(q, k, v)
+
+
+def test_rejects_k_v_seqlen_mismatch():
+    q, k, _ = qkv(sk=16)
+    _, _, v = qkv(sk=17)
+    with pytest.raises(BAD_INPUT, match=r"\bv\b"):
+        fwd(q, k, v, 0.125, False)
+
+
+@pytest.mark.parametrize("call", ["op", "func"])
+def test_rejects_nheads_not_multiple_of_nheads_k(call):
+    q, k, v = qkv(h=6, hk=4)
+    with pytest.raises(BAD_INPUT, match="nheads_k"):
+        fwd(q, k, v, 0.125, False) if call == "op" else flash_attn_func(q, k, v)
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+def test_op_rejects_noncontiguous_last_dim(name):
+    tensors = dict(zip("qkv", qkv()))
+    tensors[name] = torch.randn(*tensors[name].shape[:-1], 128, dtype=torch.float16)[..., ::2]
+    assert tensors[name].stride(-1) == 2
+    with pytest.raises(BAD_INPUT, match=rf"\b{name}\b"):
+        fwd(tensors["q"], tensors["k"], tensors["v"], 0.125, False)
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+@pytest.mark.parametrize("ndim", [3, 5])
+def test_rejects_wrong_ndim(name, ndim):
+    tensors = dict(zip("qkv", qkv()))
+    t = tensors[name]
+    tensors[name] = t.flatten(0, 1) if ndim == 3 else t.unsqueeze(0)
+    with pytest.raises(BAD_INPUT, match=rf"\b{name}\b"):
+        fwd(tensors["q"], tensors["k"], tensors["v"], 0.125, False)
+
+
+@pytest.mark.parametrize(
+    "option, value",
+    [
+        ("dropout_p", 0.1),
+        ("window_size", (128, 0)),
+        ("window_size", (-1, 64)),
+        ("softcap", 30.0),
+        ("alibi_slopes", torch.ones(4)),
+    ],
+)
+def test_flash_attn_func_unsupported_options(option, value):
+    q, k, v = qkv()
+    with pytest.raises(NotImplementedError, match=option):
+        flash_attn_func(q, k, v, **{option: value})
+
+
+def test_flash_attn_func_accepts_default_options():
+    # The defaults of the unsupported options must not trip the NotImplementedError checks;
+    # on CPU tensors the call then fails on the device check instead.
+    d, dtype = compiled_config()
+    q, k, v = qkv(d=d, dtype=dtype)
+    with pytest.raises(BAD_INPUT, match="CUDA"):
+        flash_attn_func(
+            q,
+            k,
+            v,
+            dropout_p=0.0,
+            window_size=(-1, -1),
+            softcap=0.0,
+            alibi_slopes=None,
+            deterministic=True,
+        )

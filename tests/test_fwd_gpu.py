@@ -1,0 +1,454 @@
+"""Forward kernel against the float32 reference (rule in DEVELOPERS.md), on a CUDA device.
+
+The default matrix is a representative slice meant to finish in a few minutes on an H200;
+``--exhaustive`` adds the full cross product. Configurations whose kernel was not compiled
+(see ``flash_attn_cuda.kernel_available``) are skipped.
+"""
+
+import itertools
+import math
+
+import pytest
+import torch
+from conftest import check_close, poison_allocator, requires_gpu
+
+import flash_attn_cuda
+from flash_attn_cuda import flash_attn_func
+from flash_attn_cuda.reference import attention_ref
+
+pytestmark = [pytest.mark.gpu, requires_gpu]
+
+fwd = torch.ops.flash_attn2.fwd
+DTYPES = [torch.float16, torch.bfloat16]
+DTYPE_IDS = ["fp16", "bf16"]
+KERNEL_HEAD_DIMS = [32, 64, 96, 128, 160, 192, 224, 256]
+SEQLENS = [1, 17, 113, 1023, 2049]
+LAYOUTS = ["contiguous", "packed", "seq_major", "heads_major", "guard_bands"]
+
+
+@pytest.fixture(autouse=True)
+def _setup():
+    torch.manual_seed(0)
+    # The float32 reference must not silently run its matmuls in TF32.
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    yield
+    torch.set_float32_matmul_precision(previous)
+
+
+def require_kernel(head_dim, dtype, causal):
+    if not flash_attn_cuda.kernel_available(head_dim, dtype, causal):
+        pytest.skip(f"kernel for head_dim={head_dim} {dtype} causal={causal} not compiled")
+
+
+def batch_for(seqlen_q, seqlen_k):
+    # Many short sequences or a few long ones: covers batch 1..8 at a bounded cost.
+    longest = max(seqlen_q, seqlen_k)
+    return 8 if longest <= 17 else 5 if longest <= 113 else 3 if longest <= 1023 else 1
+
+
+def make_qkv(b, sq, sk, h, hk, d, dtype, layout="contiguous", device="cuda"):
+    """Random q, k, v of shapes (b, sq, h, d), (b, sk, hk, d), (b, sk, hk, d) in a given layout.
+
+    Every layout keeps the last dim contiguous and all strides multiples of 8 elements when d is.
+    """
+
+    def rand(*shape):
+        return torch.randn(shape, dtype=dtype, device=device)
+
+    if layout == "contiguous":
+        return rand(b, sq, h, d), rand(b, sk, hk, d), rand(b, sk, hk, d)
+    if layout == "packed":
+        # Slices of one buffer, as produced by a fused qkv (or kv) projection.
+        if sq == sk and h == hk:
+            return rand(b, sq, 3, h, d).unbind(2)
+        k, v = rand(b, sk, 2, hk, d).unbind(2)
+        return rand(b, sq, h, d), k, v
+    if layout == "seq_major":
+        # (seqlen, batch, heads, dim) storage seen as (batch, seqlen, heads, dim).
+        return (
+            rand(sq, b, h, d).transpose(0, 1),
+            rand(sk, b, hk, d).transpose(0, 1),
+            rand(sk, b, hk, d).transpose(0, 1),
+        )
+    if layout == "heads_major":
+        # (batch, heads, seqlen, dim) storage, the layout of scaled_dot_product_attention.
+        return (
+            rand(b, h, sq, d).transpose(1, 2),
+            rand(b, hk, sk, d).transpose(1, 2),
+            rand(b, hk, sk, d).transpose(1, 2),
+        )
+    if layout == "guard_bands":
+        # Views into NaN-filled buffers with room before and after the sequence, an extra head
+        # and 24 extra elements past head_dim. A kernel that touches memory outside the view,
+        # even masked out afterwards, turns the result into NaN (0 * NaN is NaN).
+        def view(s, n):
+            buf = torch.full((b, s + 8, n + 1, d + 24), float("nan"), dtype=dtype, device=device)
+            t = buf[:, 3 : 3 + s, :n, :d]
+            t.copy_(torch.randn(t.shape, dtype=dtype, device=device))
+            return t
+
+        return view(sq, h), view(sk, hk), view(sk, hk)
+    raise ValueError(layout)
+
+
+def run_and_check(q, k, v, causal, softmax_scale=None, via="op"):
+    """Run the kernel on poisoned output memory and apply the correctness rule to out and lse."""
+    b, sq, h, d = q.shape
+    poison_allocator(q.device)
+    if via == "op":
+        scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
+        out, lse = fwd(q, k, v, scale, causal)
+        assert out.is_contiguous()
+    else:
+        result = flash_attn_func(
+            q, k, v, softmax_scale=softmax_scale, causal=causal, return_attn_probs=True
+        )
+        assert isinstance(result, tuple) and len(result) == 3 and result[2] is None
+        out, lse, _ = result
+    assert out.shape == q.shape and out.dtype == q.dtype and out.device == q.device
+    assert lse.shape == (b, h, sq) and lse.dtype == torch.float32 and lse.device == q.device
+
+    ref_out, ref_lse = attention_ref(q, k, v, softmax_scale, causal)
+    lowp_out, lowp_lse = attention_ref(q, k, v, softmax_scale, causal, upcast=False)
+    check_close("out", out, ref_out, lowp_out)
+    check_close("lse", lse, ref_lse, lowp_lse)
+
+
+def seqlen_id(pair):
+    return f"sq{pair[0]}-sk{pair[1]}"
+
+
+# ---------------------------------------------------------------- helper sanity
+
+
+def test_poison_allocator_reaches_new_allocations():
+    # Live tensors of assorted sizes leave free remainders in both allocator pools.
+    live = [torch.randn(n, device="cuda") for n in (100, 5_000, 300_000, 3_000_000)]
+    poison_allocator("cuda")
+    sizes = (1, 100, 4_097, 250_000, 2_000_000, 20_000_000)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        fresh = [torch.empty(n, dtype=dtype, device="cuda") for n in sizes]
+        assert all(torch.isnan(t).all() for t in fresh), dtype
+        del fresh
+        poison_allocator("cuda")
+    del live
+
+
+# ---------------------------------------------------------------- default matrix
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", KERNEL_HEAD_DIMS)
+@pytest.mark.parametrize(
+    "b, sq, sk, h, hk",
+    [(2, 113, 1023, 4, 4), (3, 1023, 113, 6, 2)],
+    ids=["mha-sq<sk", "gqa-sq>sk"],
+)
+def test_head_dims(b, sq, sk, h, hk, head_dim, causal, dtype):
+    require_kernel(head_dim, dtype, causal)
+    run_and_check(*make_qkv(b, sq, sk, h, hk, head_dim, dtype), causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("seqlens", list(itertools.product(SEQLENS, SEQLENS)), ids=seqlen_id)
+def test_seqlens(seqlens, head_dim, causal, dtype):
+    sq, sk = seqlens
+    require_kernel(head_dim, dtype, causal)
+    run_and_check(*make_qkv(batch_for(sq, sk), sq, sk, 4, 4, head_dim, dtype), causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("h, hk", [(8, 8), (8, 4), (8, 2), (8, 1), (12, 3), (5, 1)])
+@pytest.mark.parametrize("seqlens", [(1023, 1023), (2049, 113)], ids=seqlen_id)
+def test_gqa(seqlens, h, hk, causal, dtype):
+    sq, sk = seqlens
+    require_kernel(64, dtype, causal)
+    run_and_check(*make_qkv(2, sq, sk, h, hk, 64, dtype), causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("b", [1, 2, 3, 8])
+def test_batch(b, causal):
+    require_kernel(96, torch.bfloat16, causal)
+    run_and_check(*make_qkv(b, 257, 300, 4, 2, 96, torch.bfloat16), causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("shape", [(2, 333, 333, 4, 4), (3, 129, 400, 6, 2)], ids=["mha", "gqa"])
+def test_strided_layouts(shape, layout, head_dim, causal, dtype):
+    require_kernel(head_dim, dtype, causal)
+    q, k, v = make_qkv(*shape, head_dim, dtype, layout)
+    if layout != "contiguous":
+        assert not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous())
+    run_and_check(q, k, v, causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [8, 40, 72, 104, 136, 168, 200, 248])
+def test_head_dim_below_kernel_dim(head_dim, causal, dtype):
+    # Multiples of 8 that the op takes directly but that fill only part of the kernel's head dim.
+    # NaN right after head_dim catches loads of the unused part that are not zero-filled.
+    require_kernel(head_dim, dtype, causal)
+    run_and_check(*make_qkv(2, 200, 317, 4, 2, head_dim, dtype, "guard_bands"), causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [1, 20, 40, 72, 100, 129, 250, 255])
+def test_flash_attn_func_any_head_dim(head_dim, causal, dtype):
+    # Non-multiples of 8 are padded by the wrapper; the default scale must use the real head_dim.
+    require_kernel(head_dim, dtype, causal)
+    run_and_check(*make_qkv(2, 150, 97, 4, 1, head_dim, dtype), causal, via="func")
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_flash_attn_func_noncontiguous_last_dim(causal):
+    # The raw op rejects these; the wrapper copies them.
+    require_kernel(64, torch.float16, causal)
+    q, k, v = (t[..., ::2] for t in make_qkv(2, 100, 120, 4, 4, 128, torch.float16))
+    assert q.stride(-1) == 2
+    run_and_check(q, k, v, causal, via="func")
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_flash_attn_func_misaligned_views(causal):
+    # A data pointer or strides that are not multiples of 8 elements: the wrapper must cope
+    # (by copying) even though the kernel's 16-byte loads cannot use such views directly.
+    require_kernel(64, torch.bfloat16, causal)
+    b, s, h, d = 2, 200, 4, 64
+
+    def view():
+        buf = torch.randn(b * s * h * (d + 4) + 1, dtype=torch.bfloat16, device="cuda")
+        return buf[1:].view(b, s, h, d + 4)[..., :d]  # offset 1 element, head stride d + 4
+
+    run_and_check(view(), view(), view(), causal, via="func")
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_flash_attn_func_returns_tensor(causal):
+    require_kernel(64, torch.bfloat16, causal)
+    q, k, v = make_qkv(2, 64, 64, 4, 4, 64, torch.bfloat16)
+    out = flash_attn_func(q, k, v, causal=causal)
+    assert isinstance(out, torch.Tensor) and out.shape == q.shape
+    torch.testing.assert_close(out, fwd(q, k, v, 1 / 8, causal)[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("scale", [0.02, 1.0])
+@pytest.mark.parametrize("q_gain", [1.0, 8.0], ids=["q1", "q8"])
+def test_softmax_scale_and_peaky_scores(q_gain, scale, causal, dtype):
+    # Large logits make the running max move a lot between key blocks, stressing the rescaling.
+    require_kernel(128, dtype, causal)
+    q, k, v = make_qkv(2, 511, 1023, 4, 4, 128, dtype)
+    run_and_check(q * q_gain, k, v, causal, softmax_scale=scale)
+    run_and_check(q * q_gain, k, v, causal, softmax_scale=scale, via="func")
+
+
+# ---------------------------------------------------------------- behaviour
+
+
+def first_available(head_dims=(128, 64, 256, 32, 96, 160, 192, 224), causal=False):
+    for d, dtype in itertools.product(head_dims, DTYPES):
+        if flash_attn_cuda.kernel_available(d, dtype, causal):
+            return d, dtype
+    pytest.skip("no compiled kernel")
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_deterministic(causal):
+    d, dtype = first_available(causal=causal)
+    q, k, v = make_qkv(2, 2049, 2049, 8, 2, d, dtype)
+    scale = 1 / math.sqrt(d)
+    poison_allocator("cuda")
+    out1, lse1 = fwd(q, k, v, scale, causal)
+    poison_allocator("cuda")
+    out2, lse2 = fwd(q, k, v, scale, causal)
+    assert torch.equal(out1, out2) and torch.equal(lse1, lse2)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_non_default_stream(causal):
+    d, dtype = first_available(causal=causal)
+    src = make_qkv(2, 1023, 777, 4, 2, d, dtype)
+    expected = fwd(*src, 0.1, causal)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        # The inputs hold NaN until the side stream, after a long spin, copies the data in. A
+        # kernel launched on another stream would run before the copy and return NaN.
+        q, k, v = (torch.full_like(t, float("nan")) for t in src)
+        poison_allocator("cuda")
+        torch.cuda._sleep(50_000_000)  # tens of milliseconds of GPU time on this stream only
+        for dst, t in zip((q, k, v), src):
+            dst.copy_(t)
+        out, lse = fwd(q, k, v, 0.1, causal)
+    side.synchronize()
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    assert torch.equal(out, expected[0]) and torch.equal(lse, expected[1])
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_cuda_graph_capture(causal):
+    # No host synchronisation, no allocation outside the allocator, launched on the current
+    # stream: otherwise capture fails or the replay computes on stale data.
+    d, dtype = first_available(causal=causal)
+    q, k, v = make_qkv(2, 300, 500, 4, 4, d, dtype)
+    scale = 1 / math.sqrt(d)
+    warmup = torch.cuda.Stream()
+    warmup.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warmup):
+        fwd(q, k, v, scale, causal)
+    torch.cuda.current_stream().wait_stream(warmup)
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = fwd(q, k, v, scale, causal)
+    fresh = make_qkv(2, 300, 500, 4, 4, d, dtype)
+    for dst, src in zip((q, k, v), fresh):
+        dst.copy_(src)
+    graph.replay()
+    torch.cuda.synchronize()
+    ref_out, ref_lse = attention_ref(*fresh, scale, causal)
+    lowp_out, lowp_lse = attention_ref(*fresh, scale, causal, upcast=False)
+    check_close("out", out, ref_out, lowp_out)
+    check_close("lse", lse, ref_lse, lowp_lse)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_inputs_on_second_device():
+    # The op must run on the inputs' device, not the current one.
+    d, dtype = first_available()
+    q, k, v = make_qkv(2, 200, 300, 4, 2, d, dtype, device="cuda:1")
+    assert torch.cuda.current_device() == 0
+    run_and_check(q, k, v, causal=True)
+
+
+def test_mixed_devices_rejected():
+    d, dtype = first_available()
+    q, k, v = make_qkv(1, 16, 16, 2, 2, d, dtype)
+    with pytest.raises((RuntimeError, ValueError), match=r"(?i)cuda|device"):
+        fwd(q, k.cpu(), v, 0.1, False)
+
+
+def test_missing_kernel_error():
+    missing = [
+        (d, dtype, causal)
+        for d, dtype, causal in itertools.product(KERNEL_HEAD_DIMS, DTYPES, [False, True])
+        if not flash_attn_cuda.kernel_available(d, dtype, causal)
+    ]
+    if not missing:
+        pytest.skip("every kernel is compiled")
+    d, dtype, causal = missing[0]
+    q, k, v = make_qkv(1, 16, 16, 2, 2, d, dtype)
+    with pytest.raises(RuntimeError, match="was built without"):
+        fwd(q, k, v, 0.1, causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_opcheck(causal):
+    # No autograd formula is registered yet, so only the schema and fake-tensor checks apply.
+    d, dtype = first_available(causal=causal)
+    q, k, v = make_qkv(2, 65, 33, 4, 2, d, dtype)
+    torch.library.opcheck(
+        fwd.default, (q, k, v, 0.125, causal), test_utils=("test_schema", "test_faketensor")
+    )
+
+
+# ---------------------------------------------------------------- 64-bit offsets
+
+
+def check_large(q, k, v, causal, out, lse, picks):
+    """Compare the chosen (batch index, row slice) pieces with references on those pieces."""
+    for bi, rows in picks:
+        qs = q[bi : bi + 1, rows]
+        ks, vs = k[bi : bi + 1], v[bi : bi + 1]
+        # Taking the last rows of q keeps the bottom-right causal alignment.
+        assert not causal or rows.stop is None
+        ref_out, ref_lse = attention_ref(qs, ks, vs, None, causal)
+        lowp_out, lowp_lse = attention_ref(qs, ks, vs, None, causal, upcast=False)
+        check_close(f"out[{bi}, {rows}]", out[bi : bi + 1, rows], ref_out, lowp_out)
+        check_close(f"lse[{bi}, :, {rows}]", lse[bi : bi + 1, :, rows], ref_lse, lowp_lse)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_large_batch_offsets(causal):
+    # Over 2**31 elements in q, k, v and out (about 5.4 GB each in 16 bit): element offsets of
+    # the last batches overflow int32.
+    d, dtype = first_available(causal=causal)
+    h, s = 2048 // d, 1024
+    b = 2**31 // (s * h * d) + 256
+    q, k, v = make_qkv(b, s, s, h, h, d, dtype)
+    assert q.numel() > 2**31
+    poison_allocator("cuda", nbytes=q.nbytes + 4 * b * h * s + (64 << 20))
+    out, lse = fwd(q, k, v, 1 / math.sqrt(d), causal)
+    torch.cuda.synchronize()
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    check_large(q, k, v, causal, out, lse, [(bi, slice(None)) for bi in (0, b // 2, b - 1)])
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_large_row_offsets(causal):
+    # One sequence whose q rows alone pass 2**31 elements: row offsets overflow int32.
+    d, dtype = first_available(causal=causal)
+    h, sk = 2048 // d, 256
+    sq = 2**31 // (h * d) * 5 // 4
+    q, k, v = make_qkv(1, sq, sk, h, h, d, dtype)
+    assert q.numel() > 2**31
+    poison_allocator("cuda", nbytes=q.nbytes + 4 * h * sq + (64 << 20))
+    out, lse = fwd(q, k, v, 1 / math.sqrt(d), causal)
+    torch.cuda.synchronize()
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    if causal:
+        # Only the last sk rows see a key; all others must be written as out 0, lse +inf.
+        assert (out[:, : sq - sk] == 0).all() and torch.isposinf(lse[:, :, : sq - sk]).all()
+        picks = [(0, slice(-4096, None))]
+    else:
+        picks = [(0, slice(0, 1024)), (0, slice(sq // 2, sq // 2 + 1024)), (0, slice(-4096, None))]
+    check_large(q, k, v, causal, out, lse, picks)
+
+
+# ---------------------------------------------------------------- exhaustive
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", KERNEL_HEAD_DIMS + [8, 40, 72, 104, 136, 168, 200, 248])
+@pytest.mark.parametrize("h, hk", [(4, 4), (6, 2), (4, 1)])
+@pytest.mark.parametrize("seqlens", list(itertools.product(SEQLENS, SEQLENS)), ids=seqlen_id)
+def test_exhaustive_op(seqlens, h, hk, head_dim, causal, dtype):
+    sq, sk = seqlens
+    require_kernel(head_dim, dtype, causal)
+    run_and_check(*make_qkv(batch_for(sq, sk), sq, sk, h, hk, head_dim, dtype), causal)
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", KERNEL_HEAD_DIMS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("seqlens", [(17, 1023), (1023, 17), (2049, 2049)], ids=seqlen_id)
+def test_exhaustive_layouts(seqlens, layout, head_dim, causal, dtype):
+    sq, sk = seqlens
+    require_kernel(head_dim, dtype, causal)
+    run_and_check(*make_qkv(2, sq, sk, 4, 2, head_dim, dtype, layout), causal)
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", range(1, 257))
+def test_exhaustive_flash_attn_func_head_dims(head_dim, causal, dtype):
+    require_kernel(head_dim, dtype, causal)
+    run_and_check(*make_qkv(2, 113, 77, 4, 2, head_dim, dtype), causal, via="func")

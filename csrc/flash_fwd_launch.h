@@ -13,9 +13,9 @@ namespace flash {
 // and measured fastest on an H200 (bench/tune_fwd_tiles.py, results in bench/results/).
 template <int kHeadDim, bool kCausal>
 struct FwdTileConfig;
-template <bool kCausal> struct FwdTileConfig<32, kCausal> { static constexpr int kBlockM = 128, kBlockN = 128, kNWarps = 4; };
+template <bool kCausal> struct FwdTileConfig<32, kCausal> { static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 4; };
 template <bool kCausal> struct FwdTileConfig<64, kCausal> { static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 4; };
-template <bool kCausal> struct FwdTileConfig<96, kCausal> { static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 4; };
+template <bool kCausal> struct FwdTileConfig<96, kCausal> { static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 8; };
 template <bool kCausal> struct FwdTileConfig<128, kCausal> { static constexpr int kBlockM = 128, kBlockN = 128, kNWarps = 8; };
 template <bool kCausal> struct FwdTileConfig<160, kCausal> { static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 8; };
 template <bool kCausal> struct FwdTileConfig<192, kCausal> { static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 8; };

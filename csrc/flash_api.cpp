@@ -28,6 +28,16 @@ int kernel_head_dim(int64_t head_dim) {
     return -1;
 }
 
+// The kernel moves 16-byte chunks: unit stride on head_dim, the other strides multiples of 8 elements.
+void check_layout(const at::Tensor& t, const char* name) {
+    TORCH_CHECK_VALUE(t.stride(3) == 1, name, " must have a contiguous last dimension (stride 1), got stride ",
+                      t.stride(3));
+    for (int64_t d = 0; d < 3; ++d) {
+        TORCH_CHECK_VALUE(t.size(d) <= 1 || t.stride(d) % 8 == 0, name,
+                          " must have strides that are multiples of 8 elements, got ", t.strides());
+    }
+}
+
 // Every check here runs before the device check, so argument errors read the same on any device.
 void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
     TORCH_CHECK_VALUE(q.dim() == 4, "q must have shape (batch, seqlen_q, nheads, head_dim), got ", q.dim(), " dims");
@@ -39,41 +49,41 @@ void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
     TORCH_CHECK_TYPE(k.scalar_type() == dtype, "k must have the same dtype as q (", dtype, "), got ", k.scalar_type());
     TORCH_CHECK_TYPE(v.scalar_type() == dtype, "v must have the same dtype as q (", dtype, "), got ", v.scalar_type());
 
-    const int64_t batch = q.size(0), nheads = q.size(2), head_dim = q.size(3);
+    const int64_t batch = q.size(0);
+    const int64_t nheads = q.size(2);
+    const int64_t head_dim = q.size(3);
+    const int64_t nheads_k = k.size(2);
     TORCH_CHECK_VALUE(k.size(0) == batch, "k must have the same batch size as q (", batch, "), got ", k.size(0));
     TORCH_CHECK_VALUE(v.size(0) == batch, "v must have the same batch size as q (", batch, "), got ", v.size(0));
     TORCH_CHECK_VALUE(v.size(1) == k.size(1), "v must have the same seqlen_k as k (", k.size(1), "), got ", v.size(1));
-    TORCH_CHECK_VALUE(v.size(2) == k.size(2), "v must have the same nheads_k as k (", k.size(2), "), got ", v.size(2));
+    TORCH_CHECK_VALUE(v.size(2) == nheads_k, "v must have the same nheads_k as k (", nheads_k, "), got ", v.size(2));
     TORCH_CHECK_VALUE(k.size(3) == head_dim, "k must have the same head_dim as q (", head_dim, "), got ", k.size(3));
     TORCH_CHECK_VALUE(v.size(3) == head_dim, "v must have the same head_dim as q (", head_dim, "), got ", v.size(3));
-    TORCH_CHECK_VALUE(head_dim > 0 && head_dim <= kMaxHeadDim && head_dim % 8 == 0,
-                      "head_dim must be a multiple of 8 in [8, 256] (flash_attn_func pads other sizes), got ", head_dim);
-    const int64_t nheads_k = k.size(2);
-    TORCH_CHECK_VALUE(nheads_k > 0 && nheads % nheads_k == 0, "nheads (", nheads,
-                      ") must be a multiple of nheads_k (", nheads_k, ")");
+    const bool head_dim_ok = head_dim > 0 && head_dim <= kMaxHeadDim && head_dim % 8 == 0;
+    TORCH_CHECK_VALUE(head_dim_ok, "head_dim must be a multiple of 8 in [8, 256] (flash_attn_func pads other sizes), got ",
+                      head_dim);
+    const bool heads_ok = nheads_k > 0 && nheads % nheads_k == 0;
+    TORCH_CHECK_VALUE(heads_ok, "nheads (", nheads, ") must be a multiple of nheads_k (", nheads_k, ")");
     TORCH_CHECK_VALUE(batch <= kMaxGridYZ, "batch must be at most ", kMaxGridYZ, ", got ", batch);
     TORCH_CHECK_VALUE(nheads <= kMaxGridYZ, "nheads must be at most ", kMaxGridYZ, ", got ", nheads);
     TORCH_CHECK_VALUE(q.size(1) <= INT32_MAX && k.size(1) <= INT32_MAX, "seqlen_q and seqlen_k must fit in int32");
+    check_layout(q, "q");
+    check_layout(k, "k");
+    check_layout(v, "v");
+}
 
-    // The kernel moves 16-byte chunks: unit stride on head_dim, other strides and the base address aligned.
-    for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"q", q}, {"k", k}, {"v", v}}) {
-        TORCH_CHECK_VALUE(t.stride(3) == 1, name, " must have a contiguous last dimension (stride 1), got stride ",
-                          t.stride(3));
-        for (int d = 0; d < 3; ++d) {
-            TORCH_CHECK_VALUE(t.size(d) <= 1 || t.stride(d) % 8 == 0, name, " must have strides that are multiples of 8 elements, got ",
-                              t.strides());
-        }
-    }
+void check_same_device(const at::Tensor& t, const char* name, const at::Tensor& q) {
+    TORCH_CHECK_VALUE(t.device() == q.device(), name, " must be on the same device as q (", q.device(), "), got ",
+                      t.device());
+    TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name,
+                      " must start at a 16-byte aligned address");
 }
 
 void check_device(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
     TORCH_CHECK_VALUE(q.is_cuda(), "q must be a CUDA tensor, got device ", q.device());
-    TORCH_CHECK_VALUE(k.device() == q.device(), "k must be on the same device as q (", q.device(), "), got ", k.device());
-    TORCH_CHECK_VALUE(v.device() == q.device(), "v must be on the same device as q (", q.device(), "), got ", v.device());
-    for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"q", q}, {"k", k}, {"v", v}}) {
-        TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name,
-                          " must start at a 16-byte aligned address");
-    }
+    check_same_device(q, "q", q);
+    check_same_device(k, "k", q);
+    check_same_device(v, "v", q);
     int cc_major = 0;
     TORCH_CHECK(cudaDeviceGetAttribute(&cc_major, cudaDevAttrComputeCapabilityMajor, q.get_device()) == cudaSuccess,
                 "could not query the compute capability of ", q.device());

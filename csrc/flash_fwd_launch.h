@@ -9,18 +9,22 @@
 
 namespace flash {
 
-// (kBlockM, kBlockN, warps) per head dim: the shapes that compile without register spills (ptxas -v, sm_90)
-// and measured fastest on an H200 (bench/tune_fwd_tiles.py, results in bench/results/).
+// (kBlockM, kBlockN, warps) per head dim, measured on an H200 with bench/tune_fwd_tiles.py for head dims
+// 64, 128 and 256 (bench/results/h200/tune_fwd_nvidia-h200.md); 32 and 96 follow 64 and 128, and 160 to 224
+// follow 256. Up to head dim 128, four warps of 32 query rows beat eight warps of 16 rows even with a few
+// bytes of spills: each K/V fragment read from shared memory feeds twice the MMAs. Above that the
+// accumulators leave no registers for 32 rows a warp, and small 64x64 tiles win.
 template <int kHeadDim, bool kCausal>
 struct FwdTileConfig;
 template <bool kCausal> struct FwdTileConfig<32, kCausal> { static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 4; };
 template <bool kCausal> struct FwdTileConfig<64, kCausal> { static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 4; };
-template <bool kCausal> struct FwdTileConfig<96, kCausal> { static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 8; };
-template <bool kCausal> struct FwdTileConfig<128, kCausal> { static constexpr int kBlockM = 128, kBlockN = 128, kNWarps = 8; };
-template <bool kCausal> struct FwdTileConfig<160, kCausal> { static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 8; };
-template <bool kCausal> struct FwdTileConfig<192, kCausal> { static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 8; };
-template <bool kCausal> struct FwdTileConfig<224, kCausal> { static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 8; };
-template <bool kCausal> struct FwdTileConfig<256, kCausal> { static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 8; };
+template <bool kCausal> struct FwdTileConfig<96, kCausal> { static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 4; };
+template <> struct FwdTileConfig<128, false> { static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 4; };
+template <> struct FwdTileConfig<128, true> { static constexpr int kBlockM = 64, kBlockN = 128, kNWarps = 4; };
+template <bool kCausal> struct FwdTileConfig<160, kCausal> { static constexpr int kBlockM = 64, kBlockN = 64, kNWarps = 4; };
+template <bool kCausal> struct FwdTileConfig<192, kCausal> { static constexpr int kBlockM = 64, kBlockN = 64, kNWarps = 4; };
+template <bool kCausal> struct FwdTileConfig<224, kCausal> { static constexpr int kBlockM = 64, kBlockN = 64, kNWarps = 4; };
+template <bool kCausal> struct FwdTileConfig<256, kCausal> { static constexpr int kBlockM = 64, kBlockN = 64, kNWarps = 4; };
 
 // Tile-tuning builds (bench/tune_fwd_tiles.py) force one tile shape on every kernel.
 #if defined(FLASH_FWD_TILE_M) && defined(FLASH_FWD_TILE_N) && defined(FLASH_FWD_TILE_WARPS)

@@ -20,6 +20,16 @@ constexpr int kKernelHeadDims[] = {32, 64, 96, 128, 160, 192, 224, 256};
 constexpr int kMaxHeadDim = 256;
 constexpr int kMaxGridYZ = 65535;  // batch and heads index the grid's y and z
 
+// Numbers in error messages go through std::to_string rather than a stream: streaming integers from an
+// extension built with a newer GCC than the process's libstdc++ crashed on the H200 machine (torch 2.11).
+std::string num(int64_t value) { return std::to_string(value); }
+
+std::string shape_str(at::IntArrayRef values) {
+    std::string text = "[";
+    for (size_t i = 0; i < values.size(); ++i) { text += (i ? ", " : "") + num(values[i]); }
+    return text + "]";
+}
+
 // The smallest compiled-in kernel head dim that holds head_dim.
 int kernel_head_dim(int64_t head_dim) {
     for (int d : kKernelHeadDims) {
@@ -31,18 +41,18 @@ int kernel_head_dim(int64_t head_dim) {
 // The kernel moves 16-byte chunks: unit stride on head_dim, the other strides multiples of 8 elements.
 void check_layout(const at::Tensor& t, const char* name) {
     TORCH_CHECK_VALUE(t.stride(3) == 1, name, " must have a contiguous last dimension (stride 1), got stride ",
-                      t.stride(3));
+                      num(t.stride(3)));
     for (int64_t d = 0; d < 3; ++d) {
         TORCH_CHECK_VALUE(t.size(d) <= 1 || t.stride(d) % 8 == 0, name,
-                          " must have strides that are multiples of 8 elements, got ", t.strides());
+                          " must have strides that are multiples of 8 elements, got ", shape_str(t.strides()));
     }
 }
 
 // Every check here runs before the device check, so argument errors read the same on any device.
 void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-    TORCH_CHECK_VALUE(q.dim() == 4, "q must have shape (batch, seqlen_q, nheads, head_dim), got ", q.dim(), " dims");
-    TORCH_CHECK_VALUE(k.dim() == 4, "k must have shape (batch, seqlen_k, nheads_k, head_dim), got ", k.dim(), " dims");
-    TORCH_CHECK_VALUE(v.dim() == 4, "v must have shape (batch, seqlen_k, nheads_k, head_dim), got ", v.dim(), " dims");
+    TORCH_CHECK_VALUE(q.dim() == 4, "q must have shape (batch, seqlen_q, nheads, head_dim), got ", num(q.dim()), " dims");
+    TORCH_CHECK_VALUE(k.dim() == 4, "k must have shape (batch, seqlen_k, nheads_k, head_dim), got ", num(k.dim()), " dims");
+    TORCH_CHECK_VALUE(v.dim() == 4, "v must have shape (batch, seqlen_k, nheads_k, head_dim), got ", num(v.dim()), " dims");
 
     const auto dtype = q.scalar_type();
     TORCH_CHECK_TYPE(dtype == at::kHalf || dtype == at::kBFloat16, "q must be float16 or bfloat16, got ", dtype);
@@ -53,19 +63,19 @@ void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
     const int64_t nheads = q.size(2);
     const int64_t head_dim = q.size(3);
     const int64_t nheads_k = k.size(2);
-    TORCH_CHECK_VALUE(k.size(0) == batch, "k must have the same batch size as q (", batch, "), got ", k.size(0));
-    TORCH_CHECK_VALUE(v.size(0) == batch, "v must have the same batch size as q (", batch, "), got ", v.size(0));
-    TORCH_CHECK_VALUE(v.size(1) == k.size(1), "v must have the same seqlen_k as k (", k.size(1), "), got ", v.size(1));
-    TORCH_CHECK_VALUE(v.size(2) == nheads_k, "v must have the same nheads_k as k (", nheads_k, "), got ", v.size(2));
-    TORCH_CHECK_VALUE(k.size(3) == head_dim, "k must have the same head_dim as q (", head_dim, "), got ", k.size(3));
-    TORCH_CHECK_VALUE(v.size(3) == head_dim, "v must have the same head_dim as q (", head_dim, "), got ", v.size(3));
+    TORCH_CHECK_VALUE(k.size(0) == batch, "k must have the same batch size as q (", num(batch), "), got ", num(k.size(0)));
+    TORCH_CHECK_VALUE(v.size(0) == batch, "v must have the same batch size as q (", num(batch), "), got ", num(v.size(0)));
+    TORCH_CHECK_VALUE(v.size(1) == k.size(1), "v must have the same seqlen_k as k (", num(k.size(1)), "), got ", num(v.size(1)));
+    TORCH_CHECK_VALUE(v.size(2) == nheads_k, "v must have the same nheads_k as k (", num(nheads_k), "), got ", num(v.size(2)));
+    TORCH_CHECK_VALUE(k.size(3) == head_dim, "k must have the same head_dim as q (", num(head_dim), "), got ", num(k.size(3)));
+    TORCH_CHECK_VALUE(v.size(3) == head_dim, "v must have the same head_dim as q (", num(head_dim), "), got ", num(v.size(3)));
     const bool head_dim_ok = head_dim > 0 && head_dim <= kMaxHeadDim && head_dim % 8 == 0;
     TORCH_CHECK_VALUE(head_dim_ok, "head_dim must be a multiple of 8 in [8, 256] (flash_attn_func pads other sizes), got ",
-                      head_dim);
+                      num(head_dim));
     const bool heads_ok = nheads_k > 0 && nheads % nheads_k == 0;
-    TORCH_CHECK_VALUE(heads_ok, "nheads (", nheads, ") must be a multiple of nheads_k (", nheads_k, ")");
-    TORCH_CHECK_VALUE(batch <= kMaxGridYZ, "batch must be at most ", kMaxGridYZ, ", got ", batch);
-    TORCH_CHECK_VALUE(nheads <= kMaxGridYZ, "nheads must be at most ", kMaxGridYZ, ", got ", nheads);
+    TORCH_CHECK_VALUE(heads_ok, "nheads (", num(nheads), ") must be a multiple of nheads_k (", num(nheads_k), ")");
+    TORCH_CHECK_VALUE(batch <= kMaxGridYZ, "batch must be at most ", num(kMaxGridYZ), ", got ", num(batch));
+    TORCH_CHECK_VALUE(nheads <= kMaxGridYZ, "nheads must be at most ", num(kMaxGridYZ), ", got ", num(nheads));
     TORCH_CHECK_VALUE(q.size(1) <= INT32_MAX && k.size(1) <= INT32_MAX, "seqlen_q and seqlen_k must fit in int32");
     check_layout(q, "q");
     check_layout(k, "k");
@@ -87,14 +97,14 @@ void check_device(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v)
     int cc_major = 0;
     TORCH_CHECK(cudaDeviceGetAttribute(&cc_major, cudaDevAttrComputeCapabilityMajor, q.get_device()) == cudaSuccess,
                 "could not query the compute capability of ", q.device());
-    TORCH_CHECK(cc_major >= 8, "flash_attn_cuda needs an Ampere (sm_80) or newer GPU, got compute capability ", cc_major,
+    TORCH_CHECK(cc_major >= 8, "flash_attn_cuda needs an Ampere (sm_80) or newer GPU, got compute capability ", num(cc_major),
                 ".x on ", q.device());
 }
 
 std::tuple<at::Tensor, at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                        double softmax_scale, bool causal) {
     check_qkv(q, k, v);
-    TORCH_CHECK_VALUE(std::isfinite(softmax_scale), "softmax_scale must be finite, got ", softmax_scale);
+    TORCH_CHECK_VALUE(std::isfinite(softmax_scale), "softmax_scale must be finite, got ", std::to_string(softmax_scale));
     check_device(q, k, v);
     const FwdKernelKey key{q.scalar_type() == at::kBFloat16, kernel_head_dim(q.size(3)), causal};
     const FwdLauncher launcher = find_fwd_launcher(key);

@@ -1,4 +1,4 @@
-// Where one (sequence, head) lives in memory and which key blocks a query block must visit.
+// Where one (sequence, head) lives in memory: its lengths and the element offsets of its rows.
 #pragma once
 
 #include "flash_params.h"
@@ -9,7 +9,7 @@ struct BlockInfo {
     int seqlen_q;
     int seqlen_k;
 
-    __forceinline__ __device__ BlockInfo(const FwdParams& params, int /*batch_idx*/)
+    __forceinline__ __device__ explicit BlockInfo(const FwdParams& params)
         : seqlen_q(params.seqlen_q), seqlen_k(params.seqlen_k) {}
 
     __forceinline__ __device__ index_t q_offset(const FwdParams& p, int b, int h) const {

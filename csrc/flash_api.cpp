@@ -143,8 +143,6 @@ std::tuple<at::Tensor, at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k,
     params.head_dim = static_cast<int>(head_dim);
     params.softmax_scale = static_cast<float>(softmax_scale);
     params.softmax_scale_log2 = static_cast<float>(softmax_scale * M_LOG2E);
-    params.is_causal = causal;
-    params.is_bf16 = key.is_bf16;
 
     const cudaError_t err = launcher(params, c10::cuda::getCurrentCUDAStream());
     TORCH_CHECK(err == cudaSuccess, "flash_attn2::fwd kernel launch failed: ", cudaGetErrorString(err));

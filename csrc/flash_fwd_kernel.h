@@ -52,7 +52,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const _
     const int head_idx_k = head_idx / (params.num_heads / params.num_heads_k);
     const int tidx = threadIdx.x;
 
-    const BlockInfo binfo(params, batch_idx);
+    const BlockInfo binfo(params);
     if (m_block * kBlockM >= binfo.seqlen_q) { return; }
     const Mask mask(binfo.seqlen_q, binfo.seqlen_k);
     const int n_block_end = mask.n_block_end(m_block);

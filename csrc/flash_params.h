@@ -37,8 +37,6 @@ struct FwdParams {
 
     float softmax_scale;       // multiplies QK^T before the softmax
     float softmax_scale_log2;  // softmax_scale * log2(e), so the kernel can use exp2
-    bool is_causal;            // bottom-right aligned causal mask
-    bool is_bf16;              // element type: bf16 if true, fp16 otherwise
 };
 
 }  // namespace flash

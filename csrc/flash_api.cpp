@@ -76,7 +76,10 @@ void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
     TORCH_CHECK_VALUE(heads_ok, "nheads (", num(nheads), ") must be a multiple of nheads_k (", num(nheads_k), ")");
     TORCH_CHECK_VALUE(batch <= kMaxGridYZ, "batch must be at most ", num(kMaxGridYZ), ", got ", num(batch));
     TORCH_CHECK_VALUE(nheads <= kMaxGridYZ, "nheads must be at most ", num(kMaxGridYZ), ", got ", num(nheads));
-    TORCH_CHECK_VALUE(q.size(1) <= INT32_MAX && k.size(1) <= INT32_MAX, "seqlen_q and seqlen_k must fit in int32");
+    // Block arithmetic on sequence positions is 32-bit; leave room for one block past the end.
+    constexpr int64_t kMaxSeqlen = INT32_MAX - 256;
+    TORCH_CHECK_VALUE(q.size(1) <= kMaxSeqlen && k.size(1) <= kMaxSeqlen, "seqlen_q and seqlen_k must be at most ",
+                      num(kMaxSeqlen));
     check_layout(q, "q");
     check_layout(k, "k");
     check_layout(v, "v");
@@ -104,7 +107,10 @@ void check_device(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v)
 std::tuple<at::Tensor, at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                        double softmax_scale, bool causal) {
     check_qkv(q, k, v);
-    TORCH_CHECK_VALUE(std::isfinite(softmax_scale), "softmax_scale must be finite, got ", std::to_string(softmax_scale));
+    // The kernel takes each row's maximum of the unscaled scores, which is the maximum of the scaled
+    // ones only for a non-negative scale (flash_attn_func handles a negative scale by negating q).
+    TORCH_CHECK_VALUE(std::isfinite(softmax_scale) && softmax_scale >= 0,
+                      "softmax_scale must be finite and non-negative, got ", std::to_string(softmax_scale));
     check_device(q, k, v);
     const FwdKernelKey key{q.scalar_type() == at::kBFloat16, kernel_head_dim(q.size(3)), causal};
     const FwdLauncher launcher = find_fwd_launcher(key);

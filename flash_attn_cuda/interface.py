@@ -75,6 +75,9 @@ def flash_attn_func(
         raise ValueError(f"head_dim must be in [1, 256], got {head_dim}")
     if softmax_scale is None:
         softmax_scale = head_dim ** -0.5
+    if softmax_scale < 0:
+        # (-q) k^T * |scale| equals q k^T * scale; the kernel needs a non-negative scale.
+        q, softmax_scale = -q, -softmax_scale
     q, k, v = (_kernel_ready(t, head_dim) for t in (q, k, v))
     out, softmax_lse = torch.ops.flash_attn2.fwd(q, k, v, float(softmax_scale), bool(causal))
     if out.shape[-1] != head_dim:

@@ -295,6 +295,14 @@ def test_rejects_nheads_not_multiple_of_nheads_k(call):
         fwd(q, k, v, 0.125, False) if call == "op" else flash_attn_func(q, k, v)
 
 
+@pytest.mark.parametrize("scale", [-0.125, float("nan"), float("inf")])
+def test_op_rejects_bad_softmax_scale(scale):
+    # The op needs a finite, non-negative scale; flash_attn_func turns a negative one into -q.
+    q, k, v = qkv()
+    with pytest.raises(BAD_INPUT, match="softmax_scale"):
+        fwd(q, k, v, scale, False)
+
+
 @pytest.mark.parametrize("name", ["q", "k", "v"])
 def test_op_rejects_noncontiguous_last_dim(name):
     tensors = dict(zip("qkv", qkv()))

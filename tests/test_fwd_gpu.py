@@ -254,6 +254,15 @@ def test_softmax_scale_and_peaky_scores(q_gain, scale, causal, dtype):
     run_and_check(q * q_gain, k, v, causal, softmax_scale=scale, via="func")
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("scale", [-0.3, -0.02, 0.0])
+def test_flash_attn_func_negative_and_zero_scale(scale, causal):
+    # A negative scale runs as (-q) with |scale|; zero gives uniform weights over the visible keys.
+    require_kernel(64, torch.bfloat16, causal)
+    q, k, v = make_qkv(2, 300, 257, 4, 2, 64, torch.bfloat16)
+    run_and_check(q * 4, k, v, causal, softmax_scale=scale, via="func")
+
+
 # ---------------------------------------------------------------- behaviour
 
 

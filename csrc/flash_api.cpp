@@ -5,6 +5,8 @@
 #include <cuda_runtime.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <string>
 #include <tuple>
@@ -148,7 +150,9 @@ std::tuple<at::Tensor, at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k,
     params.num_heads_k = static_cast<int>(k.size(2));
     params.head_dim = static_cast<int>(head_dim);
     params.softmax_scale = static_cast<float>(softmax_scale);
-    params.softmax_scale_log2 = static_cast<float>(softmax_scale * M_LOG2E);
+    // A zero or denormal scale would turn masked scores into NaN (-inf * 0); the smallest normal float
+    // keeps them at -inf, and every other exp2 argument still rounds to the same value (0).
+    params.softmax_scale_log2 = std::max(static_cast<float>(softmax_scale * M_LOG2E), FLT_MIN);
 
     const cudaError_t err = launcher(params, c10::cuda::getCurrentCUDAStream());
     TORCH_CHECK(err == cudaSuccess, "flash_attn2::fwd kernel launch failed: ", cudaGetErrorString(err));

@@ -8,18 +8,21 @@ Environment knobs:
   MAX_JOBS                 parallel compile jobs; default from free memory and cores
   NVCC_THREADS             nvcc --threads (parallel arch passes per file), default 1
   FLASH_ATTN2_PTXAS_VERBOSE=1  print registers and spills per kernel
+  FLASH_ATTN2_FWD_TILE     "M,N,WARPS" forces one forward tile on every kernel (tile tuning only)
 """
 
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 
 from setuptools import find_packages, setup
 
 ROOT = Path(__file__).resolve().parent
-ALL_HDIMS = (32, 64, 96, 128, 160, 192, 224, 256)
-ALL_DTYPES = ("fp16", "bf16")
+sys.path.insert(0, str(ROOT / "csrc"))
+from generate_kernels import DTYPES, HEAD_DIMS, kernel_name  # noqa: E402
+
 # Peak resident memory of one nvcc job on one instantiation, measured on our build machine, with margin.
 GB_PER_NVCC_JOB = 2.5
 
@@ -49,21 +52,31 @@ def cutlass_include_dir() -> str:
 
 def env_list(name: str, default, valid, convert=str):
     raw = os.environ.get(name, "")
-    values = [convert(x.strip()) for x in re.split(r"[,;]", raw) if x.strip()] if raw else list(default)
+    try:
+        values = [convert(x.strip()) for x in re.split(r"[,;]", raw) if x.strip()] if raw else list(default)
+    except ValueError:
+        values = [raw]
     bad = [x for x in values if x not in valid]
     if bad:
-        raise RuntimeError(f"{name}: unsupported values {bad}; choose from {list(valid)}")
+        raise RuntimeError(f"{name}={raw!r}: unsupported values {bad}; choose from {list(valid)}")
     return values
 
 
+def env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name, str(default))
+    if not raw.isdigit() or int(raw) < 1:
+        raise RuntimeError(f"{name}={raw!r}: expected a positive integer")
+    return int(raw)
+
+
 def kernel_sources():
-    hdims = env_list("FLASH_ATTN2_HDIMS", ALL_HDIMS, ALL_HDIMS, int)
-    dtypes = env_list("FLASH_ATTN2_DTYPES", ALL_DTYPES, ALL_DTYPES)
+    hdims = env_list("FLASH_ATTN2_HDIMS", HEAD_DIMS, HEAD_DIMS, int)
+    dtypes = env_list("FLASH_ATTN2_DTYPES", DTYPES, DTYPES)
     sources = []
     for hdim in hdims:
         for dtype in dtypes:
-            for causal in ("noncausal", "causal"):
-                path = Path("csrc") / "instantiations" / f"fwd_hdim{hdim}_{dtype}_{causal}.cu"
+            for causal in (False, True):
+                path = Path("csrc") / "instantiations" / f"{kernel_name(hdim, dtype, causal)}.cu"
                 if not (ROOT / path).is_file():
                     raise RuntimeError(f"{path} is missing; run `python csrc/generate_kernels.py`")
                 sources.append(str(path))
@@ -101,6 +114,8 @@ def nvcc_flags(archs, nvcc_threads):
         flags.append(f"-gencode=arch=compute_{arch},code=sm_{arch}")
     tile = os.environ.get("FLASH_ATTN2_FWD_TILE")  # "M,N,WARPS": tile-tuning builds only
     if tile:
+        if not re.fullmatch(r"\d+,\d+,\d+", tile):
+            raise RuntimeError(f"FLASH_ATTN2_FWD_TILE={tile!r}: expected 'M,N,WARPS', e.g. '128,64,4'")
         m, n, warps = (int(x) for x in tile.split(","))
         flags += [f"-DFLASH_FWD_TILE_M={m}", f"-DFLASH_FWD_TILE_N={n}", f"-DFLASH_FWD_TILE_WARPS={warps}"]
     if os.environ.get("FLASH_ATTN2_PTXAS_VERBOSE") == "1":
@@ -129,7 +144,7 @@ def build_extensions():
     from torch.utils.cpp_extension import CUDAExtension
 
     archs = env_list("FLASH_ATTN2_CUDA_ARCHS", ("80", "90"), ("80", "86", "89", "90", "100", "120"))
-    nvcc_threads = int(os.environ.get("NVCC_THREADS", "1"))
+    nvcc_threads = env_int("NVCC_THREADS", 1)
     os.environ.setdefault("MAX_JOBS", str(default_max_jobs(nvcc_threads)))
     sources = ["csrc/module.cpp", "csrc/flash_api.cpp", "csrc/kernel_registry.cpp"] + kernel_sources()
     print(f"flash_attn_cuda: archs={archs} kernels={len(sources) - 3} MAX_JOBS={os.environ['MAX_JOBS']}")

@@ -30,7 +30,8 @@ for stage in "$@"; do
         timeout 480 python3 -m pytest -q -p no:cacheprovider tests ${PYTEST_ARGS:-} 2>&1 | tail -40 || status=1
         ;;
     memcheck)
-        timeout 240 compute-sanitizer --tool memcheck --print-limit 10 python3 tests/memcheck_fwd.py 2>&1 | tail -15
+        timeout 240 compute-sanitizer --tool memcheck --error-exitcode 1 --print-limit 10 \
+            python3 tests/memcheck_fwd.py 2>&1 | tail -15 || status=1
         ;;
     bench)
         python3 bench/mma_peak.py --out-dir "$OUT"

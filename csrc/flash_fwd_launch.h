@@ -11,9 +11,10 @@ namespace flash {
 
 // (kBlockM, kBlockN, warps) per head dim, measured on an H200 with bench/tune_fwd_tiles.py for head dims
 // 64, 128 and 256 (bench/results/h200/tune_fwd_nvidia-h200.md); 32 and 96 follow 64 and 128, and 160 to 224
-// follow 256. Up to head dim 128, four warps of 32 query rows beat eight warps of 16 rows even with a few
-// bytes of spills: each K/V fragment read from shared memory feeds twice the MMAs. Above that the
-// accumulators leave no registers for 32 rows a warp, and small 64x64 tiles win.
+// follow 256. Up to head dim 128, 128-row tiles on four warps (32 query rows a warp) beat eight warps of
+// 16 rows even with a few bytes of spills: each K/V fragment read from shared memory feeds twice the MMAs.
+// Causal hdim 128 prefers 64-row query blocks (less work wasted on the diagonal). Above 128 the
+// accumulators leave no registers for 32 rows a warp, and 64x64 tiles on four warps win.
 template <int kHeadDim, bool kCausal>
 struct FwdTileConfig;
 template <bool kCausal> struct FwdTileConfig<32, kCausal> { static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 4; };

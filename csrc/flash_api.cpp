@@ -111,8 +111,7 @@ std::tuple<at::Tensor, at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k,
     check_qkv(q, k, v);
     // The kernel takes each row's maximum of the unscaled scores, which is the maximum of the scaled
     // ones only for a non-negative scale (flash_attn_func handles a negative scale by negating q).
-    // The scale also has to stay finite once it is a float multiplied by log2(e).
-    TORCH_CHECK_VALUE(std::isfinite(static_cast<float>(softmax_scale * M_LOG2E)) && softmax_scale >= 0,
+    TORCH_CHECK_VALUE(std::isfinite(softmax_scale) && softmax_scale >= 0,
                       "softmax_scale must be finite and non-negative, got ", std::to_string(softmax_scale));
     check_device(q, k, v);
     const FwdKernelKey key{q.scalar_type() == at::kBFloat16, kernel_head_dim(q.size(3)), causal};

@@ -18,18 +18,6 @@ def _fwd_fake(q, k, v, softmax_scale, causal):
     return out, softmax_lse
 
 
-def _fwd_setup_context(ctx, inputs, output):
-    pass
-
-
-def _fwd_backward(ctx, grad_out, grad_softmax_lse):
-    # Without this, autograd's fallback would only warn and training would go on without these gradients.
-    raise NotImplementedError("flash_attn_cuda has no backward pass yet: flash_attn2::fwd is not differentiable")
-
-
-torch.library.register_autograd("flash_attn2::fwd", _fwd_backward, setup_context=_fwd_setup_context)
-
-
 @functools.cache
 def compiled_kernels() -> frozenset:
     """Names of the forward kernels in this build, e.g. 'fwd_hdim128_bf16_causal'."""

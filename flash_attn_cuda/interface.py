@@ -21,13 +21,13 @@ def _kernel_ready(x: torch.Tensor, head_dim: int) -> torch.Tensor:
     """Pads head_dim to a multiple of 8 and copies only when strides or alignment rule out 16-byte loads."""
     if head_dim % _ALIGN_ELEMS != 0:
         x = F.pad(x, (0, _ALIGN_ELEMS - head_dim % _ALIGN_ELEMS))
-    aligned = x.stride(-1) == 1 and all(
-        s % _ALIGN_ELEMS == 0 for size, s in zip(x.shape[:-1], x.stride()[:-1]) if size > 1
+    aligned = (
+        x.stride(-1) == 1
+        and all(s % _ALIGN_ELEMS == 0 for size, s in zip(x.shape[:-1], x.stride()[:-1]) if size > 1)
+        # Allocations are 16-byte aligned, so the view's offset decides; unlike data_ptr() this also
+        # works on fake tensors under torch.compile.
+        and x.storage_offset() * x.element_size() % 16 == 0
     )
-    # Allocations are 16-byte aligned, so the view's offset decides. Dynamo cannot trace storage_offset()
-    # into a graph; under torch.compile a misaligned view is reported by the op's own check instead.
-    if aligned and not torch.compiler.is_compiling():
-        aligned = x.storage_offset() * x.element_size() % 16 == 0
     return x if aligned else x.contiguous()
 
 

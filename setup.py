@@ -11,6 +11,7 @@ Environment knobs:
   FLASH_ATTN2_FWD_TILE     "M,N,WARPS" forces one forward tile on every kernel (tile tuning only)
 """
 
+import itertools
 import os
 import re
 import shutil
@@ -21,7 +22,7 @@ from setuptools import find_packages, setup
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "csrc"))
-from generate_kernels import DTYPES, HEAD_DIMS, kernel_name  # noqa: E402
+from generate_kernels import DTYPES, HEAD_DIMS, PASSES, kernel_name  # noqa: E402
 
 # Peak resident memory of one nvcc job on one instantiation, measured on our build machine, with margin.
 GB_PER_NVCC_JOB = 2.5
@@ -73,13 +74,11 @@ def kernel_sources():
     hdims = env_list("FLASH_ATTN2_HDIMS", HEAD_DIMS, HEAD_DIMS, int)
     dtypes = env_list("FLASH_ATTN2_DTYPES", DTYPES, DTYPES)
     sources = []
-    for hdim in hdims:
-        for dtype in dtypes:
-            for causal in (False, True):
-                path = Path("csrc") / "instantiations" / f"{kernel_name(hdim, dtype, causal)}.cu"
-                if not (ROOT / path).is_file():
-                    raise RuntimeError(f"{path} is missing; run `python csrc/generate_kernels.py`")
-                sources.append(str(path))
+    for pass_, hdim, dtype, causal in itertools.product(PASSES, hdims, dtypes, (False, True)):
+        path = Path("csrc") / "instantiations" / f"{kernel_name(hdim, dtype, causal, pass_)}.cu"
+        if not (ROOT / path).is_file():
+            raise RuntimeError(f"{path} is missing; run `python csrc/generate_kernels.py`")
+        sources.append(str(path))
     return sources
 
 
@@ -146,8 +145,9 @@ def build_extensions():
     archs = env_list("FLASH_ATTN2_CUDA_ARCHS", ("80", "90"), ("80", "86", "89", "90", "100", "120"))
     nvcc_threads = env_int("NVCC_THREADS", 1)
     os.environ.setdefault("MAX_JOBS", str(default_max_jobs(nvcc_threads)))
-    sources = ["csrc/module.cpp", "csrc/flash_api.cpp", "csrc/kernel_registry.cpp"] + kernel_sources()
-    print(f"flash_attn_cuda: archs={archs} kernels={len(sources) - 3} MAX_JOBS={os.environ['MAX_JOBS']}")
+    sources = ["csrc/module.cpp", "csrc/flash_api.cpp", "csrc/kernel_registry.cpp", "csrc/flash_bwd_aux.cu"]
+    sources += kernel_sources()
+    print(f"flash_attn_cuda: archs={archs} kernels={len(sources) - 4} MAX_JOBS={os.environ['MAX_JOBS']}")
     return [
         CUDAExtension(
             name="flash_attn_cuda._C",

@@ -19,6 +19,7 @@ sys.path.append(os.path.dirname(HERE))  # repo root, last: an installed flash_at
 import common  # noqa: E402
 
 IMPLS = ["ours", "flash", "cudnn", "efficient"]
+OPTIONAL_IMPLS = ["ours_det"]  # ours with deterministic=True (its backward differs)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 SANITY_REL_TOL = 0.05  # a loose "is it the same function" check against SDPA, not the correctness rule
 
@@ -27,6 +28,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--pass", dest="pass_", choices=["fwd", "bwd", "fwd_bwd"], default="fwd",
+                   help="time the forward, the backward alone, or both")
     p.add_argument("--hdims", type=ints, default=[64, 128, 256])
     p.add_argument("--seqlens", type=ints, default=None, help="default 512,1024,...,16384 (--quick: 2048,8192,16384)")
     p.add_argument("--causal", choices=["both", "yes", "no"], default="both")
@@ -42,9 +45,9 @@ def parse_args(argv=None):
     a.seqlens = a.seqlens or ([2048, 8192, 16384] if a.quick else [512, 1024, 2048, 4096, 8192, 16384])
     a.warmup = a.warmup if a.warmup is not None else (3 if a.quick else 5)
     a.rep = a.rep if a.rep is not None else (20 if a.quick else 30)
-    unknown = set(a.impls) - set(IMPLS)
+    unknown = set(a.impls) - set(IMPLS + OPTIONAL_IMPLS)
     if unknown or "ours" not in a.impls:
-        p.error(f"--impls must include 'ours' and be drawn from {IMPLS}")
+        p.error(f"--impls must include 'ours' and be drawn from {IMPLS + OPTIONAL_IMPLS}")
     return a
 
 
@@ -57,6 +60,18 @@ def load_ours():
         return None, f"import failed: {type(exc).__name__}: {exc}"
 
 
+def timed_pass(fn, inputs, pass_):
+    """The callable to time for a pass: fn itself, its backward alone (the forward graph is built once and
+    kept), or forward and backward together. Returns (callable, output)."""
+    if pass_ == "fwd":
+        return fn, None
+    out = fn()
+    dout = torch.randn_like(out)
+    if pass_ == "bwd":
+        return (lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True)), out
+    return (lambda: torch.autograd.grad(fn(), inputs, dout)), out
+
+
 def make_runners(lib, lib_err, q, k, v, qt, kt, vt, causal, impls):
     """name -> (context factory, fn returning the output in (b, s, h, d)) or an error string."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -64,29 +79,36 @@ def make_runners(lib, lib_err, q, k, v, qt, kt, vt, causal, impls):
                 "efficient": SDPBackend.EFFICIENT_ATTENTION}
     runners = {}
     for name in impls:
-        if name == "ours":
+        if name in ("ours", "ours_det"):
             hdim, dtype = q.shape[-1], q.dtype
+            det = name == "ours_det"
             if lib is None:
                 runners[name] = lib_err
             elif hasattr(lib, "kernel_available") and not lib.kernel_available(hdim, dtype, causal):
                 runners[name] = f"kernel not compiled (hdim {hdim}, {dtype}, causal={causal})"
             else:
-                runners[name] = (contextlib.nullcontext, lambda: lib.flash_attn_func(q, k, v, causal=causal))
+                runners[name] = (contextlib.nullcontext,
+                                 lambda det=det: lib.flash_attn_func(q, k, v, causal=causal, deterministic=det),
+                                 (q, k, v))
         else:
             runners[name] = (lambda b=backends[name]: sdpa_kernel([b]),
-                             lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))
+                             lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal), (qt, kt, vt))
     return runners
 
 
-def run_one(runner, warmup, rep):
+def run_one(runner, warmup, rep, pass_="fwd"):
     """(ms, output, error) for one runner; SDPA's 'why not' warnings are folded into the error message."""
     if isinstance(runner, str):
         return None, None, runner
-    ctx, fn = runner
+    ctx, fn, inputs = runner
     with warnings.catch_warnings(record=True) as caught, ctx():
         warnings.simplefilter("always")
-        ms, err = common.try_time(fn, warmup, rep)
-        out = fn() if err is None else None
+        try:
+            timed, _ = timed_pass(fn, inputs, pass_)
+            ms, err = common.try_time(timed, warmup, rep)
+        except Exception as exc:
+            ms, err = None, f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        out = fn().detach() if err is None else None
     if err and caught:
         err += " | " + str(caught[0].message).strip().splitlines()[0][:200]
     return ms, out, err
@@ -99,8 +121,8 @@ def shape_of(args, hdim, seqlen):
 def new_row(args, hdim, causal, seqlen, err=None):
     """A row with every implementation n/a; err, if given, is recorded as every implementation's failure."""
     batch, nheads = shape_of(args, hdim, seqlen)
-    return {"pass": "fwd", "dtype": args.dtype, "hdim": hdim, "causal": causal, "batch": batch, "seqlen": seqlen,
-            "nheads": nheads, "flops": common.attn_flops(batch, nheads, seqlen, seqlen, hdim, causal, "fwd"),
+    return {"pass": args.pass_, "dtype": args.dtype, "hdim": hdim, "causal": causal, "batch": batch, "seqlen": seqlen,
+            "nheads": nheads, "flops": common.attn_flops(batch, nheads, seqlen, seqlen, hdim, causal, args.pass_),
             "ms": {k: None for k in args.impls}, "warnings": [],
             "errors": {k: err.splitlines()[0][:300] for k in args.impls} if err else {}}
 
@@ -112,16 +134,19 @@ def bench_shape(lib, lib_err, dtype_name, hdim, causal, seqlen, args):
     # Fresh random data (never zeros) in both layouts, made contiguous before timing so no copy is timed.
     q, k, v = (torch.randn(batch, seqlen, nheads, hdim, device="cuda", dtype=dtype, generator=gen) for _ in range(3))
     qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+    if args.pass_ != "fwd":
+        for x in (q, k, v, qt, kt, vt):
+            x.requires_grad_()
     row = new_row(args, hdim, causal, seqlen)
     outs = {}
     for name, runner in make_runners(lib, lib_err, q, k, v, qt, kt, vt, causal, args.impls).items():
-        ms, out, err = run_one(runner, args.warmup, args.rep)
+        ms, out, err = run_one(runner, args.warmup, args.rep, args.pass_)
         row["ms"][name] = ms
         if err:
             row["errors"][name] = err
         if out is not None:
-            outs[name] = out if name == "ours" else out.transpose(1, 2)
-    ref = next((n for n in args.impls if n != "ours" and n in outs), None)
+            outs[name] = out if name.startswith("ours") else out.transpose(1, 2)
+    ref = next((n for n in args.impls if not n.startswith("ours") and n in outs), None)
     if "ours" in outs and ref:
         diff = (outs["ours"].float() - outs[ref].float()).abs().max().item()
         rel = diff / max(outs[ref].float().abs().max().item(), 1e-30)
@@ -138,11 +163,12 @@ def main(argv=None):
         sys.exit("bench_fwd.py needs a CUDA GPU")
     lib, lib_err = load_ours()
     meta = common.stamp()
-    meta.update({"title": f"Forward attention, {args.dtype}", "pass": "fwd", "dtype": args.dtype,
+    title = {"fwd": "Forward", "bwd": "Backward", "fwd_bwd": "Forward + backward"}[args.pass_]
+    meta.update({"title": f"{title} attention, {args.dtype}", "pass": args.pass_, "dtype": args.dtype,
                  "tokens": args.tokens, "hidden": args.hidden, "warmup": args.warmup, "rep": max(args.rep, 20)})
     meta["method"] = (f"{args.dtype}, batch x seqlen = {args.tokens} tokens, hidden {args.hidden} "
                       f"(nheads = {args.hidden} / hdim). TFLOP/s by the FA2 convention: 4*b*h*s^2*d, halved when "
-                      f"causal. Median of {max(args.rep, 20)} timed calls (CUDA events) after {args.warmup} "
+                      f"causal, x2.5 for the backward, x3.5 for forward + backward. Median of {max(args.rep, 20)} timed calls (CUDA events) after {args.warmup} "
                       f"warm-up calls. Inputs contiguous in each layout (ours (b,s,h,d), SDPA (b,h,s,d)). "
                       f"flash / cudnn / efficient: torch SDPA backends FLASH_ATTENTION / CUDNN_ATTENTION / "
                       f"EFFICIENT_ATTENTION. n/a: failed or unsupported.")
@@ -164,7 +190,7 @@ def main(argv=None):
                       + "  ".join(f"{k} {common.fmt_num(row['tflops'][k])}" for k in args.impls)
                       + "".join(f"\n    {k}: {e}" for k, e in row["errors"].items())
                       + "".join(f"\n    WARNING {w}" for w in row["warnings"]), flush=True)
-    name = f"fwd_{meta['gpu_slug']}" + ("" if args.dtype == "bf16" else f"_{args.dtype}")
+    name = f"{args.pass_}_{meta['gpu_slug']}" + ("" if args.dtype == "bf16" else f"_{args.dtype}")
     print()
     print(common.write_reports(args.out_dir, name, meta, rows, args.impls, peak))
 

@@ -2,7 +2,7 @@
 # Everything one GPU-machine call does, in stages, so a single call can build, test, check memory and benchmark.
 # Run from the repository root:  bash bench/gpu_session.sh build test memcheck bench
 # Stages: build (setup.py build_ext --inplace, all kernels unless FLASH_ATTN2_HDIMS/DTYPES say otherwise),
-# test (pytest), memcheck (compute-sanitizer over tests/memcheck_fwd.py), bench (mma peak + forward grid),
+# test (pytest), memcheck (compute-sanitizer over tests/memcheck.py), bench (mma peak + forward grid),
 # tune (bench/tune_fwd_tiles.py with $TUNE_ARGS). Results go to $OUT (default /tmp/flash_out).
 set -uo pipefail
 OUT=${OUT:-/tmp/flash_out}
@@ -31,7 +31,7 @@ for stage in "$@"; do
         ;;
     memcheck)
         timeout 240 compute-sanitizer --tool memcheck --error-exitcode 1 --print-limit 10 \
-            python3 tests/memcheck_fwd.py 2>&1 | tail -15 || status=1
+            python3 tests/memcheck.py 2>&1 | tail -15 || status=1
         ;;
     bench)
         python3 bench/mma_peak.py --out-dir "$OUT"

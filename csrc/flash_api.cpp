@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "flash_params.h"
+#include "flash_bwd_aux.h"
 #include "kernel_registry.h"
 
 namespace flash {
@@ -106,26 +107,28 @@ void check_device(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v)
                 ".x on ", q.device());
 }
 
-std::tuple<at::Tensor, at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                       double softmax_scale, bool causal) {
-    check_qkv(q, k, v);
-    // The kernel takes each row's maximum of the unscaled scores, which is the maximum of the scaled
+void check_scale(double softmax_scale) {
+    // The kernels take each row's maximum of the unscaled scores, which is the maximum of the scaled
     // ones only for a non-negative scale (flash_attn_func handles a negative scale by negating q).
-    TORCH_CHECK_VALUE(std::isfinite(softmax_scale) && softmax_scale >= 0,
+    // The scale also has to stay finite once it is a float multiplied by log2(e).
+    TORCH_CHECK_VALUE(std::isfinite(static_cast<float>(softmax_scale * M_LOG2E)) && softmax_scale >= 0,
                       "softmax_scale must be finite and non-negative, got ", std::to_string(softmax_scale));
-    check_device(q, k, v);
-    const FwdKernelKey key{q.scalar_type() == at::kBFloat16, kernel_head_dim(q.size(3)), causal};
-    const FwdLauncher launcher = find_fwd_launcher(key);
-    TORCH_CHECK(launcher != nullptr, "flash_attn_cuda was built without the forward kernel ", fwd_kernel_name(key),
+}
+
+template <typename Launcher>
+Launcher require_launcher(Launcher launcher, const char* pass, const KernelKey& key) {
+    TORCH_CHECK(launcher != nullptr, "flash_attn_cuda was built without the kernel ", kernel_name(pass, key),
                 "; rebuild with FLASH_ATTN2_HDIMS and FLASH_ATTN2_DTYPES covering it");
+    return launcher;
+}
 
-    const c10::cuda::CUDAGuard device_guard(q.device());
-    const int64_t batch = q.size(0), seqlen_q = q.size(1), nheads = q.size(2), head_dim = q.size(3);
-    at::Tensor out = at::empty({batch, seqlen_q, nheads, head_dim}, q.options());
-    at::Tensor lse = at::empty({batch, nheads, seqlen_q}, q.options().dtype(at::kFloat));
-    if (out.numel() == 0) { return {out, lse}; }
+KernelKey kernel_key(const at::Tensor& q, bool causal) {
+    return {q.scalar_type() == at::kBFloat16, kernel_head_dim(q.size(3)), causal};
+}
 
-    FwdParams params{};
+// Everything both passes read: inputs, output, LSE, sizes and the scale.
+void set_fwd_params(FwdParams& params, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                    const at::Tensor& out, const at::Tensor& lse, double softmax_scale) {
     params.q_ptr = q.data_ptr();
     params.k_ptr = k.data_ptr();
     params.v_ptr = v.data_ptr();
@@ -143,30 +146,140 @@ std::tuple<at::Tensor, at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k,
     params.o_batch_stride = out.stride(0);
     params.o_row_stride = out.stride(1);
     params.o_head_stride = out.stride(2);
-    params.batch = static_cast<int>(batch);
-    params.seqlen_q = static_cast<int>(seqlen_q);
+    params.batch = static_cast<int>(q.size(0));
+    params.seqlen_q = static_cast<int>(q.size(1));
     params.seqlen_k = static_cast<int>(k.size(1));
-    params.num_heads = static_cast<int>(nheads);
+    params.num_heads = static_cast<int>(q.size(2));
     params.num_heads_k = static_cast<int>(k.size(2));
-    params.head_dim = static_cast<int>(head_dim);
+    params.head_dim = static_cast<int>(q.size(3));
     params.softmax_scale = static_cast<float>(softmax_scale);
     // A zero or denormal scale would turn masked scores into NaN (-inf * 0); the smallest normal float
     // keeps them at -inf, and every other exp2 argument still rounds to the same value (0).
     params.softmax_scale_log2 = std::max(static_cast<float>(softmax_scale * M_LOG2E), FLT_MIN);
+}
 
+std::tuple<at::Tensor, at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                       double softmax_scale, bool causal, bool /*deterministic: backward only*/) {
+    check_qkv(q, k, v);
+    check_scale(softmax_scale);
+    check_device(q, k, v);
+    const KernelKey key = kernel_key(q, causal);
+    const FwdLauncher launcher = require_launcher(find_fwd_launcher(key), "fwd", key);
+
+    const c10::cuda::CUDAGuard device_guard(q.device());
+    at::Tensor out = at::empty(q.sizes(), q.options());
+    at::Tensor lse = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
+    if (out.numel() == 0) { return {out, lse}; }
+
+    FwdParams params{};
+    set_fwd_params(params, q, k, v, out, lse, softmax_scale);
     const cudaError_t err = launcher(params, c10::cuda::getCurrentCUDAStream());
     TORCH_CHECK(err == cudaSuccess, "flash_attn2::fwd kernel launch failed: ", cudaGetErrorString(err));
     return {out, lse};
+}
+
+// dout and out must match q's shape and dtype; lse is the forward's (batch, nheads, seqlen_q) fp32 output.
+void check_bwd_inputs(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& out, const at::Tensor& lse) {
+    TORCH_CHECK_VALUE(dout.sizes() == q.sizes(), "dout must have the shape of q ", shape_str(q.sizes()), ", got ",
+                      shape_str(dout.sizes()));
+    TORCH_CHECK_VALUE(out.sizes() == q.sizes(), "out must have the shape of q ", shape_str(q.sizes()), ", got ",
+                      shape_str(out.sizes()));
+    TORCH_CHECK_TYPE(dout.scalar_type() == q.scalar_type(), "dout must have the dtype of q (", q.scalar_type(),
+                     "), got ", dout.scalar_type());
+    TORCH_CHECK_TYPE(out.scalar_type() == q.scalar_type(), "out must have the dtype of q (", q.scalar_type(),
+                     "), got ", out.scalar_type());
+    TORCH_CHECK_TYPE(lse.scalar_type() == at::kFloat, "softmax_lse must be float32, got ", lse.scalar_type());
+    const int64_t expected_lse[] = {q.size(0), q.size(2), q.size(1)};
+    TORCH_CHECK_VALUE(lse.sizes() == at::IntArrayRef(expected_lse), "softmax_lse must have shape ",
+                      shape_str(expected_lse), ", got ", shape_str(lse.sizes()));
+    check_layout(dout, "dout");
+    check_layout(out, "out");
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                                                   const at::Tensor& v, const at::Tensor& out,
+                                                   const at::Tensor& softmax_lse, double softmax_scale, bool causal,
+                                                   bool deterministic) {
+    check_qkv(q, k, v);
+    check_bwd_inputs(dout, q, out, softmax_lse);
+    check_scale(softmax_scale);
+    check_device(q, k, v);
+    check_same_device(dout, "dout", q);
+    check_same_device(out, "out", q);
+    TORCH_CHECK_VALUE(softmax_lse.device() == q.device(), "softmax_lse must be on the device of q");
+    const KernelKey key = kernel_key(q, causal);
+    const BwdLauncher launcher = require_launcher(find_bwd_launcher(key), "bwd", key);
+
+    const c10::cuda::CUDAGuard device_guard(q.device());
+    const int64_t batch = q.size(0), seqlen_q = q.size(1), nheads = q.size(2), head_dim = q.size(3);
+    const int64_t seqlen_k = k.size(1), nheads_k = k.size(2);
+    if (q.numel() == 0 || k.numel() == 0) {
+        return {at::zeros_like(q), at::zeros_like(k), at::zeros_like(v)};
+    }
+    const at::Tensor lse = softmax_lse.contiguous();
+    const auto fp32 = q.options().dtype(at::kFloat);
+    at::Tensor dsum = at::empty({batch, nheads, seqlen_q}, fp32);
+    const int64_t dq_accum_seqlen = (seqlen_q + kBwdBlockM - 1) / kBwdBlockM * kBwdBlockM;
+    at::Tensor dq_accum = at::zeros({batch, nheads, dq_accum_seqlen, key.head_dim}, fp32);
+    at::Tensor dq = at::empty({batch, seqlen_q, nheads, head_dim}, q.options());
+    // One dK/dV slice per query head; query heads that share a k/v head are summed afterwards.
+    at::Tensor dk_heads = at::empty({batch, seqlen_k, nheads, head_dim}, q.options());
+    at::Tensor dv_heads = at::empty({batch, seqlen_k, nheads, head_dim}, q.options());
+    at::Tensor dq_semaphore;
+    if (deterministic) {
+        dq_semaphore = at::zeros({batch, nheads, (seqlen_q + kBwdBlockM - 1) / kBwdBlockM}, q.options().dtype(at::kInt));
+    }
+
+    BwdParams params{};
+    set_fwd_params(params, q, k, v, out, lse, softmax_scale);
+    params.do_ptr = dout.data_ptr();
+    params.do_batch_stride = dout.stride(0);
+    params.do_row_stride = dout.stride(1);
+    params.do_head_stride = dout.stride(2);
+    params.dsum_ptr = dsum.data_ptr<float>();
+    params.dq_accum_ptr = dq_accum.data_ptr<float>();
+    params.dq_ptr = dq.data_ptr();
+    params.dk_ptr = dk_heads.data_ptr();
+    params.dv_ptr = dv_heads.data_ptr();
+    params.dk_batch_stride = dk_heads.stride(0);
+    params.dk_row_stride = dk_heads.stride(1);
+    params.dk_head_stride = dk_heads.stride(2);
+    params.dq_semaphore_ptr = deterministic ? dq_semaphore.data_ptr<int>() : nullptr;
+    params.dq_accum_seqlen = static_cast<int>(dq_accum_seqlen);
+    params.dq_accum_head_dim = key.head_dim;
+    params.deterministic = deterministic;
+    const bool is_bf16 = key.is_bf16;
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+    cudaError_t err = run_bwd_dot_do_o(params, is_bf16, stream);
+    if (err == cudaSuccess) { err = launcher(params, stream); }
+    if (err == cudaSuccess) { err = run_bwd_convert_dq(params, is_bf16, stream); }
+    TORCH_CHECK(err == cudaSuccess, "flash_attn2::bwd kernel launch failed: ", cudaGetErrorString(err));
+
+    if (nheads == nheads_k) { return {dq, dk_heads, dv_heads}; }
+    const int64_t group = nheads / nheads_k;
+    auto sum_group = [&](const at::Tensor& heads) {
+        return heads.view({batch, seqlen_k, nheads_k, group, head_dim}).sum(3, false, at::kFloat).to(q.scalar_type());
+    };
+    return {dq, sum_group(dk_heads), sum_group(dv_heads)};
 }
 
 }  // namespace
 }  // namespace flash
 
 TORCH_LIBRARY(flash_attn2, m) {
-    m.def("fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal) -> (Tensor out, Tensor softmax_lse)");
-    m.def("compiled_kernels() -> str[]", [] { return flash::compiled_fwd_kernels(); });
+    m.def("fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal, bool deterministic=False) -> "
+          "(Tensor out, Tensor softmax_lse)");
+    m.def("bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, float softmax_scale, "
+          "bool causal, bool deterministic=False) -> (Tensor dq, Tensor dk, Tensor dv)");
+    m.def("compiled_kernels() -> str[]", [] { return flash::compiled_kernels(); });
 }
 
-// The CPU registration only exists to reject CPU tensors with a message that names the argument.
-TORCH_LIBRARY_IMPL(flash_attn2, CUDA, m) { m.impl("fwd", &flash::fwd); }
-TORCH_LIBRARY_IMPL(flash_attn2, CPU, m) { m.impl("fwd", &flash::fwd); }
+// The CPU registrations only exist to reject CPU tensors with a message that names the argument.
+TORCH_LIBRARY_IMPL(flash_attn2, CUDA, m) {
+    m.impl("fwd", &flash::fwd);
+    m.impl("bwd", &flash::bwd);
+}
+TORCH_LIBRARY_IMPL(flash_attn2, CPU, m) {
+    m.impl("fwd", &flash::fwd);
+    m.impl("bwd", &flash::bwd);
+}

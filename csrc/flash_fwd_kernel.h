@@ -58,15 +58,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const _
     const int n_block_end = mask.n_block_end(m_block);
 
     // Global memory views. Tiles may run past seqlen or head_dim; those positions are predicated.
-    const auto* q_base = static_cast<const Element*>(params.q_ptr) + binfo.q_offset(params, batch_idx, head_idx);
-    const auto* k_base = static_cast<const Element*>(params.k_ptr) + binfo.k_offset(params, batch_idx, head_idx_k);
-    const auto* v_base = static_cast<const Element*>(params.v_ptr) + binfo.v_offset(params, batch_idx, head_idx_k);
-    Tensor mQ = make_tensor(make_gmem_ptr(q_base), make_shape(binfo.seqlen_q, params.head_dim),
-                            make_stride(params.q_row_stride, _1{}));  // (seqlen_q, head_dim)
-    Tensor mK = make_tensor(make_gmem_ptr(k_base), make_shape(binfo.seqlen_k, params.head_dim),
-                            make_stride(params.k_row_stride, _1{}));  // (seqlen_k, head_dim)
-    Tensor mV = make_tensor(make_gmem_ptr(v_base), make_shape(binfo.seqlen_k, params.head_dim),
-                            make_stride(params.v_row_stride, _1{}));  // (seqlen_k, head_dim)
+    Tensor mQ = binfo.q_view<Element>(params, batch_idx, head_idx);    // (seqlen_q, head_dim)
+    Tensor mK = binfo.k_view<Element>(params, batch_idx, head_idx_k);  // (seqlen_k, head_dim)
+    Tensor mV = binfo.v_view<Element>(params, batch_idx, head_idx_k);  // (seqlen_k, head_dim)
     Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));  // (kBlockM, kHeadDim)
     Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));  // (kBlockN, kHeadDim, n)
     Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));  // (kBlockN, kHeadDim, n)
@@ -187,9 +181,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const _
     }
 
     __syncthreads();
-    auto* o_base = static_cast<Element*>(params.o_ptr) + binfo.o_offset(params, batch_idx, head_idx);
-    Tensor mO = make_tensor(make_gmem_ptr(o_base), make_shape(binfo.seqlen_q, params.head_dim),
-                            make_stride(params.o_row_stride, _1{}));  // (seqlen_q, head_dim)
+    Tensor mO = binfo.o_view<Element>(params, batch_idx, head_idx);  // (seqlen_q, head_dim)
     Tensor gO = local_tile(mO, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));  // (kBlockM, kHeadDim)
     typename Traits::GmemTiledCopyO gmem_tiled_copy_O;
     auto gmem_thr_copy_O = gmem_tiled_copy_O.get_thread_slice(tidx);

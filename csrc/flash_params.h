@@ -39,4 +39,30 @@ struct FwdParams {
     float softmax_scale_log2;  // softmax_scale * log2(e), so the kernel can use exp2
 };
 
+// Query rows per block of every backward kernel; the host sizes the deterministic-mode semaphores with it.
+constexpr int kBwdBlockM = 64;
+
+// The backward reads everything the forward read (q, k, v, out, lse) plus these.
+struct BwdParams : FwdParams {
+    const void* __restrict__ do_ptr;   // (batch, seqlen_q, num_heads, head_dim), gradient of out
+    float* __restrict__ dsum_ptr;      // (batch, num_heads, seqlen_q) contiguous: rowsum(dout * out), fp32
+    float* __restrict__ dq_accum_ptr;  // (batch, num_heads, dq_accum_seqlen, dq_accum_head_dim) contiguous fp32, zeroed
+    void* __restrict__ dq_ptr;         // (batch, seqlen_q, num_heads, head_dim) contiguous: dq_accum * scale
+    void* __restrict__ dk_ptr;         // (batch, seqlen_k, num_heads, head_dim): one slice per query head
+    void* __restrict__ dv_ptr;         // (batch, seqlen_k, num_heads, head_dim): one slice per query head
+    int* dq_semaphore_ptr;             // (batch, num_heads, ceil(seqlen_q / kBwdBlockM)) zeroed; deterministic only
+
+    index_t do_batch_stride;  // elements between consecutive batches of dout
+    index_t do_row_stride;    // elements between consecutive tokens of dout
+    index_t do_head_stride;   // elements between consecutive heads of dout
+    index_t dk_batch_stride;  // same three for dk and dv (allocated alike)
+    index_t dk_row_stride;
+    index_t dk_head_stride;
+
+    int dq_accum_seqlen;    // seqlen_q rounded up to whole kBwdBlockM blocks
+    int dq_accum_head_dim;  // the kernel's compile-time head dim (>= head_dim)
+
+    bool deterministic;  // key blocks add into dQ in a fixed order (dq_semaphore_ptr)
+};
+
 }  // namespace flash

@@ -1,46 +1,50 @@
 #include "kernel_registry.h"
 
-#include <algorithm>
 #include <map>
-#include <tuple>
 
 namespace flash {
 
 namespace {
 
-using KeyTuple = std::tuple<bool, int, bool>;
-
 // Function-local so registration from other translation units' static initializers is order-safe.
-std::map<KeyTuple, FwdLauncher>& fwd_table() {
-    static std::map<KeyTuple, FwdLauncher> table;
+template <typename Launcher>
+std::map<std::string, Launcher>& launcher_table() {
+    static std::map<std::string, Launcher> table;
     return table;
 }
 
-KeyTuple as_tuple(const FwdKernelKey& key) { return {key.is_bf16, key.head_dim, key.causal}; }
+template <typename Launcher>
+Launcher find_launcher(const std::string& name) {
+    const auto& table = launcher_table<Launcher>();
+    const auto it = table.find(name);
+    return it == table.end() ? nullptr : it->second;
+}
 
 }  // namespace
 
-std::string fwd_kernel_name(const FwdKernelKey& key) {
-    return "fwd_hdim" + std::to_string(key.head_dim) + (key.is_bf16 ? "_bf16" : "_fp16") +
+std::string kernel_name(const char* pass, const KernelKey& key) {
+    return std::string(pass) + "_hdim" + std::to_string(key.head_dim) + (key.is_bf16 ? "_bf16" : "_fp16") +
            (key.causal ? "_causal" : "_noncausal");
 }
 
-bool register_fwd_launcher(const FwdKernelKey& key, FwdLauncher launcher) {
-    fwd_table()[as_tuple(key)] = launcher;
+bool register_launcher(const KernelKey& key, FwdLauncher launcher) {
+    launcher_table<FwdLauncher>()[kernel_name("fwd", key)] = launcher;
     return true;
 }
 
-FwdLauncher find_fwd_launcher(const FwdKernelKey& key) {
-    auto it = fwd_table().find(as_tuple(key));
-    return it == fwd_table().end() ? nullptr : it->second;
+bool register_launcher(const KernelKey& key, BwdLauncher launcher) {
+    launcher_table<BwdLauncher>()[kernel_name("bwd", key)] = launcher;
+    return true;
 }
 
-std::vector<std::string> compiled_fwd_kernels() {
+FwdLauncher find_fwd_launcher(const KernelKey& key) { return find_launcher<FwdLauncher>(kernel_name("fwd", key)); }
+
+BwdLauncher find_bwd_launcher(const KernelKey& key) { return find_launcher<BwdLauncher>(kernel_name("bwd", key)); }
+
+std::vector<std::string> compiled_kernels() {
     std::vector<std::string> names;
-    for (const auto& [key, launcher] : fwd_table()) {
-        names.push_back(fwd_kernel_name({std::get<0>(key), std::get<1>(key), std::get<2>(key)}));
-    }
-    std::sort(names.begin(), names.end());
+    for (const auto& entry : launcher_table<FwdLauncher>()) { names.push_back(entry.first); }
+    for (const auto& entry : launcher_table<BwdLauncher>()) { names.push_back(entry.first); }
     return names;
 }
 

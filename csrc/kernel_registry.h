@@ -1,6 +1,6 @@
 // Runtime-to-compile-time dispatch: every generated instantiation file registers its launcher here,
-// and the op looks the launcher up by (dtype, head dim, causal). A build that skipped some
-// instantiations simply has fewer entries, so the op can name what is missing.
+// and the ops look launchers up by (pass, dtype, head dim, causal). A build that skipped some
+// instantiations simply has fewer entries, so the ops can name what is missing.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -12,30 +12,34 @@
 
 namespace flash {
 
-// Launches the kernel on `stream` and returns the launch status.
+// Launch the kernel on `stream` and return the launch status.
 using FwdLauncher = cudaError_t (*)(const FwdParams&, cudaStream_t);
+using BwdLauncher = cudaError_t (*)(const BwdParams&, cudaStream_t);
 
-struct FwdKernelKey {
+struct KernelKey {
     bool is_bf16;
     int head_dim;  // the kernel's compile-time head dim
     bool causal;
 };
 
-std::string fwd_kernel_name(const FwdKernelKey& key);
+// "fwd_hdim128_bf16_causal", the same name as the generated file.
+std::string kernel_name(const char* pass, const KernelKey& key);
 
-// Registers a launcher; called from static initializers in the instantiation files.
-bool register_fwd_launcher(const FwdKernelKey& key, FwdLauncher launcher);
+// Called from static initializers in the instantiation files.
+bool register_launcher(const KernelKey& key, FwdLauncher launcher);
+bool register_launcher(const KernelKey& key, BwdLauncher launcher);
 
-// Returns nullptr when the build does not contain this configuration.
-FwdLauncher find_fwd_launcher(const FwdKernelKey& key);
+// nullptr when the build does not contain this configuration.
+FwdLauncher find_fwd_launcher(const KernelKey& key);
+BwdLauncher find_bwd_launcher(const KernelKey& key);
 
-std::vector<std::string> compiled_fwd_kernels();
+std::vector<std::string> compiled_kernels();
 
 }  // namespace flash
 
-// Used once per generated .cu file.
-#define FLASH_REGISTER_FWD(ELEMENT, IS_BF16, HEAD_DIM, CAUSAL, TAG)                                   \
-    namespace {                                                                                    \
-    const bool registered_##TAG = ::flash::register_fwd_launcher(                                  \
-        ::flash::FwdKernelKey{IS_BF16, HEAD_DIM, CAUSAL}, &::flash::run_fwd<ELEMENT, HEAD_DIM, CAUSAL>); \
+// Used once per generated .cu file; RUN is run_fwd or run_bwd.
+#define FLASH_REGISTER_KERNEL(RUN, ELEMENT, IS_BF16, HEAD_DIM, CAUSAL, TAG)                      \
+    namespace {                                                                               \
+    const bool registered_##TAG = ::flash::register_launcher(                                 \
+        ::flash::KernelKey{IS_BF16, HEAD_DIM, CAUSAL}, &::flash::RUN<ELEMENT, HEAD_DIM, CAUSAL>); \
     }

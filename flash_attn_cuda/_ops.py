@@ -11,11 +11,37 @@ _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
 @torch.library.register_fake("flash_attn2::fwd")
-def _fwd_fake(q, k, v, softmax_scale, causal):
+def _fwd_fake(q, k, v, softmax_scale, causal, deterministic=False):
     batch, seqlen_q, nheads, head_dim = q.shape
     out = q.new_empty((batch, seqlen_q, nheads, head_dim))
     softmax_lse = q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
     return out, softmax_lse
+
+
+@torch.library.register_fake("flash_attn2::bwd")
+def _bwd_fake(dout, q, k, v, out, softmax_lse, softmax_scale, causal, deterministic=False):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _fwd_setup_context(ctx, inputs, output):
+    q, k, v, softmax_scale, causal, *rest = inputs
+    out, softmax_lse = output
+    ctx.save_for_backward(q, k, v, out, softmax_lse)
+    ctx.softmax_scale = softmax_scale
+    ctx.causal = causal
+    ctx.deterministic = bool(rest[0]) if rest else False
+
+
+def _fwd_backward(ctx, grad_out, grad_softmax_lse):
+    # The LSE is an auxiliary output: its gradient is not propagated (as in flash-attn 2.x).
+    q, k, v, out, softmax_lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.flash_attn2.bwd(
+        grad_out.contiguous(), q, k, v, out, softmax_lse, ctx.softmax_scale, ctx.causal, ctx.deterministic,
+    )
+    return dq, dk, dv, None, None, None
+
+
+torch.library.register_autograd("flash_attn2::fwd", _fwd_backward, setup_context=_fwd_setup_context)
 
 
 @functools.cache
@@ -32,9 +58,14 @@ def kernel_head_dim(head_dim: int) -> int:
     raise ValueError(f"head_dim must be at most {KERNEL_HEAD_DIMS[-1]}, got {head_dim}")
 
 
-def kernel_available(head_dim: int, dtype: torch.dtype, causal: bool) -> bool:
-    """Whether this build contains the forward kernel that a call with these settings needs."""
+def kernel_available(head_dim: int, dtype: torch.dtype, causal: bool, backward: bool = False) -> bool:
+    """Whether this build contains the forward kernel (and, with ``backward``, also the backward kernel)
+    that a call with these settings needs."""
     if dtype not in _DTYPE_NAMES:
         return False
-    name = f"fwd_hdim{kernel_head_dim(head_dim)}_{_DTYPE_NAMES[dtype]}_{'causal' if causal else 'noncausal'}"
+    suffix = f"hdim{kernel_head_dim(head_dim)}_{_DTYPE_NAMES[dtype]}_{'causal' if causal else 'noncausal'}"
+    names = compiled_kernels()
+    if backward and f"bwd_{suffix}" not in names:
+        return False
+    name = f"fwd_{suffix}"
     return name in compiled_kernels()

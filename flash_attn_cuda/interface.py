@@ -21,13 +21,13 @@ def _kernel_ready(x: torch.Tensor, head_dim: int) -> torch.Tensor:
     """Pads head_dim to a multiple of 8 and copies only when strides or alignment rule out 16-byte loads."""
     if head_dim % _ALIGN_ELEMS != 0:
         x = F.pad(x, (0, _ALIGN_ELEMS - head_dim % _ALIGN_ELEMS))
-    aligned = (
-        x.stride(-1) == 1
-        and all(s % _ALIGN_ELEMS == 0 for size, s in zip(x.shape[:-1], x.stride()[:-1]) if size > 1)
-        # Allocations are 16-byte aligned, so the view's offset decides; unlike data_ptr() this also
-        # works on fake tensors under torch.compile.
-        and x.storage_offset() * x.element_size() % 16 == 0
+    aligned = x.stride(-1) == 1 and all(
+        s % _ALIGN_ELEMS == 0 for size, s in zip(x.shape[:-1], x.stride()[:-1]) if size > 1
     )
+    # Allocations are 16-byte aligned, so the view's offset decides. Dynamo cannot trace storage_offset()
+    # into a graph; under torch.compile a misaligned view is reported by the op's own check instead.
+    if aligned and not torch.compiler.is_compiling():
+        aligned = x.storage_offset() * x.element_size() % 16 == 0
     return x if aligned else x.contiguous()
 
 
@@ -55,7 +55,8 @@ def flash_attn_func(
         causal: query i attends to key j only if j <= i + seqlen_k - seqlen_q (aligned to the bottom-right
             corner of the score matrix). Queries that see no key produce zeros.
         window_size, softcap, alibi_slopes: accepted for signature compatibility; only the defaults are supported so far.
-        deterministic: no effect on the forward pass.
+        deterministic: make the backward pass bitwise reproducible (dq is summed in a fixed order, at some cost
+            in speed); no effect on the forward pass.
         return_attn_probs: also return the log-sum-exp and the dropout mask (None without dropout).
 
     head_dim may be any size up to 256; sizes that are not a multiple of 8 are zero-padded internally.
@@ -79,7 +80,7 @@ def flash_attn_func(
         # (-q) k^T * |scale| equals q k^T * scale; the kernel needs a non-negative scale.
         q, softmax_scale = -q, -softmax_scale
     q, k, v = (_kernel_ready(t, head_dim) for t in (q, k, v))
-    out, softmax_lse = torch.ops.flash_attn2.fwd(q, k, v, float(softmax_scale), bool(causal))
+    out, softmax_lse = torch.ops.flash_attn2.fwd(q, k, v, float(softmax_scale), bool(causal), bool(deterministic))
     if out.shape[-1] != head_dim:
         out = out[..., :head_dim]
     if return_attn_probs:

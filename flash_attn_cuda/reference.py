@@ -41,21 +41,19 @@ def attention_ref(q, k, v, softmax_scale=None, causal=False, upcast=True):
 
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * softmax_scale
     seqlen_q, seqlen_k = scores.shape[-2:]
-    empty_rows = None
-    if causal:
-        row = torch.arange(seqlen_q, device=q.device).unsqueeze(1)
-        col = torch.arange(seqlen_k, device=q.device).unsqueeze(0)
-        hidden = col > row + (seqlen_k - seqlen_q)
-        scores = scores.masked_fill(hidden, float("-inf"))
-        empty_rows = hidden.all(dim=-1)  # (seqlen_q,): rows with no visible key
+    row = torch.arange(seqlen_q, device=q.device).unsqueeze(1)
+    col = torch.arange(seqlen_k, device=q.device).unsqueeze(0)
+    visible = col <= row + (seqlen_k - seqlen_q) if causal else torch.ones_like(col <= row)
+    scores = scores.masked_fill(~visible, float("-inf"))
 
     probs = torch.softmax(scores, dim=-1)
     lse = torch.logsumexp(scores, dim=-1).float()
-    if empty_rows is not None:
-        # softmax of an all -inf row is NaN and its logsumexp is -inf; the kernel's convention
-        # is out = 0 and lse = +inf, so that exp(score - lse) is 0 for such rows.
-        probs = probs.masked_fill(empty_rows.unsqueeze(-1), 0.0)
-        lse = lse.masked_fill(empty_rows, float("inf"))
+    # A row with no visible key (causal with seqlen_q > seqlen_k, or seqlen_k == 0) has a NaN softmax
+    # and a logsumexp of -inf; the kernel's convention is out = 0 and lse = +inf, so that
+    # exp(score - lse) is 0 for such rows.
+    empty_rows = ~visible.any(dim=-1)  # (seqlen_q,)
+    probs = probs.masked_fill(empty_rows.unsqueeze(-1), 0.0)
+    lse = lse.masked_fill(empty_rows, float("inf"))
 
     out = torch.einsum("bhqk,bkhd->bqhd", probs, v)
     return out, lse

@@ -39,7 +39,7 @@ def compiled_config(causal=False):
 def test_fwd_schema():
     schema = str(fwd.default._schema)
     assert schema.startswith("flash_attn2::fwd(")
-    for arg in ("Tensor q", "Tensor k", "Tensor v", "float softmax_scale", "bool causal"):
+    for arg in ("Tensor q", "Tensor k", "Tensor v", "float softmax_scale", "bool causal", "bool deterministic=False"):
         assert arg in schema, schema
     assert "-> (Tensor out, Tensor softmax_lse)" in schema, schema
 
@@ -48,7 +48,8 @@ def test_compiled_kernels_names():
     names = torch.ops.flash_attn2.compiled_kernels()
     assert isinstance(names, list) and names
     valid = {
-        f"fwd_hdim{d}_{t}_{c}"
+        f"{p}_hdim{d}_{t}_{c}"
+        for p in ("fwd", "bwd")
         for d in KERNEL_HEAD_DIMS
         for t in ("fp16", "bf16")
         for c in ("causal", "noncausal")
@@ -128,6 +129,84 @@ def test_torchscript_compiles():
     assert "flash_attn2::fwd" in str(scripted.graph)
 
 
+def test_bwd_schema():
+    schema = str(torch.ops.flash_attn2.bwd.default._schema)
+    for arg in ("Tensor dout", "Tensor q", "Tensor k", "Tensor v", "Tensor out", "Tensor softmax_lse",
+                "float softmax_scale", "bool causal", "bool deterministic=False"):
+        assert arg in schema, (arg, schema)
+    assert "-> (Tensor dq, Tensor dk, Tensor dv)" in schema
+
+
+def test_bwd_fake_shapes_gqa():
+    with FakeTensorMode():
+        q, k, v = qkv(b=2, sq=33, sk=17, h=6, hk=2, d=64)
+        out, lse = torch.ops.flash_attn2.fwd(q, k, v, 0.125, True)
+        dq, dk, dv = torch.ops.flash_attn2.bwd(torch.empty_like(out), q, k, v, out, lse, 0.125, True)
+        assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+        assert dq.dtype == q.dtype and dk.dtype == k.dtype
+
+
+def test_autograd_through_fake_op():
+    # Autograd is registered on the op: meta inputs run the fake forward and backward.
+    q, k, v = (t.to("meta").requires_grad_() for t in qkv(h=4, hk=2))
+    out = flash_attn_func(q, k, v, causal=True)
+    dq, dk, dv = torch.autograd.grad(out.sum(), (q, k, v))
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+
+
+def bwd_args(**overrides):
+    q, k, v = qkv()
+    args = dict(dout=torch.randn_like(q), q=q, k=k, v=v, out=torch.randn_like(q),
+                softmax_lse=torch.randn(q.shape[0], q.shape[2], q.shape[1]))
+    args.update(overrides)
+    return args
+
+
+@pytest.mark.parametrize("name, bad", [
+    ("dout", lambda a: a["dout"][:, :-1]),
+    ("dout", lambda a: a["dout"].to(torch.bfloat16)),
+    ("out", lambda a: a["out"][:, :, :-1]),
+    ("softmax_lse", lambda a: a["softmax_lse"].half()),
+    ("softmax_lse", lambda a: a["softmax_lse"][:, :, :-1]),
+    ("dout", lambda a: torch.randn(2, 16, 4, 128, dtype=torch.float16)[..., ::2]),
+])
+def test_bwd_rejects_bad_gradient_inputs(name, bad):
+    args = bwd_args()
+    args[name] = bad(args)
+    with pytest.raises(BAD_INPUT, match=name):
+        torch.ops.flash_attn2.bwd(args["dout"], args["q"], args["k"], args["v"], args["out"], args["softmax_lse"],
+                                  0.125, False)
+
+
+def test_bwd_rejects_cpu_tensors():
+    args = bwd_args()
+    with pytest.raises(BAD_INPUT, match="CUDA"):
+        torch.ops.flash_attn2.bwd(*args.values(), 0.125, False)
+
+
+# ---------------------------------------------------------------- torch.compile
+
+
+@pytest.mark.parametrize("head_dim", [64, 40])
+def test_torch_compile_fullgraph(head_dim):
+    # Dynamo must trace flash_attn_func (padding, the op, slicing) into one graph. Meta inputs let
+    # the compiled graph run through the fake implementation without a GPU.
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    attend = torch.compile(lambda q, k, v: flash_attn_func(q, k, v, causal=True), backend=capture, fullgraph=True)
+    q, k, v = (t.to("meta") for t in qkv(b=2, sq=33, sk=17, h=4, hk=2, d=head_dim))
+    out = attend(q, k, v)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert len(graphs) == 1
+    targets = [node.target for node in graphs[0].graph.nodes]
+    assert torch.ops.flash_attn2.fwd in targets or torch.ops.flash_attn2.fwd.default in targets
+
+
 # ---------------------------------------------------------------- reference
 
 
@@ -193,6 +272,15 @@ def test_reference_empty_rows():
     assert torch.all(out[:, :4] == 0)
     assert torch.all(torch.isposinf(lse[:, :, :4]))
     assert torch.isfinite(out).all() and torch.isfinite(lse[:, :, 4:]).all()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_reference_no_keys(causal):
+    # seqlen_k == 0: every row sees no key, with the same convention as the causal case.
+    q, k, v = qkv(2, 5, 0, 2, 2, 8, torch.float32)
+    out, lse = attention_ref(q, k, v, causal=causal)
+    assert out.shape == q.shape and torch.all(out == 0)
+    assert lse.shape == (2, 2, 5) and torch.all(torch.isposinf(lse))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -295,7 +383,7 @@ def test_rejects_nheads_not_multiple_of_nheads_k(call):
         fwd(q, k, v, 0.125, False) if call == "op" else flash_attn_func(q, k, v)
 
 
-@pytest.mark.parametrize("scale", [-0.125, float("nan"), float("inf")])
+@pytest.mark.parametrize("scale", [-0.125, float("nan"), float("inf"), 1e39])
 def test_op_rejects_bad_softmax_scale(scale):
     # The op needs a finite, non-negative scale; flash_attn_func turns a negative one into -q.
     q, k, v = qkv()

@@ -1,0 +1,88 @@
+#include "flash_bwd_aux.h"
+
+#include <cutlass/array.h>
+#include <cutlass/numeric_conversion.h>
+#include <cutlass/numeric_types.h>
+
+namespace flash {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kVec = 8;                                  // elements per 16-byte access
+constexpr int kLanesPerRow = 8;                          // D: a row is summed by 8 lanes, 64 columns per step
+constexpr int kTokensPerBlock = kThreads / kLanesPerRow;  // both kernels: grid (token blocks, heads, batch)
+
+// D = rowsum(dO * O) for kTokensPerBlock tokens of one (batch, head), written in the LSE layout.
+template <typename Element>
+__global__ void __launch_bounds__(kThreads) dot_do_o_kernel(const __grid_constant__ BwdParams params) {
+    const int s = blockIdx.x * kTokensPerBlock + threadIdx.x / kLanesPerRow;
+    const int h = blockIdx.y;
+    const int b = blockIdx.z;
+    const int lane = threadIdx.x % kLanesPerRow;
+    float sum = 0.f;
+    if (s < params.seqlen_q) {
+        const auto* dout = static_cast<const Element*>(params.do_ptr) + b * params.do_batch_stride +
+                           s * params.do_row_stride + h * params.do_head_stride;
+        const auto* out = static_cast<const Element*>(params.o_ptr) + b * params.o_batch_stride +
+                          s * params.o_row_stride + h * params.o_head_stride;
+        for (int col = lane * kVec; col < params.head_dim; col += kLanesPerRow * kVec) {
+            const auto d = *reinterpret_cast<const cutlass::Array<Element, kVec>*>(dout + col);
+            const auto o = *reinterpret_cast<const cutlass::Array<Element, kVec>*>(out + col);
+#pragma unroll
+            for (int i = 0; i < kVec; ++i) { sum += float(d[i]) * float(o[i]); }
+        }
+    }
+#pragma unroll
+    for (int offset = kLanesPerRow / 2; offset > 0; offset /= 2) { sum += __shfl_xor_sync(0xffffffff, sum, offset); }
+    if (s < params.seqlen_q && lane == 0) {
+        params.dsum_ptr[(int64_t(b) * params.num_heads + h) * params.seqlen_q + s] = sum;
+    }
+}
+
+// dq (batch, seqlen_q, num_heads, head_dim) = softmax_scale * dq_accum (batch, num_heads, dq_accum_seqlen,
+// dq_accum_head_dim), for kTokensPerBlock tokens of one (batch, head).
+template <typename Element>
+__global__ void __launch_bounds__(kThreads) convert_dq_kernel(const __grid_constant__ BwdParams params) {
+    const int h = blockIdx.y;
+    const int b = blockIdx.z;
+    const int vecs_per_row = params.head_dim / kVec;
+    const float* src = params.dq_accum_ptr + ((int64_t(b) * params.num_heads + h) * params.dq_accum_seqlen +
+                                              int64_t(blockIdx.x) * kTokensPerBlock) * params.dq_accum_head_dim;
+    // dq is allocated contiguous by the op.
+    const int64_t dst_row_stride = int64_t(params.num_heads) * params.head_dim;
+    auto* dst = static_cast<Element*>(params.dq_ptr) +
+                (int64_t(b) * params.seqlen_q + int64_t(blockIdx.x) * kTokensPerBlock) * dst_row_stride +
+                int64_t(h) * params.head_dim;
+    const int tokens = min(kTokensPerBlock, params.seqlen_q - int(blockIdx.x) * kTokensPerBlock);
+    cutlass::NumericArrayConverter<Element, float, kVec> convert;
+    for (int idx = threadIdx.x; idx < tokens * vecs_per_row; idx += kThreads) {
+        const int t = idx / vecs_per_row;
+        const int col = (idx % vecs_per_row) * kVec;
+        auto acc = *reinterpret_cast<const cutlass::Array<float, kVec>*>(src + t * params.dq_accum_head_dim + col);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) { acc[j] *= params.softmax_scale; }
+        *reinterpret_cast<cutlass::Array<Element, kVec>*>(dst + t * dst_row_stride + col) = convert(acc);
+    }
+}
+
+using AuxKernel = void (*)(BwdParams);
+
+cudaError_t launch(AuxKernel kernel, const BwdParams& params, cudaStream_t stream) {
+    const dim3 grid((params.seqlen_q + kTokensPerBlock - 1) / kTokensPerBlock, params.num_heads, params.batch);
+    if (grid.x == 0 || grid.y == 0 || grid.z == 0) { return cudaSuccess; }
+    kernel<<<grid, kThreads, 0, stream>>>(params);
+    return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t run_bwd_dot_do_o(const BwdParams& params, bool is_bf16, cudaStream_t stream) {
+    return launch(is_bf16 ? &dot_do_o_kernel<cutlass::bfloat16_t> : &dot_do_o_kernel<cutlass::half_t>, params, stream);
+}
+
+cudaError_t run_bwd_convert_dq(const BwdParams& params, bool is_bf16, cudaStream_t stream) {
+    return launch(is_bf16 ? &convert_dq_kernel<cutlass::bfloat16_t> : &convert_dq_kernel<cutlass::half_t>, params,
+                  stream);
+}
+
+}  // namespace flash

@@ -1,0 +1,358 @@
+// FlashAttention-2 backward kernel body. One CTA owns kBlockN keys of one (sequence, query head) and
+// walks the query blocks that can see them. P is recomputed from the saved LSE; dK and dV stay in
+// registers for the whole walk, and each step's dQ contribution is added to an fp32 buffer with atomics.
+#pragma once
+
+#include <cmath>
+
+#include <cute/tensor.hpp>
+#include <cutlass/array.h>
+#include <cutlass/numeric_conversion.h>
+#include <cutlass/numeric_types.h>
+
+#include "block_info.h"
+#include "flash_fwd_kernel.h"
+#include "flash_params.h"
+#include "kernel_traits.h"
+#include "mask.h"
+#include "utils.h"
+
+namespace flash {
+
+using namespace cute;
+
+// Writes an accumulator fragment (converted to Element, times scale) to global memory, skipping
+// positions at or past (max_row, max_col). coords are the fragment's (row, col) positions in the tile;
+// the two values of each MMA column pair are adjacent and go out as one 4-byte store.
+template <typename Element, class AccTensor, class CoordTensor, class GmemTensor>
+__forceinline__ __device__ void store_acc(const AccTensor& acc, const CoordTensor& coords, GmemTensor& gmem,
+                                          int max_row, int max_col, float scale) {
+    static_assert(decltype(size(acc))::value % 2 == 0);
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc); i += 2) {
+        const int row = get<0>(coords(i));
+        const int col = get<1>(coords(i));
+        if (row < max_row && col < max_col) {
+            cutlass::Array<Element, 2> pair;
+            pair[0] = static_cast<Element>(acc(i) * scale);
+            pair[1] = static_cast<Element>(acc(i + 1) * scale);
+            *reinterpret_cast<cutlass::Array<Element, 2>*>(&gmem(row, col)) = pair;
+        }
+    }
+}
+
+// Adds two adjacent fp32 values into global memory without waiting for a reply: one vector reduction on
+// sm_90, two scalar ones before it.
+__forceinline__ __device__ void red_add_pair(float* dst, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(dst), "f"(a), "f"(b) : "memory");
+#else
+    atomicAdd(dst, a);
+    atomicAdd(dst + 1, b);
+#endif
+}
+
+// Copies one fp32 value global -> shared with cp.async, or writes 0 when !valid.
+__forceinline__ __device__ void cp_async_f32_zfill(float* smem_dst, const float* gmem_src, bool valid) {
+    const uint32_t dst = cute::cast_smem_ptr_to_uint(smem_dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(gmem_src), "r"(valid ? 4 : 0));
+}
+
+__forceinline__ __device__ int load_acquire(const int* ptr) {
+    int value;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(value) : "l"(ptr) : "memory");
+    return value;
+}
+
+__forceinline__ __device__ void store_release(int* ptr, int value) {
+    asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(ptr), "r"(value) : "memory");
+}
+
+// A view of the same tensor one pipeline stage further on in shared memory. Stages are whole
+// multiples of the swizzle period apart, so offsetting the pointer equals offsetting the layout.
+template <int kStageElems, class SmemTensor>
+__forceinline__ __device__ auto at_stage(const SmemTensor& t, int stage) {
+    return make_tensor(t.data() + stage * kStageElems, t.layout());
+}
+
+template <class Traits, bool kCausal>
+__global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const __grid_constant__ BwdParams params) {
+    using Element = typename Traits::Element;
+    constexpr int kBlockM = Traits::kBlockM;
+    constexpr int kBlockN = Traits::kBlockN;
+    constexpr int kHeadDim = Traits::kHeadDim;
+    constexpr int kStagesQ = Traits::kStagesQ;
+    constexpr int kQElems = Traits::kSmemQElems;
+    constexpr int kDqChunk = Traits::kDqChunk;
+    using Mask = CausalMask<kBlockM, kBlockN, kCausal>;
+
+    // Deterministic causal runs key blocks from the last (fewest query blocks) to the first; see accumulate_dq.
+    const bool reversed = kCausal && params.deterministic;
+    const int n_block = reversed ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
+    const int batch_idx = blockIdx.y;
+    const int head_idx = blockIdx.z;
+    const int head_idx_k = head_idx / (params.num_heads / params.num_heads_k);
+    const int tidx = threadIdx.x;
+    const BlockInfo binfo(params);
+    const Mask mask(binfo.seqlen_q, binfo.seqlen_k);
+
+    const int m_block_end = (binfo.seqlen_q + kBlockM - 1) / kBlockM;
+    // The first query block with a row that sees a key of this block (causal: row >= key - (sk - sq)).
+    int m_block_begin = 0;
+    if constexpr (kCausal) {
+        const int first_row = n_block * kBlockN - (binfo.seqlen_k - binfo.seqlen_q);
+        m_block_begin = first_row <= 0 ? 0 : min(first_row / kBlockM, m_block_end);
+    }
+
+    const index_t lse_offset = (index_t(batch_idx) * params.num_heads + head_idx) * params.seqlen_q;
+    const float* lse_row = params.lse_ptr + lse_offset;
+    const float* dsum_row = params.dsum_ptr + lse_offset;
+    // dq_accum is (batch, num_heads, dq_accum_seqlen, kHeadDim): compile-time strides inside a head, and
+    // whole query blocks, so the reductions need neither address arithmetic nor bounds checks (rows past
+    // seqlen_q and columns past head_dim only ever receive zeros).
+    float* dq_head = params.dq_accum_ptr +
+                     (index_t(batch_idx) * params.num_heads + head_idx) * params.dq_accum_seqlen * kHeadDim;
+
+    Tensor mQ = binfo.q_view<Element>(params, batch_idx, head_idx);      // (seqlen_q, head_dim)
+    Tensor mdO = binfo.do_view<Element>(params, batch_idx, head_idx);    // (seqlen_q, head_dim)
+    Tensor mK = binfo.k_view<Element>(params, batch_idx, head_idx_k);    // (seqlen_k, head_dim)
+    Tensor mV = binfo.v_view<Element>(params, batch_idx, head_idx_k);    // (seqlen_k, head_dim)
+    Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, 0));    // (kBlockM, kHeadDim, m)
+    Tensor gdO = local_tile(mdO, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, 0));  // (kBlockM, kHeadDim, m)
+    Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));  // (kBlockN, kHeadDim)
+    Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));  // (kBlockN, kHeadDim)
+
+    // Shared memory: Q and dO (kStagesQ stages each), K, V, P, dS, then the LSE and D rows of each stage.
+    extern __shared__ __align__(128) char smem[];
+    Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Traits::SmemLayoutQ{});  // (kBlockM, kHeadDim)
+    Tensor sdO = make_tensor(sQ.data() + kStagesQ * kQElems, typename Traits::SmemLayoutQ{});  // (kBlockM, kHeadDim)
+    Tensor sK = make_tensor(sdO.data() + kStagesQ * kQElems, typename Traits::SmemLayoutKV{});  // (kBlockN, kHeadDim)
+    Tensor sV = make_tensor(sK.data() + size(sK), typename Traits::SmemLayoutKV{});    // (kBlockN, kHeadDim)
+    Tensor sP = make_tensor(sV.data() + size(sV), typename Traits::SmemLayoutPdS{});   // (kBlockM, kBlockN)
+    Tensor sdS = make_tensor(sP.data() + size(sP), typename Traits::SmemLayoutPdS{});  // (kBlockM, kBlockN)
+    float* s_lse = reinterpret_cast<float*>(raw_pointer_cast((sdS.data() + size(sdS)).get()));  // (kStagesQ, kBlockM)
+    float* s_dsum = s_lse + kStagesQ * kBlockM;                                                   // (kStagesQ, kBlockM)
+    Tensor sQt = make_tensor(sQ.data(), typename Traits::SmemLayoutQt{});      // (kHeadDim, kBlockM)
+    Tensor sdOt = make_tensor(sdO.data(), typename Traits::SmemLayoutQt{});    // (kHeadDim, kBlockM)
+    Tensor sKt = make_tensor(sK.data(), typename Traits::SmemLayoutKt{});      // (kHeadDim, kBlockN)
+    Tensor sPt = make_tensor(sP.data(), typename Traits::SmemLayoutPdSt{});    // (kBlockN, kBlockM)
+    Tensor sdSt = make_tensor(sdS.data(), typename Traits::SmemLayoutPdSt{});  // (kBlockN, kBlockM)
+
+    Tensor cQ = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});   // (kBlockM, kHeadDim)
+    Tensor cKV = make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{});  // (kBlockN, kHeadDim)
+    Tensor cS = make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{});    // (kBlockM, kBlockN)
+
+    // Global -> shared copies.
+    typename Traits::GmemTiledCopyLoad gmem_tiled_copy;
+    auto gmem_thr_copy = gmem_tiled_copy.get_thread_slice(tidx);
+    Tensor tQgQ = gmem_thr_copy.partition_S(gQ);     // (CPY, CPY_M, CPY_K, m)
+    Tensor tQsQ = gmem_thr_copy.partition_D(sQ);     // (CPY, CPY_M, CPY_K)
+    Tensor tdOgdO = gmem_thr_copy.partition_S(gdO);  // (CPY, CPY_M, CPY_K, m)
+    Tensor tdOsdO = gmem_thr_copy.partition_D(sdO);  // (CPY, CPY_M, CPY_K)
+    Tensor tQcQ = gmem_thr_copy.partition_S(cQ);     // (CPY, CPY_M, CPY_K)
+    Tensor tKgK = gmem_thr_copy.partition_S(gK);     // (CPY, CPY_N, CPY_K)
+    Tensor tKsK = gmem_thr_copy.partition_D(sK);     // (CPY, CPY_N, CPY_K)
+    Tensor tVgV = gmem_thr_copy.partition_S(gV);     // (CPY, CPY_N, CPY_K)
+    Tensor tVsV = gmem_thr_copy.partition_D(sV);     // (CPY, CPY_N, CPY_K)
+    Tensor tKVcKV = gmem_thr_copy.partition_S(cKV);  // (CPY, CPY_N, CPY_K)
+
+    static_assert(Traits::kNThreads >= 2 * kBlockM);
+    auto load_q_do = [&](int m_block, int stage) {
+        const int rows_left = binfo.seqlen_q - m_block * kBlockM;
+        Tensor tQsQ_stage = at_stage<kQElems>(tQsQ, stage);
+        Tensor tdOsdO_stage = at_stage<kQElems>(tdOsdO, stage);
+        copy_zfill(gmem_tiled_copy, tQgQ(_, _, _, m_block), tQsQ_stage, tQcQ, rows_left, params.head_dim);
+        copy_zfill(gmem_tiled_copy, tdOgdO(_, _, _, m_block), tdOsdO_stage, tQcQ, rows_left, params.head_dim);
+        // LSE by the first kBlockM threads, D by the next kBlockM; rows past seqlen_q read as 0.
+        if (tidx < 2 * kBlockM) {
+            const int row = tidx % kBlockM;
+            const bool valid = row < rows_left;
+            const float* src = (tidx < kBlockM ? lse_row : dsum_row) + (valid ? m_block * kBlockM + row : 0);
+            float* dst = (tidx < kBlockM ? s_lse : s_dsum) + stage * kBlockM + row;
+            cp_async_f32_zfill(dst, src, valid);
+        }
+    };
+
+    // S = Q K^T and dP = dO V^T, (kBlockM, kBlockN).
+    typename Traits::TiledMmaSdP mma_sdp;
+    auto thr_mma_sdp = mma_sdp.get_thread_slice(tidx);
+    auto copy_a_sdp = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, mma_sdp);
+    auto copy_b_sdp = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, mma_sdp);
+    auto thr_copy_a_sdp = copy_a_sdp.get_thread_slice(tidx);
+    auto thr_copy_b_sdp = copy_b_sdp.get_thread_slice(tidx);
+    Tensor tSrQ = thr_mma_sdp.partition_fragment_A(sQ);    // (MMA, MMA_M, MMA_K)
+    Tensor tSrdO = thr_mma_sdp.partition_fragment_A(sdO);  // (MMA, MMA_M, MMA_K)
+    Tensor tSrK = thr_mma_sdp.partition_fragment_B(sK);    // (MMA, MMA_N, MMA_K)
+    Tensor tSrV = thr_mma_sdp.partition_fragment_B(sV);    // (MMA, MMA_N, MMA_K)
+    Tensor tSsQ = thr_copy_a_sdp.partition_S(sQ);
+    Tensor tSsdO = thr_copy_a_sdp.partition_S(sdO);
+    Tensor tSsK = thr_copy_b_sdp.partition_S(sK);
+    Tensor tSsV = thr_copy_b_sdp.partition_S(sV);
+    Tensor tSrQ_view = thr_copy_a_sdp.retile_D(tSrQ);
+    Tensor tSrdO_view = thr_copy_a_sdp.retile_D(tSrdO);
+    Tensor tSrK_view = thr_copy_b_sdp.retile_D(tSrK);
+    Tensor tSrV_view = thr_copy_b_sdp.retile_D(tSrV);
+    Tensor tScS = thr_mma_sdp.partition_C(cS);  // (MMA, MMA_M, MMA_N) positions in the tile
+    Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol_layout(tScS.layout()));  // (rows, cols)
+    auto copy_store_sdp = make_tiled_copy_C(typename Traits::SmemCopyAtomStore{}, mma_sdp);
+    auto thr_copy_store_sdp = copy_store_sdp.get_thread_slice(tidx);
+    Tensor tPsP = thr_copy_store_sdp.partition_D(sP);
+    Tensor tPsdS = thr_copy_store_sdp.partition_D(sdS);
+
+    // dV += P^T dO and dK += dS^T Q, (kBlockN, kHeadDim).
+    typename Traits::TiledMmadKV mma_dkv;
+    auto thr_mma_dkv = mma_dkv.get_thread_slice(tidx);
+    auto copy_a_dkv = make_tiled_copy_A(typename Traits::SmemCopyAtomT{}, mma_dkv);
+    auto copy_b_dkv = make_tiled_copy_B(typename Traits::SmemCopyAtomT{}, mma_dkv);
+    auto thr_copy_a_dkv = copy_a_dkv.get_thread_slice(tidx);
+    auto thr_copy_b_dkv = copy_b_dkv.get_thread_slice(tidx);
+    Tensor tKVrPt = thr_mma_dkv.partition_fragment_A(sPt);    // (MMA, MMA_N, MMA_K over queries)
+    Tensor tKVrdSt = thr_mma_dkv.partition_fragment_A(sdSt);  // (MMA, MMA_N, MMA_K)
+    Tensor tKVrdOt = thr_mma_dkv.partition_fragment_B(sdOt);  // (MMA, MMA_D, MMA_K)
+    Tensor tKVrQt = thr_mma_dkv.partition_fragment_B(sQt);    // (MMA, MMA_D, MMA_K)
+    Tensor tKVsPt = thr_copy_a_dkv.partition_S(sPt);
+    Tensor tKVsdSt = thr_copy_a_dkv.partition_S(sdSt);
+    Tensor tKVsdOt = thr_copy_b_dkv.partition_S(sdOt);
+    Tensor tKVsQt = thr_copy_b_dkv.partition_S(sQt);
+    Tensor tKVrPt_view = thr_copy_a_dkv.retile_D(tKVrPt);
+    Tensor tKVrdSt_view = thr_copy_a_dkv.retile_D(tKVrdSt);
+    Tensor tKVrdOt_view = thr_copy_b_dkv.retile_D(tKVrdOt);
+    Tensor tKVrQt_view = thr_copy_b_dkv.retile_D(tKVrQt);
+    Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});  // (MMA, MMA_N, MMA_D)
+    Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});  // (MMA, MMA_N, MMA_D)
+    clear(acc_dk);
+    clear(acc_dv);
+
+    // dQ = dS K, (kBlockM, kDqChunk) per chunk of head-dim columns.
+    typename Traits::TiledMmadQ mma_dq;
+    auto thr_mma_dq = mma_dq.get_thread_slice(tidx);
+    auto copy_a_dq = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, mma_dq);
+    auto copy_b_dq = make_tiled_copy_B(typename Traits::SmemCopyAtomT{}, mma_dq);
+    auto thr_copy_a_dq = copy_a_dq.get_thread_slice(tidx);
+    auto thr_copy_b_dq = copy_b_dq.get_thread_slice(tidx);
+    Tensor sKt_chunks = local_tile(sKt, Shape<Int<kDqChunk>, Int<kBlockN>>{}, make_coord(_, 0));  // (kDqChunk, kBlockN, chunk)
+    Tensor tQrdS = thr_mma_dq.partition_fragment_A(sdS);                 // (MMA, MMA_M, MMA_K over keys)
+    Tensor tQrKt = thr_mma_dq.partition_fragment_B(sKt_chunks(_, _, 0));  // (MMA, MMA_D, MMA_K)
+    Tensor tQsdS = thr_copy_a_dq.partition_S(sdS);
+    Tensor tQsKt = thr_copy_b_dq.partition_S(sKt_chunks);  // (CPY, CPY_D, CPY_K, chunk)
+    Tensor tQrdS_view = thr_copy_a_dq.retile_D(tQrdS);
+    Tensor tQrKt_view = thr_copy_b_dq.retile_D(tQrKt);
+    Tensor gdQaccum = make_tensor(make_gmem_ptr(dq_head),
+                                  make_layout(make_shape(Int<kBlockM>{}, Int<kHeadDim>{}, params.dq_accum_seqlen / kBlockM),
+                                              make_stride(Int<kHeadDim>{}, _1{}, Int<kBlockM * kHeadDim>{})));  // (kBlockM, kHeadDim, m)
+    Tensor gdQaccum_chunks = local_tile(gdQaccum, Shape<Int<kBlockM>, Int<kDqChunk>>{}, make_coord(0, _, _));  // (kBlockM, kDqChunk, chunk, m)
+    Tensor tdQgdQaccum = thr_mma_dq.partition_C(gdQaccum_chunks);  // (MMA, MMA_M, MMA_D, chunk, m)
+
+    const int k_rows_left = binfo.seqlen_k - n_block * kBlockN;
+    copy_zfill(gmem_tiled_copy, tKgK, tKsK, tKVcKV, k_rows_left, params.head_dim);
+    copy_zfill(gmem_tiled_copy, tVgV, tVsV, tKVcKV, k_rows_left, params.head_dim);
+    if (m_block_begin < m_block_end) { load_q_do(m_block_begin, 0); }
+    cp_async_fence();
+
+    int* dq_semaphore = params.dq_semaphore_ptr + (index_t(batch_idx) * params.num_heads + head_idx) * m_block_end;
+    constexpr int kRows = decltype(size<0>(tScS_rc))::value;
+    for (int m_block = m_block_begin; m_block < m_block_end; ++m_block) {
+        const int stage = kStagesQ == 2 ? (m_block - m_block_begin) & 1 : 0;
+        const int q_rows_left = binfo.seqlen_q - m_block * kBlockM;
+        cp_async_wait<0>();
+        __syncthreads();  // Q and dO of this block have landed; every warp is done with the last P, dS and stage.
+        if (kStagesQ == 2 && m_block + 1 < m_block_end) {
+            load_q_do(m_block + 1, stage ^ 1);
+            cp_async_fence();
+        }
+
+        Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});   // (MMA, MMA_M, MMA_N)
+        Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA, MMA_M, MMA_N)
+        clear(acc_s);
+        clear(acc_dp);
+        Tensor tSsQ_stage = at_stage<kQElems>(tSsQ, stage);
+        Tensor tSsdO_stage = at_stage<kQElems>(tSsdO, stage);
+        gemm_smem_smem(mma_sdp, acc_s, tSrQ, tSrK, tSsQ_stage, tSsK, copy_a_sdp, copy_b_sdp, tSrQ_view, tSrK_view);
+        gemm_smem_smem(mma_sdp, acc_dp, tSrdO, tSrV, tSsdO_stage, tSsV, copy_a_sdp, copy_b_sdp, tSrdO_view,
+                       tSrV_view);
+
+        Tensor scores = as_rowcol(acc_s);  // (rows, cols)
+        Tensor dp = as_rowcol(acc_dp);     // (rows, cols)
+        if (mask.tile_needs_mask(m_block, n_block)) { mask.apply(scores, tScS_rc, m_block, n_block); }
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+            const int row = get<0>(tScS_rc(r, 0));
+            // P = exp(s * scale - lse) in base 2; rows past seqlen_q get lse = +inf, so P = 0 there.
+            const float lse_log2 = row < q_rows_left ? s_lse[stage * kBlockM + row] * float(M_LOG2E) : INFINITY;
+            const float dsum = s_dsum[stage * kBlockM + row];
+            CUTE_UNROLL
+            for (int c = 0; c < size<1>(scores); ++c) {
+                const float p = exp2f(scores(r, c) * params.softmax_scale_log2 - lse_log2);
+                scores(r, c) = p;
+                dp(r, c) = p * (dp(r, c) - dsum);  // dS, the gradient of the scaled scores
+            }
+        }
+        Tensor rP = convert_fragment<Element>(acc_s);
+        Tensor rdS = convert_fragment<Element>(acc_dp);
+        copy(copy_store_sdp, thr_copy_store_sdp.retile_S(rP), tPsP);
+        copy(copy_store_sdp, thr_copy_store_sdp.retile_S(rdS), tPsdS);
+        __syncthreads();  // P and dS are visible to all warps.
+
+        // dQ = dS K, added into dq_accum. In deterministic mode the key blocks that see a query block add into
+        // it in a fixed order, each waiting for its predecessor, which has a lower CTA index and so was
+        // scheduled first. Non-causal: ascending key blocks. Causal: descending, so each key block starts at
+        // its first query block while the later key blocks (which start further down) are already ahead of
+        // it; ascending order would make the long first key block hold back every other one.
+        const int dq_turn = reversed ? mask.n_block_end(m_block) - 1 - n_block : n_block;
+        auto accumulate_dq = [&] {
+            if (params.deterministic) {
+                if (tidx == 0) {
+                    while (load_acquire(dq_semaphore + m_block) != dq_turn) {}
+                }
+                __syncthreads();
+            }
+            CUTE_UNROLL
+            for (int chunk = 0; chunk < kHeadDim / kDqChunk; ++chunk) {
+                Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kDqChunk>>{});  // (MMA, MMA_M, MMA_D)
+                clear(acc_dq);
+                Tensor tQsKt_chunk = tQsKt(_, _, _, chunk);
+                gemm_smem_smem(mma_dq, acc_dq, tQrdS, tQrKt, tQsdS, tQsKt_chunk, copy_a_dq, copy_b_dq, tQrdS_view,
+                               tQrKt_view);
+                Tensor tdQgdQ = tdQgdQaccum(_, _, _, chunk, m_block);
+                CUTE_UNROLL
+                for (int i = 0; i < size(acc_dq); i += 2) { red_add_pair(&tdQgdQ(i), acc_dq(i), acc_dq(i + 1)); }
+            }
+            if (params.deterministic) {
+                __threadfence();
+                __syncthreads();
+                if (tidx == 0) { store_release(dq_semaphore + m_block, dq_turn + 1); }
+            }
+        };
+
+        // With two stages dQ goes first, so its reductions drain while dV and dK compute. With one stage the
+        // next Q and dO load as soon as the dV and dK GEMMs are done with this block's, overlapping dQ.
+        if constexpr (kStagesQ == 2) { accumulate_dq(); }
+        Tensor tKVsdOt_stage = at_stage<kQElems>(tKVsdOt, stage);
+        Tensor tKVsQt_stage = at_stage<kQElems>(tKVsQt, stage);
+        gemm_smem_smem(mma_dkv, acc_dv, tKVrPt, tKVrdOt, tKVsPt, tKVsdOt_stage, copy_a_dkv, copy_b_dkv, tKVrPt_view,
+                       tKVrdOt_view);
+        gemm_smem_smem(mma_dkv, acc_dk, tKVrdSt, tKVrQt, tKVsdSt, tKVsQt_stage, copy_a_dkv, copy_b_dkv,
+                       tKVrdSt_view, tKVrQt_view);
+        if constexpr (kStagesQ == 1) {
+            if (m_block + 1 < m_block_end) {
+                __syncthreads();  // every warp is done with Q, dO and their LSE and D rows
+                load_q_do(m_block + 1, 0);
+                cp_async_fence();
+            }
+            accumulate_dq();
+        }
+    }
+    cp_async_wait<0>();  // K and V are still in flight when no query block sees this key block.
+
+    // dK picks up the softmax scale here (dS is the gradient of the scaled scores); dQ gets it when its
+    // fp32 buffer is converted.
+    Tensor mdK = binfo.dk_view<Element>(params, batch_idx, head_idx);  // (seqlen_k, head_dim)
+    Tensor mdV = binfo.dv_view<Element>(params, batch_idx, head_idx);  // (seqlen_k, head_dim)
+    Tensor gdK = local_tile(mdK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));  // (kBlockN, kHeadDim)
+    Tensor gdV = local_tile(mdV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));  // (kBlockN, kHeadDim)
+    Tensor tKVcdKV = thr_mma_dkv.partition_C(cKV);
+    store_acc<Element>(acc_dk, tKVcdKV, gdK, k_rows_left, params.head_dim, params.softmax_scale);
+    store_acc<Element>(acc_dv, tKVcdKV, gdV, k_rows_left, params.head_dim, 1.f);
+}
+
+}  // namespace flash

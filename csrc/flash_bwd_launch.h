@@ -1,0 +1,34 @@
+// Per-head-dim tile choice and the host-side launcher of the backward kernel. Included only by the
+// generated backward instantiation files.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "flash_bwd_kernel.h"
+#include "kernel_registry.h"
+
+namespace flash {
+
+// (kBlockM, kBlockN) per head dim: dK and dV of kBlockN keys stay in registers, so wide heads take
+// fewer keys per CTA.
+template <int kHeadDim>
+struct BwdTileConfig { static constexpr int kBlockM = kBwdBlockM, kBlockN = kHeadDim <= 128 ? 128 : 64; };
+
+template <typename Element, int kHeadDim, bool kCausal>
+cudaError_t run_bwd(const BwdParams& params, cudaStream_t stream) {
+    using Config = BwdTileConfig<kHeadDim>;
+    using Traits = BwdKernelTraits<Element, kHeadDim, Config::kBlockM, Config::kBlockN>;
+    constexpr int kSmemBytes = Traits::kSmemBytes;
+    auto kernel = &flash_bwd_kernel<Traits, kCausal>;
+    if constexpr (kSmemBytes > 48 * 1024) {
+        const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+        if (err != cudaSuccess) { return err; }
+    }
+    // Key blocks along x: in deterministic mode a key block waits on its neighbour of the same (batch,
+    // head) with the next lower CTA index, which must therefore be scheduled first.
+    const dim3 grid((params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, params.batch, params.num_heads);
+    kernel<<<grid, Traits::kNThreads, kSmemBytes, stream>>>(params);
+    return cudaGetLastError();
+}
+
+}  // namespace flash

@@ -1,0 +1,178 @@
+"""Backward pass against the float32 reference (rule in DEVELOPERS.md), on a CUDA device.
+
+dq, dk and dv of flash_attn_func are compared with autograd through attention_ref, in float32 on upcast
+inputs (ref) and in the input dtype (ref_lowp). Configurations whose kernels were not compiled are skipped.
+"""
+
+import itertools
+import math
+
+import pytest
+import torch
+from conftest import check_close, poison_allocator, requires_gpu
+
+import flash_attn_cuda
+from flash_attn_cuda import flash_attn_func
+from flash_attn_cuda.reference import attention_ref
+
+pytestmark = [pytest.mark.gpu, requires_gpu]
+
+DTYPES = [torch.float16, torch.bfloat16]
+DTYPE_IDS = ["fp16", "bf16"]
+KERNEL_HEAD_DIMS = [32, 64, 96, 128, 160, 192, 224, 256]
+SEQLENS = [1, 17, 113, 1023]
+
+
+def require_kernels(head_dim, dtype, causal):
+    if not flash_attn_cuda.kernel_available(head_dim, dtype, causal, backward=True):
+        pytest.skip(f"kernels for head_dim={head_dim} {dtype} causal={causal} not compiled")
+
+
+def reference_grads(q, k, v, dout, causal, softmax_scale, upcast):
+    leaves = [(t.detach().float() if upcast else t.detach()).requires_grad_() for t in (q, k, v)]
+    out, _ = attention_ref(*leaves, softmax_scale, causal, upcast=upcast)
+    return torch.autograd.grad(out, leaves, dout.float() if upcast else dout)
+
+
+def check_grads(q, k, v, causal, softmax_scale=None, deterministic=False):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    dout = torch.randn(q.shape, dtype=q.dtype, device=q.device)
+    poison_allocator(q.device)
+    out = flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal, deterministic=deterministic)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    ref = reference_grads(q, k, v, dout, causal, softmax_scale, upcast=True)
+    lowp = reference_grads(q, k, v, dout, causal, softmax_scale, upcast=False)
+    for name, ours, r, lp in zip(("dq", "dk", "dv"), (dq, dk, dv), ref, lowp):
+        if not r.any() and not lp.any():
+            # A gradient that vanishes identically: every row sees exactly one key, so the softmax passes
+            # nothing back to the scores and both references give exact zeros. The rule's bound collapses to
+            # its atol, while the kernel's dS = P (dP - D) keeps the fp32 rounding of two equal dot products
+            # (dP by MMA, D = rowsum(dO O) before the kernel), about 2^-24 |dO| |V| per row, summed over up
+            # to seqlen_q rows. Bound that rounding instead.
+            rows = q.shape[1]
+            bound = 1e-5 * math.sqrt(rows)
+            err = ours.abs().max().item()
+            assert err <= bound, f"{name}: vanishing gradient, max|ours| = {err:.3e} > {bound:.3e}"
+            continue
+        check_close(name, ours, r, lp)
+
+
+def rand(*shape, dtype):
+    return torch.randn(shape, dtype=dtype, device="cuda")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", KERNEL_HEAD_DIMS)
+@pytest.mark.parametrize("b, sq, sk, h, hk", [(2, 113, 257, 4, 4), (2, 257, 113, 6, 2)], ids=["mha-sq<sk", "gqa-sq>sk"])
+def test_head_dims(b, sq, sk, h, hk, head_dim, causal, dtype):
+    require_kernels(head_dim, dtype, causal)
+    check_grads(rand(b, sq, h, head_dim, dtype=dtype), rand(b, sk, hk, head_dim, dtype=dtype),
+                rand(b, sk, hk, head_dim, dtype=dtype), causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("seqlens", list(itertools.product(SEQLENS, SEQLENS)), ids=lambda p: f"sq{p[0]}-sk{p[1]}")
+def test_seqlens(seqlens, head_dim, causal, dtype):
+    sq, sk = seqlens
+    require_kernels(head_dim, dtype, causal)
+    check_grads(rand(2, sq, 4, head_dim, dtype=dtype), rand(2, sk, 4, head_dim, dtype=dtype),
+                rand(2, sk, 4, head_dim, dtype=dtype), causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("h, hk", [(8, 1), (8, 2), (12, 3)])
+def test_gqa_mqa(h, hk, causal):
+    require_kernels(64, torch.bfloat16, causal)
+    check_grads(rand(2, 300, h, 64, dtype=torch.bfloat16), rand(2, 200, hk, 64, dtype=torch.bfloat16),
+                rand(2, 200, hk, 64, dtype=torch.bfloat16), causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_strided_packed_qkv(causal):
+    require_kernels(64, torch.float16, causal)
+    q, k, v = rand(2, 333, 3, 4, 64, dtype=torch.float16).unbind(2)
+    check_grads(q, k, v, causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [40, 100])
+def test_padded_head_dim(head_dim, causal):
+    require_kernels(head_dim, torch.bfloat16, causal)
+    check_grads(rand(2, 150, 4, head_dim, dtype=torch.bfloat16), rand(2, 97, 2, head_dim, dtype=torch.bfloat16),
+                rand(2, 97, 2, head_dim, dtype=torch.bfloat16), causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("sq, sk", [(1023, 1023), (300, 1023), (1023, 700)])
+def test_deterministic_is_bitwise_reproducible(sq, sk, causal):
+    require_kernels(128, torch.bfloat16, causal)
+    q = rand(2, sq, 8, 128, dtype=torch.bfloat16).requires_grad_()
+    k, v = (rand(2, sk, 2, 128, dtype=torch.bfloat16).requires_grad_() for _ in range(2))
+    dout = rand(2, sq, 8, 128, dtype=torch.bfloat16)
+    runs = []
+    for _ in range(3):
+        out = flash_attn_func(q, k, v, causal=causal, deterministic=True)
+        runs.append(torch.autograd.grad(out, (q, k, v), dout))
+    for other in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], other))
+    check_grads(q, k, v, causal, deterministic=True)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_opcheck(causal):
+    require_kernels(64, torch.bfloat16, causal)
+    q, k, v = (rand(2, 65, 4, 64, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
+    torch.library.opcheck(torch.ops.flash_attn2.fwd.default, (q, k, v, 0.125, causal))
+    out, lse = torch.ops.flash_attn2.fwd(q.detach(), k.detach(), v.detach(), 0.125, causal)
+    dout = torch.randn_like(out)
+    torch.library.opcheck(torch.ops.flash_attn2.bwd.default, (dout, q.detach(), k.detach(), v.detach(), out, lse,
+                                                              0.125, causal, False))
+
+
+def test_compiled_training_matches_eager():
+    require_kernels(64, torch.bfloat16, True)
+
+    class Attention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = torch.nn.Linear(256, 3 * 256, dtype=torch.bfloat16)
+            self.proj = torch.nn.Linear(256, 256, dtype=torch.bfloat16)
+
+        def forward(self, x):
+            b, s, _ = x.shape
+            q, k, v = self.qkv(x).view(b, s, 3, 4, 64).unbind(2)
+            return self.proj(flash_attn_func(q, k, v, causal=True).reshape(b, s, 256))
+
+    torch.manual_seed(0)
+    eager = Attention().cuda()
+    compiled = Attention().cuda()
+    compiled.load_state_dict(eager.state_dict())
+    step = torch.compile(compiled, fullgraph=True)
+    opt_e = torch.optim.SGD(eager.parameters(), lr=0.1)
+    opt_c = torch.optim.SGD(compiled.parameters(), lr=0.1)
+    for _ in range(3):
+        x = rand(2, 200, 256, dtype=torch.bfloat16)
+        for model, fn, opt in ((eager, eager, opt_e), (compiled, step, opt_c)):
+            opt.zero_grad()
+            fn(x).float().pow(2).mean().backward()
+            opt.step()
+    for pe, pc in zip(eager.parameters(), compiled.parameters()):
+        torch.testing.assert_close(pe, pc, rtol=0, atol=2e-2)
+
+
+def test_memory_is_linear_at_16k():
+    # At 16k tokens the fp32 score matrices of 4 heads would take 4 GiB; the backward must stay far below.
+    require_kernels(128, torch.bfloat16, True)
+    q, k, v = (rand(1, 16384, 4, 128, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
+    out = flash_attn_func(q, k, v, causal=True)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out.backward(torch.randn_like(out))
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    assert extra < 2**29, f"backward used {extra / 2**20:.0f} MiB"

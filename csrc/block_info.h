@@ -1,5 +1,7 @@
 // Where one (sequence, head) lives in memory: its lengths, and (seqlen, head_dim) views of its rows in
-// each tensor. Views are dynamically sized; tiles that run past seqlen or head_dim are predicated.
+// each tensor. Dense batches index sequences by batch stride; variable-length batches by cu_seqlens, whose
+// entries are clamped to the tensor so that no kernel leaves it, whatever they hold. Views are
+// dynamically sized; tiles that run past seqlen or head_dim are predicated.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -11,47 +13,73 @@ namespace flash {
 using namespace cute;
 
 struct BlockInfo {
-    int seqlen_q;
+    int q_start;   // first row of the sequence in q (0 for dense batches)
+    int k_start;   // first row of the sequence in k and v
+    int seqlen_q;  // this sequence's lengths
     int seqlen_k;
 
-    __forceinline__ __device__ explicit BlockInfo(const FwdParams& params)
-        : seqlen_q(params.seqlen_q), seqlen_k(params.seqlen_k) {}
+    __forceinline__ __device__ BlockInfo(const FwdParams& params, int b)
+        : q_start(start(params.cu_seqlens_q, b, params.total_q)),
+          k_start(start(params.cu_seqlens_k, b, params.total_k)),
+          seqlen_q(length(params.cu_seqlens_q, b, params.total_q, params.seqlen_q)),
+          seqlen_k(length(params.cu_seqlens_k, b, params.total_k, params.seqlen_k)) {}
 
     template <typename Element>
     __forceinline__ __device__ auto q_view(const FwdParams& p, int b, int h) const {
-        return view<const Element>(p.q_ptr, b * p.q_batch_stride + h * p.q_head_stride, seqlen_q, p.q_row_stride, p);
+        return view<const Element>(p.q_ptr, b * p.q_batch_stride + h * p.q_head_stride, q_start, seqlen_q, p.q_row_stride, p);
     }
     template <typename Element>
     __forceinline__ __device__ auto k_view(const FwdParams& p, int b, int h_k) const {
-        return view<const Element>(p.k_ptr, b * p.k_batch_stride + h_k * p.k_head_stride, seqlen_k, p.k_row_stride, p);
+        return view<const Element>(p.k_ptr, b * p.k_batch_stride + h_k * p.k_head_stride, k_start, seqlen_k, p.k_row_stride, p);
     }
     template <typename Element>
     __forceinline__ __device__ auto v_view(const FwdParams& p, int b, int h_k) const {
-        return view<const Element>(p.v_ptr, b * p.v_batch_stride + h_k * p.v_head_stride, seqlen_k, p.v_row_stride, p);
+        return view<const Element>(p.v_ptr, b * p.v_batch_stride + h_k * p.v_head_stride, k_start, seqlen_k, p.v_row_stride, p);
     }
     template <typename Element>
     __forceinline__ __device__ auto o_view(const FwdParams& p, int b, int h) const {
-        return view<Element>(p.o_ptr, b * p.o_batch_stride + h * p.o_head_stride, seqlen_q, p.o_row_stride, p);
+        return view<Element>(p.o_ptr, b * p.o_batch_stride + h * p.o_head_stride, q_start, seqlen_q, p.o_row_stride, p);
     }
     template <typename Element>
     __forceinline__ __device__ auto do_view(const BwdParams& p, int b, int h) const {
-        return view<const Element>(p.do_ptr, b * p.do_batch_stride + h * p.do_head_stride, seqlen_q, p.do_row_stride, p);
+        return view<const Element>(p.do_ptr, b * p.do_batch_stride + h * p.do_head_stride, q_start, seqlen_q, p.do_row_stride, p);
     }
     // dK and dV have one slice per query head (summed over each GQA group on the host).
     template <typename Element>
     __forceinline__ __device__ auto dk_view(const BwdParams& p, int b, int h) const {
-        return view<Element>(p.dk_ptr, b * p.dk_batch_stride + h * p.dk_head_stride, seqlen_k, p.dk_row_stride, p);
+        return view<Element>(p.dk_ptr, b * p.dk_batch_stride + h * p.dk_head_stride, k_start, seqlen_k, p.dk_row_stride, p);
     }
     template <typename Element>
     __forceinline__ __device__ auto dv_view(const BwdParams& p, int b, int h) const {
-        return view<Element>(p.dv_ptr, b * p.dk_batch_stride + h * p.dk_head_stride, seqlen_k, p.dk_row_stride, p);
+        return view<Element>(p.dv_ptr, b * p.dk_batch_stride + h * p.dk_head_stride, k_start, seqlen_k, p.dk_row_stride, p);
+    }
+
+    // Element offset of this sequence's first LSE (and D) entry for head h; rows follow contiguously.
+    __forceinline__ __device__ index_t lse_offset(const FwdParams& p, int b, int h) const {
+        return b * p.lse_batch_stride + h * p.lse_head_stride + q_start;
+    }
+    // Row of dq_accum that holds this sequence's first query row for head h. Varlen sequences are spaced one
+    // query block apart, so whole-block writes past a sequence's end stay in its own slack.
+    __forceinline__ __device__ index_t dq_accum_row(const BwdParams& p, int b, int h) const {
+        const index_t heads = p.num_heads;
+        if (p.cu_seqlens_q == nullptr) { return (b * heads + h) * p.dq_accum_seqlen; }
+        return h * index_t(p.dq_accum_seqlen) + q_start + index_t(b) * kBwdBlockM;
     }
 
   private:
+    __forceinline__ __device__ static int start(const int* cu_seqlens, int b, int total) {
+        return cu_seqlens == nullptr ? 0 : min(max(cu_seqlens[b], 0), total);
+    }
+    __forceinline__ __device__ static int length(const int* cu_seqlens, int b, int total, int max_seqlen) {
+        if (cu_seqlens == nullptr) { return max_seqlen; }
+        const int begin = min(max(cu_seqlens[b], 0), total);
+        const int end = min(max(cu_seqlens[b + 1], begin), total);
+        return min(end - begin, max_seqlen);
+    }
     template <typename Element, typename Ptr>
-    __forceinline__ __device__ static auto view(Ptr ptr, index_t offset, int seqlen, index_t row_stride,
+    __forceinline__ __device__ static auto view(Ptr ptr, index_t offset, int first_row, int seqlen, index_t row_stride,
                                                 const FwdParams& p) {
-        Element* base = static_cast<Element*>(ptr) + offset;
+        Element* base = static_cast<Element*>(ptr) + offset + first_row * row_stride;
         return make_tensor(make_gmem_ptr(base), make_shape(seqlen, p.head_dim), make_stride(row_stride, _1{}));
     }
 };

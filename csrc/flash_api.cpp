@@ -126,9 +126,46 @@ KernelKey kernel_key(const at::Tensor& q, bool causal) {
     return {q.scalar_type() == at::kBFloat16, kernel_head_dim(q.size(3)), causal};
 }
 
-// Everything both passes read: inputs, output, LSE, sizes and the scale.
+// A variable-length batch. Its (total, heads, head_dim) tensors travel as (1, total, heads, head_dim) views,
+// so the dense checks and strides apply unchanged.
+struct Varlen {
+    const at::Tensor& cu_seqlens_q;
+    const at::Tensor& cu_seqlens_k;
+    int64_t max_seqlen_q;
+    int64_t max_seqlen_k;
+
+    int64_t batch() const { return cu_seqlens_q.size(0) - 1; }
+};
+
+// Checks only what needs no device synchronization: the contents of cu_seqlens are clamped by the kernels.
+void check_varlen(const Varlen& varlen, const at::Tensor& q, const at::Tensor& k) {
+    for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{varlen.cu_seqlens_q, "cu_seqlens_q"},
+                                  std::pair<const at::Tensor&, const char*>{varlen.cu_seqlens_k, "cu_seqlens_k"}}) {
+        TORCH_CHECK_TYPE(t.scalar_type() == at::kInt, name, " must be int32, got ", t.scalar_type());
+        TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) >= 1, name, " must have shape (batch + 1,), got ",
+                          shape_str(t.sizes()));
+        TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous");
+        TORCH_CHECK_VALUE(t.device() == q.device(), name, " must be on the device of q (", q.device(), "), got ",
+                          t.device());
+    }
+    TORCH_CHECK_VALUE(varlen.cu_seqlens_k.size(0) == varlen.cu_seqlens_q.size(0),
+                      "cu_seqlens_k must have the length of cu_seqlens_q (", num(varlen.cu_seqlens_q.size(0)), "), got ",
+                      num(varlen.cu_seqlens_k.size(0)));
+    TORCH_CHECK_VALUE(varlen.batch() <= kMaxGridYZ, "batch (len(cu_seqlens_q) - 1) must be at most ", num(kMaxGridYZ),
+                      ", got ", num(varlen.batch()));
+    TORCH_CHECK_VALUE(varlen.max_seqlen_q >= 0 && varlen.max_seqlen_q <= q.size(1),
+                      "max_seqlen_q must be in [0, total_q = ", num(q.size(1)), "], got ", num(varlen.max_seqlen_q));
+    TORCH_CHECK_VALUE(varlen.max_seqlen_k >= 0 && varlen.max_seqlen_k <= k.size(1),
+                      "max_seqlen_k must be in [0, total_k = ", num(k.size(1)), "], got ", num(varlen.max_seqlen_k));
+}
+
+void check_varlen_rank(const at::Tensor& t, const char* name, const char* shape) {
+    TORCH_CHECK_VALUE(t.dim() == 3, name, " must have shape ", shape, ", got ", num(t.dim()), " dims");
+}
+
+// Everything both passes read: inputs, output, LSE, sizes, the scale and, for varlen, the sequence bounds.
 void set_fwd_params(FwdParams& params, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                    const at::Tensor& out, const at::Tensor& lse, double softmax_scale) {
+                    const at::Tensor& out, const at::Tensor& lse, double softmax_scale, const Varlen* varlen) {
     params.q_ptr = q.data_ptr();
     params.k_ptr = k.data_ptr();
     params.v_ptr = v.data_ptr();
@@ -149,18 +186,38 @@ void set_fwd_params(FwdParams& params, const at::Tensor& q, const at::Tensor& k,
     params.batch = static_cast<int>(q.size(0));
     params.seqlen_q = static_cast<int>(q.size(1));
     params.seqlen_k = static_cast<int>(k.size(1));
+    params.total_q = static_cast<int>(q.size(1));
+    params.total_k = static_cast<int>(k.size(1));
     params.num_heads = static_cast<int>(q.size(2));
     params.num_heads_k = static_cast<int>(k.size(2));
     params.head_dim = static_cast<int>(q.size(3));
+    params.lse_batch_stride = lse.dim() == 3 ? lse.stride(0) : 0;
+    params.lse_head_stride = lse.stride(-2);
+    if (varlen != nullptr) {
+        params.cu_seqlens_q = varlen->cu_seqlens_q.data_ptr<int>();
+        params.cu_seqlens_k = varlen->cu_seqlens_k.data_ptr<int>();
+        params.batch = static_cast<int>(varlen->batch());
+        params.seqlen_q = static_cast<int>(varlen->max_seqlen_q);
+        params.seqlen_k = static_cast<int>(varlen->max_seqlen_k);
+        params.q_batch_stride = params.k_batch_stride = params.v_batch_stride = params.o_batch_stride = 0;
+    }
     params.softmax_scale = static_cast<float>(softmax_scale);
     // A zero or denormal scale would turn masked scores into NaN (-inf * 0); the smallest normal float
     // keeps them at -inf, and every other exp2 argument still rounds to the same value (0).
     params.softmax_scale_log2 = std::max(static_cast<float>(softmax_scale * M_LOG2E), FLT_MIN);
 }
 
-std::tuple<at::Tensor, at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                       double softmax_scale, bool causal, bool /*deterministic: backward only*/) {
+// The LSE of (batch, seqlen_q, nheads, d) inputs is (batch, nheads, seqlen_q); of varlen ones (nheads, total_q).
+std::vector<int64_t> lse_shape(const at::Tensor& q, const Varlen* varlen) {
+    if (varlen != nullptr) { return {q.size(2), q.size(1)}; }
+    return {q.size(0), q.size(2), q.size(1)};
+}
+
+// q, k, v are 4-D (varlen: (1, total, heads, head_dim) views); returns out in q's 4-D shape and the LSE.
+std::tuple<at::Tensor, at::Tensor> fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                            double softmax_scale, bool causal, const Varlen* varlen) {
     check_qkv(q, k, v);
+    if (varlen != nullptr) { check_varlen(*varlen, q, k); }
     check_scale(softmax_scale);
     check_device(q, k, v);
     const KernelKey key = kernel_key(q, causal);
@@ -168,18 +225,40 @@ std::tuple<at::Tensor, at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k,
 
     const c10::cuda::CUDAGuard device_guard(q.device());
     at::Tensor out = at::empty(q.sizes(), q.options());
-    at::Tensor lse = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
+    at::Tensor lse = at::empty(lse_shape(q, varlen), q.options().dtype(at::kFloat));
     if (out.numel() == 0) { return {out, lse}; }
+    if (varlen != nullptr && (varlen->batch() == 0 || varlen->max_seqlen_q == 0)) {
+        // No query row belongs to a sequence: nothing to compute, and no grid to launch.
+        return {out.zero_(), lse.fill_(INFINITY)};
+    }
 
     FwdParams params{};
-    set_fwd_params(params, q, k, v, out, lse, softmax_scale);
+    set_fwd_params(params, q, k, v, out, lse, softmax_scale, varlen);
     const cudaError_t err = launcher(params, c10::cuda::getCurrentCUDAStream());
     TORCH_CHECK(err == cudaSuccess, "flash_attn2::fwd kernel launch failed: ", cudaGetErrorString(err));
     return {out, lse};
 }
 
-// dout and out must match q's shape and dtype; lse is the forward's (batch, nheads, seqlen_q) fp32 output.
-void check_bwd_inputs(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& out, const at::Tensor& lse) {
+std::tuple<at::Tensor, at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                       double softmax_scale, bool causal, bool /*deterministic: backward only*/) {
+    return fwd_impl(q, k, v, softmax_scale, causal, nullptr);
+}
+
+std::tuple<at::Tensor, at::Tensor> varlen_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                              const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                                              int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale,
+                                              bool causal, bool /*deterministic: backward only*/) {
+    check_varlen_rank(q, "q", "(total_q, nheads, head_dim)");
+    check_varlen_rank(k, "k", "(total_k, nheads_k, head_dim)");
+    check_varlen_rank(v, "v", "(total_k, nheads_k, head_dim)");
+    const Varlen varlen{cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k};
+    auto [out, lse] = fwd_impl(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), softmax_scale, causal, &varlen);
+    return {out.squeeze(0), lse};
+}
+
+// dout and out must match q's shape and dtype; lse is the forward's fp32 output.
+void check_bwd_inputs(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& out, const at::Tensor& lse,
+                      const Varlen* varlen) {
     TORCH_CHECK_VALUE(dout.sizes() == q.sizes(), "dout must have the shape of q ", shape_str(q.sizes()), ", got ",
                       shape_str(dout.sizes()));
     TORCH_CHECK_VALUE(out.sizes() == q.sizes(), "out must have the shape of q ", shape_str(q.sizes()), ", got ",
@@ -189,19 +268,20 @@ void check_bwd_inputs(const at::Tensor& dout, const at::Tensor& q, const at::Ten
     TORCH_CHECK_TYPE(out.scalar_type() == q.scalar_type(), "out must have the dtype of q (", q.scalar_type(),
                      "), got ", out.scalar_type());
     TORCH_CHECK_TYPE(lse.scalar_type() == at::kFloat, "softmax_lse must be float32, got ", lse.scalar_type());
-    const int64_t expected_lse[] = {q.size(0), q.size(2), q.size(1)};
+    const std::vector<int64_t> expected_lse = lse_shape(q, varlen);
     TORCH_CHECK_VALUE(lse.sizes() == at::IntArrayRef(expected_lse), "softmax_lse must have shape ",
                       shape_str(expected_lse), ", got ", shape_str(lse.sizes()));
     check_layout(dout, "dout");
     check_layout(out, "out");
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
-                                                   const at::Tensor& v, const at::Tensor& out,
-                                                   const at::Tensor& softmax_lse, double softmax_scale, bool causal,
-                                                   bool deterministic) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(const at::Tensor& dout, const at::Tensor& q,
+                                                        const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                                                        const at::Tensor& softmax_lse, double softmax_scale,
+                                                        bool causal, bool deterministic, const Varlen* varlen) {
     check_qkv(q, k, v);
-    check_bwd_inputs(dout, q, out, softmax_lse);
+    if (varlen != nullptr) { check_varlen(*varlen, q, k); }
+    check_bwd_inputs(dout, q, out, softmax_lse, varlen);
     check_scale(softmax_scale);
     check_device(q, k, v);
     check_same_device(dout, "dout", q);
@@ -211,29 +291,33 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(const at::Tensor& dout, const
     const BwdLauncher launcher = require_launcher(find_bwd_launcher(key), "bwd", key);
 
     const c10::cuda::CUDAGuard device_guard(q.device());
-    const int64_t batch = q.size(0), seqlen_q = q.size(1), nheads = q.size(2), head_dim = q.size(3);
-    const int64_t seqlen_k = k.size(1), nheads_k = k.size(2);
-    if (q.numel() == 0 || k.numel() == 0) {
-        return {at::zeros_like(q), at::zeros_like(k), at::zeros_like(v)};
-    }
+    const int64_t batch = varlen != nullptr ? varlen->batch() : q.size(0);
+    const int64_t seqlen_q = varlen != nullptr ? varlen->max_seqlen_q : q.size(1);
+    const int64_t nheads = q.size(2), head_dim = q.size(3), nheads_k = k.size(2);
+    const bool nothing_to_do = varlen != nullptr ? batch == 0 || seqlen_q == 0 || varlen->max_seqlen_k == 0
+                                                 : q.numel() == 0 || k.numel() == 0;
+    if (nothing_to_do) { return {at::zeros_like(q), at::zeros_like(k), at::zeros_like(v)}; }
     const at::Tensor lse = softmax_lse.contiguous();
     const auto fp32 = q.options().dtype(at::kFloat);
-    at::Tensor dsum = at::empty({batch, nheads, seqlen_q}, fp32);
-    const int64_t dq_accum_seqlen = (seqlen_q + kBwdBlockM - 1) / kBwdBlockM * kBwdBlockM;
-    at::Tensor dq_accum = at::zeros({batch, nheads, dq_accum_seqlen, key.head_dim}, fp32);
-    at::Tensor dq = at::empty({batch, seqlen_q, nheads, head_dim}, q.options());
+    at::Tensor dsum = at::empty(lse.sizes(), fp32);
+    // Each sequence owns whole query blocks of dq_accum rows (see BwdParams::dq_accum_ptr).
+    const int64_t dq_accum_seqlen = varlen != nullptr ? q.size(1) + batch * kBwdBlockM
+                                                      : (seqlen_q + kBwdBlockM - 1) / kBwdBlockM * kBwdBlockM;
+    at::Tensor dq_accum = varlen != nullptr ? at::zeros({nheads, dq_accum_seqlen, key.head_dim}, fp32)
+                                            : at::zeros({batch, nheads, dq_accum_seqlen, key.head_dim}, fp32);
+    at::Tensor dq = at::empty(q.sizes(), q.options());
     // One dK/dV slice per query head; query heads that share a k/v head are summed afterwards.
-    at::Tensor dk_heads = at::empty({batch, seqlen_k, nheads, head_dim}, q.options());
-    at::Tensor dv_heads = at::empty({batch, seqlen_k, nheads, head_dim}, q.options());
+    at::Tensor dk_heads = at::empty({k.size(0), k.size(1), nheads, head_dim}, q.options());
+    at::Tensor dv_heads = at::empty({k.size(0), k.size(1), nheads, head_dim}, q.options());
     at::Tensor dq_semaphore;
     if (deterministic) {
         dq_semaphore = at::zeros({batch, nheads, (seqlen_q + kBwdBlockM - 1) / kBwdBlockM}, q.options().dtype(at::kInt));
     }
 
     BwdParams params{};
-    set_fwd_params(params, q, k, v, out, lse, softmax_scale);
+    set_fwd_params(params, q, k, v, out, lse, softmax_scale, varlen);
     params.do_ptr = dout.data_ptr();
-    params.do_batch_stride = dout.stride(0);
+    params.do_batch_stride = varlen != nullptr ? 0 : dout.stride(0);
     params.do_row_stride = dout.stride(1);
     params.do_head_stride = dout.stride(2);
     params.dsum_ptr = dsum.data_ptr<float>();
@@ -241,7 +325,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(const at::Tensor& dout, const
     params.dq_ptr = dq.data_ptr();
     params.dk_ptr = dk_heads.data_ptr();
     params.dv_ptr = dv_heads.data_ptr();
-    params.dk_batch_stride = dk_heads.stride(0);
+    params.dk_batch_stride = varlen != nullptr ? 0 : dk_heads.stride(0);
     params.dk_row_stride = dk_heads.stride(1);
     params.dk_head_stride = dk_heads.stride(2);
     params.dq_semaphore_ptr = deterministic ? dq_semaphore.data_ptr<int>() : nullptr;
@@ -258,9 +342,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(const at::Tensor& dout, const
     if (nheads == nheads_k) { return {dq, dk_heads, dv_heads}; }
     const int64_t group = nheads / nheads_k;
     auto sum_group = [&](const at::Tensor& heads) {
-        return heads.view({batch, seqlen_k, nheads_k, group, head_dim}).sum(3, false, at::kFloat).to(q.scalar_type());
+        return heads.view({k.size(0), k.size(1), nheads_k, group, head_dim}).sum(3, false, at::kFloat).to(q.scalar_type());
     };
     return {dq, sum_group(dk_heads), sum_group(dv_heads)};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                                                   const at::Tensor& v, const at::Tensor& out,
+                                                   const at::Tensor& softmax_lse, double softmax_scale, bool causal,
+                                                   bool deterministic) {
+    return bwd_impl(dout, q, k, v, out, softmax_lse, softmax_scale, causal, deterministic, nullptr);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& softmax_lse, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+    int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale, bool causal, bool deterministic) {
+    check_varlen_rank(q, "q", "(total_q, nheads, head_dim)");
+    check_varlen_rank(k, "k", "(total_k, nheads_k, head_dim)");
+    check_varlen_rank(v, "v", "(total_k, nheads_k, head_dim)");
+    check_varlen_rank(dout, "dout", "(total_q, nheads, head_dim)");
+    check_varlen_rank(out, "out", "(total_q, nheads, head_dim)");
+    const Varlen varlen{cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k};
+    auto [dq, dk, dv] = bwd_impl(dout.unsqueeze(0), q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0),
+                                 softmax_lse, softmax_scale, causal, deterministic, &varlen);
+    return {dq.squeeze(0), dk.squeeze(0), dv.squeeze(0)};
 }
 
 }  // namespace
@@ -271,6 +377,12 @@ TORCH_LIBRARY(flash_attn2, m) {
           "(Tensor out, Tensor softmax_lse)");
     m.def("bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, float softmax_scale, "
           "bool causal, bool deterministic=False) -> (Tensor dq, Tensor dk, Tensor dv)");
+    m.def("varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, "
+          "int max_seqlen_k, float softmax_scale, bool causal, bool deterministic=False) -> "
+          "(Tensor out, Tensor softmax_lse)");
+    m.def("varlen_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, "
+          "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float softmax_scale, "
+          "bool causal, bool deterministic=False) -> (Tensor dq, Tensor dk, Tensor dv)");
     m.def("compiled_kernels() -> str[]", [] { return flash::compiled_kernels(); });
 }
 
@@ -278,8 +390,12 @@ TORCH_LIBRARY(flash_attn2, m) {
 TORCH_LIBRARY_IMPL(flash_attn2, CUDA, m) {
     m.impl("fwd", &flash::fwd);
     m.impl("bwd", &flash::bwd);
+    m.impl("varlen_fwd", &flash::varlen_fwd);
+    m.impl("varlen_bwd", &flash::varlen_bwd);
 }
 TORCH_LIBRARY_IMPL(flash_attn2, CPU, m) {
     m.impl("fwd", &flash::fwd);
     m.impl("bwd", &flash::bwd);
+    m.impl("varlen_fwd", &flash::varlen_fwd);
+    m.impl("varlen_bwd", &flash::varlen_bwd);
 }

@@ -1,5 +1,7 @@
 #include "flash_bwd_aux.h"
 
+#include "block_info.h"
+
 #include <cutlass/array.h>
 #include <cutlass/numeric_conversion.h>
 #include <cutlass/numeric_types.h>
@@ -19,41 +21,39 @@ __global__ void __launch_bounds__(kThreads) dot_do_o_kernel(const __grid_constan
     const int h = blockIdx.y;
     const int b = blockIdx.z;
     const int lane = threadIdx.x % kLanesPerRow;
+    const BlockInfo binfo(params, b);
+    const bool valid = s < binfo.seqlen_q;
     float sum = 0.f;
-    if (s < params.seqlen_q) {
-        const auto* dout = static_cast<const Element*>(params.do_ptr) + b * params.do_batch_stride +
-                           s * params.do_row_stride + h * params.do_head_stride;
-        const auto* out = static_cast<const Element*>(params.o_ptr) + b * params.o_batch_stride +
-                          s * params.o_row_stride + h * params.o_head_stride;
+    if (valid) {
+        const auto dout = binfo.do_view<Element>(params, b, h);  // (seqlen_q, head_dim)
+        const auto out = binfo.o_view<Element>(params, b, h);    // (seqlen_q, head_dim)
         for (int col = lane * kVec; col < params.head_dim; col += kLanesPerRow * kVec) {
-            const auto d = *reinterpret_cast<const cutlass::Array<Element, kVec>*>(dout + col);
-            const auto o = *reinterpret_cast<const cutlass::Array<Element, kVec>*>(out + col);
+            const auto d = *reinterpret_cast<const cutlass::Array<Element, kVec>*>(&dout(s, col));
+            const auto o = *reinterpret_cast<const cutlass::Array<Element, kVec>*>(&out(s, col));
 #pragma unroll
             for (int i = 0; i < kVec; ++i) { sum += float(d[i]) * float(o[i]); }
         }
     }
 #pragma unroll
     for (int offset = kLanesPerRow / 2; offset > 0; offset /= 2) { sum += __shfl_xor_sync(0xffffffff, sum, offset); }
-    if (s < params.seqlen_q && lane == 0) {
-        params.dsum_ptr[(int64_t(b) * params.num_heads + h) * params.seqlen_q + s] = sum;
-    }
+    if (valid && lane == 0) { params.dsum_ptr[binfo.lse_offset(params, b, h) + s] = sum; }
 }
 
-// dq (batch, seqlen_q, num_heads, head_dim) = softmax_scale * dq_accum (batch, num_heads, dq_accum_seqlen,
-// dq_accum_head_dim), for kTokensPerBlock tokens of one (batch, head).
+// dq = softmax_scale * dq_accum for kTokensPerBlock tokens of one (batch, head). dq is contiguous, laid out
+// like q: dense (batch, seqlen_q, num_heads, head_dim), varlen (total_q, num_heads, head_dim).
 template <typename Element>
 __global__ void __launch_bounds__(kThreads) convert_dq_kernel(const __grid_constant__ BwdParams params) {
     const int h = blockIdx.y;
     const int b = blockIdx.z;
+    const BlockInfo binfo(params, b);
+    const int first = blockIdx.x * kTokensPerBlock;
+    const int tokens = min(kTokensPerBlock, binfo.seqlen_q - first);
     const int vecs_per_row = params.head_dim / kVec;
-    const float* src = params.dq_accum_ptr + ((int64_t(b) * params.num_heads + h) * params.dq_accum_seqlen +
-                                              int64_t(blockIdx.x) * kTokensPerBlock) * params.dq_accum_head_dim;
-    // dq is allocated contiguous by the op.
+    const float* src = params.dq_accum_ptr +
+                       (binfo.dq_accum_row(params, b, h) + first) * int64_t(params.dq_accum_head_dim);
     const int64_t dst_row_stride = int64_t(params.num_heads) * params.head_dim;
-    auto* dst = static_cast<Element*>(params.dq_ptr) +
-                (int64_t(b) * params.seqlen_q + int64_t(blockIdx.x) * kTokensPerBlock) * dst_row_stride +
-                int64_t(h) * params.head_dim;
-    const int tokens = min(kTokensPerBlock, params.seqlen_q - int(blockIdx.x) * kTokensPerBlock);
+    const int64_t dst_row0 = (params.cu_seqlens_q == nullptr ? int64_t(b) * params.seqlen_q : 0) + binfo.q_start + first;
+    auto* dst = static_cast<Element*>(params.dq_ptr) + dst_row0 * dst_row_stride + int64_t(h) * params.head_dim;
     cutlass::NumericArrayConverter<Element, float, kVec> convert;
     for (int idx = threadIdx.x; idx < tokens * vecs_per_row; idx += kThreads) {
         const int t = idx / vecs_per_row;

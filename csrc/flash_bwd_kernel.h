@@ -93,7 +93,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
     const int head_idx = blockIdx.z;
     const int head_idx_k = head_idx / (params.num_heads / params.num_heads_k);
     const int tidx = threadIdx.x;
-    const BlockInfo binfo(params);
+    const BlockInfo binfo(params, batch_idx);
+    // Varlen grids are sized for the longest sequence; this one may have no keys here.
+    if (n_block * kBlockN >= binfo.seqlen_k) { return; }
     const Mask mask(binfo.seqlen_q, binfo.seqlen_k);
 
     const int m_block_end = (binfo.seqlen_q + kBlockM - 1) / kBlockM;
@@ -104,14 +106,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
         m_block_begin = first_row <= 0 ? 0 : min(first_row / kBlockM, m_block_end);
     }
 
-    const index_t lse_offset = (index_t(batch_idx) * params.num_heads + head_idx) * params.seqlen_q;
+    const index_t lse_offset = binfo.lse_offset(params, batch_idx, head_idx);
     const float* lse_row = params.lse_ptr + lse_offset;
     const float* dsum_row = params.dsum_ptr + lse_offset;
-    // dq_accum is (batch, num_heads, dq_accum_seqlen, kHeadDim): compile-time strides inside a head, and
-    // whole query blocks, so the reductions need neither address arithmetic nor bounds checks (rows past
-    // seqlen_q and columns past head_dim only ever receive zeros).
-    float* dq_head = params.dq_accum_ptr +
-                     (index_t(batch_idx) * params.num_heads + head_idx) * params.dq_accum_seqlen * kHeadDim;
+    // dq_accum rows are kHeadDim wide and each sequence owns whole query blocks of them: compile-time
+    // strides, so the reductions need neither address arithmetic nor bounds checks (rows past seqlen_q and
+    // columns past head_dim only ever receive zeros).
+    float* dq_head = params.dq_accum_ptr + binfo.dq_accum_row(params, batch_idx, head_idx) * kHeadDim;
 
     Tensor mQ = binfo.q_view<Element>(params, batch_idx, head_idx);      // (seqlen_q, head_dim)
     Tensor mdO = binfo.do_view<Element>(params, batch_idx, head_idx);    // (seqlen_q, head_dim)
@@ -238,7 +239,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
     Tensor tQrdS_view = thr_copy_a_dq.retile_D(tQrdS);
     Tensor tQrKt_view = thr_copy_b_dq.retile_D(tQrKt);
     Tensor gdQaccum = make_tensor(make_gmem_ptr(dq_head),
-                                  make_layout(make_shape(Int<kBlockM>{}, Int<kHeadDim>{}, params.dq_accum_seqlen / kBlockM),
+                                  make_layout(make_shape(Int<kBlockM>{}, Int<kHeadDim>{}, m_block_end),
                                               make_stride(Int<kHeadDim>{}, _1{}, Int<kBlockM * kHeadDim>{})));  // (kBlockM, kHeadDim, m)
     Tensor gdQaccum_chunks = local_tile(gdQaccum, Shape<Int<kBlockM>, Int<kDqChunk>>{}, make_coord(0, _, _));  // (kBlockM, kDqChunk, chunk, m)
     Tensor tdQgdQaccum = thr_mma_dq.partition_C(gdQaccum_chunks);  // (MMA, MMA_M, MMA_D, chunk, m)
@@ -249,7 +250,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
     if (m_block_begin < m_block_end) { load_q_do(m_block_begin, 0); }
     cp_async_fence();
 
-    int* dq_semaphore = params.dq_semaphore_ptr + (index_t(batch_idx) * params.num_heads + head_idx) * m_block_end;
+    const int m_blocks_max = (params.seqlen_q + kBlockM - 1) / kBlockM;
+    int* dq_semaphore = params.dq_semaphore_ptr + (index_t(batch_idx) * params.num_heads + head_idx) * m_blocks_max;
     constexpr int kRows = decltype(size<0>(tScS_rc))::value;
     for (int m_block = m_block_begin; m_block < m_block_end; ++m_block) {
         const int stage = kStagesQ == 2 ? (m_block - m_block_begin) & 1 : 0;

@@ -52,7 +52,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const _
     const int head_idx_k = head_idx / (params.num_heads / params.num_heads_k);
     const int tidx = threadIdx.x;
 
-    const BlockInfo binfo(params);
+    const BlockInfo binfo(params, batch_idx);
     if (m_block * kBlockM >= binfo.seqlen_q) { return; }
     const Mask mask(binfo.seqlen_q, binfo.seqlen_k);
     const int n_block_end = mask.n_block_end(m_block);
@@ -171,8 +171,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const _
     Tensor tOcO_acc = thr_mma.partition_C(cO);
     Tensor tOcO_rc = make_tensor(tOcO_acc.data(), acc_rowcol_layout(tOcO_acc.layout()));  // (rows, cols)
     if (get<1>(tOcO_rc(0, 0)) == 0) {
-        float* lse_row0 = params.lse_ptr +
-                          (index_t(batch_idx) * params.num_heads + head_idx) * params.seqlen_q + m_block * kBlockM;
+        float* lse_row0 = params.lse_ptr + binfo.lse_offset(params, batch_idx, head_idx) + m_block * kBlockM;
         CUTE_UNROLL
         for (int r = 0; r < size(lse); ++r) {
             const int row = get<0>(tOcO_rc(r, 0));

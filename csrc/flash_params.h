@@ -13,7 +13,12 @@ struct FwdParams {
     const void* __restrict__ k_ptr;  // (batch, seqlen_k, num_heads_k, head_dim)
     const void* __restrict__ v_ptr;  // (batch, seqlen_k, num_heads_k, head_dim)
     void* __restrict__ o_ptr;        // (batch, seqlen_q, num_heads, head_dim), written by the kernel
-    float* __restrict__ lse_ptr;     // (batch, num_heads, seqlen_q) contiguous, natural-log LSE
+    float* __restrict__ lse_ptr;     // natural-log LSE per query row; dense (batch, num_heads, seqlen_q),
+                                     // varlen (num_heads, total_q); rows are contiguous
+    // Variable-length batches: sequence b owns tokens [cu_seqlens[b], cu_seqlens[b + 1]) of a
+    // (total, heads, head_dim) tensor, and every batch stride above is 0. Both nullptr for dense batches.
+    const int* __restrict__ cu_seqlens_q;  // (batch + 1,) int32
+    const int* __restrict__ cu_seqlens_k;  // (batch + 1,) int32
 
     index_t q_batch_stride;  // elements between consecutive batches of q
     index_t q_row_stride;    // elements between consecutive tokens of q
@@ -27,10 +32,14 @@ struct FwdParams {
     index_t o_batch_stride;  // same three for out
     index_t o_row_stride;
     index_t o_head_stride;
+    index_t lse_batch_stride;  // elements between consecutive batches of lse (0 for varlen)
+    index_t lse_head_stride;   // elements between consecutive heads of lse
 
     int batch;         // number of sequences
-    int seqlen_q;      // query tokens per sequence
-    int seqlen_k;      // key/value tokens per sequence
+    int seqlen_q;      // query tokens per sequence (varlen: the maximum, which sizes the grid)
+    int seqlen_k;      // key/value tokens per sequence (varlen: the maximum)
+    int total_q;       // varlen: rows of q; cu_seqlens_q is clamped to it so no kernel leaves the tensor
+    int total_k;       // varlen: rows of k and v
     int num_heads;     // query heads
     int num_heads_k;   // key/value heads; num_heads is a multiple of it (MQA/GQA)
     int head_dim;      // actual head dim, a multiple of 8, at most the kernel's kHeadDim
@@ -46,8 +55,10 @@ constexpr int kBwdBlockM = 64;
 struct BwdParams : FwdParams {
     const void* __restrict__ do_ptr;   // (batch, seqlen_q, num_heads, head_dim), gradient of out
     float* __restrict__ dsum_ptr;      // (batch, num_heads, seqlen_q) contiguous: rowsum(dout * out), fp32
-    float* __restrict__ dq_accum_ptr;  // (batch, num_heads, dq_accum_seqlen, dq_accum_head_dim) contiguous fp32, zeroed
-    void* __restrict__ dq_ptr;         // (batch, seqlen_q, num_heads, head_dim) contiguous: dq_accum * scale
+    float* __restrict__ dq_accum_ptr;  // fp32, zeroed, rows of dq_accum_head_dim: dense (batch, num_heads,
+                                       // dq_accum_seqlen, .); varlen (num_heads, dq_accum_seqlen, .), where
+                                       // sequence b starts at row cu_seqlens_q[b] + b * kBwdBlockM
+    void* __restrict__ dq_ptr;         // laid out like q but contiguous: dq_accum * scale
     void* __restrict__ dk_ptr;         // (batch, seqlen_k, num_heads, head_dim): one slice per query head
     void* __restrict__ dv_ptr;         // (batch, seqlen_k, num_heads, head_dim): one slice per query head
     int* dq_semaphore_ptr;             // (batch, num_heads, ceil(seqlen_q / kBwdBlockM)) zeroed; deterministic only
@@ -59,7 +70,7 @@ struct BwdParams : FwdParams {
     index_t dk_row_stride;
     index_t dk_head_stride;
 
-    int dq_accum_seqlen;    // seqlen_q rounded up to whole kBwdBlockM blocks
+    int dq_accum_seqlen;    // dense: seqlen_q rounded up to whole kBwdBlockM blocks; varlen: total_q + batch * kBwdBlockM
     int dq_accum_head_dim;  // the kernel's compile-time head dim (>= head_dim)
 
     bool deterministic;  // key blocks add into dQ in a fixed order (dq_semaphore_ptr)

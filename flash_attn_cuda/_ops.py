@@ -44,9 +44,47 @@ def _fwd_backward(ctx, grad_out, grad_softmax_lse):
 torch.library.register_autograd("flash_attn2::fwd", _fwd_backward, setup_context=_fwd_setup_context)
 
 
+@torch.library.register_fake("flash_attn2::varlen_fwd")
+def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                     deterministic=False):
+    total_q, nheads, head_dim = q.shape
+    out = q.new_empty((total_q, nheads, head_dim))
+    softmax_lse = q.new_empty((nheads, total_q), dtype=torch.float32)
+    return out, softmax_lse
+
+
+@torch.library.register_fake("flash_attn2::varlen_bwd")
+def _varlen_bwd_fake(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                     softmax_scale, causal, deterministic=False):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _varlen_fwd_setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, *rest = inputs
+    out, softmax_lse = output
+    ctx.save_for_backward(q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k)
+    ctx.max_seqlens = (max_seqlen_q, max_seqlen_k)
+    ctx.softmax_scale = softmax_scale
+    ctx.causal = causal
+    ctx.deterministic = bool(rest[0]) if rest else False
+
+
+def _varlen_fwd_backward(ctx, grad_out, grad_softmax_lse):
+    q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    dq, dk, dv = torch.ops.flash_attn2.varlen_bwd(
+        grad_out.contiguous(), q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens,
+        ctx.softmax_scale, ctx.causal, ctx.deterministic,
+    )
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("flash_attn2::varlen_fwd", _varlen_fwd_backward,
+                                setup_context=_varlen_fwd_setup_context)
+
+
 @functools.cache
 def compiled_kernels() -> frozenset:
-    """Names of the forward kernels in this build, e.g. 'fwd_hdim128_bf16_causal'."""
+    """Names of the kernels in this build, e.g. 'fwd_hdim128_bf16_causal' or 'bwd_hdim64_fp16_noncausal'."""
     return frozenset(torch.ops.flash_attn2.compiled_kernels())
 
 

@@ -31,6 +31,26 @@ def _kernel_ready(x: torch.Tensor, head_dim: int) -> torch.Tensor:
     return x if aligned else x.contiguous()
 
 
+def _prepare(q, k, v, softmax_scale, rank, layout):
+    """Checks q, k, v of the given rank, resolves the default and negative softmax_scale, and makes the
+    tensors kernel-ready. Returns (q, k, v, softmax_scale, original head_dim)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != rank:
+            raise ValueError(f"{name} must be a {rank}-D tensor {layout}")
+    head_dim = q.shape[-1]
+    if k.shape[-1] != head_dim or v.shape[-1] != head_dim:
+        raise ValueError(f"k and v must have the same head_dim as q ({head_dim}), got {k.shape[-1]} and {v.shape[-1]}")
+    if not 0 < head_dim <= 256:
+        raise ValueError(f"head_dim must be in [1, 256], got {head_dim}")
+    if softmax_scale is None:
+        softmax_scale = head_dim ** -0.5
+    if softmax_scale < 0:
+        # (-q) k^T * |scale| equals q k^T * scale; the kernel needs a non-negative scale.
+        q, softmax_scale = -q, -softmax_scale
+    q, k, v = (_kernel_ready(t, head_dim) for t in (q, k, v))
+    return q, k, v, float(softmax_scale), head_dim
+
+
 def flash_attn_func(
     q,
     k,
@@ -66,23 +86,148 @@ def flash_attn_func(
         softmax_lse is float32 (batch, nheads, seqlen_q): the natural-log sum of exp(scaled scores) per query row.
     """
     _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"{name} must be a 4-D tensor (batch, seqlen, nheads, head_dim)")
-    head_dim = q.shape[-1]
-    if k.shape[-1] != head_dim or v.shape[-1] != head_dim:
-        raise ValueError(f"k and v must have the same head_dim as q ({head_dim}), got {k.shape[-1]} and {v.shape[-1]}")
-    if not 0 < head_dim <= 256:
-        raise ValueError(f"head_dim must be in [1, 256], got {head_dim}")
-    if softmax_scale is None:
-        softmax_scale = head_dim ** -0.5
-    if softmax_scale < 0:
-        # (-q) k^T * |scale| equals q k^T * scale; the kernel needs a non-negative scale.
-        q, softmax_scale = -q, -softmax_scale
-    q, k, v = (_kernel_ready(t, head_dim) for t in (q, k, v))
-    out, softmax_lse = torch.ops.flash_attn2.fwd(q, k, v, float(softmax_scale), bool(causal), bool(deterministic))
+    q, k, v, softmax_scale, head_dim = _prepare(q, k, v, softmax_scale, 4, "(batch, seqlen, nheads, head_dim)")
+    out, softmax_lse = torch.ops.flash_attn2.fwd(q, k, v, softmax_scale, bool(causal), bool(deterministic))
     if out.shape[-1] != head_dim:
         out = out[..., :head_dim]
     if return_attn_probs:
         return out, softmax_lse, None
     return out
+
+
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    block_table=None,
+):
+    """Attention over a batch of sequences of different lengths packed without padding.
+
+    Args:
+        q: (total_q, nheads, head_dim): the queries of all sequences, one after another.
+        k, v: (total_k, nheads_k, head_dim).
+        cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) on q's device: sequence b owns rows
+            [cu_seqlens[b], cu_seqlens[b + 1]). Rows outside every sequence are left unwritten in the output.
+        max_seqlen_q, max_seqlen_k: Python ints, the longest query and key sequence (they size the launch;
+            the kernels never read cu_seqlens on the host, so the call is CUDA-graph safe).
+        causal: per sequence, aligned to the bottom-right corner of its own score matrix.
+        block_table: paged KV cache; not supported yet.
+        The other arguments are as in flash_attn_func.
+
+    Returns:
+        out (total_q, nheads, head_dim), or (out, softmax_lse, None) with return_attn_probs, where softmax_lse
+        is float32 (nheads, total_q).
+    """
+    _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes)
+    if block_table is not None:
+        raise NotImplementedError("block_table: a paged KV cache is not implemented yet")
+    q, k, v, softmax_scale, head_dim = _prepare(q, k, v, softmax_scale, 3, "(total, nheads, head_dim)")
+    out, softmax_lse = torch.ops.flash_attn2.varlen_fwd(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), softmax_scale, bool(causal),
+        bool(deterministic),
+    )
+    if out.shape[-1] != head_dim:
+        out = out[..., :head_dim]
+    if return_attn_probs:
+        return out, softmax_lse, None
+    return out
+
+
+def _unpack(packed, dim, count, name, layout):
+    if not isinstance(packed, torch.Tensor) or packed.dim() <= dim or packed.shape[dim] != count:
+        raise ValueError(f"{name} must have shape {layout}")
+    return packed.unbind(dim)
+
+
+def flash_attn_qkvpacked_func(
+    qkv,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """flash_attn_func on q, k, v packed as qkv (batch, seqlen, 3, nheads, head_dim).
+
+    q, k and v are read in place from qkv (no copy when head_dim is a multiple of 8), and the gradient comes back
+    as one tensor shaped like qkv.
+    """
+    q, k, v = _unpack(qkv, 2, 3, "qkv", "(batch, seqlen, 3, nheads, head_dim)")
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs)
+
+
+def flash_attn_kvpacked_func(
+    q,
+    kv,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """flash_attn_func with k and v packed as kv (batch, seqlen_k, 2, nheads_k, head_dim), read in place."""
+    k, v = _unpack(kv, 2, 2, "kv", "(batch, seqlen_k, 2, nheads_k, head_dim)")
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_qkvpacked_func(
+    qkv,
+    cu_seqlens,
+    max_seqlen,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """flash_attn_varlen_func on q, k, v packed as qkv (total, 3, nheads, head_dim), sharing cu_seqlens and
+    max_seqlen; read in place, with the gradient shaped like qkv."""
+    q, k, v = _unpack(qkv, 1, 3, "qkv", "(total, 3, nheads, head_dim)")
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
+                                  causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(
+    q,
+    kv,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """flash_attn_varlen_func with k and v packed as kv (total_k, 2, nheads_k, head_dim), read in place."""
+    k, v = _unpack(kv, 1, 2, "kv", "(total_k, 2, nheads_k, head_dim)")
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs)

@@ -1,13 +1,15 @@
 """Small forward and backward calls for compute-sanitizer (not a pytest module): odd lengths, causal both
-ways, GQA, padded head dims, strided views and deterministic mode, so out-of-bounds reads or writes show up
-as memcheck errors.
+ways, GQA, padded head dims, strided views, deterministic mode and variable-length batches (with empty and
+one-token sequences), so out-of-bounds reads or writes show up as memcheck errors.
 
     compute-sanitizer --tool memcheck python tests/memcheck.py
 """
+import itertools
+
 import torch
 
 import flash_attn_cuda
-from flash_attn_cuda import flash_attn_func
+from flash_attn_cuda import flash_attn_func, flash_attn_varlen_func
 
 
 def main():
@@ -30,6 +32,19 @@ def main():
                     if with_bwd:
                         out.backward(torch.randn_like(out))
                     cases += 1
+    lens_q, lens_k = [0, 1, 17, 130, 64], [5, 0, 17, 77, 129]
+    cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32, device="cuda") for n in (lens_q, lens_k))
+    for head_dim in (32, 64, 128, 256):
+        for causal in (False, True):
+            if not flash_attn_cuda.kernel_available(head_dim, torch.bfloat16, causal, backward=True):
+                continue
+            # Packed (total, 3, h, d) buffers: strided q, k, v of exactly total rows each.
+            q = torch.randn(sum(lens_q), 3, 4, head_dim, device="cuda", dtype=torch.bfloat16)[:, 0].requires_grad_()
+            kv = torch.randn(sum(lens_k), 2, 2, head_dim, device="cuda", dtype=torch.bfloat16).requires_grad_()
+            out = flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                         deterministic=causal)
+            out.backward(torch.randn_like(out))
+            cases += 1
     torch.cuda.synchronize()
     print(f"memcheck: {cases} calls done")
 

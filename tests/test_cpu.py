@@ -1,6 +1,7 @@
 """Tests that need the built extension but no GPU: op registration, shape inference, TorchScript,
 the pure-PyTorch reference, and argument validation (which runs before the device check)."""
 
+import itertools
 import math
 
 import pytest
@@ -442,3 +443,125 @@ def test_flash_attn_func_accepts_default_options():
             alibi_slopes=None,
             deterministic=True,
         )
+
+
+# ---------------------------------------------------------------- varlen and packed layouts
+
+
+def varlen_args(lens=(3, 0, 5), h=4, hk=2, d=64, dtype=torch.float16, device="cpu"):
+    total = sum(lens)
+    q = torch.randn(total, h, d, dtype=dtype, device=device)
+    k, v = (torch.randn(total, hk, d, dtype=dtype, device=device) for _ in range(2))
+    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)
+    return q, k, v, cu, cu.clone(), max(lens), max(lens)
+
+
+def test_varlen_schemas():
+    fwd_schema = str(torch.ops.flash_attn2.varlen_fwd.default._schema)
+    for arg in ("Tensor q", "Tensor k", "Tensor v", "Tensor cu_seqlens_q", "Tensor cu_seqlens_k", "int max_seqlen_q",
+                "int max_seqlen_k", "float softmax_scale", "bool causal", "bool deterministic=False"):
+        assert arg in fwd_schema, (arg, fwd_schema)
+    assert "-> (Tensor out, Tensor softmax_lse)" in fwd_schema
+    bwd_schema = str(torch.ops.flash_attn2.varlen_bwd.default._schema)
+    for arg in ("Tensor dout", "Tensor out", "Tensor softmax_lse", "Tensor cu_seqlens_q", "int max_seqlen_k"):
+        assert arg in bwd_schema, (arg, bwd_schema)
+    assert "-> (Tensor dq, Tensor dk, Tensor dv)" in bwd_schema
+
+
+def test_varlen_fake_shapes():
+    with FakeTensorMode():
+        q, k, v, cu_q, cu_k, max_q, max_k = varlen_args(h=6, hk=2)
+        out, lse = torch.ops.flash_attn2.varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, 0.125, True)
+        assert out.shape == q.shape and lse.shape == (6, q.shape[0]) and lse.dtype == torch.float32
+        dq, dk, dv = torch.ops.flash_attn2.varlen_bwd(torch.empty_like(out), q, k, v, out, lse, cu_q, cu_k, max_q,
+                                                      max_k, 0.125, True)
+        assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+
+
+def test_varlen_autograd_through_fake_op():
+    q, k, v, cu_q, cu_k, max_q, max_k = varlen_args()
+    q, k, v = (t.to("meta").requires_grad_() for t in (q, k, v))
+    out = flash_attn_cuda.flash_attn_varlen_func(q, k, v, cu_q.to("meta"), cu_k.to("meta"), max_q, max_k, causal=True)
+    dq, dk, dv = torch.autograd.grad(out.sum(), (q, k, v))
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+
+
+@pytest.mark.parametrize("name, bad, error", [
+    ("cu_seqlens_q", lambda a: a[3].long(), TypeError),
+    ("cu_seqlens_k", lambda a: a[4].float(), TypeError),
+    ("cu_seqlens_k", lambda a: a[4][:-1], ValueError),
+    ("cu_seqlens_q", lambda a: a[3].view(1, -1), ValueError),
+    ("cu_seqlens_q", lambda a: a[3].repeat_interleave(2)[::2], ValueError),
+])
+def test_varlen_rejects_bad_cu_seqlens(name, bad, error):
+    args = list(varlen_args())
+    args[3 if name == "cu_seqlens_q" else 4] = bad(args)
+    with pytest.raises(error, match=name):
+        torch.ops.flash_attn2.varlen_fwd(*args, 0.125, False)
+
+
+@pytest.mark.parametrize("index, name", [(5, "max_seqlen_q"), (6, "max_seqlen_k")])
+def test_varlen_rejects_bad_max_seqlen(index, name):
+    args = list(varlen_args())
+    args[index] = -1
+    with pytest.raises(ValueError, match=name):
+        torch.ops.flash_attn2.varlen_fwd(*args, 0.125, False)
+
+
+def test_varlen_rejects_dense_layout():
+    q, k, v, *rest = varlen_args()
+    with pytest.raises(ValueError, match=r"q must be a 3-D tensor"):
+        flash_attn_cuda.flash_attn_varlen_func(q[None], k, v, *rest)
+    with pytest.raises(ValueError, match=r"q must have shape \(total_q"):
+        torch.ops.flash_attn2.varlen_fwd(q[None], k, v, *rest, 0.125, False)
+
+
+def test_varlen_rejects_cpu_tensors():
+    with pytest.raises(BAD_INPUT, match="CUDA"):
+        torch.ops.flash_attn2.varlen_fwd(*varlen_args(), 0.125, False)
+
+
+def test_varlen_block_table_not_implemented():
+    with pytest.raises(NotImplementedError, match="block_table"):
+        flash_attn_cuda.flash_attn_varlen_func(*varlen_args(), block_table=torch.zeros(1, 1, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("func, packed_shape, dim", [
+    ("flash_attn_qkvpacked_func", (2, 9, 3, 4, 64), 2),
+    ("flash_attn_varlen_qkvpacked_func", (9, 3, 4, 64), 1),
+])
+def test_packed_views_reach_the_op_without_copies(monkeypatch, func, packed_shape, dim):
+    packed = torch.randn(packed_shape, dtype=torch.float16)
+    seen = {}
+
+    def fake_op(q, k, v, *rest):
+        seen.update(q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr())
+        return torch.empty_like(q), torch.empty(1)
+
+    op = "varlen_fwd" if "varlen" in func else "fwd"
+    monkeypatch.setattr(torch.ops.flash_attn2, op, fake_op)
+    args = (torch.tensor([0, 9], dtype=torch.int32), 9) if "varlen" in func else ()
+    getattr(flash_attn_cuda, func)(packed, *args)
+    step = packed.stride(dim) * packed.element_size()
+    assert seen == {"q": packed.data_ptr(), "k": packed.data_ptr() + step, "v": packed.data_ptr() + 2 * step}
+
+
+def test_padding_round_trip():
+    batch, seqlen = 3, 7
+    hidden = torch.randn(batch, seqlen, 4, 8)
+    mask = torch.tensor([[1, 1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0, 0]], dtype=torch.bool)
+    unpadded, indices, cu_seqlens, max_seqlen, used = flash_attn_cuda.unpad_input(hidden, mask)
+    assert unpadded.shape == (10, 4, 8)
+    assert cu_seqlens.dtype == torch.int32 and cu_seqlens.tolist() == [0, 3, 10, 10]
+    assert max_seqlen == 7 and used.tolist() == [3, 7, 0]
+    padded = flash_attn_cuda.pad_input(unpadded, indices, batch, seqlen)
+    assert torch.equal(padded, hidden * mask[..., None, None])
+
+
+def test_unpad_input_unused_mask():
+    hidden = torch.randn(2, 4, 3)
+    mask = torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0]], dtype=torch.bool)
+    unused = torch.tensor([[0, 0, 1, 0], [0, 0, 0, 0]], dtype=torch.bool)
+    unpadded, _, cu_seqlens, max_seqlen, used = flash_attn_cuda.unpad_input(hidden, mask, unused)
+    assert cu_seqlens.tolist() == [0, 3, 4] and max_seqlen == 3 and used.tolist() == [2, 1]
+    assert torch.equal(unpadded, hidden[[0, 0, 0, 1], [0, 1, 2, 0]])

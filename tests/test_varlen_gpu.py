@@ -1,0 +1,228 @@
+"""Variable-length batches and packed layouts on a CUDA device.
+
+Varlen outputs, LSE and gradients are compared with the dense reference run on each sequence separately
+(rule in DEVELOPERS.md, over all sequences at once). Configurations whose kernels were not compiled are skipped.
+"""
+
+import itertools
+
+import pytest
+import torch
+from conftest import check_close, poison_allocator, requires_gpu
+
+import flash_attn_cuda
+from flash_attn_cuda import (
+    flash_attn_func,
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
+    flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
+)
+from flash_attn_cuda.reference import attention_ref
+
+pytestmark = [pytest.mark.gpu, requires_gpu]
+
+KERNEL_HEAD_DIMS = [32, 64, 96, 128, 160, 192, 224, 256]
+# Lengths with empty, single-token and odd sequences, and both seqlen_q > seqlen_k and the reverse.
+LENS_Q = [0, 1, 17, 113, 64, 300, 5]
+LENS_K = [7, 0, 17, 200, 64, 129, 1]
+
+
+def require_kernels(head_dim, dtype, causal):
+    if not flash_attn_cuda.kernel_available(head_dim, dtype, causal, backward=True):
+        pytest.skip(f"kernels for head_dim={head_dim} {dtype} causal={causal} not compiled")
+
+
+def cu_seqlens(lengths):
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device="cuda")
+
+
+def rand(*shape, dtype):
+    return torch.randn(shape, dtype=dtype, device="cuda")
+
+
+def varlen_reference(q, k, v, lens_q, lens_k, dout, causal, softmax_scale, upcast):
+    """(out, lse (nheads, total_q), dq, dk, dv): the dense reference on each sequence, packed again."""
+    leaves = [(t.detach().float() if upcast else t.detach()).requires_grad_() for t in (q, k, v)]
+    outs, lses = [], []
+    for (q0, q1), (k0, k1) in zip(itertools.pairwise([0, *itertools.accumulate(lens_q)]),
+                                  itertools.pairwise([0, *itertools.accumulate(lens_k)])):
+        out, lse = attention_ref(leaves[0][q0:q1][None], leaves[1][k0:k1][None], leaves[2][k0:k1][None],
+                                 softmax_scale, causal, upcast=upcast)
+        outs.append(out[0])
+        lses.append(lse[0])
+    out, lse = torch.cat(outs), torch.cat(lses, dim=1)
+    grads = torch.autograd.grad(out, leaves, dout.float() if upcast else dout)
+    return (out.detach(), lse, *grads)
+
+
+def check_varlen(lens_q, lens_k, h, hk, head_dim, dtype, causal, deterministic=False):
+    q = rand(sum(lens_q), h, head_dim, dtype=dtype).requires_grad_()
+    k = rand(sum(lens_k), hk, head_dim, dtype=dtype).requires_grad_()
+    v = rand(sum(lens_k), hk, head_dim, dtype=dtype).requires_grad_()
+    dout = torch.randn_like(q)
+    poison_allocator(q.device)
+    out, lse, _ = flash_attn_varlen_func(q, k, v, cu_seqlens(lens_q), cu_seqlens(lens_k), max(lens_q), max(lens_k),
+                                         causal=causal, deterministic=deterministic, return_attn_probs=True)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    scale = head_dim ** -0.5
+    ref = varlen_reference(q, k, v, lens_q, lens_k, dout, causal, scale, upcast=True)
+    lowp = varlen_reference(q, k, v, lens_q, lens_k, dout, causal, scale, upcast=False)
+    for name, ours, r, lp in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv), ref, lowp):
+        check_close(name, ours, r, lp)
+    return dq, dk, dv
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", KERNEL_HEAD_DIMS)
+def test_varlen_head_dims(head_dim, causal, dtype):
+    require_kernels(head_dim, dtype, causal)
+    check_varlen(LENS_Q, LENS_K, 6, 2, head_dim, dtype, causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("h, hk", [(4, 4), (8, 1)])
+@pytest.mark.parametrize("lens", [([1], [1]), ([1023, 1, 0], [0, 1, 1023]), ([129, 257], [257, 129])],
+                         ids=["one-token", "long-short-empty", "swap"])
+def test_varlen_lengths(lens, h, hk, causal):
+    require_kernels(128, torch.bfloat16, causal)
+    check_varlen(*lens, h, hk, 128, torch.bfloat16, causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_varlen_deterministic(causal):
+    require_kernels(64, torch.bfloat16, causal)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(0)  # the same inputs both times
+        runs.append(check_varlen(LENS_Q, LENS_K, 4, 2, 64, torch.bfloat16, causal, deterministic=True))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_varlen_matches_dense():
+    # Equal lengths: the varlen call must give exactly what the dense call gives on the same rows.
+    require_kernels(64, torch.bfloat16, True)
+    b, s, h, d = 3, 77, 4, 64
+    q, k, v = (rand(b, s, h, d, dtype=torch.bfloat16) for _ in range(3))
+    dense = flash_attn_func(q, k, v, causal=True)
+    cu = cu_seqlens([s] * b)
+    packed = flash_attn_varlen_func(*(t.reshape(b * s, h, d) for t in (q, k, v)), cu, cu, s, s, causal=True)
+    assert torch.equal(packed.view(b, s, h, d), dense)
+
+
+def _grads(out, leaves, dout):
+    return torch.autograd.grad(out, leaves, dout)
+
+
+# The packed/unpacked comparisons are bitwise, so they run the backward in deterministic mode (default-mode dq
+# sums in whatever order the atomics land).
+DET = {"deterministic": True}
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_qkvpacked_equals_unpacked(causal):
+    require_kernels(64, torch.bfloat16, causal)
+    qkv = rand(2, 97, 3, 4, 64, dtype=torch.bfloat16).requires_grad_()
+    q, k, v = (qkv.detach()[:, :, i].clone().requires_grad_() for i in range(3))
+    out_packed = flash_attn_qkvpacked_func(qkv, causal=causal, **DET)
+    out = flash_attn_func(q, k, v, causal=causal, **DET)
+    assert torch.equal(out_packed, out)
+    dout = torch.randn_like(out)
+    (dqkv,) = _grads(out_packed, (qkv,), dout)
+    assert dqkv.shape == qkv.shape
+    assert torch.equal(dqkv, torch.stack(_grads(out, (q, k, v), dout), dim=2))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_kvpacked_equals_unpacked(causal):
+    require_kernels(64, torch.bfloat16, causal)
+    q = rand(2, 61, 4, 64, dtype=torch.bfloat16).requires_grad_()
+    kv = rand(2, 97, 2, 2, 64, dtype=torch.bfloat16).requires_grad_()
+    k, v = (kv.detach()[:, :, i].clone().requires_grad_() for i in range(2))
+    out_packed = flash_attn_kvpacked_func(q, kv, causal=causal, **DET)
+    out = flash_attn_func(q, k, v, causal=causal, **DET)
+    assert torch.equal(out_packed, out)
+    dout = torch.randn_like(out)
+    dq_packed, dkv = _grads(out_packed, (q, kv), dout)
+    dq, dk, dv = _grads(out, (q, k, v), dout)
+    assert torch.equal(dq_packed, dq) and torch.equal(dkv, torch.stack((dk, dv), dim=2))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_varlen_packed_equal_unpacked(causal):
+    require_kernels(64, torch.bfloat16, causal)
+    lens = [5, 0, 130, 64, 1]
+    cu, total, max_len = cu_seqlens(lens), sum(lens), max(lens)
+    qkv = rand(total, 3, 4, 64, dtype=torch.bfloat16).requires_grad_()
+    q, k, v = (qkv.detach()[:, i].clone().requires_grad_() for i in range(3))
+    dout = rand(total, 4, 64, dtype=torch.bfloat16)
+
+    out_packed = flash_attn_varlen_qkvpacked_func(qkv, cu, max_len, causal=causal, **DET)
+    out = flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, causal=causal, **DET)
+    assert torch.equal(out_packed, out)
+    (dqkv,) = _grads(out_packed, (qkv,), dout)
+    dq, dk, dv = _grads(out, (q, k, v), dout)
+    assert torch.equal(dqkv, torch.stack((dq, dk, dv), dim=1))
+
+    kv = qkv.detach()[:, 1:].clone().requires_grad_()
+    out_kv = flash_attn_varlen_kvpacked_func(q, kv, cu, cu, max_len, max_len, causal=causal, **DET)
+    assert torch.equal(out_kv, out)
+    _, dkv = _grads(out_kv, (q, kv), dout)
+    assert torch.equal(dkv, torch.stack((dk, dv), dim=1))
+
+
+def test_varlen_cuda_graph_replay():
+    require_kernels(64, torch.bfloat16, True)
+    lens_q, lens_k = [33, 0, 100], [40, 7, 100]
+    h, d = 4, 64
+    q = rand(sum(lens_q), h, d, dtype=torch.bfloat16)
+    k, v = (rand(sum(lens_k), h, d, dtype=torch.bfloat16) for _ in range(2))
+    dout = torch.randn_like(q)
+    cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
+    args = (cu_q, cu_k, max(lens_q), max(lens_k), d ** -0.5, True)
+
+    def step():
+        out, lse = torch.ops.flash_attn2.varlen_fwd(q, k, v, *args)
+        grads = torch.ops.flash_attn2.varlen_bwd(dout, q, k, v, out, lse, *args, True)  # deterministic: bitwise
+        return out, lse, *grads
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+
+    # New contents, including other lengths with the same maxima: the graph reads them on replay.
+    for t in (q, k, v, dout):
+        t.copy_(torch.randn_like(t))
+    cu_q.copy_(cu_seqlens([100, 33, 0]))
+    cu_k.copy_(cu_seqlens([100, 7, 40]))
+    graph.replay()
+    torch.cuda.synchronize()
+    for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), captured, step()):
+        assert torch.equal(got, want), name
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_varlen_opcheck(causal):
+    require_kernels(64, torch.bfloat16, causal)
+    lens = [5, 0, 70]
+    q, k, v = (rand(sum(lens), 4, 64, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
+    cu = cu_seqlens(lens)
+    torch.library.opcheck(torch.ops.flash_attn2.varlen_fwd.default, (q, k, v, cu, cu, 70, 70, 0.125, causal))
+    out, lse = torch.ops.flash_attn2.varlen_fwd(q.detach(), k.detach(), v.detach(), cu, cu, 70, 70, 0.125, causal)
+    torch.library.opcheck(torch.ops.flash_attn2.varlen_bwd.default,
+                          (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, cu, cu, 70, 70, 0.125,
+                           causal, False))
+
+
+def test_varlen_rejects_cu_seqlens_on_another_device():
+    q = rand(10, 2, 64, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 10], dtype=torch.int32)
+    with pytest.raises(ValueError, match="cu_seqlens_q must be on the device of q"):
+        flash_attn_varlen_func(q, q, q, cu, cu.cuda(), 10, 10)

@@ -306,9 +306,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(const at::Tensor& dout, 
     at::Tensor dq_accum = varlen != nullptr ? at::zeros({nheads, dq_accum_seqlen, key.head_dim}, fp32)
                                             : at::zeros({batch, nheads, dq_accum_seqlen, key.head_dim}, fp32);
     at::Tensor dq = at::empty(q.sizes(), q.options());
-    // One dK/dV slice per query head; query heads that share a k/v head are summed afterwards.
-    at::Tensor dk_heads = at::empty({k.size(0), k.size(1), nheads, head_dim}, q.options());
-    at::Tensor dv_heads = at::empty({k.size(0), k.size(1), nheads, head_dim}, q.options());
+    // One dK/dV slice per query head; query heads that share a k/v head are summed afterwards, from fp32
+    // slices so that each gradient is rounded to the input dtype once.
+    const bool grouped = nheads != nheads_k;
+    const auto dkv_options = grouped ? fp32 : q.options();
+    at::Tensor dk_heads = at::empty({k.size(0), k.size(1), nheads, head_dim}, dkv_options);
+    at::Tensor dv_heads = at::empty({k.size(0), k.size(1), nheads, head_dim}, dkv_options);
     at::Tensor dq_semaphore;
     if (deterministic) {
         dq_semaphore = at::zeros({batch, nheads, (seqlen_q + kBwdBlockM - 1) / kBwdBlockM}, q.options().dtype(at::kInt));
@@ -328,6 +331,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(const at::Tensor& dout, 
     params.dk_batch_stride = varlen != nullptr ? 0 : dk_heads.stride(0);
     params.dk_row_stride = dk_heads.stride(1);
     params.dk_head_stride = dk_heads.stride(2);
+    params.dkv_fp32 = grouped;
     params.dq_semaphore_ptr = deterministic ? dq_semaphore.data_ptr<int>() : nullptr;
     params.dq_accum_seqlen = static_cast<int>(dq_accum_seqlen);
     params.dq_accum_head_dim = key.head_dim;
@@ -339,7 +343,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(const at::Tensor& dout, 
     if (err == cudaSuccess) { err = run_bwd_convert_dq(params, is_bf16, stream); }
     TORCH_CHECK(err == cudaSuccess, "flash_attn2::bwd kernel launch failed: ", cudaGetErrorString(err));
 
-    if (nheads == nheads_k) { return {dq, dk_heads, dv_heads}; }
+    if (!grouped) { return {dq, dk_heads, dv_heads}; }
     const int64_t group = nheads / nheads_k;
     auto sum_group = [&](const at::Tensor& heads) {
         return heads.view({k.size(0), k.size(1), nheads_k, group, head_dim}).sum(3, false, at::kFloat).to(q.scalar_type());

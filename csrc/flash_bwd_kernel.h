@@ -348,13 +348,22 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
 
     // dK picks up the softmax scale here (dS is the gradient of the scaled scores); dQ gets it when its
     // fp32 buffer is converted.
-    Tensor mdK = binfo.dk_view<Element>(params, batch_idx, head_idx);  // (seqlen_k, head_dim)
-    Tensor mdV = binfo.dv_view<Element>(params, batch_idx, head_idx);  // (seqlen_k, head_dim)
-    Tensor gdK = local_tile(mdK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));  // (kBlockN, kHeadDim)
-    Tensor gdV = local_tile(mdV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));  // (kBlockN, kHeadDim)
     Tensor tKVcdKV = thr_mma_dkv.partition_C(cKV);
-    store_acc<Element>(acc_dk, tKVcdKV, gdK, k_rows_left, params.head_dim, params.softmax_scale);
-    store_acc<Element>(acc_dv, tKVcdKV, gdV, k_rows_left, params.head_dim, 1.f);
+    auto store_dk_dv = [&](auto out_type) {
+        using Out = decltype(out_type);
+        Tensor mdK = binfo.dk_view<Out>(params, batch_idx, head_idx);  // (seqlen_k, head_dim)
+        Tensor mdV = binfo.dv_view<Out>(params, batch_idx, head_idx);  // (seqlen_k, head_dim)
+        Tensor gdK = local_tile(mdK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));  // (kBlockN, kHeadDim)
+        Tensor gdV = local_tile(mdV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));  // (kBlockN, kHeadDim)
+        store_acc<Out>(acc_dk, tKVcdKV, gdK, k_rows_left, params.head_dim, params.softmax_scale);
+        store_acc<Out>(acc_dv, tKVcdKV, gdV, k_rows_left, params.head_dim, 1.f);
+    };
+    // GQA slices are summed over each group on the host: kept in fp32 so the sum is rounded once.
+    if (params.dkv_fp32) {
+        store_dk_dv(float{});
+    } else {
+        store_dk_dv(Element{});
+    }
 }
 
 }  // namespace flash

@@ -61,6 +61,7 @@ struct BwdParams : FwdParams {
     void* __restrict__ dq_ptr;         // laid out like q but contiguous: dq_accum * scale
     void* __restrict__ dk_ptr;         // (batch, seqlen_k, num_heads, head_dim): one slice per query head
     void* __restrict__ dv_ptr;         // (batch, seqlen_k, num_heads, head_dim): one slice per query head
+    bool dkv_fp32;                     // dk_ptr and dv_ptr hold fp32 (GQA/MQA), else the input dtype
     int* dq_semaphore_ptr;             // (batch, num_heads, ceil(seqlen_q / kBwdBlockM)) zeroed; deterministic only
 
     index_t do_batch_stride;  // elements between consecutive batches of dout

@@ -34,17 +34,17 @@ def main():
                     cases += 1
     lens_q, lens_k = [0, 1, 17, 130, 64], [5, 0, 17, 77, 129]
     cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32, device="cuda") for n in (lens_q, lens_k))
-    for head_dim in (32, 64, 128, 256):
-        for causal in (False, True):
-            if not flash_attn_cuda.kernel_available(head_dim, torch.bfloat16, causal, backward=True):
-                continue
-            # Packed (total, 3, h, d) buffers: strided q, k, v of exactly total rows each.
-            q = torch.randn(sum(lens_q), 3, 4, head_dim, device="cuda", dtype=torch.bfloat16)[:, 0].requires_grad_()
-            kv = torch.randn(sum(lens_k), 2, 2, head_dim, device="cuda", dtype=torch.bfloat16).requires_grad_()
-            out = flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
-                                         deterministic=causal)
-            out.backward(torch.randn_like(out))
-            cases += 1
+    head_dims = (32, 64, 96, 128, 160, 192, 224, 256)
+    for head_dim, dtype, causal in itertools.product(head_dims, (torch.float16, torch.bfloat16), (False, True)):
+        if not flash_attn_cuda.kernel_available(head_dim, dtype, causal, backward=True):
+            continue
+        # Packed (total, 3, h, d) buffers: strided q, k, v of exactly total rows each.
+        q = torch.randn(sum(lens_q), 3, 4, head_dim, device="cuda", dtype=dtype)[:, 0].requires_grad_()
+        kv = torch.randn(sum(lens_k), 2, 2, head_dim, device="cuda", dtype=dtype).requires_grad_()
+        out = flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                     deterministic=causal)
+        out.backward(torch.randn_like(out))
+        cases += 1
     torch.cuda.synchronize()
     print(f"memcheck: {cases} calls done")
 

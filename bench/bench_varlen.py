@@ -3,6 +3,7 @@ FLASH_ATTENTION backend (and our dense kernel) on the same batch padded to its l
 TFLOP/s count useful work only: sum over sequences of the FA2 FLOPs of that sequence.
 
     python bench/bench_varlen.py                      # bf16, hdim 128, 16 heads, causal and not
+    python bench/bench_varlen.py --plot results/h200/varlen_nvidia-h200.json   # redraw the PNG
 """
 import argparse
 import json
@@ -104,8 +105,41 @@ def main(argv=None):
     with open(base + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines[-6:]))
-    print(f"[varlen] wrote {base}.json, .md")
+    plot(base + ".png", meta, rows)
+    print(f"[varlen] wrote {base}.json, .md, .png")
+
+
+IMPLS = ("ours_varlen", "ours_padded", "flash_padded")
+
+
+def plot(path, meta, rows):
+    """Grouped bars: useful TFLOP/s per (mask, pass), one bar per implementation."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = [(row, pass_) for row in rows for pass_ in ("fwd", "bwd")]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(IMPLS)
+    for i, name in enumerate(IMPLS):
+        ys = [row["tflops"][name][pass_] or 0.0 for row, pass_ in groups]
+        ax.bar([g + (i - 1) * width for g in range(len(groups))], ys, width, label=name)
+    ax.set_xticks(range(len(groups)),
+                  [f"{'causal' if row['causal'] else 'non-causal'} {pass_}" for row, pass_ in groups])
+    ax.set_ylabel("useful TFLOP/s")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=9)
+    ax.set_title(f"varlen batch ({len(meta['lengths'])} sequences, hdim {meta['hdim']}): {meta['gpu']}, "
+                 f"commit {meta['commit']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) == 3 and sys.argv[1] == "--plot":  # redraw the PNG of an existing JSON
+        with open(sys.argv[2]) as f:
+            saved = json.load(f)
+        plot(sys.argv[2].removesuffix(".json") + ".png", saved["meta"], saved["rows"])
+    else:
+        main()

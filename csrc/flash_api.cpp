@@ -163,6 +163,21 @@ void check_varlen_rank(const at::Tensor& t, const char* name, const char* shape)
     TORCH_CHECK_VALUE(t.dim() == 3, name, " must have shape ", shape, ", got ", num(t.dim()), " dims");
 }
 
+// The kernels use up to 163 KiB of shared memory per block (what sm_80 and sm_90 allow); GPUs with less,
+// such as sm_86, sm_89 and sm_120, fail at launch for the larger tiles. Say so rather than only relaying CUDA's
+// "invalid argument".
+void check_launch(cudaError_t err, const char* op, int device) {
+    if (err == cudaSuccess) { return; }
+    std::string hint;
+    int optin_bytes = 0;
+    if (cudaDeviceGetAttribute(&optin_bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) == cudaSuccess &&
+        optin_bytes < 163 * 1024) {
+        hint = " (this GPU allows " + num(optin_bytes / 1024) +
+               " KiB of shared memory per block; the kernels are tuned for the 163 KiB of sm_80 and sm_90)";
+    }
+    TORCH_CHECK(false, op, " kernel launch failed: ", cudaGetErrorString(err), hint);
+}
+
 // Everything both passes read: inputs, output, LSE, sizes, the scale and, for varlen, the sequence bounds.
 void set_fwd_params(FwdParams& params, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                     const at::Tensor& out, const at::Tensor& lse, double softmax_scale, const Varlen* varlen) {
@@ -235,7 +250,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_impl(const at::Tensor& q, const at::Tenso
     FwdParams params{};
     set_fwd_params(params, q, k, v, out, lse, softmax_scale, varlen);
     const cudaError_t err = launcher(params, c10::cuda::getCurrentCUDAStream());
-    TORCH_CHECK(err == cudaSuccess, "flash_attn2::fwd kernel launch failed: ", cudaGetErrorString(err));
+    check_launch(err, "flash_attn2::fwd", q.get_device());
     return {out, lse};
 }
 
@@ -294,24 +309,33 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(const at::Tensor& dout, 
     const int64_t batch = varlen != nullptr ? varlen->batch() : q.size(0);
     const int64_t seqlen_q = varlen != nullptr ? varlen->max_seqlen_q : q.size(1);
     const int64_t nheads = q.size(2), head_dim = q.size(3), nheads_k = k.size(2);
-    const bool nothing_to_do = varlen != nullptr ? batch == 0 || seqlen_q == 0 || varlen->max_seqlen_k == 0
-                                                 : q.numel() == 0 || k.numel() == 0;
-    if (nothing_to_do) { return {at::zeros_like(q), at::zeros_like(k), at::zeros_like(v)}; }
+    const bool nothing_to_do = q.numel() == 0 || k.numel() == 0 ||
+                               (varlen != nullptr && (batch == 0 || seqlen_q == 0 || varlen->max_seqlen_k == 0));
+    // Gradients are always returned contiguous (the fake implementations promise as much).
+    auto zeros = [](const at::Tensor& t) { return at::zeros(t.sizes(), t.options()); };
+    if (nothing_to_do) { return {zeros(q), zeros(k), zeros(v)}; }
     const at::Tensor lse = softmax_lse.contiguous();
     const auto fp32 = q.options().dtype(at::kFloat);
     at::Tensor dsum = at::empty(lse.sizes(), fp32);
     // Each sequence owns whole query blocks of dq_accum rows (see BwdParams::dq_accum_ptr).
     const int64_t dq_accum_seqlen = varlen != nullptr ? q.size(1) + batch * kBwdBlockM
                                                       : (seqlen_q + kBwdBlockM - 1) / kBwdBlockM * kBwdBlockM;
+    TORCH_CHECK_VALUE(dq_accum_seqlen <= INT32_MAX, "total_q + 64 * batch must fit in 32 bits, got ",
+                      num(dq_accum_seqlen));
     at::Tensor dq_accum = varlen != nullptr ? at::zeros({nheads, dq_accum_seqlen, key.head_dim}, fp32)
                                             : at::zeros({batch, nheads, dq_accum_seqlen, key.head_dim}, fp32);
-    at::Tensor dq = at::empty(q.sizes(), q.options());
+    // Varlen rows outside every sequence are never written by the kernels; zero them so that a padded
+    // (static-shape) buffer gets zero gradients there rather than uninitialized memory.
+    auto allocate = [&](at::IntArrayRef sizes, const at::TensorOptions& options) {
+        return varlen != nullptr ? at::zeros(sizes, options) : at::empty(sizes, options);
+    };
+    at::Tensor dq = allocate(q.sizes(), q.options());
     // One dK/dV slice per query head; query heads that share a k/v head are summed afterwards, from fp32
     // slices so that each gradient is rounded to the input dtype once.
     const bool grouped = nheads != nheads_k;
     const auto dkv_options = grouped ? fp32 : q.options();
-    at::Tensor dk_heads = at::empty({k.size(0), k.size(1), nheads, head_dim}, dkv_options);
-    at::Tensor dv_heads = at::empty({k.size(0), k.size(1), nheads, head_dim}, dkv_options);
+    at::Tensor dk_heads = allocate({k.size(0), k.size(1), nheads, head_dim}, dkv_options);
+    at::Tensor dv_heads = allocate({k.size(0), k.size(1), nheads, head_dim}, dkv_options);
     at::Tensor dq_semaphore;
     if (deterministic) {
         dq_semaphore = at::zeros({batch, nheads, (seqlen_q + kBwdBlockM - 1) / kBwdBlockM}, q.options().dtype(at::kInt));
@@ -341,7 +365,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(const at::Tensor& dout, 
     cudaError_t err = run_bwd_dot_do_o(params, is_bf16, stream);
     if (err == cudaSuccess) { err = launcher(params, stream); }
     if (err == cudaSuccess) { err = run_bwd_convert_dq(params, is_bf16, stream); }
-    TORCH_CHECK(err == cudaSuccess, "flash_attn2::bwd kernel launch failed: ", cudaGetErrorString(err));
+    check_launch(err, "flash_attn2::bwd", q.get_device());
 
     if (!grouped) { return {dq, dk_heads, dv_heads}; }
     const int64_t group = nheads / nheads_k;

@@ -20,7 +20,8 @@ def _fwd_fake(q, k, v, softmax_scale, causal, deterministic=False):
 
 @torch.library.register_fake("flash_attn2::bwd")
 def _bwd_fake(dout, q, k, v, out, softmax_lse, softmax_scale, causal, deterministic=False):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    # The op returns contiguous gradients whatever the strides of q, k and v.
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _fwd_setup_context(ctx, inputs, output):
@@ -56,7 +57,7 @@ def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 @torch.library.register_fake("flash_attn2::varlen_bwd")
 def _varlen_bwd_fake(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                      softmax_scale, causal, deterministic=False):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _varlen_fwd_setup_context(ctx, inputs, output):

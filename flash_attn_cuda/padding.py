@@ -1,5 +1,6 @@
 """Conversions between padded (batch, seqlen, ...) tensors and the packed (total, ...) layout of the varlen
-functions, with flash-attn 2.x's `unpad_input` / `pad_input` signatures."""
+functions, with the `unpad_input` / `pad_input` signatures of flash-attn 2.7 and later (`unpad_input` returns
+five values there; flash-attn 2.6 and earlier returned the first four)."""
 
 import torch
 import torch.nn.functional as F

@@ -122,10 +122,14 @@ def test_deterministic_is_bitwise_reproducible(sq, sk, causal):
     check_grads(q, k, v, causal, deterministic=True)
 
 
+@pytest.mark.parametrize("transposed", [False, True], ids=["contiguous", "bhsd-transposed"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_opcheck(causal):
+def test_opcheck(causal, transposed):
     require_kernels(64, torch.bfloat16, causal)
-    q, k, v = (rand(2, 65, 4, 64, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
+    if transposed:  # dense but not contiguous, as when a model keeps (batch, heads, seqlen, head_dim) tensors
+        q, k, v = (rand(2, 4, 65, 64, dtype=torch.bfloat16).transpose(1, 2).requires_grad_() for _ in range(3))
+    else:
+        q, k, v = (rand(2, 65, 4, 64, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
     torch.library.opcheck(torch.ops.flash_attn2.fwd.default, (q, k, v, 0.125, causal))
     out, lse = torch.ops.flash_attn2.fwd(q.detach(), k.detach(), v.detach(), 0.125, causal)
     dout = torch.randn_like(out)

@@ -147,6 +147,22 @@ def test_bwd_fake_shapes_gqa():
         assert dq.dtype == q.dtype and dk.dtype == k.dtype
 
 
+def test_bwd_fake_gradients_are_contiguous():
+    # The op returns contiguous gradients for strided inputs; the fakes must say the same, or compiled
+    # training on (batch, heads, seqlen, head_dim)-transposed inputs fails its stride checks.
+    with FakeTensorMode():
+        q, k, v = (torch.empty(2, 4, 33, 64, dtype=torch.float16).transpose(1, 2) for _ in range(3))
+        out, lse = torch.ops.flash_attn2.fwd(q, k, v, 0.125, False)
+        grads = torch.ops.flash_attn2.bwd(torch.empty_like(out), q, k, v, out, lse, 0.125, False)
+        assert all(g.is_contiguous() and g.shape == q.shape for g in grads)
+        qv, kv, vv = (torch.empty(4, 50, 64, dtype=torch.float16).transpose(0, 1) for _ in range(3))
+        cu = torch.tensor([0, 20, 50], dtype=torch.int32)
+        out, lse = torch.ops.flash_attn2.varlen_fwd(qv, kv, vv, cu, cu, 30, 30, 0.125, False)
+        grads = torch.ops.flash_attn2.varlen_bwd(torch.empty_like(out), qv, kv, vv, out, lse, cu, cu, 30, 30, 0.125,
+                                                 False)
+        assert all(g.is_contiguous() and g.shape == qv.shape for g in grads)
+
+
 def test_autograd_through_fake_op():
     # Autograd is registered on the op: meta inputs run the fake forward and backward.
     q, k, v = (t.to("meta").requires_grad_() for t in qkv(h=4, hk=2))

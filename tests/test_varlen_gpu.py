@@ -101,6 +101,22 @@ def test_varlen_deterministic(causal):
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
+def test_varlen_rows_outside_sequences():
+    # A static-shape buffer longer than its sequences: the rows past cu_seqlens[-1] get zero gradients.
+    require_kernels(64, torch.bfloat16, False)
+    lens, spare = [40, 9], 23
+    total = sum(lens) + spare
+    q, k, v = (rand(total, 4, 64, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
+    cu = cu_seqlens(lens)
+    poison_allocator(q.device)
+    out = flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens))
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    for name, grad in (("dq", dq), ("dk", dk), ("dv", dv)):
+        assert torch.equal(grad[sum(lens):], torch.zeros_like(grad[sum(lens):])), name
+    ref = flash_attn_varlen_func(*(t.detach()[: sum(lens)] for t in (q, k, v)), cu, cu, max(lens), max(lens))
+    assert torch.equal(out[: sum(lens)], ref)
+
+
 def test_varlen_matches_dense():
     # Equal lengths: the varlen call must give exactly what the dense call gives on the same rows.
     require_kernels(64, torch.bfloat16, True)

@@ -9,6 +9,7 @@ Environment knobs:
   NVCC_THREADS             nvcc --threads (parallel arch passes per file), default 1
   FLASH_ATTN2_PTXAS_VERBOSE=1  print registers and spills per kernel
   FLASH_ATTN2_FWD_TILE     "M,N,WARPS" forces one forward tile on every kernel (tile tuning only)
+  FLASH_ATTN2_BWD_TILE     "M,N" forces one backward tile on every kernel (tile tuning only)
 """
 
 import itertools
@@ -117,6 +118,12 @@ def nvcc_flags(archs, nvcc_threads):
             raise RuntimeError(f"FLASH_ATTN2_FWD_TILE={tile!r}: expected 'M,N,WARPS', e.g. '128,64,4'")
         m, n, warps = (int(x) for x in tile.split(","))
         flags += [f"-DFLASH_FWD_TILE_M={m}", f"-DFLASH_FWD_TILE_N={n}", f"-DFLASH_FWD_TILE_WARPS={warps}"]
+    tile = os.environ.get("FLASH_ATTN2_BWD_TILE")  # "M,N": tile-tuning builds only
+    if tile:
+        if not re.fullmatch(r"(64|128),(64|128)", tile):
+            raise RuntimeError(f"FLASH_ATTN2_BWD_TILE={tile!r}: expected 'M,N' with M and N in {{64, 128}}, e.g. '128,128'")
+        m, n = (int(x) for x in tile.split(","))
+        flags += [f"-DFLASH_BWD_TILE_M={m}", f"-DFLASH_BWD_TILE_N={n}"]
     if os.environ.get("FLASH_ATTN2_PTXAS_VERBOSE") == "1":
         flags.append("-Xptxas=-v")
     return flags

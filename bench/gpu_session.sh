@@ -3,7 +3,7 @@
 # Run from the repository root:  bash bench/gpu_session.sh build test memcheck bench
 # Stages: build (setup.py build_ext --inplace, all kernels unless FLASH_ATTN2_HDIMS/DTYPES say otherwise),
 # test (pytest), memcheck (compute-sanitizer over tests/memcheck.py), bench (mma peak + forward grid),
-# tune (bench/tune_fwd_tiles.py with $TUNE_ARGS). Results go to $OUT (default /tmp/flash_out).
+# tune (bench/tune_tiles.py with $TUNE_ARGS). Results go to $OUT (default /tmp/flash_out).
 set -uo pipefail
 OUT=${OUT:-/tmp/flash_out}
 mkdir -p "$OUT"
@@ -38,7 +38,7 @@ for stage in "$@"; do
         python3 bench/bench_fwd.py --out-dir "$OUT" ${BENCH_ARGS:-} 2>&1 | tail -60
         ;;
     tune)
-        python3 bench/tune_fwd_tiles.py --out-dir "$OUT" ${TUNE_ARGS:-} 2>&1 | tail -60
+        python3 bench/tune_tiles.py --out-dir "$OUT" ${TUNE_ARGS:-} 2>&1 | tail -60
         ;;
     *)
         echo "unknown stage $stage"; exit 2

@@ -63,7 +63,7 @@ struct BlockInfo {
     __forceinline__ __device__ index_t dq_accum_row(const BwdParams& p, int b, int h) const {
         const index_t heads = p.num_heads;
         if (p.cu_seqlens_q == nullptr) { return (b * heads + h) * p.dq_accum_seqlen; }
-        return h * index_t(p.dq_accum_seqlen) + q_start + index_t(b) * kBwdBlockM;
+        return h * index_t(p.dq_accum_seqlen) + q_start + index_t(b) * kBwdMaxBlockM;
     }
 
   private:

@@ -318,9 +318,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(const at::Tensor& dout, 
     const auto fp32 = q.options().dtype(at::kFloat);
     at::Tensor dsum = at::empty(lse.sizes(), fp32);
     // Each sequence owns whole query blocks of dq_accum rows (see BwdParams::dq_accum_ptr).
-    const int64_t dq_accum_seqlen = varlen != nullptr ? q.size(1) + batch * kBwdBlockM
-                                                      : (seqlen_q + kBwdBlockM - 1) / kBwdBlockM * kBwdBlockM;
-    TORCH_CHECK_VALUE(dq_accum_seqlen <= INT32_MAX, "total_q + 64 * batch must fit in 32 bits, got ",
+    const int64_t dq_accum_seqlen = varlen != nullptr ? q.size(1) + batch * kBwdMaxBlockM
+                                                      : (seqlen_q + kBwdMaxBlockM - 1) / kBwdMaxBlockM * kBwdMaxBlockM;
+    TORCH_CHECK_VALUE(dq_accum_seqlen <= INT32_MAX, "total_q + 128 * batch must fit in 32 bits, got ",
                       num(dq_accum_seqlen));
     at::Tensor dq_accum = varlen != nullptr ? at::zeros({nheads, dq_accum_seqlen, key.head_dim}, fp32)
                                             : at::zeros({batch, nheads, dq_accum_seqlen, key.head_dim}, fp32);
@@ -338,7 +338,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(const at::Tensor& dout, 
     at::Tensor dv_heads = allocate({k.size(0), k.size(1), nheads, head_dim}, dkv_options);
     at::Tensor dq_semaphore;
     if (deterministic) {
-        dq_semaphore = at::zeros({batch, nheads, (seqlen_q + kBwdBlockM - 1) / kBwdBlockM}, q.options().dtype(at::kInt));
+        dq_semaphore = at::zeros({batch, nheads, (seqlen_q + kBwdMinBlockM - 1) / kBwdMinBlockM}, q.options().dtype(at::kInt));
     }
 
     BwdParams params{};

@@ -12,11 +12,21 @@ namespace flash {
 // (kBlockM, kBlockN) per head dim: dK and dV of kBlockN keys stay in registers, so wide heads take
 // fewer keys per CTA.
 template <int kHeadDim>
-struct BwdTileConfig { static constexpr int kBlockM = kBwdBlockM, kBlockN = kHeadDim <= 128 ? 128 : 64; };
+struct BwdTileConfig { static constexpr int kBlockM = 64, kBlockN = kHeadDim <= 128 ? 128 : 64; };
+
+// Tile-tuning builds (bench/tune_tiles.py --pass bwd) force one tile shape on every backward kernel.
+#if defined(FLASH_BWD_TILE_M) && defined(FLASH_BWD_TILE_N)
+template <int kHeadDim>
+struct SelectedBwdTileConfig { static constexpr int kBlockM = FLASH_BWD_TILE_M, kBlockN = FLASH_BWD_TILE_N; };
+#else
+template <int kHeadDim>
+using SelectedBwdTileConfig = BwdTileConfig<kHeadDim>;
+#endif
 
 template <typename Element, int kHeadDim, bool kCausal>
 cudaError_t run_bwd(const BwdParams& params, cudaStream_t stream) {
-    using Config = BwdTileConfig<kHeadDim>;
+    using Config = SelectedBwdTileConfig<kHeadDim>;
+    static_assert(Config::kBlockM >= kBwdMinBlockM && Config::kBlockM <= kBwdMaxBlockM);
     using Traits = BwdKernelTraits<Element, kHeadDim, Config::kBlockM, Config::kBlockN>;
     constexpr int kSmemBytes = Traits::kSmemBytes;
     auto kernel = &flash_bwd_kernel<Traits, kCausal>;

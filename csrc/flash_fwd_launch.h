@@ -9,7 +9,7 @@
 
 namespace flash {
 
-// (kBlockM, kBlockN, warps) per head dim, measured on an H200 with bench/tune_fwd_tiles.py for head dims
+// (kBlockM, kBlockN, warps) per head dim, measured on an H200 with bench/tune_tiles.py for head dims
 // 64, 128 and 256 (bench/results/h200/tune_fwd_nvidia-h200.md); 32 and 96 follow 64 and 128, and 160 to 224
 // follow 256. Up to head dim 128, 128-row tiles on four warps (32 query rows a warp) beat eight warps of
 // 16 rows even with a few bytes of spills: each K/V fragment read from shared memory feeds twice the MMAs.
@@ -27,7 +27,7 @@ template <bool kCausal> struct FwdTileConfig<192, kCausal> { static constexpr in
 template <bool kCausal> struct FwdTileConfig<224, kCausal> { static constexpr int kBlockM = 64, kBlockN = 64, kNWarps = 4; };
 template <bool kCausal> struct FwdTileConfig<256, kCausal> { static constexpr int kBlockM = 64, kBlockN = 64, kNWarps = 4; };
 
-// Tile-tuning builds (bench/tune_fwd_tiles.py) force one tile shape on every kernel.
+// Tile-tuning builds (bench/tune_tiles.py) force one tile shape on every kernel.
 #if defined(FLASH_FWD_TILE_M) && defined(FLASH_FWD_TILE_N) && defined(FLASH_FWD_TILE_WARPS)
 template <int kHeadDim, bool kCausal>
 struct ForcedTileConfig { static constexpr int kBlockM = FLASH_FWD_TILE_M, kBlockN = FLASH_FWD_TILE_N, kNWarps = FLASH_FWD_TILE_WARPS; };

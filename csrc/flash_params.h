@@ -48,8 +48,10 @@ struct FwdParams {
     float softmax_scale_log2;  // softmax_scale * log2(e), so the kernel can use exp2
 };
 
-// Query rows per block of every backward kernel; the host sizes the deterministic-mode semaphores with it.
-constexpr int kBwdBlockM = 64;
+// Query rows per block of the backward kernels lie in [kBwdMinBlockM, kBwdMaxBlockM]: the host sizes the
+// deterministic-mode semaphores for the smallest and pads dq_accum for the largest.
+constexpr int kBwdMinBlockM = 64;
+constexpr int kBwdMaxBlockM = 128;
 
 // The backward reads everything the forward read (q, k, v, out, lse) plus these.
 struct BwdParams : FwdParams {
@@ -57,12 +59,12 @@ struct BwdParams : FwdParams {
     float* __restrict__ dsum_ptr;      // (batch, num_heads, seqlen_q) contiguous: rowsum(dout * out), fp32
     float* __restrict__ dq_accum_ptr;  // fp32, zeroed, rows of dq_accum_head_dim: dense (batch, num_heads,
                                        // dq_accum_seqlen, .); varlen (num_heads, dq_accum_seqlen, .), where
-                                       // sequence b starts at row cu_seqlens_q[b] + b * kBwdBlockM
+                                       // sequence b starts at row cu_seqlens_q[b] + b * kBwdMaxBlockM
     void* __restrict__ dq_ptr;         // laid out like q but contiguous: dq_accum * scale
     void* __restrict__ dk_ptr;         // (batch, seqlen_k, num_heads, head_dim): one slice per query head
     void* __restrict__ dv_ptr;         // (batch, seqlen_k, num_heads, head_dim): one slice per query head
     bool dkv_fp32;                     // dk_ptr and dv_ptr hold fp32 (GQA/MQA), else the input dtype
-    int* dq_semaphore_ptr;             // (batch, num_heads, ceil(seqlen_q / kBwdBlockM)) zeroed; deterministic only
+    int* dq_semaphore_ptr;             // (batch, num_heads, ceil(seqlen_q / kBwdMinBlockM)) zeroed; deterministic only
 
     index_t do_batch_stride;  // elements between consecutive batches of dout
     index_t do_row_stride;    // elements between consecutive tokens of dout
@@ -71,7 +73,7 @@ struct BwdParams : FwdParams {
     index_t dk_row_stride;
     index_t dk_head_stride;
 
-    int dq_accum_seqlen;    // dense: seqlen_q rounded up to whole kBwdBlockM blocks; varlen: total_q + batch * kBwdBlockM
+    int dq_accum_seqlen;    // dense: seqlen_q rounded up to whole kBwdMaxBlockM blocks; varlen: total_q + batch * kBwdMaxBlockM
     int dq_accum_head_dim;  // the kernel's compile-time head dim (>= head_dim)
 
     bool deterministic;  // key blocks add into dQ in a fixed order (dq_semaphore_ptr)

@@ -1,10 +1,12 @@
-"""Measure forward tile shapes (kBlockM, kBlockN, warps) per head dim on this GPU.
+"""Measure tile shapes per head dim on this GPU: forward (kBlockM, kBlockN, warps) or backward (kBlockM, kBlockN).
 
 Builds one reduced copy of the extension per candidate tile (bf16, the requested head dims, this GPU's arch)
 in parallel, then times each on the anchor shapes (16k tokens, hidden 2048) next to SDPA's flash backend,
-and reports the best tile per (head dim, causal) by geometric mean over seqlens.
+and reports the best tile per (head dim, causal) by geometric mean over seqlens. A tile that does not fit a
+head dim (shared memory, registers) fails to build and is reported as failed.
 
-    python bench/tune_fwd_tiles.py --hdims 64,128,256 --tiles "128,64,4;128,128,8;128,64,8"
+    python bench/tune_tiles.py --hdims 64,128,256 --tiles "128,64,4;128,128,8;128,64,8"
+    python bench/tune_tiles.py --pass bwd --hdims 64,96 --tiles "64,128;128,128;64,64"
 """
 import argparse
 import json
@@ -21,17 +23,21 @@ sys.path.insert(0, HERE)
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--pass", dest="pass_", choices=["fwd", "bwd"], default="fwd")
     p.add_argument("--hdims", default="64,128,256")
-    p.add_argument("--tiles", default="128,64,4;128,128,8;128,64,8;64,64,4")
+    p.add_argument("--tiles", default=None, help="';'-separated; fwd 'M,N,WARPS', bwd 'M,N'")
     p.add_argument("--seqlens", default="1024,4096,16384")
     p.add_argument("--work-dir", default="/tmp/flash_tune")
     p.add_argument("--out-dir", default=os.path.join(HERE, "results"))
     p.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # internal: time one built copy
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if a.tiles is None:
+        a.tiles = "128,64,4;128,128,8;128,64,8;64,64,4" if a.pass_ == "fwd" else "64,128;128,128;64,64"
+    return a
 
 
 def tile_dir(work_dir, tile):
-    return os.path.join(work_dir, "m{}n{}w{}".format(*tile.split(",")))
+    return os.path.join(work_dir, "t" + tile.replace(",", "_"))
 
 
 def build_all(args, tiles):
@@ -49,7 +55,8 @@ def build_all(args, tiles):
             src = os.path.join(ROOT, item)
             (shutil.copytree if os.path.isdir(src) else shutil.copy)(src, os.path.join(dest, item))
         env = dict(os.environ, FLASH_ATTN2_HDIMS=args.hdims, FLASH_ATTN2_DTYPES="bf16",
-                   FLASH_ATTN2_CUDA_ARCHS=f"{major}{minor}", FLASH_ATTN2_FWD_TILE=tile,
+                   FLASH_ATTN2_CUDA_ARCHS=f"{major}{minor}",
+                   **{"FLASH_ATTN2_FWD_TILE" if args.pass_ == "fwd" else "FLASH_ATTN2_BWD_TILE": tile},
                    FLASH_ATTN2_PTXAS_VERBOSE="1", MAX_JOBS=str(jobs))
         log = open(os.path.join(dest, "build.log"), "w")
         procs[tile] = (subprocess.Popen([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=dest, env=env,
@@ -65,6 +72,17 @@ def spills(tile, work_dir):
     """Lines of the ptxas report that mention spills, per kernel, from the build log."""
     with open(os.path.join(tile_dir(work_dir, tile), "build.log")) as f:
         return sorted({line.strip() for line in f if "spill stores" in line})
+
+
+def timed(fn, inputs, pass_):
+    """fn itself, or for the backward a call of autograd on one kept forward graph."""
+    import torch
+
+    if pass_ == "fwd":
+        return fn
+    out = fn()
+    dout = torch.randn_like(out)
+    return lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True)
 
 
 def measure(args):
@@ -83,12 +101,17 @@ def measure(args):
             batch = max(1, 16384 // seqlen)
             q, k, v = (torch.randn(batch, seqlen, nheads, hdim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
             qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+            if args.pass_ == "bwd":
+                for t in (q, k, v, qt, kt, vt):
+                    t.requires_grad_()
             for causal in (False, True):
-                flops = common.attn_flops(batch, nheads, seqlen, seqlen, hdim, causal)
-                ours, err = common.try_time(lambda: flash_attn_func(q, k, v, causal=causal), 3, 20)
+                flops = common.attn_flops(batch, nheads, seqlen, seqlen, hdim, causal, args.pass_)
+                ours, err = common.try_time(timed(lambda: flash_attn_func(q, k, v, causal=causal), (q, k, v),
+                                                  args.pass_), 3, 20)
                 with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                     flash, _ = common.try_time(
-                        lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal), 3, 20)
+                        timed(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal), (qt, kt, vt),
+                              args.pass_), 3, 20)
                 rows.append({"hdim": hdim, "seqlen": seqlen, "causal": causal,
                              "ours_tflops": flops / ours / 1e9 if ours else None,
                              "flash_tflops": flops / flash / 1e9 if flash else None, "error": err})
@@ -111,7 +134,7 @@ def main(argv=None):
             results[tile] = {"error": status[tile]}
             continue
         out = subprocess.run([sys.executable, os.path.abspath(__file__), "--measure", "1", "--hdims", args.hdims,
-                              "--seqlens", args.seqlens],
+                              "--seqlens", args.seqlens, "--pass", args.pass_],
                              cwd=tile_dir(args.work_dir, tile), capture_output=True, text=True,
                              env=dict(os.environ, PYTHONPATH=tile_dir(args.work_dir, tile) + os.pathsep + HERE))
         try:
@@ -120,7 +143,8 @@ def main(argv=None):
         except (ValueError, IndexError):
             results[tile] = {"error": (out.stderr or out.stdout)[-2000:]}
 
-    lines = ["| hdim | causal | tile (M,N,warps) | geomean TFLOP/s | geomean vs flash | spills |", "|---|---|---|---|---|---|"]
+    tile_name = "tile (M,N,warps)" if args.pass_ == "fwd" else "tile (M,N)"
+    lines = [f"| hdim | causal | {tile_name} | geomean TFLOP/s | geomean vs flash | spills |", "|---|---|---|---|---|---|"]
     best = {}
     for hdim in [int(x) for x in args.hdims.split(",")]:
         for causal in (False, True):
@@ -139,10 +163,11 @@ def main(argv=None):
     lines += [f"best hdim {h} causal={c}: {t} ({g:.0f} TFLOP/s)" for (h, c), (g, t) in sorted(best.items())]
     meta = common.stamp()
     os.makedirs(args.out_dir, exist_ok=True)
-    name = f"tune_fwd_{common.slug(meta['gpu'])}"
+    name = f"tune_{args.pass_}_{common.slug(meta['gpu'])}"
     with open(os.path.join(args.out_dir, name + ".json"), "w") as f:
         json.dump({"meta": meta, "seqlens": args.seqlens, "results": results}, f, indent=1)
-    text = f"# Forward tile tuning\n\n{meta}\n\n" + "\n".join(lines) + "\n"
+    title = "Forward" if args.pass_ == "fwd" else "Backward"
+    text = f"# {title} tile tuning ({args.pass_} TFLOP/s)\n\n{meta}\n\n" + "\n".join(lines) + "\n"
     with open(os.path.join(args.out_dir, name + ".md"), "w") as f:
         f.write(text)
     print(text)

@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # Everything one GPU-machine call does, in stages, so a single call can build, test, check memory and benchmark.
 # Run from the repository root:  bash bench/gpu_session.sh build test memcheck bench
-# Stages: build (setup.py build_ext --inplace, all kernels unless FLASH_ATTN2_HDIMS/DTYPES say otherwise),
-# test (pytest), memcheck (compute-sanitizer over tests/memcheck.py), bench (mma peak + forward grid),
-# tune (bench/tune_tiles.py with $TUNE_ARGS). Results go to $OUT (default /tmp/flash_out).
+# Stages: build (setup.py build_ext --inplace, all kernels unless FLASH_ATTN2_HDIMS/DTYPES say otherwise; also
+# leaves the stripped extension in $OUT/so_part_* so a later call can carry it in .devbuild/ and skip the build),
+# prebuilt (installs .devbuild/_C*.so instead of building), test (pytest), memcheck (compute-sanitizer over
+# tests/memcheck.py), bench (mma peak + forward grid), bench_bwd (backward and forward+backward, seqlen 2k/8k/16k,
+# with cuDNN and deterministic mode), bench_varlen, tune (bench/tune_tiles.py with $TUNE_ARGS), pack (everything
+# in $OUT into one results.tar, since a device call returns at most 8 files).
+# Results go to $OUT (default /tmp/flash_out).
 set -uo pipefail
 OUT=${OUT:-/tmp/flash_out}
 mkdir -p "$OUT"
@@ -25,9 +29,15 @@ for stage in "$@"; do
         echo "build: $((SECONDS - start)) s wall"
         find build -name .ninja_log -exec cp {} "$OUT/ninja_log.txt" \;
         grep -E "spill stores" "$OUT/build.log" | sort | uniq -c
+        so=$(ls flash_attn_cuda/_C*.so) && strip --strip-debug -o /tmp/_C.so "$so" && split -b 15M /tmp/_C.so "$OUT/so_part_"
+        ;;
+    prebuilt)
+        # .devbuild/ holds the extension from an earlier build stage (cat so_part_* > .devbuild/<its name>).
+        cp .devbuild/_C*.so flash_attn_cuda/ || exit 1
         ;;
     test)
-        timeout 480 python3 -m pytest -q -p no:cacheprovider tests ${PYTEST_ARGS:-} 2>&1 | tail -40 || status=1
+        timeout 480 python3 -m pytest -q -p no:cacheprovider tests ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/test.log" | tail -40
+        [ "${PIPESTATUS[0]}" = 0 ] || status=1
         ;;
     memcheck)
         timeout 240 compute-sanitizer --tool memcheck --error-exitcode 1 --print-limit 10 \
@@ -36,6 +46,17 @@ for stage in "$@"; do
     bench)
         python3 bench/mma_peak.py --out-dir "$OUT"
         python3 bench/bench_fwd.py --out-dir "$OUT" ${BENCH_ARGS:-} 2>&1 | tail -60
+        ;;
+    bench_bwd)
+        python3 bench/bench_fwd.py --out-dir "$OUT" --pass bwd --quick --impls ours,flash,cudnn,ours_det 2>&1 | tail -12
+        python3 bench/bench_fwd.py --out-dir "$OUT" --pass fwd_bwd --quick --impls ours,flash,cudnn 2>&1 | tail -12
+        ;;
+    bench_varlen)
+        python3 bench/bench_varlen.py --out-dir "$OUT" 2>&1 | tail -9
+        ;;
+    pack)
+        # Only 8 files come back from a device call: bundle everything written so far into one tar.
+        tar -C "$OUT" -cf /tmp/flash_results.tar . && find "$OUT" -mindepth 1 -delete && mv /tmp/flash_results.tar "$OUT/results.tar"
         ;;
     tune)
         python3 bench/tune_tiles.py --out-dir "$OUT" ${TUNE_ARGS:-} 2>&1 | tail -60

@@ -6,6 +6,7 @@
 
 #include "flash_bwd_kernel.h"
 #include "kernel_registry.h"
+#include "launch.h"
 
 namespace flash {
 
@@ -28,17 +29,11 @@ cudaError_t run_bwd(const BwdParams& params, cudaStream_t stream) {
     using Config = SelectedBwdTileConfig<kHeadDim>;
     static_assert(Config::kBlockM >= kBwdMinBlockM && Config::kBlockM <= kBwdMaxBlockM);
     using Traits = BwdKernelTraits<Element, kHeadDim, Config::kBlockM, Config::kBlockN>;
-    constexpr int kSmemBytes = Traits::kSmemBytes;
-    auto kernel = &flash_bwd_kernel<Traits, kCausal>;
-    if constexpr (kSmemBytes > 48 * 1024) {
-        const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-        if (err != cudaSuccess) { return err; }
-    }
     // Key blocks along x: in deterministic mode a key block waits on its neighbour of the same (batch,
     // head) with the next lower CTA index, which must therefore be scheduled first.
     const dim3 grid((params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, params.batch, params.num_heads);
-    kernel<<<grid, Traits::kNThreads, kSmemBytes, stream>>>(params);
-    return cudaGetLastError();
+    return launch_kernel<Traits::kNThreads, Traits::kSmemBytes>(&flash_bwd_kernel<Traits, kCausal>, grid, params,
+                                                                stream);
 }
 
 }  // namespace flash

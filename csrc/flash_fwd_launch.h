@@ -6,6 +6,7 @@
 
 #include "flash_fwd_kernel.h"
 #include "kernel_registry.h"
+#include "launch.h"
 
 namespace flash {
 
@@ -42,17 +43,9 @@ template <typename Element, int kHeadDim, bool kCausal>
 cudaError_t run_fwd(const FwdParams& params, cudaStream_t stream) {
     using Config = SelectedTileConfig<kHeadDim, kCausal>;
     using Traits = FwdKernelTraits<Element, kHeadDim, Config::kBlockM, Config::kBlockN, Config::kNWarps>;
-    constexpr int kSmemBytes = Traits::kSmemBytes;
-    auto kernel = &flash_fwd_kernel<Traits, kCausal>;
-    // Above 48 KB of dynamic shared memory a kernel must opt in; the setting is per device, so it
-    // is made at every launch (a cheap driver call).
-    if constexpr (kSmemBytes > 48 * 1024) {
-        const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-        if (err != cudaSuccess) { return err; }
-    }
     const dim3 grid((params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, params.batch, params.num_heads);
-    kernel<<<grid, Traits::kNThreads, kSmemBytes, stream>>>(params);
-    return cudaGetLastError();
+    return launch_kernel<Traits::kNThreads, Traits::kSmemBytes>(&flash_fwd_kernel<Traits, kCausal>, grid, params,
+                                                                stream);
 }
 
 }  // namespace flash

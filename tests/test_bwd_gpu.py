@@ -9,9 +9,8 @@ import math
 
 import pytest
 import torch
-from conftest import check_close, poison_allocator, requires_gpu
+from conftest import check_close, poison_allocator, require_fwd_bwd_kernels, requires_gpu
 
-import flash_attn_cuda
 from flash_attn_cuda import flash_attn_func
 from flash_attn_cuda.reference import attention_ref
 
@@ -21,11 +20,6 @@ DTYPES = [torch.float16, torch.bfloat16]
 DTYPE_IDS = ["fp16", "bf16"]
 KERNEL_HEAD_DIMS = [32, 64, 96, 128, 160, 192, 224, 256]
 SEQLENS = [1, 17, 113, 1023]
-
-
-def require_kernels(head_dim, dtype, causal):
-    if not flash_attn_cuda.kernel_available(head_dim, dtype, causal, backward=True):
-        pytest.skip(f"kernels for head_dim={head_dim} {dtype} causal={causal} not compiled")
 
 
 def reference_grads(q, k, v, dout, causal, softmax_scale, upcast):
@@ -67,7 +61,7 @@ def rand(*shape, dtype):
 @pytest.mark.parametrize("head_dim", KERNEL_HEAD_DIMS)
 @pytest.mark.parametrize("b, sq, sk, h, hk", [(2, 113, 257, 4, 4), (2, 257, 113, 6, 2)], ids=["mha-sq<sk", "gqa-sq>sk"])
 def test_head_dims(b, sq, sk, h, hk, head_dim, causal, dtype):
-    require_kernels(head_dim, dtype, causal)
+    require_fwd_bwd_kernels(head_dim, dtype, causal)
     check_grads(rand(b, sq, h, head_dim, dtype=dtype), rand(b, sk, hk, head_dim, dtype=dtype),
                 rand(b, sk, hk, head_dim, dtype=dtype), causal)
 
@@ -78,7 +72,7 @@ def test_head_dims(b, sq, sk, h, hk, head_dim, causal, dtype):
 @pytest.mark.parametrize("seqlens", list(itertools.product(SEQLENS, SEQLENS)), ids=lambda p: f"sq{p[0]}-sk{p[1]}")
 def test_seqlens(seqlens, head_dim, causal, dtype):
     sq, sk = seqlens
-    require_kernels(head_dim, dtype, causal)
+    require_fwd_bwd_kernels(head_dim, dtype, causal)
     check_grads(rand(2, sq, 4, head_dim, dtype=dtype), rand(2, sk, 4, head_dim, dtype=dtype),
                 rand(2, sk, 4, head_dim, dtype=dtype), causal)
 
@@ -86,14 +80,14 @@ def test_seqlens(seqlens, head_dim, causal, dtype):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("h, hk", [(8, 1), (8, 2), (12, 3)])
 def test_gqa_mqa(h, hk, causal):
-    require_kernels(64, torch.bfloat16, causal)
+    require_fwd_bwd_kernels(64, torch.bfloat16, causal)
     check_grads(rand(2, 300, h, 64, dtype=torch.bfloat16), rand(2, 200, hk, 64, dtype=torch.bfloat16),
                 rand(2, 200, hk, 64, dtype=torch.bfloat16), causal)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_strided_packed_qkv(causal):
-    require_kernels(64, torch.float16, causal)
+    require_fwd_bwd_kernels(64, torch.float16, causal)
     q, k, v = rand(2, 333, 3, 4, 64, dtype=torch.float16).unbind(2)
     check_grads(q, k, v, causal)
 
@@ -101,7 +95,7 @@ def test_strided_packed_qkv(causal):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [40, 100])
 def test_padded_head_dim(head_dim, causal):
-    require_kernels(head_dim, torch.bfloat16, causal)
+    require_fwd_bwd_kernels(head_dim, torch.bfloat16, causal)
     check_grads(rand(2, 150, 4, head_dim, dtype=torch.bfloat16), rand(2, 97, 2, head_dim, dtype=torch.bfloat16),
                 rand(2, 97, 2, head_dim, dtype=torch.bfloat16), causal)
 
@@ -109,7 +103,7 @@ def test_padded_head_dim(head_dim, causal):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("sq, sk", [(1023, 1023), (300, 1023), (1023, 700)])
 def test_deterministic_is_bitwise_reproducible(sq, sk, causal):
-    require_kernels(128, torch.bfloat16, causal)
+    require_fwd_bwd_kernels(128, torch.bfloat16, causal)
     q = rand(2, sq, 8, 128, dtype=torch.bfloat16).requires_grad_()
     k, v = (rand(2, sk, 2, 128, dtype=torch.bfloat16).requires_grad_() for _ in range(2))
     dout = rand(2, sq, 8, 128, dtype=torch.bfloat16)
@@ -125,7 +119,7 @@ def test_deterministic_is_bitwise_reproducible(sq, sk, causal):
 @pytest.mark.parametrize("transposed", [False, True], ids=["contiguous", "bhsd-transposed"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_opcheck(causal, transposed):
-    require_kernels(64, torch.bfloat16, causal)
+    require_fwd_bwd_kernels(64, torch.bfloat16, causal)
     if transposed:  # dense but not contiguous, as when a model keeps (batch, heads, seqlen, head_dim) tensors
         q, k, v = (rand(2, 4, 65, 64, dtype=torch.bfloat16).transpose(1, 2).requires_grad_() for _ in range(3))
     else:
@@ -138,7 +132,7 @@ def test_opcheck(causal, transposed):
 
 
 def test_compiled_training_matches_eager():
-    require_kernels(64, torch.bfloat16, True)
+    require_fwd_bwd_kernels(64, torch.bfloat16, True)
 
     class Attention(torch.nn.Module):
         def __init__(self):
@@ -170,7 +164,7 @@ def test_compiled_training_matches_eager():
 
 def test_memory_is_linear_at_16k():
     # At 16k tokens the fp32 score matrices of 4 heads would take 4 GiB; the backward must stay far below.
-    require_kernels(128, torch.bfloat16, True)
+    require_fwd_bwd_kernels(128, torch.bfloat16, True)
     q, k, v = (rand(1, 16384, 4, 128, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
     out = flash_attn_func(q, k, v, causal=True)
     torch.cuda.synchronize()

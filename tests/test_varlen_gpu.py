@@ -8,9 +8,8 @@ import itertools
 
 import pytest
 import torch
-from conftest import check_close, poison_allocator, requires_gpu
+from conftest import check_close, poison_allocator, require_fwd_bwd_kernels, requires_gpu
 
-import flash_attn_cuda
 from flash_attn_cuda import (
     flash_attn_func,
     flash_attn_kvpacked_func,
@@ -27,11 +26,6 @@ KERNEL_HEAD_DIMS = [32, 64, 96, 128, 160, 192, 224, 256]
 # Lengths with empty, single-token and odd sequences, and both seqlen_q > seqlen_k and the reverse.
 LENS_Q = [0, 1, 17, 113, 64, 300, 5]
 LENS_K = [7, 0, 17, 200, 64, 129, 1]
-
-
-def require_kernels(head_dim, dtype, causal):
-    if not flash_attn_cuda.kernel_available(head_dim, dtype, causal, backward=True):
-        pytest.skip(f"kernels for head_dim={head_dim} {dtype} causal={causal} not compiled")
 
 
 def cu_seqlens(lengths):
@@ -78,7 +72,7 @@ def check_varlen(lens_q, lens_k, h, hk, head_dim, dtype, causal, deterministic=F
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", KERNEL_HEAD_DIMS)
 def test_varlen_head_dims(head_dim, causal, dtype):
-    require_kernels(head_dim, dtype, causal)
+    require_fwd_bwd_kernels(head_dim, dtype, causal)
     check_varlen(LENS_Q, LENS_K, 6, 2, head_dim, dtype, causal)
 
 
@@ -87,13 +81,13 @@ def test_varlen_head_dims(head_dim, causal, dtype):
 @pytest.mark.parametrize("lens", [([1], [1]), ([1023, 1, 0], [0, 1, 1023]), ([129, 257], [257, 129])],
                          ids=["one-token", "long-short-empty", "swap"])
 def test_varlen_lengths(lens, h, hk, causal):
-    require_kernels(128, torch.bfloat16, causal)
+    require_fwd_bwd_kernels(128, torch.bfloat16, causal)
     check_varlen(*lens, h, hk, 128, torch.bfloat16, causal)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_varlen_deterministic(causal):
-    require_kernels(64, torch.bfloat16, causal)
+    require_fwd_bwd_kernels(64, torch.bfloat16, causal)
     runs = []
     for _ in range(2):
         torch.manual_seed(0)  # the same inputs both times
@@ -103,7 +97,7 @@ def test_varlen_deterministic(causal):
 
 def test_varlen_rows_outside_sequences():
     # A static-shape buffer longer than its sequences: the rows past cu_seqlens[-1] get zero gradients.
-    require_kernels(64, torch.bfloat16, False)
+    require_fwd_bwd_kernels(64, torch.bfloat16, False)
     lens, spare = [40, 9], 23
     total = sum(lens) + spare
     q, k, v = (rand(total, 4, 64, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
@@ -119,7 +113,7 @@ def test_varlen_rows_outside_sequences():
 
 def test_varlen_matches_dense():
     # Equal lengths: the varlen call must give exactly what the dense call gives on the same rows.
-    require_kernels(64, torch.bfloat16, True)
+    require_fwd_bwd_kernels(64, torch.bfloat16, True)
     b, s, h, d = 3, 77, 4, 64
     q, k, v = (rand(b, s, h, d, dtype=torch.bfloat16) for _ in range(3))
     dense = flash_attn_func(q, k, v, causal=True)
@@ -139,7 +133,7 @@ DET = {"deterministic": True}
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_qkvpacked_equals_unpacked(causal):
-    require_kernels(64, torch.bfloat16, causal)
+    require_fwd_bwd_kernels(64, torch.bfloat16, causal)
     qkv = rand(2, 97, 3, 4, 64, dtype=torch.bfloat16).requires_grad_()
     q, k, v = (qkv.detach()[:, :, i].clone().requires_grad_() for i in range(3))
     out_packed = flash_attn_qkvpacked_func(qkv, causal=causal, **DET)
@@ -153,7 +147,7 @@ def test_qkvpacked_equals_unpacked(causal):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_kvpacked_equals_unpacked(causal):
-    require_kernels(64, torch.bfloat16, causal)
+    require_fwd_bwd_kernels(64, torch.bfloat16, causal)
     q = rand(2, 61, 4, 64, dtype=torch.bfloat16).requires_grad_()
     kv = rand(2, 97, 2, 2, 64, dtype=torch.bfloat16).requires_grad_()
     k, v = (kv.detach()[:, :, i].clone().requires_grad_() for i in range(2))
@@ -168,7 +162,7 @@ def test_kvpacked_equals_unpacked(causal):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_varlen_packed_equal_unpacked(causal):
-    require_kernels(64, torch.bfloat16, causal)
+    require_fwd_bwd_kernels(64, torch.bfloat16, causal)
     lens = [5, 0, 130, 64, 1]
     cu, total, max_len = cu_seqlens(lens), sum(lens), max(lens)
     qkv = rand(total, 3, 4, 64, dtype=torch.bfloat16).requires_grad_()
@@ -190,7 +184,7 @@ def test_varlen_packed_equal_unpacked(causal):
 
 
 def test_varlen_cuda_graph_replay():
-    require_kernels(64, torch.bfloat16, True)
+    require_fwd_bwd_kernels(64, torch.bfloat16, True)
     lens_q, lens_k = [33, 0, 100], [40, 7, 100]
     h, d = 4, 64
     q = rand(sum(lens_q), h, d, dtype=torch.bfloat16)
@@ -226,7 +220,7 @@ def test_varlen_cuda_graph_replay():
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_varlen_opcheck(causal):
-    require_kernels(64, torch.bfloat16, causal)
+    require_fwd_bwd_kernels(64, torch.bfloat16, causal)
     lens = [5, 0, 70]
     q, k, v = (rand(sum(lens), 4, 64, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
     cu = cu_seqlens(lens)

@@ -5,7 +5,7 @@
 # leaves the stripped extension in $OUT/so_part_* so a later call can carry it in .devbuild/ and skip the build),
 # prebuilt (installs .devbuild/_C*.so instead of building), test (pytest), memcheck (compute-sanitizer over
 # tests/memcheck.py), bench (mma peak + forward grid), bench_bwd (backward and forward+backward, seqlen 2k/8k/16k,
-# with cuDNN and deterministic mode), bench_varlen, tune (bench/tune_tiles.py with $TUNE_ARGS), pack (everything
+# with cuDNN and deterministic mode), bench_varlen, bench_skinny, tune (bench/tune_tiles.py with $TUNE_ARGS), pack (everything
 # in $OUT into one results.tar, since a device call returns at most 8 files).
 # Results go to $OUT (default /tmp/flash_out).
 set -uo pipefail
@@ -53,6 +53,9 @@ for stage in "$@"; do
         ;;
     bench_varlen)
         python3 bench/bench_varlen.py --out-dir "$OUT" 2>&1 | tail -9
+        ;;
+    bench_skinny)
+        python3 bench/bench_skinny.py --out-dir "$OUT" 2>&1 | tail -32
         ;;
     pack)
         # Only 8 files come back from a device call: bundle everything written so far into one tar.

@@ -111,7 +111,11 @@ def nvcc_flags(archs, nvcc_threads):
         f"--threads={nvcc_threads}",
     ]
     for arch in archs:
-        flags.append(f"-gencode=arch=compute_{arch},code=sm_{arch}")
+        # sm_90 code is built for sm_90a, whose warpgroup MMAs the Hopper forward kernels use.
+        target = "90a" if arch == "90" else arch
+        flags.append(f"-gencode=arch=compute_{target},code=sm_{target}")
+    if "90" in archs:
+        flags.append("-DFLASH_ATTN2_SM90A")
     tile = os.environ.get("FLASH_ATTN2_FWD_TILE")  # "M,N,WARPS": tile-tuning builds only
     if tile:
         if not re.fullmatch(r"\d+,\d+,\d+", tile):

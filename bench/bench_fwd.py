@@ -19,7 +19,9 @@ sys.path.append(os.path.dirname(HERE))  # repo root, last: an installed flash_at
 import common  # noqa: E402
 
 IMPLS = ["ours", "flash", "cudnn", "efficient"]
-OPTIONAL_IMPLS = ["ours_det"]  # ours with deterministic=True (its backward differs)
+# ours_det: deterministic=True (its backward differs); ours_mma: the mma.sync forward kernels on a Hopper GPU,
+# which otherwise runs the warpgroup-MMA ones.
+OPTIONAL_IMPLS = ["ours_det", "ours_mma"]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 SANITY_REL_TOL = 0.05  # a loose "is it the same function" check against SDPA, not the correctness rule
 
@@ -72,6 +74,20 @@ def timed_pass(fn, inputs, pass_):
     return (lambda: torch.autograd.grad(fn(), inputs, dout)), out
 
 
+@contextlib.contextmanager
+def disable_wgmma():
+    """The extension reads FLASH_ATTN2_DISABLE_WGMMA at every call."""
+    old = os.environ.get("FLASH_ATTN2_DISABLE_WGMMA")
+    os.environ["FLASH_ATTN2_DISABLE_WGMMA"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["FLASH_ATTN2_DISABLE_WGMMA"]
+        else:
+            os.environ["FLASH_ATTN2_DISABLE_WGMMA"] = old
+
+
 def make_runners(lib, lib_err, q, k, v, qt, kt, vt, causal, impls):
     """name -> (context factory, fn returning the output in (b, s, h, d)) or an error string."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -79,7 +95,7 @@ def make_runners(lib, lib_err, q, k, v, qt, kt, vt, causal, impls):
                 "efficient": SDPBackend.EFFICIENT_ATTENTION}
     runners = {}
     for name in impls:
-        if name in ("ours", "ours_det"):
+        if name in ("ours", "ours_det", "ours_mma"):
             hdim, dtype = q.shape[-1], q.dtype
             det = name == "ours_det"
             if lib is None:
@@ -87,7 +103,7 @@ def make_runners(lib, lib_err, q, k, v, qt, kt, vt, causal, impls):
             elif hasattr(lib, "kernel_available") and not lib.kernel_available(hdim, dtype, causal):
                 runners[name] = f"kernel not compiled (hdim {hdim}, {dtype}, causal={causal})"
             else:
-                runners[name] = (contextlib.nullcontext,
+                runners[name] = (disable_wgmma if name == "ours_mma" else contextlib.nullcontext,
                                  lambda det=det: lib.flash_attn_func(q, k, v, causal=causal, deterministic=det),
                                  (q, k, v))
         else:

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
+#include <cstdlib>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -178,6 +179,18 @@ void check_launch(cudaError_t err, const char* op, int device) {
     TORCH_CHECK(false, op, " kernel launch failed: ", cudaGetErrorString(err), hint);
 }
 
+// Hopper GPUs run the warpgroup-MMA forward kernels (where the build has them, see flash_fwd_launch.h).
+// FLASH_ATTN2_DISABLE_WGMMA=1 forces the mma.sync kernels, to compare the two in one process.
+bool use_wgmma(int device) {
+    int major = 0, minor = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+        return false;
+    }
+    const char* disable = std::getenv("FLASH_ATTN2_DISABLE_WGMMA");
+    return major == 9 && minor == 0 && !(disable != nullptr && std::string(disable) == "1");
+}
+
 // Everything both passes read: inputs, output, LSE, sizes, the scale and, for varlen, the sequence bounds.
 void set_fwd_params(FwdParams& params, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                     const at::Tensor& out, const at::Tensor& lse, double softmax_scale, const Varlen* varlen) {
@@ -216,6 +229,7 @@ void set_fwd_params(FwdParams& params, const at::Tensor& q, const at::Tensor& k,
         params.seqlen_k = static_cast<int>(varlen->max_seqlen_k);
         params.q_batch_stride = params.k_batch_stride = params.v_batch_stride = params.o_batch_stride = 0;
     }
+    params.use_wgmma = use_wgmma(q.get_device());
     params.softmax_scale = static_cast<float>(softmax_scale);
     // A zero or denormal scale would turn masked scores into NaN (-inf * 0); the smallest normal float
     // keeps them at -inf, and every other exp2 argument still rounds to the same value (0).

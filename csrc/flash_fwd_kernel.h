@@ -20,22 +20,6 @@ namespace flash {
 
 using namespace cute;
 
-// Copies a (CPY, CPY_ROWS, CPY_COLS) partition global -> shared with cp.async, zero-filling every
-// 16 B chunk whose row is >= max_row or whose column is >= max_col. coords holds the chunk positions.
-template <class TiledCopy, class SrcTensor, class DstTensor, class CoordTensor>
-__forceinline__ __device__ void copy_zfill(const TiledCopy& tiled_copy, const SrcTensor& src, DstTensor& dst,
-                                           const CoordTensor& coords, int max_row, int max_col) {
-    CUTE_UNROLL
-    for (int m = 0; m < size<1>(src); ++m) {
-        const bool row_ok = get<0>(coords(0, m, 0)) < max_row;
-        CUTE_UNROLL
-        for (int k = 0; k < size<2>(src); ++k) {
-            const bool ok = row_ok && get<1>(coords(0, m, k)) < max_col;
-            copy(tiled_copy.with(ok), src(_, m, k), dst(_, m, k));
-        }
-    }
-}
-
 template <class Traits, bool kCausal>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const __grid_constant__ FwdParams params) {
     using Element = typename Traits::Element;

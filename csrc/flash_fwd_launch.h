@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include "flash_fwd_kernel.h"
+#include "flash_fwd_sm90_kernel.h"
 #include "kernel_registry.h"
 #include "launch.h"
 
@@ -39,8 +40,27 @@ template <int kHeadDim, bool kCausal>
 using SelectedTileConfig = FwdTileConfig<kHeadDim, kCausal>;
 #endif
 
+// Hopper (sm_90a) warpgroup-MMA kernel: (kBlockM, kBlockN) per head dim, two warpgroups of 64 query rows.
+// Head dims without an entry run the mma.sync kernel on Hopper too.
+template <int kHeadDim, bool kCausal>
+struct FwdSm90TileConfig { static constexpr bool kEnabled = false; };
+template <bool kCausal> struct FwdSm90TileConfig<64, kCausal> { static constexpr bool kEnabled = true; static constexpr int kBlockM = 128, kBlockN = 128; };
+template <bool kCausal> struct FwdSm90TileConfig<128, kCausal> { static constexpr bool kEnabled = true; static constexpr int kBlockM = 128, kBlockN = 128; };
+template <bool kCausal> struct FwdSm90TileConfig<256, kCausal> { static constexpr bool kEnabled = true; static constexpr int kBlockM = 128, kBlockN = 64; };
+
 template <typename Element, int kHeadDim, bool kCausal>
 cudaError_t run_fwd(const FwdParams& params, cudaStream_t stream) {
+#if defined(FLASH_ATTN2_SM90A) && !defined(FLASH_FWD_TILE_M)
+    if constexpr (FwdSm90TileConfig<kHeadDim, kCausal>::kEnabled) {
+        if (params.use_wgmma) {
+            using Config = FwdSm90TileConfig<kHeadDim, kCausal>;
+            using Traits = FwdSm90KernelTraits<Element, kHeadDim, Config::kBlockM, Config::kBlockN>;
+            const dim3 grid((params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, params.batch, params.num_heads);
+            return launch_kernel<Traits::kNThreads, Traits::kSmemBytes>(&flash_fwd_sm90_kernel<Traits, kCausal>, grid,
+                                                                        params, stream);
+        }
+    }
+#endif
     using Config = SelectedTileConfig<kHeadDim, kCausal>;
     using Traits = FwdKernelTraits<Element, kHeadDim, Config::kBlockM, Config::kBlockN, Config::kNWarps>;
     const dim3 grid((params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, params.batch, params.num_heads);

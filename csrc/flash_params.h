@@ -46,6 +46,8 @@ struct FwdParams {
 
     float softmax_scale;       // multiplies QK^T before the softmax
     float softmax_scale_log2;  // softmax_scale * log2(e), so the kernel can use exp2
+
+    bool use_wgmma;  // the device is an sm_90 (Hopper): run the warpgroup-MMA forward where one is built
 };
 
 // Query rows per block of the backward kernels lie in [kBwdMinBlockM, kBwdMaxBlockM]: the host sizes the

@@ -1,5 +1,6 @@
 // Small device helpers: register-layout views of MMA accumulators, warp-quad reductions,
-// and the two GEMM shapes the forward needs (both operands in smem, or A in registers).
+// the two GEMM shapes the forward needs (both operands in smem, or A in registers), and a
+// zero-filling global -> shared copy.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -81,6 +82,22 @@ __forceinline__ __device__ void gemm_reg_smem(const TiledMma& tiled_mma, AccTens
     for (int k = 0; k < size<2>(tCrA); ++k) {
         if (k + 1 < size<2>(tCrA)) { copy(copy_b, tCsB(_, _, k + 1), tCrB_view(_, _, k + 1)); }
         cute::gemm(tiled_mma, tCrA(_, _, k), tCrB(_, _, k), acc);
+    }
+}
+
+// Copies a (CPY, CPY_ROWS, CPY_COLS) partition global -> shared with cp.async, zero-filling every
+// 16 B chunk whose row is >= max_row or whose column is >= max_col. coords holds the chunk positions.
+template <class TiledCopy, class SrcTensor, class DstTensor, class CoordTensor>
+__forceinline__ __device__ void copy_zfill(const TiledCopy& tiled_copy, const SrcTensor& src, DstTensor& dst,
+                                           const CoordTensor& coords, int max_row, int max_col) {
+    CUTE_UNROLL
+    for (int m = 0; m < size<1>(src); ++m) {
+        const bool row_ok = get<0>(coords(0, m, 0)) < max_row;
+        CUTE_UNROLL
+        for (int k = 0; k < size<2>(src); ++k) {
+            const bool ok = row_ok && get<1>(coords(0, m, k)) < max_col;
+            copy(tiled_copy.with(ok), src(_, m, k), dst(_, m, k));
+        }
     }
 }
 

@@ -1,0 +1,182 @@
+// FlashAttention-2 forward kernel for Hopper (sm_90a): the schedule of flash_fwd_kernel.h with both
+// GEMMs on warpgroup MMAs (wgmma), which read K and V straight from shared memory instead of through
+// per-warp ldmatrix copies. One CTA computes one (query block, sequence, head) tile; each warpgroup
+// owns 64 query rows (split-Q), so warpgroups never exchange partial results. K and V are
+// double-buffered: the next key block loads during the whole current step.
+#pragma once
+
+#include <cmath>
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+
+#include "block_info.h"
+#include "flash_params.h"
+#include "kernel_traits_sm90.h"
+#include "mask.h"
+#include "softmax.h"
+#include "utils.h"
+#include "utils_sm90.h"
+
+namespace flash {
+
+using namespace cute;
+
+template <class Traits, bool kCausal>
+__global__ void __launch_bounds__(Traits::kNThreads, 1)
+    flash_fwd_sm90_kernel(const __grid_constant__ FwdParams params) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using Element = typename Traits::Element;
+    constexpr int kBlockM = Traits::kBlockM;
+    constexpr int kBlockN = Traits::kBlockN;
+    constexpr int kHeadDim = Traits::kHeadDim;
+    using Mask = CausalMask<kBlockM, kBlockN, kCausal>;
+
+    // Causal query blocks near the end of the sequence visit the most key blocks: launch them first.
+    const int m_block = kCausal ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
+    const int batch_idx = blockIdx.y;
+    const int head_idx = blockIdx.z;
+    const int head_idx_k = head_idx / (params.num_heads / params.num_heads_k);
+    const int tidx = threadIdx.x;
+
+    const BlockInfo binfo(params, batch_idx);
+    if (m_block * kBlockM >= binfo.seqlen_q) { return; }
+    const Mask mask(binfo.seqlen_q, binfo.seqlen_k);
+    const int n_block_end = mask.n_block_end(m_block);
+
+    Tensor mQ = binfo.q_view<Element>(params, batch_idx, head_idx);    // (seqlen_q, head_dim)
+    Tensor mK = binfo.k_view<Element>(params, batch_idx, head_idx_k);  // (seqlen_k, head_dim)
+    Tensor mV = binfo.v_view<Element>(params, batch_idx, head_idx_k);  // (seqlen_k, head_dim)
+    Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));  // (kBlockM, kHeadDim)
+    Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));  // (kBlockN, kHeadDim, n)
+    Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));  // (kBlockN, kHeadDim, n)
+
+    extern __shared__ __align__(1024) char smem_sm90[];  // 128 B swizzle atoms repeat every 1 KiB
+    Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem_sm90)),
+                            typename Traits::SmemLayoutQ{});  // (kBlockM, kHeadDim)
+    Element* kv_base = raw_pointer_cast(sQ.data()) + Traits::kSmemQElems;
+    // Stage s (of Traits::kStagesKV = 2) holds K at kv_base + 2s * kv and V right after it.
+    auto sK_stage = [&](int s) {
+        return make_tensor(make_smem_ptr(kv_base + 2 * s * Traits::kSmemKVElems),
+                           typename Traits::SmemLayoutKV{});  // (kBlockN, kHeadDim)
+    };
+    auto sV_stage = [&](int s) {
+        return make_tensor(make_smem_ptr(kv_base + (2 * s + 1) * Traits::kSmemKVElems),
+                           typename Traits::SmemLayoutKV{});  // (kBlockN, kHeadDim)
+    };
+    auto sVt_stage = [&](int s) {
+        return make_tensor(make_smem_ptr(kv_base + (2 * s + 1) * Traits::kSmemKVElems),
+                           typename Traits::SmemLayoutVt{});  // (kHeadDim, kBlockN)
+    };
+
+    Tensor cQ = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});   // (kBlockM, kHeadDim)
+    Tensor cKV = make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{});  // (kBlockN, kHeadDim)
+    Tensor cS = make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{});    // (kBlockM, kBlockN)
+
+    typename Traits::GmemTiledCopyQKV gmem_tiled_copy;
+    auto gmem_thr_copy = gmem_tiled_copy.get_thread_slice(tidx);
+    Tensor tQgQ = gmem_thr_copy.partition_S(gQ);     // (CPY, CPY_M, CPY_K)
+    Tensor tQsQ = gmem_thr_copy.partition_D(sQ);     // (CPY, CPY_M, CPY_K)
+    Tensor tQcQ = gmem_thr_copy.partition_S(cQ);     // (CPY, CPY_M, CPY_K)
+    Tensor tKgK = gmem_thr_copy.partition_S(gK);     // (CPY, CPY_N, CPY_K, n)
+    Tensor tVgV = gmem_thr_copy.partition_S(gV);     // (CPY, CPY_N, CPY_K, n)
+    Tensor tKVcKV = gmem_thr_copy.partition_S(cKV);  // (CPY, CPY_N, CPY_K)
+
+    typename Traits::TiledMmaS mma_s;
+    auto thr_mma_s = mma_s.get_thread_slice(tidx);
+    typename Traits::TiledMmaO mma_o;
+    auto thr_mma_o = mma_o.get_thread_slice(tidx);
+    // wgmma operands in shared memory are descriptors, one per (stage, k slice).
+    Tensor tSrQ = thr_mma_s.make_fragment_A(thr_mma_s.partition_A(sQ));  // (MMA, MMA_M, MMA_K)
+    Tensor acc_o = partition_fragment_C(mma_o, Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (MMA, MMA_M, MMA_N)
+    clear(acc_o);
+    Tensor tScS = thr_mma_s.partition_C(cS);                                            // (MMA, MMA_M, MMA_N)
+    Tensor tScS_rc = make_tensor(tScS.data(), gmma_acc_rowcol_layout(tScS.layout()));  // (rows, cols)
+
+    const int q_rows_left = binfo.seqlen_q - m_block * kBlockM;
+    auto load_kv = [&](int n_block, int stage) {
+        Tensor tKsK = gmem_thr_copy.partition_D(sK_stage(stage));  // (CPY, CPY_N, CPY_K)
+        Tensor tVsV = gmem_thr_copy.partition_D(sV_stage(stage));  // (CPY, CPY_N, CPY_K)
+        const int rows_left = binfo.seqlen_k - n_block * kBlockN;
+        copy_zfill(gmem_tiled_copy, tKgK(_, _, _, n_block), tKsK, tKVcKV, rows_left, params.head_dim);
+        copy_zfill(gmem_tiled_copy, tVgV(_, _, _, n_block), tVsV, tKVcKV, rows_left, params.head_dim);
+    };
+
+    // Key blocks run from the last to the first, so the tiles that need masking (the sequence end
+    // and the causal diagonal) come first.
+    copy_zfill(gmem_tiled_copy, tQgQ, tQsQ, tQcQ, q_rows_left, params.head_dim);
+    if (n_block_end > 0) { load_kv(n_block_end - 1, 0); }
+    cp_async_fence();
+
+    Tensor acc_o_rc = gmma_as_rowcol(acc_o);  // (rows, kHeadDim cols)
+    OnlineSoftmax<decltype(size<0>(acc_o_rc))::value> softmax(params.softmax_scale_log2);
+
+    int stage = 0;
+    for (int n_block = n_block_end - 1; n_block >= 0; --n_block, stage ^= 1) {
+        cp_async_wait<0>();
+        // cp.async writes are generic-proxy stores; wgmma reads shared memory through the async proxy.
+        cutlass::arch::fence_view_async_shared();
+        __syncthreads();  // this step's K and V have landed, and every warpgroup is done with the other stage
+        if (n_block > 0) {
+            load_kv(n_block - 1, stage ^ 1);
+            cp_async_fence();
+        }
+
+        Tensor tSrK = thr_mma_s.make_fragment_B(thr_mma_s.partition_B(sK_stage(stage)));  // (MMA, MMA_N, MMA_K)
+        Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});   // (MMA, MMA_M, MMA_N)
+        warpgroup_gemm</*kZeroInit=*/true>(mma_s, tSrQ, tSrK, acc_s);
+
+        Tensor scores = gmma_as_rowcol(acc_s);  // (rows, kBlockN cols)
+        if (mask.tile_needs_mask(m_block, n_block)) { mask.apply(scores, tScS_rc, m_block, n_block); }
+        softmax.update(scores, acc_o_rc);
+
+        Tensor rP = convert_fragment<Element>(acc_s);
+        Tensor tOrP = make_tensor(rP.data(), gmma_acc_as_a_operand_layout(rP.layout()));  // (MMA, MMA_M, MMA_K)
+        Tensor tOrVt = thr_mma_o.make_fragment_B(thr_mma_o.partition_B(sVt_stage(stage)));  // (MMA, MMA_N, MMA_K)
+        warpgroup_gemm</*kZeroInit=*/false>(mma_o, tOrP, tOrVt, acc_o);
+    }
+
+    // Epilogue: normalize once, stage O through shared memory (Q's buffer) for 16 B global stores.
+    Tensor lse = softmax.finalize(acc_o_rc, params.softmax_scale);
+    Tensor rO = convert_fragment<Element>(acc_o);
+    Tensor sO = make_tensor(sQ.data(), typename Traits::SmemLayoutO{});  // (kBlockM, kHeadDim)
+    Tensor cO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (kBlockM, kHeadDim)
+    Tensor tOcO = thr_mma_o.partition_C(cO);  // (MMA, MMA_M, MMA_N), positions of acc_o's values
+    cp_async_wait<0>();  // Q may still be in flight when no key block was visited.
+    __syncthreads();     // every warpgroup has finished reading Q
+    CUTE_UNROLL
+    for (int i = 0; i < size(rO); ++i) { sO(get<0>(tOcO(i)), get<1>(tOcO(i))) = rO(i); }
+
+    // One LSE per row, written by the thread that holds the row's first column.
+    Tensor tOcO_rc = make_tensor(tOcO.data(), gmma_acc_rowcol_layout(tOcO.layout()));  // (rows, cols)
+    if (get<1>(tOcO_rc(0, 0)) == 0) {
+        float* lse_row0 = params.lse_ptr + binfo.lse_offset(params, batch_idx, head_idx) + m_block * kBlockM;
+        CUTE_UNROLL
+        for (int r = 0; r < size(lse); ++r) {
+            const int row = get<0>(tOcO_rc(r, 0));
+            if (row < q_rows_left) { lse_row0[row] = lse(r); }
+        }
+    }
+
+    __syncthreads();
+    Tensor mO = binfo.o_view<Element>(params, batch_idx, head_idx);  // (seqlen_q, head_dim)
+    Tensor gO = local_tile(mO, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));  // (kBlockM, kHeadDim)
+    typename Traits::GmemTiledCopyO gmem_tiled_copy_O;
+    auto gmem_thr_copy_O = gmem_tiled_copy_O.get_thread_slice(tidx);
+    Tensor tOsO = gmem_thr_copy_O.partition_S(sO);    // (CPY, CPY_M, CPY_K)
+    Tensor tOgO = gmem_thr_copy_O.partition_D(gO);    // (CPY, CPY_M, CPY_K)
+    Tensor tOcOg = gmem_thr_copy_O.partition_D(cO);   // (CPY, CPY_M, CPY_K)
+    Tensor tOrO = make_tensor<Element>(shape(tOgO));  // (CPY, CPY_M, CPY_K)
+    copy(gmem_tiled_copy_O, tOsO, tOrO);
+    CUTE_UNROLL
+    for (int m = 0; m < size<1>(tOgO); ++m) {
+        if (get<0>(tOcOg(0, m, 0)) >= q_rows_left) { continue; }
+        CUTE_UNROLL
+        for (int k = 0; k < size<2>(tOgO); ++k) {
+            if (get<1>(tOcOg(0, m, k)) < params.head_dim) { copy(gmem_tiled_copy_O, tOrO(_, m, k), tOgO(_, m, k)); }
+        }
+    }
+#endif
+}
+
+}  // namespace flash

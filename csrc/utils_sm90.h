@@ -1,0 +1,60 @@
+// Register-layout views of warpgroup-MMA (wgmma) accumulators, and one warpgroup GEMM call.
+#pragma once
+
+#include <cute/arch/mma_sm90_gmma.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cute/tensor.hpp>
+
+namespace flash {
+
+using namespace cute;
+
+// A 64xN wgmma accumulator holds, per thread, ((2 cols, 2 row halves, N/8 column groups), MMA_M, MMA_N).
+// Viewed as (rows, cols) = ((2, MMA_M), ((2, N/8), MMA_N)) so the softmax and masks can loop over rows.
+template <class Layout>
+__forceinline__ __device__ auto gmma_acc_rowcol_layout(Layout acc) {
+    static_assert(decltype(rank<0>(acc))::value == 3 && decltype(size<0, 0>(acc))::value == 2 &&
+                  decltype(size<0, 1>(acc))::value == 2);
+    return make_layout(make_layout(layout<0, 1>(acc), layout<1>(acc)),
+                       make_layout(layout<0, 0>(acc), layout<0, 2>(acc), layout<2>(acc)));
+}
+
+template <class Engine, class Layout>
+__forceinline__ __device__ auto gmma_as_rowcol(Tensor<Engine, Layout>& acc) {
+    return make_tensor(acc.data(), gmma_acc_rowcol_layout(acc.layout()));
+}
+
+// The accumulator values of 16 consecutive columns are exactly one 64x16 A-operand slice of a
+// register-sourced wgmma, so P feeds O += P V without leaving registers:
+// ((2, 2, N/8), MMA_M, 1) -> ((2, 2, 2), MMA_M, N/16).
+template <class Layout>
+__forceinline__ __device__ auto gmma_acc_as_a_operand_layout(Layout acc) {
+    static_assert(decltype(size<2>(acc))::value == 1, "one wgmma spans the whole key block");
+    static_assert(decltype(size<0, 2>(acc))::value % 2 == 0, "needs pairs of 8-column groups");
+    auto groups = logical_divide(layout<0, 2>(acc), Shape<_2>{});  // ((2, N/16))
+    return make_layout(make_layout(layout<0, 0>(acc), layout<0, 1>(acc), layout<0, 0>(groups)), layout<1>(acc),
+                       layout<0, 1>(groups));
+}
+
+// acc (+)= A B over the K mode of the fragments, issued as one wgmma batch by each warpgroup and waited for.
+// kZeroInit starts from acc = 0 without clearing registers.
+template <bool kZeroInit, class TiledMma, class TensorA, class TensorB, class TensorC>
+__forceinline__ __device__ void warpgroup_gemm(TiledMma& tiled_mma, TensorA& tCrA, const TensorB& tCrB, TensorC& acc) {
+    // A is either wgmma shared-memory descriptors or register values.
+    constexpr bool kARegisters = !is_same_v<typename TensorA::value_type, GMMA::DescriptorIterator::value_type>;
+    if constexpr (kARegisters) { warpgroup_fence_operand(tCrA); }
+    warpgroup_fence_operand(acc);
+    warpgroup_arrive();
+    if constexpr (kZeroInit) { tiled_mma.accumulate_ = GMMA::ScaleOut::Zero; }
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(tCrA); ++k) {
+        cute::gemm(tiled_mma, tCrA(_, _, k), tCrB(_, _, k), acc);
+        tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc);
+    if constexpr (kARegisters) { warpgroup_fence_operand(tCrA); }
+}
+
+}  // namespace flash

@@ -40,13 +40,15 @@ template <int kHeadDim, bool kCausal>
 using SelectedTileConfig = FwdTileConfig<kHeadDim, kCausal>;
 #endif
 
-// Hopper (sm_90a) warpgroup-MMA kernel: (kBlockM, kBlockN) per head dim, two warpgroups of 64 query rows.
-// Head dims without an entry run the mma.sync kernel on Hopper too.
+// Hopper (sm_90a) warpgroup-MMA kernel: (kBlockM, kBlockN, CTAs per SM) per head dim, warpgroups of 64 query
+// rows. Head dim 64 fits two CTAs per SM in registers (at most 128 per thread), so one CTA's softmax and
+// loads overlap the other's MMAs. Head dims without an entry run the mma.sync kernel on Hopper too.
 template <int kHeadDim, bool kCausal>
 struct FwdSm90TileConfig { static constexpr bool kEnabled = false; };
-template <bool kCausal> struct FwdSm90TileConfig<64, kCausal> { static constexpr bool kEnabled = true; static constexpr int kBlockM = 128, kBlockN = 128; };
-template <bool kCausal> struct FwdSm90TileConfig<128, kCausal> { static constexpr bool kEnabled = true; static constexpr int kBlockM = 128, kBlockN = 128; };
-template <bool kCausal> struct FwdSm90TileConfig<256, kCausal> { static constexpr bool kEnabled = true; static constexpr int kBlockM = 128, kBlockN = 64; };
+template <bool kCausal> struct FwdSm90TileConfig<64, kCausal> { static constexpr bool kEnabled = true; static constexpr int kBlockM = 128, kBlockN = 64, kCtasPerSm = 2; };
+template <bool kCausal> struct FwdSm90TileConfig<128, kCausal> { static constexpr bool kEnabled = true; static constexpr int kBlockM = 128, kBlockN = 128, kCtasPerSm = 1; };
+template <bool kCausal> struct FwdSm90TileConfig<192, kCausal> { static constexpr bool kEnabled = true; static constexpr int kBlockM = 128, kBlockN = 64, kCtasPerSm = 1; };
+template <bool kCausal> struct FwdSm90TileConfig<256, kCausal> { static constexpr bool kEnabled = true; static constexpr int kBlockM = 128, kBlockN = 64, kCtasPerSm = 1; };
 
 template <typename Element, int kHeadDim, bool kCausal>
 cudaError_t run_fwd(const FwdParams& params, cudaStream_t stream) {
@@ -54,7 +56,7 @@ cudaError_t run_fwd(const FwdParams& params, cudaStream_t stream) {
     if constexpr (FwdSm90TileConfig<kHeadDim, kCausal>::kEnabled) {
         if (params.use_wgmma) {
             using Config = FwdSm90TileConfig<kHeadDim, kCausal>;
-            using Traits = FwdSm90KernelTraits<Element, kHeadDim, Config::kBlockM, Config::kBlockN>;
+            using Traits = FwdSm90KernelTraits<Element, kHeadDim, Config::kBlockM, Config::kBlockN, Config::kCtasPerSm>;
             const dim3 grid((params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, params.batch, params.num_heads);
             return launch_kernel<Traits::kNThreads, Traits::kSmemBytes>(&flash_fwd_sm90_kernel<Traits, kCausal>, grid,
                                                                         params, stream);

@@ -23,7 +23,7 @@ namespace flash {
 using namespace cute;
 
 template <class Traits, bool kCausal>
-__global__ void __launch_bounds__(Traits::kNThreads, 1)
+__global__ void __launch_bounds__(Traits::kNThreads, Traits::kCtasPerSm)
     flash_fwd_sm90_kernel(const __grid_constant__ FwdParams params) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using Element = typename Traits::Element;

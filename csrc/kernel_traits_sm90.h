@@ -12,7 +12,7 @@ using namespace cute;
 
 // One CTA holds kBlockM / 64 warpgroups; each owns 64 query rows end to end (split-Q at warpgroup
 // granularity), and reads its MMA operands straight from shared memory with wgmma.
-template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_>
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kCtasPerSm_>
 struct FwdSm90KernelTraits {
     using Element = Element_;
     using ElementAccum = float;
@@ -22,6 +22,7 @@ struct FwdSm90KernelTraits {
     static constexpr int kBlockN = kBlockN_;
     static constexpr int kNWarpgroups = kBlockM / 64;
     static constexpr int kNThreads = kNWarpgroups * 128;
+    static constexpr int kCtasPerSm = kCtasPerSm_;  // caps registers per thread at 64K / (kNThreads * kCtasPerSm)
 
     static_assert(kBlockM % 64 == 0, "a warpgroup MMA covers 64 query rows");
     static_assert(kHeadDim % 64 == 0, "rows of 64 elements (128 B) for the 128 B swizzle wgmma reads");
@@ -51,7 +52,7 @@ struct FwdSm90KernelTraits {
     // Q, then two stages of (K, V): the next key block loads while this one computes.
     static constexpr int kStagesKV = 2;
     static constexpr int kSmemBytes = (kSmemQElems + 2 * kStagesKV * kSmemKVElems) * int(sizeof(Element));
-    static_assert(kSmemBytes <= 227 * 1024, "sm_90 allows 227 KiB of shared memory per block");
+    static_assert(kSmemBytes * kCtasPerSm <= 227 * 1024, "sm_90 has 227 KiB of shared memory per SM for blocks");
 
     // Global <-> shared: 16 B per thread access, 8 threads per 64-element row.
     static constexpr int kGmemThreadsPerRow = 8;

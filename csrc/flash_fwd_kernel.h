@@ -9,10 +9,9 @@
 #include <cutlass/numeric_conversion.h>
 #include <cutlass/numeric_types.h>
 
-#include "block_info.h"
 #include "flash_params.h"
+#include "fwd_tile.h"
 #include "kernel_traits.h"
-#include "mask.h"
 #include "softmax.h"
 #include "utils.h"
 
@@ -26,25 +25,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const _
     constexpr int kBlockM = Traits::kBlockM;
     constexpr int kBlockN = Traits::kBlockN;
     constexpr int kHeadDim = Traits::kHeadDim;
-    using Mask = CausalMask<kBlockM, kBlockN, kCausal>;
-
-    // Causal query blocks near the end of the sequence visit the most key blocks: launch them first
-    // so the short ones fill the tail of the wave.
-    const int m_block = kCausal ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
-    const int batch_idx = blockIdx.y;
-    const int head_idx = blockIdx.z;
-    const int head_idx_k = head_idx / (params.num_heads / params.num_heads_k);
     const int tidx = threadIdx.x;
 
-    const BlockInfo binfo(params, batch_idx);
-    if (m_block * kBlockM >= binfo.seqlen_q) { return; }
-    const Mask mask(binfo.seqlen_q, binfo.seqlen_k);
-    const int n_block_end = mask.n_block_end(m_block);
+    const FwdTile<kBlockM, kBlockN, kCausal> tile(params);
+    if (!tile.has_rows()) { return; }
+    const int m_block = tile.m_block;
+    const BlockInfo& binfo = tile.binfo;
+    const auto& mask = tile.mask;
 
     // Global memory views. Tiles may run past seqlen or head_dim; those positions are predicated.
-    Tensor mQ = binfo.q_view<Element>(params, batch_idx, head_idx);    // (seqlen_q, head_dim)
-    Tensor mK = binfo.k_view<Element>(params, batch_idx, head_idx_k);  // (seqlen_k, head_dim)
-    Tensor mV = binfo.v_view<Element>(params, batch_idx, head_idx_k);  // (seqlen_k, head_dim)
+    Tensor mQ = binfo.q_view<Element>(params, tile.batch_idx, tile.head_idx);    // (seqlen_q, head_dim)
+    Tensor mK = binfo.k_view<Element>(params, tile.batch_idx, tile.head_idx_k);  // (seqlen_k, head_dim)
+    Tensor mV = binfo.v_view<Element>(params, tile.batch_idx, tile.head_idx_k);  // (seqlen_k, head_dim)
     Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));  // (kBlockM, kHeadDim)
     Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));  // (kBlockN, kHeadDim, n)
     Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));  // (kBlockN, kHeadDim, n)
@@ -95,7 +87,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const _
     Tensor tOsVt = smem_thr_copy_V.partition_S(sVt);
     Tensor tOrVt_view = smem_thr_copy_V.retile_D(tOrVt);
 
-    const int q_rows_left = binfo.seqlen_q - m_block * kBlockM;
+    const int q_rows_left = tile.q_rows_left();
     auto load_kv = [&](auto& tSrc, auto& tDst, int n_block) {
         copy_zfill(gmem_tiled_copy, tSrc(_, _, _, n_block), tDst, tKVcKV, binfo.seqlen_k - n_block * kBlockN,
                    params.head_dim);
@@ -104,7 +96,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const _
     // Key blocks run from the last to the first, so the tiles that need masking (the sequence end
     // and the causal diagonal) come first. K for the next step loads during the P V product, and V
     // loads during the Q K^T product.
-    int n_block = n_block_end - 1;
+    int n_block = tile.n_block_end() - 1;
     copy_zfill(gmem_tiled_copy, tQgQ, tQsQ, tQcQ, q_rows_left, params.head_dim);
     if (n_block >= 0) { load_kv(tKgK, tKsK, n_block); }
     cp_async_fence();
@@ -150,37 +142,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const _
     __syncthreads();
     copy(smem_tiled_copy_O, taccOrO, taccOsO);
 
-    // One LSE per row, written by the thread that holds the row's first column.
     Tensor cO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (kBlockM, kHeadDim)
-    Tensor tOcO_acc = thr_mma.partition_C(cO);
-    Tensor tOcO_rc = make_tensor(tOcO_acc.data(), acc_rowcol_layout(tOcO_acc.layout()));  // (rows, cols)
-    if (get<1>(tOcO_rc(0, 0)) == 0) {
-        float* lse_row0 = params.lse_ptr + binfo.lse_offset(params, batch_idx, head_idx) + m_block * kBlockM;
-        CUTE_UNROLL
-        for (int r = 0; r < size(lse); ++r) {
-            const int row = get<0>(tOcO_rc(r, 0));
-            if (row < q_rows_left) { lse_row0[row] = lse(r); }
-        }
-    }
+    Tensor tOcO = thr_mma.partition_C(cO);  // (MMA, MMA_M, MMA_N), positions of acc_o's values
+    tile.write_lse(params, lse, make_tensor(tOcO.data(), acc_rowcol_layout(tOcO.layout())));
 
     __syncthreads();
-    Tensor mO = binfo.o_view<Element>(params, batch_idx, head_idx);  // (seqlen_q, head_dim)
-    Tensor gO = local_tile(mO, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));  // (kBlockM, kHeadDim)
-    typename Traits::GmemTiledCopyO gmem_tiled_copy_O;
-    auto gmem_thr_copy_O = gmem_tiled_copy_O.get_thread_slice(tidx);
-    Tensor tOsO = gmem_thr_copy_O.partition_S(sO);  // (CPY, CPY_M, CPY_K)
-    Tensor tOgO = gmem_thr_copy_O.partition_D(gO);  // (CPY, CPY_M, CPY_K)
-    Tensor tOcO = gmem_thr_copy_O.partition_D(cO);  // (CPY, CPY_M, CPY_K)
-    Tensor tOrO = make_tensor<Element>(shape(tOgO));
-    copy(gmem_tiled_copy_O, tOsO, tOrO);
-    CUTE_UNROLL
-    for (int m = 0; m < size<1>(tOgO); ++m) {
-        if (get<0>(tOcO(0, m, 0)) >= q_rows_left) { continue; }
-        CUTE_UNROLL
-        for (int k = 0; k < size<2>(tOgO); ++k) {
-            if (get<1>(tOcO(0, m, k)) < params.head_dim) { copy(gmem_tiled_copy_O, tOrO(_, m, k), tOgO(_, m, k)); }
-        }
-    }
+    tile.template store_o<typename Traits::GmemTiledCopyO>(params, sO, tidx);
 }
 
 }  // namespace flash

@@ -10,10 +10,9 @@
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 
-#include "block_info.h"
 #include "flash_params.h"
+#include "fwd_tile.h"
 #include "kernel_traits_sm90.h"
-#include "mask.h"
 #include "softmax.h"
 #include "utils.h"
 #include "utils_sm90.h"
@@ -30,23 +29,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kCtasPerSm)
     constexpr int kBlockM = Traits::kBlockM;
     constexpr int kBlockN = Traits::kBlockN;
     constexpr int kHeadDim = Traits::kHeadDim;
-    using Mask = CausalMask<kBlockM, kBlockN, kCausal>;
-
-    // Causal query blocks near the end of the sequence visit the most key blocks: launch them first.
-    const int m_block = kCausal ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
-    const int batch_idx = blockIdx.y;
-    const int head_idx = blockIdx.z;
-    const int head_idx_k = head_idx / (params.num_heads / params.num_heads_k);
     const int tidx = threadIdx.x;
 
-    const BlockInfo binfo(params, batch_idx);
-    if (m_block * kBlockM >= binfo.seqlen_q) { return; }
-    const Mask mask(binfo.seqlen_q, binfo.seqlen_k);
-    const int n_block_end = mask.n_block_end(m_block);
+    const FwdTile<kBlockM, kBlockN, kCausal> tile(params);
+    if (!tile.has_rows()) { return; }
+    const int m_block = tile.m_block;
+    const BlockInfo& binfo = tile.binfo;
+    const auto& mask = tile.mask;
+    const int n_block_end = tile.n_block_end();
 
-    Tensor mQ = binfo.q_view<Element>(params, batch_idx, head_idx);    // (seqlen_q, head_dim)
-    Tensor mK = binfo.k_view<Element>(params, batch_idx, head_idx_k);  // (seqlen_k, head_dim)
-    Tensor mV = binfo.v_view<Element>(params, batch_idx, head_idx_k);  // (seqlen_k, head_dim)
+    Tensor mQ = binfo.q_view<Element>(params, tile.batch_idx, tile.head_idx);    // (seqlen_q, head_dim)
+    Tensor mK = binfo.k_view<Element>(params, tile.batch_idx, tile.head_idx_k);  // (seqlen_k, head_dim)
+    Tensor mV = binfo.v_view<Element>(params, tile.batch_idx, tile.head_idx_k);  // (seqlen_k, head_dim)
     Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));  // (kBlockM, kHeadDim)
     Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));  // (kBlockN, kHeadDim, n)
     Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));  // (kBlockN, kHeadDim, n)
@@ -93,7 +87,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kCtasPerSm)
     Tensor tScS = thr_mma_s.partition_C(cS);                                            // (MMA, MMA_M, MMA_N)
     Tensor tScS_rc = make_tensor(tScS.data(), gmma_acc_rowcol_layout(tScS.layout()));  // (rows, cols)
 
-    const int q_rows_left = binfo.seqlen_q - m_block * kBlockM;
+    const int q_rows_left = tile.q_rows_left();
     auto load_kv = [&](int n_block, int stage) {
         Tensor tKsK = gmem_thr_copy.partition_D(sK_stage(stage));  // (CPY, CPY_N, CPY_K)
         Tensor tVsV = gmem_thr_copy.partition_D(sV_stage(stage));  // (CPY, CPY_N, CPY_K)
@@ -147,35 +141,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kCtasPerSm)
     CUTE_UNROLL
     for (int i = 0; i < size(rO); ++i) { sO(get<0>(tOcO(i)), get<1>(tOcO(i))) = rO(i); }
 
-    // One LSE per row, written by the thread that holds the row's first column.
-    Tensor tOcO_rc = make_tensor(tOcO.data(), gmma_acc_rowcol_layout(tOcO.layout()));  // (rows, cols)
-    if (get<1>(tOcO_rc(0, 0)) == 0) {
-        float* lse_row0 = params.lse_ptr + binfo.lse_offset(params, batch_idx, head_idx) + m_block * kBlockM;
-        CUTE_UNROLL
-        for (int r = 0; r < size(lse); ++r) {
-            const int row = get<0>(tOcO_rc(r, 0));
-            if (row < q_rows_left) { lse_row0[row] = lse(r); }
-        }
-    }
+    tile.write_lse(params, lse, make_tensor(tOcO.data(), gmma_acc_rowcol_layout(tOcO.layout())));
 
     __syncthreads();
-    Tensor mO = binfo.o_view<Element>(params, batch_idx, head_idx);  // (seqlen_q, head_dim)
-    Tensor gO = local_tile(mO, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));  // (kBlockM, kHeadDim)
-    typename Traits::GmemTiledCopyO gmem_tiled_copy_O;
-    auto gmem_thr_copy_O = gmem_tiled_copy_O.get_thread_slice(tidx);
-    Tensor tOsO = gmem_thr_copy_O.partition_S(sO);    // (CPY, CPY_M, CPY_K)
-    Tensor tOgO = gmem_thr_copy_O.partition_D(gO);    // (CPY, CPY_M, CPY_K)
-    Tensor tOcOg = gmem_thr_copy_O.partition_D(cO);   // (CPY, CPY_M, CPY_K)
-    Tensor tOrO = make_tensor<Element>(shape(tOgO));  // (CPY, CPY_M, CPY_K)
-    copy(gmem_tiled_copy_O, tOsO, tOrO);
-    CUTE_UNROLL
-    for (int m = 0; m < size<1>(tOgO); ++m) {
-        if (get<0>(tOcOg(0, m, 0)) >= q_rows_left) { continue; }
-        CUTE_UNROLL
-        for (int k = 0; k < size<2>(tOgO); ++k) {
-            if (get<1>(tOcOg(0, m, k)) < params.head_dim) { copy(gmem_tiled_copy_O, tOrO(_, m, k), tOgO(_, m, k)); }
-        }
-    }
+    tile.template store_o<typename Traits::GmemTiledCopyO>(params, sO, tidx);
 #endif
 }
 

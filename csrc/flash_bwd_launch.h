@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include "flash_bwd_kernel.h"
+#include "flash_bwd_sm90_kernel.h"
 #include "kernel_registry.h"
 #include "launch.h"
 
@@ -28,8 +29,23 @@ template <int kHeadDim>
 using SelectedBwdTileConfig = BwdTileConfig<kHeadDim>;
 #endif
 
+// Hopper (sm_90a) warpgroup-MMA backward for these head dims, 64 query rows by 128 keys; deterministic mode
+// and the other head dims run the mma.sync kernel.
+template <int kHeadDim>
+constexpr bool kBwdSm90Enabled = kHeadDim == 64 || kHeadDim == 128;
+
 template <typename Element, int kHeadDim, bool kCausal>
 cudaError_t run_bwd(const BwdParams& params, cudaStream_t stream) {
+#if defined(FLASH_ATTN2_SM90A) && !defined(FLASH_BWD_TILE_M)
+    if constexpr (kBwdSm90Enabled<kHeadDim>) {
+        if (params.use_wgmma && !params.deterministic) {
+            using Traits = BwdSm90KernelTraits<Element, kHeadDim, 64, 128>;
+            const dim3 grid((params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, params.batch, params.num_heads);
+            return launch_kernel<Traits::kNThreads, Traits::kSmemBytes>(&flash_bwd_sm90_kernel<Traits, kCausal>, grid,
+                                                                        params, stream);
+        }
+    }
+#endif
     using Config = SelectedBwdTileConfig<kHeadDim>;
     static_assert(Config::kBlockM >= kBwdMinBlockM && Config::kBlockM <= kBwdMaxBlockM);
     using Traits = BwdKernelTraits<Element, kHeadDim, Config::kBlockM, Config::kBlockN>;

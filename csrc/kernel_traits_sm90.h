@@ -66,3 +66,67 @@ struct FwdSm90KernelTraits {
 };
 
 }  // namespace flash
+
+namespace flash {
+
+// Hopper backward: one CTA owns kBlockN keys; two warpgroups split them (64 keys each) for the four GEMMs
+// that produce key-indexed results, computed transposed so that P^T and dS^T come out of S^T = K Q^T and
+// dP^T = V dO^T already in the A-operand registers of dV += P^T dO and dK += dS^T Q. dQ = dS K (query rows)
+// reads dS^T back from shared memory, the warpgroups splitting the head dim.
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_>
+struct BwdSm90KernelTraits {
+    using Element = Element_;
+    using ElementAccum = float;
+
+    static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kBlockM = kBlockM_;
+    static constexpr int kBlockN = kBlockN_;
+    static constexpr int kNWarpgroups = 2;
+    static constexpr int kNThreads = kNWarpgroups * 128;
+
+    static_assert(kBlockN == 64 * kNWarpgroups, "each warpgroup owns 64 keys");
+    static_assert(kBlockM == 64, "one 64-row wgmma tile of queries per step");
+    static_assert(kHeadDim % 64 == 0 && kHeadDim <= 128, "128 B rows; dK and dV stay in registers");
+
+    using KeysLayout = Layout<Shape<Int<kNWarpgroups>, _1, _1>>;  // warpgroups split the keys (GEMM M)
+    using HeadDimLayout = Layout<Shape<_1, Int<kNWarpgroups>, _1>>;  // warpgroups split the head dim (GEMM N)
+    // S^T = K Q^T and dP^T = V dO^T: (kBlockN, kBlockM), operands K-major in shared memory.
+    using TiledMmaSdP = decltype(make_tiled_mma(
+        SM90::GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<Int<kBlockN>, Int<kBlockM>, Int<kHeadDim>>>(),
+        KeysLayout{}));
+    // dV += P^T dO and dK += dS^T Q: (kBlockN, kHeadDim), A from registers, B (dO^T, Q^T) head-dim contiguous.
+    using TiledMmadKV = decltype(make_tiled_mma(
+        SM90::GMMA::rs_op_selector<Element, Element, ElementAccum, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kBlockM>>,
+                                   GMMA::Major::K, GMMA::Major::MN>(),
+        KeysLayout{}));
+    // dQ = dS K: (kBlockM, kHeadDim / 2) per warpgroup; dS read from dS^T (query contiguous), K^T head-dim contiguous.
+    using TiledMmadQ = decltype(make_tiled_mma(
+        SM90::GMMA::ss_op_selector<Element, Element, ElementAccum,
+                                   Shape<Int<kBlockM>, Int<kHeadDim / kNWarpgroups>, Int<kBlockN>>, GMMA::Major::MN,
+                                   GMMA::Major::MN>(),
+        HeadDimLayout{}));
+
+    using SmemAtom = GMMA::Layout_K_SW128_Atom<Element>;
+    using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));   // also dO
+    using SmemLayoutKV = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));  // K and V
+    using SmemLayoutdSt = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kBlockM>>{}));  // dS^T
+    // Transposed views: (kHeadDim, kBlockM) of Q and dO, (kHeadDim, kBlockN) of K, (kBlockM, kBlockN) of dS^T.
+    using SmemLayoutQt = decltype(composition(
+        SmemLayoutQ{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockM>>{}, Stride<Int<kBlockM>, _1>{})));
+    using SmemLayoutKt = decltype(composition(
+        SmemLayoutKV{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Stride<Int<kBlockN>, _1>{})));
+    using SmemLayoutdS = decltype(composition(
+        SmemLayoutdSt{}, make_layout(Shape<Int<kBlockM>, Int<kBlockN>>{}, Stride<Int<kBlockN>, _1>{})));
+
+    static constexpr int kSmemQElems = cosize_v<SmemLayoutQ>;
+    static constexpr int kSmemKVElems = cosize_v<SmemLayoutKV>;
+    static constexpr int kSmemdSElems = cosize_v<SmemLayoutdSt>;
+    static constexpr int kStagesQ = 2;  // Q, dO, LSE and D of the next query block load during this one
+    static constexpr int kSmemBytes = (2 * kStagesQ * kSmemQElems + 2 * kSmemKVElems + kSmemdSElems) * int(sizeof(Element)) +
+                                      2 * kStagesQ * kBlockM * int(sizeof(float));
+    static_assert(kSmemBytes <= 227 * 1024);
+
+    using GmemTiledCopyLoad = typename FwdSm90KernelTraits<Element, kHeadDim, 128, 64, 1>::GmemTiledCopyQKV;
+};
+
+}  // namespace flash

@@ -2,6 +2,7 @@
 // The kernel body (flash_fwd_sm90_kernel.h) only consumes these types.
 #pragma once
 
+#include <cute/atom/copy_atom.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_types.h>
@@ -117,6 +118,9 @@ struct BwdSm90KernelTraits {
         SmemLayoutKV{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Stride<Int<kBlockN>, _1>{})));
     using SmemLayoutdS = decltype(composition(
         SmemLayoutdSt{}, make_layout(Shape<Int<kBlockM>, Int<kBlockN>>{}, Stride<Int<kBlockN>, _1>{})));
+
+    // dS^T registers -> shared memory: stmatrix writes 8x8 tiles whose 16 B rows hold 8 consecutive queries.
+    using SmemCopyAtomdSt = Copy_Atom<SM90_U32x4_STSM_N, Element>;
 
     static constexpr int kSmemQElems = cosize_v<SmemLayoutQ>;
     static constexpr int kSmemKVElems = cosize_v<SmemLayoutKV>;

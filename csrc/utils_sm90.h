@@ -36,10 +36,13 @@ __forceinline__ __device__ auto gmma_acc_as_a_operand_layout(Layout acc) {
                        layout<0, 1>(groups));
 }
 
-// acc (+)= A B over the K mode of the fragments, issued as one wgmma batch by each warpgroup and waited for.
-// kZeroInit starts from acc = 0 without clearing registers.
+// acc (+)= A B over the K mode of the fragments, issued as one wgmma batch by each warpgroup and not waited
+// for: the caller later runs warpgroup_wait<N>() (N = batches it lets stay in flight) and fences acc.
+// kZeroInit starts from acc = 0 without clearing registers. A register-sourced A must stay untouched
+// until its batch has completed.
 template <bool kZeroInit, class TiledMma, class TensorA, class TensorB, class TensorC>
-__forceinline__ __device__ void warpgroup_gemm(TiledMma& tiled_mma, TensorA& tCrA, const TensorB& tCrB, TensorC& acc) {
+__forceinline__ __device__ void warpgroup_gemm_issue(TiledMma& tiled_mma, TensorA& tCrA, const TensorB& tCrB,
+                                                     TensorC& acc) {
     // A is either wgmma shared-memory descriptors or register values.
     constexpr bool kARegisters = !is_same_v<typename TensorA::value_type, GMMA::DescriptorIterator::value_type>;
     if constexpr (kARegisters) { warpgroup_fence_operand(tCrA); }
@@ -52,9 +55,32 @@ __forceinline__ __device__ void warpgroup_gemm(TiledMma& tiled_mma, TensorA& tCr
         tiled_mma.accumulate_ = GMMA::ScaleOut::One;
     }
     warpgroup_commit_batch();
-    warpgroup_wait<0>();
     warpgroup_fence_operand(acc);
-    if constexpr (kARegisters) { warpgroup_fence_operand(tCrA); }
+}
+
+// Waits until at most kInFlight wgmma batches of this warpgroup are pending, then fences acc so no read of
+// it moves above the wait.
+template <int kInFlight, class TensorC>
+__forceinline__ __device__ void warpgroup_wait_for(TensorC& acc) {
+    warpgroup_wait<kInFlight>();
+    warpgroup_fence_operand(acc);
+}
+
+// warpgroup_gemm_issue, then wait for it.
+template <bool kZeroInit, class TiledMma, class TensorA, class TensorB, class TensorC>
+__forceinline__ __device__ void warpgroup_gemm(TiledMma& tiled_mma, TensorA& tCrA, const TensorB& tCrB, TensorC& acc) {
+    warpgroup_gemm_issue<kZeroInit>(tiled_mma, tCrA, tCrB, acc);
+    warpgroup_wait_for<0>(acc);
+    if constexpr (!is_same_v<typename TensorA::value_type, GMMA::DescriptorIterator::value_type>) {
+        warpgroup_fence_operand(tCrA);
+    }
+}
+
+// Returns x unchanged, but the compiler can no longer see where it came from: values computed from the
+// result inside a loop are recomputed there instead of being hoisted out and held (or spilled) across it.
+__forceinline__ __device__ int opaque_int(int x) {
+    asm volatile("" : "+r"(x));
+    return x;
 }
 
 }  // namespace flash

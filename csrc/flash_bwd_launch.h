@@ -29,20 +29,30 @@ template <int kHeadDim>
 using SelectedBwdTileConfig = BwdTileConfig<kHeadDim>;
 #endif
 
-// Hopper (sm_90a) warpgroup-MMA backward for these head dims, 64 query rows by 128 keys; deterministic mode
-// and the other head dims run the mma.sync kernel.
+// Hopper (sm_90a) warpgroup-MMA backward: 64 query rows by 128 keys up to head dim 128, 64 by 64 (P and dS
+// through shared memory) for 192 and 256. Deterministic mode and the other head dims run the mma.sync kernel.
+enum class BwdSm90Kind { kNone, kNarrow, kWide };
 template <int kHeadDim>
-constexpr bool kBwdSm90Enabled = kHeadDim == 64 || kHeadDim == 128;
+constexpr BwdSm90Kind kBwdSm90Kind = kHeadDim == 64 || kHeadDim == 128   ? BwdSm90Kind::kNarrow
+                                     : kHeadDim == 192 || kHeadDim == 256 ? BwdSm90Kind::kWide
+                                                                          : BwdSm90Kind::kNone;
+
+template <class Traits, class Kernel>
+cudaError_t launch_bwd_sm90(Kernel kernel, const BwdParams& params, cudaStream_t stream) {
+    const dim3 grid((params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, params.batch, params.num_heads);
+    return launch_kernel<Traits::kNThreads, Traits::kSmemBytes>(kernel, grid, params, stream);
+}
 
 template <typename Element, int kHeadDim, bool kCausal>
 cudaError_t run_bwd(const BwdParams& params, cudaStream_t stream) {
 #if defined(FLASH_ATTN2_SM90A) && !defined(FLASH_BWD_TILE_M)
-    if constexpr (kBwdSm90Enabled<kHeadDim>) {
-        if (params.use_wgmma && !params.deterministic) {
+    if (params.use_wgmma && !params.deterministic) {
+        if constexpr (kBwdSm90Kind<kHeadDim> == BwdSm90Kind::kNarrow) {
             using Traits = BwdSm90KernelTraits<Element, kHeadDim, 64, 128>;
-            const dim3 grid((params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, params.batch, params.num_heads);
-            return launch_kernel<Traits::kNThreads, Traits::kSmemBytes>(&flash_bwd_sm90_kernel<Traits, kCausal>, grid,
-                                                                        params, stream);
+            return launch_bwd_sm90<Traits>(&flash_bwd_sm90_kernel<Traits, kCausal>, params, stream);
+        } else if constexpr (kBwdSm90Kind<kHeadDim> == BwdSm90Kind::kWide) {
+            using Traits = BwdSm90WideKernelTraits<Element, kHeadDim>;
+            return launch_bwd_sm90<Traits>(&flash_bwd_sm90_wide_kernel<Traits, kCausal>, params, stream);
         }
     }
 #endif

@@ -1,8 +1,13 @@
-// FlashAttention-2 backward kernel for Hopper (sm_90a) on warpgroup MMAs. The schedule is that of
-// flash_bwd_kernel.h (one CTA owns kBlockN keys and walks the query blocks that see them; P is recomputed
-// from the LSE; dK and dV stay in registers; dQ goes to an fp32 buffer by reduction), with the score GEMMs
-// computed transposed so each warpgroup holds P^T and dS^T for its own keys. Deterministic mode runs the
-// mma.sync kernel.
+// FlashAttention-2 backward kernels for Hopper (sm_90a) on warpgroup MMAs. The schedule is that of
+// flash_bwd_kernel.h: one CTA owns kBlockN keys and walks the query blocks that see them, P is recomputed
+// from the LSE, dK and dV stay in registers, and dQ goes to an fp32 buffer by reduction. Two variants:
+// - flash_bwd_sm90_kernel (head dims up to 128): each warpgroup owns 64 keys end to end. The score GEMMs
+//   are computed transposed (S^T = K Q^T, dP^T = V dO^T), so P^T and dS^T come out already in the
+//   A-operand registers of dV += P^T dO and dK += dS^T Q; only dS^T goes through shared memory, for dQ.
+// - flash_bwd_sm90_wide_kernel (head dims 192 and 256): dK and dV of 64 keys over the whole head dim
+//   do not fit one warpgroup's registers, so the warpgroups split the keys of S and dP, write P and dS to
+//   shared memory, and split the head dim of dV, dK and dQ.
+// Deterministic mode runs the mma.sync kernel.
 #pragma once
 
 #include <cmath>
@@ -14,13 +19,155 @@
 #include "flash_bwd_kernel.h"
 #include "flash_params.h"
 #include "kernel_traits_sm90.h"
-#include "mask.h"
 #include "utils.h"
 #include "utils_sm90.h"
 
 namespace flash {
 
 using namespace cute;
+
+// What both kernels share: the CTA's key block and the query blocks that see it, the shared-memory
+// carve-up (Q and dO in kStagesQ stages, K, V, the kernel's scratch tiles, then LSE and D per stage), the
+// loads, and the dK/dV store.
+template <class Traits, bool kCausal>
+struct BwdSm90Block {
+    using Element = typename Traits::Element;
+    static constexpr int kBlockM = Traits::kBlockM;
+    static constexpr int kBlockN = Traits::kBlockN;
+    static constexpr int kHeadDim = Traits::kHeadDim;
+    static constexpr int kQElems = Traits::kSmemQElems;
+    static_assert(Traits::kNThreads >= 2 * kBlockM, "one thread per LSE and per D value of a query block");
+
+    int n_block;
+    int batch_idx;
+    int head_idx;
+    int head_idx_k;
+    BlockInfo binfo;
+    int m_block_begin;  // the first query block with a row that sees a key of this block
+    int m_block_end;
+    int causal_offset;  // query row i sees key j iff j <= i + causal_offset
+    Element* q_base;    // stage s at q_base + s * kQElems
+    Element* do_base;   // likewise
+    Element* k_base;
+    Element* v_base;
+    Element* scratch_base;  // Traits::kSmemScratchElems elements
+    float* s_lse;           // (kStagesQ, kBlockM)
+    float* s_dsum;          // (kStagesQ, kBlockM)
+
+    __forceinline__ __device__ BwdSm90Block(const BwdParams& params, char* smem_raw)
+        : n_block(blockIdx.x),
+          batch_idx(blockIdx.y),
+          head_idx(blockIdx.z),
+          head_idx_k(head_idx / (params.num_heads / params.num_heads_k)),
+          binfo(params, batch_idx) {
+        m_block_end = (binfo.seqlen_q + kBlockM - 1) / kBlockM;
+        causal_offset = binfo.seqlen_k - binfo.seqlen_q;
+        m_block_begin = 0;
+        if constexpr (kCausal) {
+            const int first_row = n_block * kBlockN - causal_offset;
+            m_block_begin = first_row <= 0 ? 0 : min(first_row / kBlockM, m_block_end);
+        }
+        q_base = reinterpret_cast<Element*>(smem_raw);
+        do_base = q_base + Traits::kStagesQ * kQElems;
+        k_base = do_base + Traits::kStagesQ * kQElems;
+        v_base = k_base + Traits::kSmemKVElems;
+        scratch_base = v_base + Traits::kSmemKVElems;
+        s_lse = reinterpret_cast<float*>(scratch_base + Traits::kSmemScratchElems);
+        s_dsum = s_lse + Traits::kStagesQ * kBlockM;
+    }
+
+    // False when the key block starts past this sequence's end (varlen grids are sized by the longest).
+    __forceinline__ __device__ bool has_keys() const { return n_block * kBlockN < binfo.seqlen_k; }
+    __forceinline__ __device__ int k_rows_left() const { return binfo.seqlen_k - n_block * kBlockN; }
+
+    template <class Layout>
+    __forceinline__ __device__ static auto smem(Element* p, Layout layout) {
+        return make_tensor(make_smem_ptr(p), layout);
+    }
+    __forceinline__ __device__ auto sQ(int stage) const { return smem(q_base + stage * kQElems, typename Traits::SmemLayoutQ{}); }     // (kBlockM, kHeadDim)
+    __forceinline__ __device__ auto sdO(int stage) const { return smem(do_base + stage * kQElems, typename Traits::SmemLayoutQ{}); }   // (kBlockM, kHeadDim)
+    __forceinline__ __device__ auto sQt(int stage) const { return smem(q_base + stage * kQElems, typename Traits::SmemLayoutQt{}); }   // (kHeadDim, kBlockM)
+    __forceinline__ __device__ auto sdOt(int stage) const { return smem(do_base + stage * kQElems, typename Traits::SmemLayoutQt{}); } // (kHeadDim, kBlockM)
+    __forceinline__ __device__ auto sK() const { return smem(k_base, typename Traits::SmemLayoutKV{}); }    // (kBlockN, kHeadDim)
+    __forceinline__ __device__ auto sV() const { return smem(v_base, typename Traits::SmemLayoutKV{}); }    // (kBlockN, kHeadDim)
+    __forceinline__ __device__ auto sKt() const { return smem(k_base, typename Traits::SmemLayoutKt{}); }   // (kHeadDim, kBlockN)
+
+    // K and V of this key block; rows past seqlen_k and columns past head_dim read as 0.
+    __forceinline__ __device__ void load_kv(const BwdParams& params, int thread) const {
+        typename Traits::GmemTiledCopyLoad gmem_tiled_copy;
+        auto gmem_thr_copy = gmem_tiled_copy.get_thread_slice(thread);
+        Tensor gK = local_tile(binfo.k_view<Element>(params, batch_idx, head_idx_k), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                               make_coord(n_block, 0));  // (kBlockN, kHeadDim)
+        Tensor gV = local_tile(binfo.v_view<Element>(params, batch_idx, head_idx_k), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                               make_coord(n_block, 0));  // (kBlockN, kHeadDim)
+        Tensor tKVcKV = gmem_thr_copy.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));  // (CPY, CPY_N, CPY_K)
+        Tensor tKsK = gmem_thr_copy.partition_D(sK());  // (CPY, CPY_N, CPY_K)
+        Tensor tVsV = gmem_thr_copy.partition_D(sV());  // (CPY, CPY_N, CPY_K)
+        copy_zfill(gmem_tiled_copy, gmem_thr_copy.partition_S(gK), tKsK, tKVcKV, k_rows_left(), params.head_dim);
+        copy_zfill(gmem_tiled_copy, gmem_thr_copy.partition_S(gV), tVsV, tKVcKV, k_rows_left(), params.head_dim);
+    }
+
+    // Q, dO, LSE and D of query block m_block into stage. Rows past seqlen_q read as 0, LSE and D included:
+    // with zero Q and dO rows that gives P = 1 and dS = 0 there, so nothing reaches dV, dK or a stored dQ
+    // row, and the kernels need no query-end mask.
+    __forceinline__ __device__ void load_q_do(const BwdParams& params, int m_block, int stage, int thread) const {
+        typename Traits::GmemTiledCopyLoad gmem_tiled_copy;
+        auto gmem_thr_copy = gmem_tiled_copy.get_thread_slice(thread);
+        Tensor gQ = local_tile(binfo.q_view<Element>(params, batch_idx, head_idx), Shape<Int<kBlockM>, Int<kHeadDim>>{},
+                               make_coord(m_block, 0));  // (kBlockM, kHeadDim)
+        Tensor gdO = local_tile(binfo.do_view<Element>(params, batch_idx, head_idx), Shape<Int<kBlockM>, Int<kHeadDim>>{},
+                                make_coord(m_block, 0));  // (kBlockM, kHeadDim)
+        Tensor tQcQ = gmem_thr_copy.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));  // (CPY, CPY_M, CPY_K)
+        Tensor tQsQ = gmem_thr_copy.partition_D(sQ(stage));     // (CPY, CPY_M, CPY_K)
+        Tensor tdOsdO = gmem_thr_copy.partition_D(sdO(stage));  // (CPY, CPY_M, CPY_K)
+        const int rows_left = binfo.seqlen_q - m_block * kBlockM;
+        copy_zfill(gmem_tiled_copy, gmem_thr_copy.partition_S(gQ), tQsQ, tQcQ, rows_left, params.head_dim);
+        copy_zfill(gmem_tiled_copy, gmem_thr_copy.partition_S(gdO), tdOsdO, tQcQ, rows_left, params.head_dim);
+        // LSE by the first kBlockM threads, D by the next kBlockM.
+        if (thread < 2 * kBlockM) {
+            const index_t lse_offset = binfo.lse_offset(params, batch_idx, head_idx);
+            const int row = thread % kBlockM;
+            const bool valid = row < rows_left;
+            const float* src = (thread < kBlockM ? params.lse_ptr : params.dsum_ptr) + lse_offset +
+                               (valid ? m_block * kBlockM + row : 0);
+            float* dst = (thread < kBlockM ? s_lse : s_dsum) + stage * kBlockM + row;
+            cp_async_f32_zfill(dst, src, valid);
+        }
+    }
+
+    // This head's dQ accumulator as (kBlockM, kHeadDim) tiles.
+    __forceinline__ __device__ auto gdQaccum(const BwdParams& params) const {
+        float* dq_head = params.dq_accum_ptr + binfo.dq_accum_row(params, batch_idx, head_idx) * kHeadDim;
+        return make_tensor(make_gmem_ptr(dq_head),
+                           make_layout(make_shape(Int<kBlockM>{}, Int<kHeadDim>{}, m_block_end),
+                                       make_stride(Int<kHeadDim>{}, _1{}, Int<kBlockM * kHeadDim>{})));  // (kBlockM, kHeadDim, m)
+    }
+
+    // dK picks up the softmax scale here; dQ gets it when its fp32 buffer is converted. coords: the
+    // (key, head dim) positions of the accumulator values.
+    template <class Acc, class Coords>
+    __forceinline__ __device__ void store_dk_dv(const BwdParams& params, const Acc& acc_dk, const Acc& acc_dv,
+                                                const Coords& coords) const {
+        auto store = [&](auto out_type) {
+            using Out = decltype(out_type);
+            Tensor gdK = local_tile(binfo.dk_view<Out>(params, batch_idx, head_idx), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                                    make_coord(n_block, 0));  // (kBlockN, kHeadDim)
+            Tensor gdV = local_tile(binfo.dv_view<Out>(params, batch_idx, head_idx), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                                    make_coord(n_block, 0));  // (kBlockN, kHeadDim)
+            store_acc<Out>(acc_dk, coords, gdK, k_rows_left(), params.head_dim, params.softmax_scale);
+            store_acc<Out>(acc_dv, coords, gdV, k_rows_left(), params.head_dim, 1.f);
+        };
+        if (params.dkv_fp32) {
+            store(float{});
+        } else {
+            store(Element{});
+        }
+    }
+};
+
+// Per-thread partitions inside the main loops are made from opaque_int(tidx): their addresses are then
+// recomputed each step (a few integer ops) instead of being hoisted out of the loop, where, next to the dK
+// and dV accumulators, they would spill.
 
 template <class Traits, bool kCausal>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
@@ -30,141 +177,55 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     constexpr int kBlockM = Traits::kBlockM;
     constexpr int kBlockN = Traits::kBlockN;
     constexpr int kHeadDim = Traits::kHeadDim;
-    constexpr int kQElems = Traits::kSmemQElems;
 
-    const int n_block = blockIdx.x;
-    const int batch_idx = blockIdx.y;
-    const int head_idx = blockIdx.z;
-    const int head_idx_k = head_idx / (params.num_heads / params.num_heads_k);
-    const int tidx = threadIdx.x;
-    const BlockInfo binfo(params, batch_idx);
-    if (n_block * kBlockN >= binfo.seqlen_k) { return; }
-
-    const int m_block_end = (binfo.seqlen_q + kBlockM - 1) / kBlockM;
-    // The first query block with a row that sees a key of this block (causal: row >= key - (sk - sq)).
-    int m_block_begin = 0;
-    if constexpr (kCausal) {
-        const int first_row = n_block * kBlockN - (binfo.seqlen_k - binfo.seqlen_q);
-        m_block_begin = first_row <= 0 ? 0 : min(first_row / kBlockM, m_block_end);
-    }
-    // Query row i sees key j iff j <= i + causal_offset.
-    const int causal_offset = binfo.seqlen_k - binfo.seqlen_q;
-
-    const index_t lse_offset = binfo.lse_offset(params, batch_idx, head_idx);
-    const float* lse_row = params.lse_ptr + lse_offset;
-    const float* dsum_row = params.dsum_ptr + lse_offset;
-    float* dq_head = params.dq_accum_ptr + binfo.dq_accum_row(params, batch_idx, head_idx) * kHeadDim;
-
-    Tensor mQ = binfo.q_view<Element>(params, batch_idx, head_idx);    // (seqlen_q, head_dim)
-    Tensor mdO = binfo.do_view<Element>(params, batch_idx, head_idx);  // (seqlen_q, head_dim)
-    Tensor mK = binfo.k_view<Element>(params, batch_idx, head_idx_k);  // (seqlen_k, head_dim)
-    Tensor mV = binfo.v_view<Element>(params, batch_idx, head_idx_k);  // (seqlen_k, head_dim)
-    Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, 0));        // (kBlockM, kHeadDim, m)
-    Tensor gdO = local_tile(mdO, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, 0));      // (kBlockM, kHeadDim, m)
-    Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));  // (kBlockN, kHeadDim)
-    Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));  // (kBlockN, kHeadDim)
-
-    // Shared memory: Q and dO (two stages each), K, V, dS^T, then the LSE and D rows of each stage.
     extern __shared__ __align__(1024) char smem_bwd_sm90[];  // 128 B swizzle atoms repeat every 1 KiB
-    Element* smem_base = reinterpret_cast<Element*>(smem_bwd_sm90);
-    Element* q_base = smem_base;                                     // stage s at q_base + s * kQElems
-    Element* do_base = q_base + Traits::kStagesQ * kQElems;          // likewise
-    Element* k_base = do_base + Traits::kStagesQ * kQElems;
-    Element* v_base = k_base + Traits::kSmemKVElems;
-    Element* dst_base = v_base + Traits::kSmemKVElems;
-    float* s_lse = reinterpret_cast<float*>(dst_base + Traits::kSmemdSElems);  // (kStagesQ, kBlockM)
-    float* s_dsum = s_lse + Traits::kStagesQ * kBlockM;                         // (kStagesQ, kBlockM)
-    auto smem = [](Element* p, auto layout) { return make_tensor(make_smem_ptr(p), layout); };
-    Tensor sK = smem(k_base, typename Traits::SmemLayoutKV{});    // (kBlockN, kHeadDim)
-    Tensor sV = smem(v_base, typename Traits::SmemLayoutKV{});    // (kBlockN, kHeadDim)
-    Tensor sKt = smem(k_base, typename Traits::SmemLayoutKt{});   // (kHeadDim, kBlockN)
-    Tensor sdSt = smem(dst_base, typename Traits::SmemLayoutdSt{});  // (kBlockN, kBlockM)
-    Tensor sdS = smem(dst_base, typename Traits::SmemLayoutdS{});    // (kBlockM, kBlockN)
+    const BwdSm90Block<Traits, kCausal> blk(params, smem_bwd_sm90);
+    if (!blk.has_keys()) { return; }
+    const int tidx = threadIdx.x;
 
-    Tensor cQ = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});   // (kBlockM, kHeadDim)
-    Tensor cKV = make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{});  // (kBlockN, kHeadDim)
-    Tensor cSt = make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{});   // (kBlockN, kBlockM)
-
-    // Per-thread partitions inside the main loop are made from opaque_int(tidx): their addresses are then
-    // recomputed each step (a few integer ops) instead of being hoisted out of the loop, where, next to
-    // the dK and dV accumulators, they would spill.
-    typename Traits::GmemTiledCopyLoad gmem_tiled_copy;
-    static_assert(Traits::kNThreads >= 2 * kBlockM);
-    auto load_q_do = [&](int m_block, int stage, int thread) {
-        auto gmem_thr_copy = gmem_tiled_copy.get_thread_slice(thread);
-        Tensor tQcQ = gmem_thr_copy.partition_S(cQ);  // (CPY, CPY_M, CPY_K)
-        Tensor tQsQ = gmem_thr_copy.partition_D(smem(q_base + stage * kQElems, typename Traits::SmemLayoutQ{}));
-        Tensor tdOsdO = gmem_thr_copy.partition_D(smem(do_base + stage * kQElems, typename Traits::SmemLayoutQ{}));
-        const int rows_left = binfo.seqlen_q - m_block * kBlockM;
-        copy_zfill(gmem_tiled_copy, gmem_thr_copy.partition_S(gQ(_, _, m_block)), tQsQ, tQcQ, rows_left, params.head_dim);
-        copy_zfill(gmem_tiled_copy, gmem_thr_copy.partition_S(gdO(_, _, m_block)), tdOsdO, tQcQ, rows_left,
-                   params.head_dim);
-        // LSE by the first kBlockM threads, D by the next kBlockM. Rows past seqlen_q read as 0: their Q
-        // and dO rows are zero too, so P = 1 and dS = 0 there, and nothing reaches dV, dK or a stored dQ row.
-        if (thread < 2 * kBlockM) {
-            const int row = thread % kBlockM;
-            const bool valid = row < rows_left;
-            const float* src = (thread < kBlockM ? lse_row : dsum_row) + (valid ? m_block * kBlockM + row : 0);
-            float* dst = (thread < kBlockM ? s_lse : s_dsum) + stage * kBlockM + row;
-            cp_async_f32_zfill(dst, src, valid);
-        }
-    };
+    Tensor sdSt = blk.smem(blk.scratch_base, typename Traits::SmemLayoutdSt{});  // (kBlockN, kBlockM)
+    Tensor sdS = blk.smem(blk.scratch_base, typename Traits::SmemLayoutdS{});    // (kBlockM, kBlockN)
+    Tensor cSt = make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{});      // (kBlockN, kBlockM)
 
     // S^T and dP^T, (kBlockN, kBlockM): A operands K and V are fixed; B operands Q and dO change per stage.
     typename Traits::TiledMmaSdP mma_sdp;
-    Tensor tSrK = mma_sdp.get_thread_slice(tidx).make_fragment_A(mma_sdp.get_thread_slice(tidx).partition_A(sK));  // (MMA, MMA_N, MMA_K)
-    Tensor tSrV = mma_sdp.get_thread_slice(tidx).make_fragment_A(mma_sdp.get_thread_slice(tidx).partition_A(sV));  // (MMA, MMA_N, MMA_K)
+    Tensor tSrK = mma_sdp.get_thread_slice(tidx).make_fragment_A(mma_sdp.get_thread_slice(tidx).partition_A(blk.sK()));  // (MMA, MMA_N, MMA_K)
+    Tensor tSrV = mma_sdp.get_thread_slice(tidx).make_fragment_A(mma_sdp.get_thread_slice(tidx).partition_A(blk.sV()));  // (MMA, MMA_N, MMA_K)
     auto smem_tiled_copy_dst = make_tiled_copy_C(typename Traits::SmemCopyAtomdSt{}, mma_sdp);
 
     // dV and dK, (kBlockN, kHeadDim), held in registers across the whole loop.
     typename Traits::TiledMmadKV mma_dkv;
-    auto thr_mma_dkv = mma_dkv.get_thread_slice(tidx);
     Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});  // (MMA, MMA_N, MMA_D)
     Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});  // (MMA, MMA_N, MMA_D)
     clear(acc_dk);
     clear(acc_dv);
 
-    // dQ, (kBlockM, kHeadDim), added into dq_accum.
+    // dQ, (kBlockM, kHeadDim) per query block, added into dq_accum.
     typename Traits::TiledMmadQ mma_dq;
-    Tensor gdQaccum = make_tensor(make_gmem_ptr(dq_head),
-                                  make_layout(make_shape(Int<kBlockM>{}, Int<kHeadDim>{}, m_block_end),
-                                              make_stride(Int<kHeadDim>{}, _1{}, Int<kBlockM * kHeadDim>{})));  // (kBlockM, kHeadDim, m)
+    Tensor gdQaccum = blk.gdQaccum(params);  // (kBlockM, kHeadDim, m)
 
-    const int k_rows_left = binfo.seqlen_k - n_block * kBlockN;
-    {
-        auto gmem_thr_copy = gmem_tiled_copy.get_thread_slice(tidx);
-        Tensor tKVcKV = gmem_thr_copy.partition_S(cKV);  // (CPY, CPY_N, CPY_K)
-        Tensor tKsK = gmem_thr_copy.partition_D(sK);     // (CPY, CPY_N, CPY_K)
-        Tensor tVsV = gmem_thr_copy.partition_D(sV);     // (CPY, CPY_N, CPY_K)
-        copy_zfill(gmem_tiled_copy, gmem_thr_copy.partition_S(gK), tKsK, tKVcKV, k_rows_left, params.head_dim);
-        copy_zfill(gmem_tiled_copy, gmem_thr_copy.partition_S(gV), tVsV, tKVcKV, k_rows_left, params.head_dim);
-    }
-    if (m_block_begin < m_block_end) { load_q_do(m_block_begin, 0, tidx); }
+    blk.load_kv(params, tidx);
+    if (blk.m_block_begin < blk.m_block_end) { blk.load_q_do(params, blk.m_block_begin, 0, tidx); }
     cp_async_fence();
 
-    for (int m_block = m_block_begin; m_block < m_block_end; ++m_block) {
-        const int stage = (m_block - m_block_begin) & 1;
+    for (int m_block = blk.m_block_begin; m_block < blk.m_block_end; ++m_block) {
+        const int stage = (m_block - blk.m_block_begin) & 1;
         const int loop_tidx = opaque_int(tidx);
         cp_async_wait<0>();
         // cp.async writes are generic-proxy stores; wgmma reads shared memory through the async proxy.
         cutlass::arch::fence_view_async_shared();
         __syncthreads();  // this block's Q, dO, LSE and D have landed; every warpgroup is done with dS^T and the other stage
-        if (m_block + 1 < m_block_end) {
-            load_q_do(m_block + 1, stage ^ 1, loop_tidx);
+        if (m_block + 1 < blk.m_block_end) {
+            blk.load_q_do(params, m_block + 1, stage ^ 1, loop_tidx);
             cp_async_fence();
         }
-
-        Tensor sQ = smem(q_base + stage * kQElems, typename Traits::SmemLayoutQ{});      // (kBlockM, kHeadDim)
-        Tensor sdO = smem(do_base + stage * kQElems, typename Traits::SmemLayoutQ{});    // (kBlockM, kHeadDim)
-        Tensor sQt = smem(q_base + stage * kQElems, typename Traits::SmemLayoutQt{});    // (kHeadDim, kBlockM)
-        Tensor sdOt = smem(do_base + stage * kQElems, typename Traits::SmemLayoutQt{});  // (kHeadDim, kBlockM)
 
         // Both score GEMMs are in flight together; P^T is computed while dP^T finishes.
         auto thr_mma_sdp = mma_sdp.get_thread_slice(loop_tidx);
         Tensor acc_st = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});   // (MMA, MMA_N, MMA_M)
         Tensor acc_dpt = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});  // (MMA, MMA_N, MMA_M)
-        Tensor tSrQ = thr_mma_sdp.make_fragment_B(thr_mma_sdp.partition_B(sQ));    // (MMA, MMA_M, MMA_K)
-        Tensor tSrdO = thr_mma_sdp.make_fragment_B(thr_mma_sdp.partition_B(sdO));  // (MMA, MMA_M, MMA_K)
+        Tensor tSrQ = thr_mma_sdp.make_fragment_B(thr_mma_sdp.partition_B(blk.sQ(stage)));    // (MMA, MMA_M, MMA_K)
+        Tensor tSrdO = thr_mma_sdp.make_fragment_B(thr_mma_sdp.partition_B(blk.sdO(stage)));  // (MMA, MMA_M, MMA_K)
         warpgroup_gemm_issue</*kZeroInit=*/true>(mma_sdp, tSrK, tSrQ, acc_st);
         warpgroup_gemm_issue</*kZeroInit=*/true>(mma_sdp, tSrV, tSrdO, acc_dpt);
 
@@ -172,10 +233,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         Tensor tStcSt = thr_mma_sdp.partition_C(cSt);                                            // (MMA, MMA_N, MMA_M)
         Tensor tStcSt_rc = make_tensor(tStcSt.data(), gmma_acc_rowcol_layout(tStcSt.layout()));  // (key rows, query cols)
         // Causal: key n_block * kBlockN + row is hidden from query m_block * kBlockM + col iff row - col > diag.
-        const int diag = m_block * kBlockM + causal_offset - n_block * kBlockN;
+        const int diag = m_block * kBlockM + blk.causal_offset - blk.n_block * kBlockN;
         const bool causal_tile = kCausal && kBlockN - 1 > diag;
-        const float* lse_stage = s_lse + stage * kBlockM;
-        const float* dsum_stage = s_dsum + stage * kBlockM;
+        const float* lse_stage = blk.s_lse + stage * kBlockM;
+        const float* dsum_stage = blk.s_dsum + stage * kBlockM;
 
         // P^T = exp2(s * scale * log2(e) - lse * log2(e)).
         warpgroup_wait_for<1>(acc_st);
@@ -192,8 +253,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         }
         Tensor rPt = convert_fragment<Element>(acc_st);
         Tensor tKVrPt = make_tensor(rPt.data(), gmma_acc_as_a_operand_layout(rPt.layout()));  // (MMA, MMA_N, MMA_K)
-        auto thr_mma_dkv_l = mma_dkv.get_thread_slice(loop_tidx);
-        Tensor tKVrdOt = thr_mma_dkv_l.make_fragment_B(thr_mma_dkv_l.partition_B(sdOt));  // (MMA, MMA_D, MMA_K)
+        auto thr_mma_dkv = mma_dkv.get_thread_slice(loop_tidx);
+        Tensor tKVrdOt = thr_mma_dkv.make_fragment_B(thr_mma_dkv.partition_B(blk.sdOt(stage)));  // (MMA, MMA_D, MMA_K)
         warpgroup_gemm_issue</*kZeroInit=*/false>(mma_dkv, tKVrPt, tKVrdOt, acc_dv);
 
         // dS^T = P^T (dP^T - D), the gradient of the scaled scores.
@@ -215,13 +276,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         copy(smem_tiled_copy_dst, tdStrdSt, tdStsdSt);
         cutlass::arch::fence_view_async_shared();
 
-        Tensor tKVrQt = thr_mma_dkv_l.make_fragment_B(thr_mma_dkv_l.partition_B(sQt));  // (MMA, MMA_D, MMA_K)
+        Tensor tKVrQt = thr_mma_dkv.make_fragment_B(thr_mma_dkv.partition_B(blk.sQt(stage)));  // (MMA, MMA_D, MMA_K)
         warpgroup_gemm_issue</*kZeroInit=*/false>(mma_dkv, tKVrdSt, tKVrQt, acc_dk);
 
         __syncthreads();  // all of dS^T is in shared memory
         auto thr_mma_dq = mma_dq.get_thread_slice(loop_tidx);
-        Tensor tQrdS = thr_mma_dq.make_fragment_A(thr_mma_dq.partition_A(sdS));   // (MMA, MMA_M, MMA_K)
-        Tensor tQrKt = thr_mma_dq.make_fragment_B(thr_mma_dq.partition_B(sKt));   // (MMA, MMA_D, MMA_K)
+        Tensor tQrdS = thr_mma_dq.make_fragment_A(thr_mma_dq.partition_A(sdS));        // (MMA, MMA_M, MMA_K)
+        Tensor tQrKt = thr_mma_dq.make_fragment_B(thr_mma_dq.partition_B(blk.sKt()));  // (MMA, MMA_D, MMA_K)
         Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (MMA, MMA_M, MMA_D)
         warpgroup_gemm_issue</*kZeroInit=*/true>(mma_dq, tQrdS, tQrKt, acc_dq);
         warpgroup_wait_for<0>(acc_dq);
@@ -235,22 +296,137 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
     cp_async_wait<0>();  // K and V are still in flight when no query block sees this key block.
 
-    // dK picks up the softmax scale here; dQ gets it when its fp32 buffer is converted.
-    Tensor tKVcdKV = thr_mma_dkv.partition_C(cKV);  // (MMA, MMA_N, MMA_D)
-    auto store_dk_dv = [&](auto out_type) {
-        using Out = decltype(out_type);
-        Tensor mdK = binfo.dk_view<Out>(params, batch_idx, head_idx);  // (seqlen_k, head_dim)
-        Tensor mdV = binfo.dv_view<Out>(params, batch_idx, head_idx);  // (seqlen_k, head_dim)
-        Tensor gdK = local_tile(mdK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));  // (kBlockN, kHeadDim)
-        Tensor gdV = local_tile(mdV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));  // (kBlockN, kHeadDim)
-        store_acc<Out>(acc_dk, tKVcdKV, gdK, k_rows_left, params.head_dim, params.softmax_scale);
-        store_acc<Out>(acc_dv, tKVcdKV, gdV, k_rows_left, params.head_dim, 1.f);
-    };
-    if (params.dkv_fp32) {
-        store_dk_dv(float{});
-    } else {
-        store_dk_dv(Element{});
+    Tensor tKVcdKV = mma_dkv.get_thread_slice(tidx).partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));  // (MMA, MMA_N, MMA_D)
+    blk.store_dk_dv(params, acc_dk, acc_dv, tKVcdKV);
+#endif
+}
+
+template <class Traits, bool kCausal>
+__global__ void __launch_bounds__(Traits::kNThreads, 1)
+    flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdParams params) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using Element = typename Traits::Element;
+    constexpr int kBlockM = Traits::kBlockM;
+    constexpr int kBlockN = Traits::kBlockN;
+    constexpr int kHeadDim = Traits::kHeadDim;
+
+    extern __shared__ __align__(1024) char smem_bwd_sm90[];  // 128 B swizzle atoms repeat every 1 KiB
+    const BwdSm90Block<Traits, kCausal> blk(params, smem_bwd_sm90);
+    if (!blk.has_keys()) { return; }
+    const int tidx = threadIdx.x;
+
+    Element* p_base = blk.scratch_base;
+    Element* ds_base = blk.scratch_base + Traits::kSmemPElems;
+    Tensor sP = blk.smem(p_base, typename Traits::SmemLayoutP{});     // (kBlockM, kBlockN)
+    Tensor sdS = blk.smem(ds_base, typename Traits::SmemLayoutP{});   // (kBlockM, kBlockN)
+    Tensor sPt = blk.smem(p_base, typename Traits::SmemLayoutPt{});   // (kBlockN, kBlockM)
+    Tensor sdSt = blk.smem(ds_base, typename Traits::SmemLayoutPt{}); // (kBlockN, kBlockM)
+    Tensor cS = make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{});  // (kBlockM, kBlockN)
+
+    // S and dP, (kBlockM, kBlockN), each warpgroup kBlockN / 2 keys.
+    typename Traits::TiledMmaSdP mma_sdp;
+    auto smem_tiled_copy_pds = make_tiled_copy_C(typename Traits::SmemCopyAtomPdS{}, mma_sdp);
+
+    // dV and dK, (kBlockN, kHeadDim), each warpgroup half the head dim, held in registers across the loop.
+    typename Traits::TiledMmadKV mma_dkv;
+    Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});  // (MMA, MMA_N, MMA_D)
+    Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});  // (MMA, MMA_N, MMA_D)
+    clear(acc_dk);
+    clear(acc_dv);
+
+    // dQ, (kBlockM, kHeadDim) per query block, each warpgroup half the head dim, added into dq_accum.
+    typename Traits::TiledMmadQ mma_dq;
+    Tensor gdQaccum = blk.gdQaccum(params);  // (kBlockM, kHeadDim, m)
+
+    blk.load_kv(params, tidx);
+    if (blk.m_block_begin < blk.m_block_end) { blk.load_q_do(params, blk.m_block_begin, 0, tidx); }
+    cp_async_fence();
+
+    for (int m_block = blk.m_block_begin; m_block < blk.m_block_end; ++m_block) {
+        const int stage = (m_block - blk.m_block_begin) & 1;
+        const int loop_tidx = opaque_int(tidx);
+        cp_async_wait<0>();
+        // cp.async writes are generic-proxy stores; wgmma reads shared memory through the async proxy.
+        cutlass::arch::fence_view_async_shared();
+        __syncthreads();  // this block's Q, dO, LSE and D have landed; every warpgroup is done with P, dS and the other stage
+        if (m_block + 1 < blk.m_block_end) {
+            blk.load_q_do(params, m_block + 1, stage ^ 1, loop_tidx);
+            cp_async_fence();
+        }
+
+        auto thr_mma_sdp = mma_sdp.get_thread_slice(loop_tidx);
+        Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});   // (MMA, MMA_M, MMA_N)
+        Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA, MMA_M, MMA_N)
+        Tensor tSrQ = thr_mma_sdp.make_fragment_A(thr_mma_sdp.partition_A(blk.sQ(stage)));    // (MMA, MMA_M, MMA_K)
+        Tensor tSrdO = thr_mma_sdp.make_fragment_A(thr_mma_sdp.partition_A(blk.sdO(stage)));  // (MMA, MMA_M, MMA_K)
+        Tensor tSrK = thr_mma_sdp.make_fragment_B(thr_mma_sdp.partition_B(blk.sK()));         // (MMA, MMA_N, MMA_K)
+        Tensor tSrV = thr_mma_sdp.make_fragment_B(thr_mma_sdp.partition_B(blk.sV()));         // (MMA, MMA_N, MMA_K)
+        warpgroup_gemm_issue</*kZeroInit=*/true>(mma_sdp, tSrQ, tSrK, acc_s);
+        warpgroup_gemm_issue</*kZeroInit=*/true>(mma_sdp, tSrdO, tSrV, acc_dp);
+
+        // (query row, key column) of each accumulator value.
+        Tensor tScS = thr_mma_sdp.partition_C(cS);                                          // (MMA, MMA_M, MMA_N)
+        Tensor tScS_rc = make_tensor(tScS.data(), gmma_acc_rowcol_layout(tScS.layout()));  // (query rows, key cols)
+        // Causal: key n_block * kBlockN + col is hidden from query m_block * kBlockM + row iff col - row > diag.
+        const int diag = m_block * kBlockM + blk.causal_offset - blk.n_block * kBlockN;
+        const bool causal_tile = kCausal && kBlockN - 1 > diag;
+
+        // P = exp2(s * scale * log2(e) - lse * log2(e)), then dS = P (dP - D).
+        warpgroup_wait_for<1>(acc_s);
+        Tensor s = gmma_as_rowcol(acc_s);  // (query rows, key cols)
+        CUTE_UNROLL
+        for (int r = 0; r < size<0>(s); ++r) {
+            const int row = get<0>(tScS_rc(r, 0));
+            const float lse_log2 = blk.s_lse[stage * kBlockM + row] * float(M_LOG2E);
+            CUTE_UNROLL
+            for (int c = 0; c < size<1>(s); ++c) {
+                const bool hidden = causal_tile && get<1>(tScS_rc(r, c)) - row > diag;
+                s(r, c) = hidden ? 0.f : exp2f(s(r, c) * params.softmax_scale_log2 - lse_log2);
+            }
+        }
+        warpgroup_wait_for<0>(acc_dp);
+        Tensor dp = gmma_as_rowcol(acc_dp);  // (query rows, key cols)
+        CUTE_UNROLL
+        for (int r = 0; r < size<0>(dp); ++r) {
+            const float dsum = blk.s_dsum[stage * kBlockM + get<0>(tScS_rc(r, 0))];
+            CUTE_UNROLL
+            for (int c = 0; c < size<1>(dp); ++c) { dp(r, c) = s(r, c) * (dp(r, c) - dsum); }
+        }
+
+        // P and dS to shared memory: the next three GEMMs read them across both warpgroups' keys.
+        auto smem_thr_copy_pds = smem_tiled_copy_pds.get_thread_slice(loop_tidx);
+        Tensor rP = convert_fragment<Element>(acc_s);
+        Tensor rdS = convert_fragment<Element>(acc_dp);
+        copy(smem_tiled_copy_pds, smem_thr_copy_pds.retile_S(rP), smem_thr_copy_pds.partition_D(sP));
+        copy(smem_tiled_copy_pds, smem_thr_copy_pds.retile_S(rdS), smem_thr_copy_pds.partition_D(sdS));
+        cutlass::arch::fence_view_async_shared();
+        __syncthreads();  // all of P and dS are in shared memory
+
+        // dQ first, so its reduction into global memory overlaps the dV and dK GEMMs.
+        auto thr_mma_dq = mma_dq.get_thread_slice(loop_tidx);
+        Tensor tQrdS = thr_mma_dq.make_fragment_A(thr_mma_dq.partition_A(sdS));        // (MMA, MMA_M, MMA_K)
+        Tensor tQrKt = thr_mma_dq.make_fragment_B(thr_mma_dq.partition_B(blk.sKt()));  // (MMA, MMA_D, MMA_K)
+        Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (MMA, MMA_M, MMA_D)
+        warpgroup_gemm_issue</*kZeroInit=*/true>(mma_dq, tQrdS, tQrKt, acc_dq);
+        auto thr_mma_dkv = mma_dkv.get_thread_slice(loop_tidx);
+        Tensor tKVrPt = thr_mma_dkv.make_fragment_A(thr_mma_dkv.partition_A(sPt));                // (MMA, MMA_N, MMA_K)
+        Tensor tKVrdSt = thr_mma_dkv.make_fragment_A(thr_mma_dkv.partition_A(sdSt));              // (MMA, MMA_N, MMA_K)
+        Tensor tKVrdOt = thr_mma_dkv.make_fragment_B(thr_mma_dkv.partition_B(blk.sdOt(stage)));  // (MMA, MMA_D, MMA_K)
+        Tensor tKVrQt = thr_mma_dkv.make_fragment_B(thr_mma_dkv.partition_B(blk.sQt(stage)));    // (MMA, MMA_D, MMA_K)
+        warpgroup_gemm_issue</*kZeroInit=*/false>(mma_dkv, tKVrPt, tKVrdOt, acc_dv);
+        warpgroup_gemm_issue</*kZeroInit=*/false>(mma_dkv, tKVrdSt, tKVrQt, acc_dk);
+        warpgroup_wait_for<2>(acc_dq);
+        Tensor tdQgdQ = thr_mma_dq.partition_C(gdQaccum(_, _, m_block));  // (MMA, MMA_M, MMA_D)
+        CUTE_UNROLL
+        for (int i = 0; i < size(acc_dq); i += 2) { red_add_pair(&tdQgdQ(i), acc_dq(i), acc_dq(i + 1)); }
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_dv);
+        warpgroup_fence_operand(acc_dk);
     }
+    cp_async_wait<0>();  // K and V are still in flight when no query block sees this key block.
+
+    Tensor tKVcdKV = mma_dkv.get_thread_slice(tidx).partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));  // (MMA, MMA_N, MMA_D)
+    blk.store_dk_dv(params, acc_dk, acc_dv, tKVcdKV);
 #endif
 }
 

@@ -70,12 +70,10 @@ struct FwdSm90KernelTraits {
 
 namespace flash {
 
-// Hopper backward: one CTA owns kBlockN keys; two warpgroups split them (64 keys each) for the four GEMMs
-// that produce key-indexed results, computed transposed so that P^T and dS^T come out of S^T = K Q^T and
-// dP^T = V dO^T already in the A-operand registers of dV += P^T dO and dK += dS^T Q. dQ = dS K (query rows)
-// reads dS^T back from shared memory, the warpgroups splitting the head dim.
+// What both Hopper backward kernels share: two warpgroups, Q and dO in kStagesQ stages of (kBlockM, kHeadDim),
+// K and V of (kBlockN, kHeadDim), all 128 B-swizzled with the head dim contiguous, plus transposed views.
 template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_>
-struct BwdSm90KernelTraits {
+struct BwdSm90BaseTraits {
     using Element = Element_;
     using ElementAccum = float;
 
@@ -84,53 +82,119 @@ struct BwdSm90KernelTraits {
     static constexpr int kBlockN = kBlockN_;
     static constexpr int kNWarpgroups = 2;
     static constexpr int kNThreads = kNWarpgroups * 128;
+    static_assert(kHeadDim % 64 == 0, "rows of 64 elements (128 B) for the 128 B swizzle wgmma reads");
 
-    static_assert(kBlockN == 64 * kNWarpgroups, "each warpgroup owns 64 keys");
-    static_assert(kBlockM == 64, "one 64-row wgmma tile of queries per step");
-    static_assert(kHeadDim % 64 == 0 && kHeadDim <= 128, "128 B rows; dK and dV stay in registers");
-
-    using KeysLayout = Layout<Shape<Int<kNWarpgroups>, _1, _1>>;  // warpgroups split the keys (GEMM M)
-    using HeadDimLayout = Layout<Shape<_1, Int<kNWarpgroups>, _1>>;  // warpgroups split the head dim (GEMM N)
-    // S^T = K Q^T and dP^T = V dO^T: (kBlockN, kBlockM), operands K-major in shared memory.
-    using TiledMmaSdP = decltype(make_tiled_mma(
-        SM90::GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<Int<kBlockN>, Int<kBlockM>, Int<kHeadDim>>>(),
-        KeysLayout{}));
-    // dV += P^T dO and dK += dS^T Q: (kBlockN, kHeadDim), A from registers, B (dO^T, Q^T) head-dim contiguous.
-    using TiledMmadKV = decltype(make_tiled_mma(
-        SM90::GMMA::rs_op_selector<Element, Element, ElementAccum, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kBlockM>>,
-                                   GMMA::Major::K, GMMA::Major::MN>(),
-        KeysLayout{}));
-    // dQ = dS K: (kBlockM, kHeadDim / 2) per warpgroup; dS read from dS^T (query contiguous), K^T head-dim contiguous.
-    using TiledMmadQ = decltype(make_tiled_mma(
-        SM90::GMMA::ss_op_selector<Element, Element, ElementAccum,
-                                   Shape<Int<kBlockM>, Int<kHeadDim / kNWarpgroups>, Int<kBlockN>>, GMMA::Major::MN,
-                                   GMMA::Major::MN>(),
-        HeadDimLayout{}));
+    using KeysAlongM = Layout<Shape<Int<kNWarpgroups>, _1, _1>>;  // warpgroups split GEMM M
+    using SplitN = Layout<Shape<_1, Int<kNWarpgroups>, _1>>;      // warpgroups split GEMM N
 
     using SmemAtom = GMMA::Layout_K_SW128_Atom<Element>;
     using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));   // also dO
     using SmemLayoutKV = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));  // K and V
-    using SmemLayoutdSt = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kBlockM>>{}));  // dS^T
-    // Transposed views: (kHeadDim, kBlockM) of Q and dO, (kHeadDim, kBlockN) of K, (kBlockM, kBlockN) of dS^T.
+    // Transposed views: (kHeadDim, kBlockM) of Q and dO, (kHeadDim, kBlockN) of K.
     using SmemLayoutQt = decltype(composition(
         SmemLayoutQ{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockM>>{}, Stride<Int<kBlockM>, _1>{})));
     using SmemLayoutKt = decltype(composition(
         SmemLayoutKV{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Stride<Int<kBlockN>, _1>{})));
-    using SmemLayoutdS = decltype(composition(
-        SmemLayoutdSt{}, make_layout(Shape<Int<kBlockM>, Int<kBlockN>>{}, Stride<Int<kBlockN>, _1>{})));
-
-    // dS^T registers -> shared memory: stmatrix writes 8x8 tiles whose 16 B rows hold 8 consecutive queries.
-    using SmemCopyAtomdSt = Copy_Atom<SM90_U32x4_STSM_N, Element>;
 
     static constexpr int kSmemQElems = cosize_v<SmemLayoutQ>;
     static constexpr int kSmemKVElems = cosize_v<SmemLayoutKV>;
-    static constexpr int kSmemdSElems = cosize_v<SmemLayoutdSt>;
     static constexpr int kStagesQ = 2;  // Q, dO, LSE and D of the next query block load during this one
-    static constexpr int kSmemBytes = (2 * kStagesQ * kSmemQElems + 2 * kSmemKVElems + kSmemdSElems) * int(sizeof(Element)) +
-                                      2 * kStagesQ * kBlockM * int(sizeof(float));
-    static_assert(kSmemBytes <= 227 * 1024);
+
+    // Shared memory with kScratchElems more elements for the kernel's own tiles.
+    static constexpr int smem_bytes(int scratch_elems) {
+        return (2 * kStagesQ * kSmemQElems + 2 * kSmemKVElems + scratch_elems) * int(sizeof(Element)) +
+               2 * kStagesQ * kBlockM * int(sizeof(float));
+    }
 
     using GmemTiledCopyLoad = typename FwdSm90KernelTraits<Element, kHeadDim, 128, 64, 1>::GmemTiledCopyQKV;
+    static_assert(FwdSm90KernelTraits<Element, kHeadDim, 128, 64, 1>::kNThreads == kNThreads);
+};
+
+// Head dims up to 128 (flash_bwd_sm90_kernel): each warpgroup owns 64 keys for the four GEMMs that produce
+// key-indexed results, computed transposed so that P^T and dS^T come out of S^T = K Q^T and dP^T = V dO^T
+// already in the A-operand registers of dV += P^T dO and dK += dS^T Q. dQ = dS K (query rows) reads dS^T
+// back from shared memory, the warpgroups splitting the head dim.
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_>
+struct BwdSm90KernelTraits : BwdSm90BaseTraits<Element_, kHeadDim_, kBlockM_, kBlockN_> {
+    using Base = BwdSm90BaseTraits<Element_, kHeadDim_, kBlockM_, kBlockN_>;
+    using typename Base::Element;
+    using typename Base::ElementAccum;
+    using typename Base::SmemAtom;
+    static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kBlockM = kBlockM_;
+    static constexpr int kBlockN = kBlockN_;
+
+    static_assert(kBlockN == 64 * Base::kNWarpgroups, "each warpgroup owns 64 keys");
+    static_assert(kBlockM == 64, "one 64-row wgmma tile of queries per step");
+    static_assert(kHeadDim <= 128, "dK and dV of 64 keys stay in one warpgroup's registers");
+
+    // S^T = K Q^T and dP^T = V dO^T: (kBlockN, kBlockM), operands K-major in shared memory.
+    using TiledMmaSdP = decltype(make_tiled_mma(
+        SM90::GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<Int<kBlockN>, Int<kBlockM>, Int<kHeadDim>>>(),
+        typename Base::KeysAlongM{}));
+    // dV += P^T dO and dK += dS^T Q: (kBlockN, kHeadDim), A from registers, B (dO^T, Q^T) head-dim contiguous.
+    using TiledMmadKV = decltype(make_tiled_mma(
+        SM90::GMMA::rs_op_selector<Element, Element, ElementAccum, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kBlockM>>,
+                                   GMMA::Major::K, GMMA::Major::MN>(),
+        typename Base::KeysAlongM{}));
+    // dQ = dS K: (kBlockM, kHeadDim / 2) per warpgroup; dS read from dS^T (query contiguous), K^T head-dim contiguous.
+    using TiledMmadQ = decltype(make_tiled_mma(
+        SM90::GMMA::ss_op_selector<Element, Element, ElementAccum,
+                                   Shape<Int<kBlockM>, Int<kHeadDim / Base::kNWarpgroups>, Int<kBlockN>>,
+                                   GMMA::Major::MN, GMMA::Major::MN>(),
+        typename Base::SplitN{}));
+
+    using SmemLayoutdSt = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kBlockM>>{}));  // dS^T
+    using SmemLayoutdS = decltype(composition(
+        SmemLayoutdSt{}, make_layout(Shape<Int<kBlockM>, Int<kBlockN>>{}, Stride<Int<kBlockN>, _1>{})));  // (kBlockM, kBlockN)
+    // dS^T registers -> shared memory: stmatrix writes 8x8 tiles whose 16 B rows hold 8 consecutive queries.
+    using SmemCopyAtomdSt = Copy_Atom<SM90_U32x4_STSM_N, Element>;
+
+    static constexpr int kSmemScratchElems = cosize_v<SmemLayoutdSt>;
+    static constexpr int kSmemBytes = Base::smem_bytes(kSmemScratchElems);
+    static_assert(kSmemBytes <= 227 * 1024);
+};
+
+// Head dims 192 and 256 (flash_bwd_sm90_wide_kernel): the warpgroups split the keys of S = Q K^T and
+// dP = dO V^T (kBlockN / 2 each), write P and dS to shared memory, and split the head dim of dV += P^T dO,
+// dK += dS^T Q and dQ = dS K, so each holds dK and dV of all kBlockN keys over half the head dim.
+template <typename Element_, int kHeadDim_>
+struct BwdSm90WideKernelTraits : BwdSm90BaseTraits<Element_, kHeadDim_, 64, 64> {
+    using Base = BwdSm90BaseTraits<Element_, kHeadDim_, 64, 64>;
+    using typename Base::Element;
+    using typename Base::ElementAccum;
+    using typename Base::SmemAtom;
+    static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kBlockM = 64;
+    static constexpr int kBlockN = 64;
+    static constexpr int kHalfD = kHeadDim / Base::kNWarpgroups;
+    static_assert(kHalfD % 8 == 0 && kHalfD <= 256, "wgmma N is a multiple of 8, at most 256");
+
+    // S and dP: (kBlockM, kBlockN), operands K-major in shared memory.
+    using TiledMmaSdP = decltype(make_tiled_mma(
+        SM90::GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<Int<kBlockM>, Int<kBlockN / 2>, Int<kHeadDim>>>(),
+        typename Base::SplitN{}));
+    // dV and dK: (kBlockN, kHeadDim); A = P^T or dS^T (key contiguous), B = dO^T or Q^T (head dim contiguous).
+    using TiledMmadKV = decltype(make_tiled_mma(
+        SM90::GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<Int<kBlockN>, Int<kHalfD>, Int<kBlockM>>,
+                                   GMMA::Major::MN, GMMA::Major::MN>(),
+        typename Base::SplitN{}));
+    // dQ = dS K: (kBlockM, kHeadDim); A = dS K-major, B = K^T head-dim contiguous.
+    using TiledMmadQ = decltype(make_tiled_mma(
+        SM90::GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<Int<kBlockM>, Int<kHalfD>, Int<kBlockN>>,
+                                   GMMA::Major::K, GMMA::Major::MN>(),
+        typename Base::SplitN{}));
+
+    using SmemLayoutP = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kBlockN>>{}));  // P and dS
+    using SmemLayoutPt = decltype(composition(
+        SmemLayoutP{}, make_layout(Shape<Int<kBlockN>, Int<kBlockM>>{}, Stride<Int<kBlockM>, _1>{})));  // (kBlockN, kBlockM)
+    // P and dS registers -> shared memory with stmatrix (16 B rows of 8 consecutive keys).
+    using SmemCopyAtomPdS = Copy_Atom<SM90_U32x4_STSM_N, Element>;
+
+    static constexpr int kSmemPElems = cosize_v<SmemLayoutP>;
+    static constexpr int kSmemScratchElems = 2 * kSmemPElems;
+    static constexpr int kSmemBytes = Base::smem_bytes(kSmemScratchElems);
+    static_assert(kSmemBytes <= 227 * 1024);
 };
 
 }  // namespace flash

@@ -155,7 +155,7 @@ struct BwdSm90KernelTraits : BwdSm90BaseTraits<Element_, kHeadDim_, kBlockM_, kB
     static_assert(kSmemBytes <= 227 * 1024);
 };
 
-// Head dims 192 and 256 (flash_bwd_sm90_wide_kernel): the warpgroups split the keys of S = Q K^T and
+// Head dim 256 (flash_bwd_sm90_wide_kernel): the warpgroups split the keys of S = Q K^T and
 // dP = dO V^T (kBlockN / 2 each), write P and dS to shared memory, and split the head dim of dV += P^T dO,
 // dK += dS^T Q and dQ = dS K, so each holds dK and dV of all kBlockN keys over half the head dim.
 template <typename Element_, int kHeadDim_>
@@ -168,7 +168,7 @@ struct BwdSm90WideKernelTraits : BwdSm90BaseTraits<Element_, kHeadDim_, 64, 64> 
     static constexpr int kBlockM = 64;
     static constexpr int kBlockN = 64;
     static constexpr int kHalfD = kHeadDim / Base::kNWarpgroups;
-    static_assert(kHalfD % 8 == 0 && kHalfD <= 256, "wgmma N is a multiple of 8, at most 256");
+    static_assert(kHalfD % 64 == 0, "each warpgroup's head-dim half of dO^T, Q^T and K^T is whole swizzle atoms");
 
     // S and dP: (kBlockM, kBlockN), operands K-major in shared memory.
     using TiledMmaSdP = decltype(make_tiled_mma(

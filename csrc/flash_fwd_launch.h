@@ -41,13 +41,17 @@ using SelectedTileConfig = FwdTileConfig<kHeadDim, kCausal>;
 #endif
 
 // Hopper (sm_90a) warpgroup-MMA kernel: (kBlockM, kBlockN, CTAs per SM) per head dim, warpgroups of 64 query
-// rows. Head dim 64 fits two CTAs per SM in registers (at most 128 per thread), so one CTA's softmax and
-// loads overlap the other's MMAs. Head dims without an entry run the mma.sync kernel on Hopper too.
+// rows. Head dims 32 and 64 fit two CTAs per SM in registers (at most 128 per thread), so one CTA's softmax and
+// loads overlap the other's MMAs. 96 follows 128, and 160 and 224 follow 192 and 256.
 template <int kHeadDim, bool kCausal>
 struct FwdSm90TileConfig { static constexpr bool kEnabled = false; };
+template <bool kCausal> struct FwdSm90TileConfig<32, kCausal> { static constexpr bool kEnabled = true; static constexpr int kBlockM = 128, kBlockN = 64, kCtasPerSm = 2; };
 template <bool kCausal> struct FwdSm90TileConfig<64, kCausal> { static constexpr bool kEnabled = true; static constexpr int kBlockM = 128, kBlockN = 64, kCtasPerSm = 2; };
+template <bool kCausal> struct FwdSm90TileConfig<96, kCausal> { static constexpr bool kEnabled = true; static constexpr int kBlockM = 128, kBlockN = 128, kCtasPerSm = 1; };
 template <bool kCausal> struct FwdSm90TileConfig<128, kCausal> { static constexpr bool kEnabled = true; static constexpr int kBlockM = 128, kBlockN = 128, kCtasPerSm = 1; };
+template <bool kCausal> struct FwdSm90TileConfig<160, kCausal> { static constexpr bool kEnabled = true; static constexpr int kBlockM = 128, kBlockN = 64, kCtasPerSm = 1; };
 template <bool kCausal> struct FwdSm90TileConfig<192, kCausal> { static constexpr bool kEnabled = true; static constexpr int kBlockM = 128, kBlockN = 64, kCtasPerSm = 1; };
+template <bool kCausal> struct FwdSm90TileConfig<224, kCausal> { static constexpr bool kEnabled = true; static constexpr int kBlockM = 128, kBlockN = 64, kCtasPerSm = 1; };
 template <bool kCausal> struct FwdSm90TileConfig<256, kCausal> { static constexpr bool kEnabled = true; static constexpr int kBlockM = 128, kBlockN = 64, kCtasPerSm = 1; };
 
 template <typename Element, int kHeadDim, bool kCausal>

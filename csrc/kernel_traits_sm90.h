@@ -2,6 +2,8 @@
 // The kernel body (flash_fwd_sm90_kernel.h) only consumes these types.
 #pragma once
 
+#include <type_traits>
+
 #include <cute/atom/copy_atom.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 #include <cute/tensor.hpp>
@@ -26,7 +28,7 @@ struct FwdSm90KernelTraits {
     static constexpr int kCtasPerSm = kCtasPerSm_;  // caps registers per thread at 64K / (kNThreads * kCtasPerSm)
 
     static_assert(kBlockM % 64 == 0, "a warpgroup MMA covers 64 query rows");
-    static_assert(kHeadDim % 64 == 0, "rows of 64 elements (128 B) for the 128 B swizzle wgmma reads");
+    static_assert(kHeadDim % 32 == 0, "shared-memory rows of whole 64 B or 128 B swizzle atoms");
     static_assert(kBlockN % 64 == 0 && kBlockN <= 256, "wgmma N is at most 256");
 
     using WarpgroupLayout = Layout<Shape<Int<kNWarpgroups>, _1, _1>>;
@@ -40,7 +42,11 @@ struct FwdSm90KernelTraits {
                                    GMMA::Major::K, GMMA::Major::MN>(),
         WarpgroupLayout{}));
 
-    using SmemAtom = GMMA::Layout_K_SW128_Atom<Element>;  // 8 rows of 64 elements, 128 B swizzle
+    // 8 rows of 64 elements with the 128 B swizzle where the head dim is a multiple of 64, else 8 rows of 32
+    // elements with the 64 B swizzle (head dims 32, 96, 160, 224).
+    static constexpr int kSmemRowElems = kHeadDim % 64 == 0 ? 64 : 32;
+    using SmemAtom = std::conditional_t<kSmemRowElems == 64, GMMA::Layout_K_SW128_Atom<Element>,
+                                        GMMA::Layout_K_SW64_Atom<Element>>;
     using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
     using SmemLayoutKV = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
     // V viewed as (kHeadDim, kBlockN), the B operand of O += P V.
@@ -55,8 +61,8 @@ struct FwdSm90KernelTraits {
     static constexpr int kSmemBytes = (kSmemQElems + 2 * kStagesKV * kSmemKVElems) * int(sizeof(Element));
     static_assert(kSmemBytes * kCtasPerSm <= 227 * 1024, "sm_90 has 227 KiB of shared memory per SM for blocks");
 
-    // Global <-> shared: 16 B per thread access, 8 threads per 64-element row.
-    static constexpr int kGmemThreadsPerRow = 8;
+    // Global <-> shared: 16 B per thread access, one thread per 8 elements of a shared-memory row.
+    static constexpr int kGmemThreadsPerRow = kSmemRowElems / 8;
     using GmemThreadLayout = Layout<Shape<Int<kNThreads / kGmemThreadsPerRow>, Int<kGmemThreadsPerRow>>,
                                     Stride<Int<kGmemThreadsPerRow>, _1>>;
     // Zero-filling cp.async: rows past the sequence end and columns past head_dim read as 0.

@@ -34,7 +34,7 @@ using SelectedBwdTileConfig = BwdTileConfig<kHeadDim>;
 // 192 the wide kernel's half head dim, 96, does not tile the 64-element swizzle atoms of dO^T and Q^T).
 enum class BwdSm90Kind { kNone, kNarrow, kWide };
 template <int kHeadDim>
-constexpr BwdSm90Kind kBwdSm90Kind = kHeadDim == 64 || kHeadDim == 128   ? BwdSm90Kind::kNarrow
+constexpr BwdSm90Kind kBwdSm90Kind = kHeadDim <= 128                     ? BwdSm90Kind::kNarrow
                                      : kHeadDim == 256                    ? BwdSm90Kind::kWide
                                                                           : BwdSm90Kind::kNone;
 

@@ -88,12 +88,16 @@ struct BwdSm90BaseTraits {
     static constexpr int kBlockN = kBlockN_;
     static constexpr int kNWarpgroups = 2;
     static constexpr int kNThreads = kNWarpgroups * 128;
-    static_assert(kHeadDim % 64 == 0, "rows of 64 elements (128 B) for the 128 B swizzle wgmma reads");
+    static_assert(kHeadDim % 32 == 0, "shared-memory rows of whole swizzle atoms, also for half the head dim");
 
     using KeysAlongM = Layout<Shape<Int<kNWarpgroups>, _1, _1>>;  // warpgroups split GEMM M
     using SplitN = Layout<Shape<_1, Int<kNWarpgroups>, _1>>;      // warpgroups split GEMM N
 
-    using SmemAtom = GMMA::Layout_K_SW128_Atom<Element>;
+    // 128 B swizzle rows of 64 elements where the head dim is a multiple of 64; else (head dims 32 and 96) 32 B
+    // rows of 16, so that each warpgroup's half of the head dim in dQ = dS K is whole atoms of K^T.
+    static constexpr int kSmemRowElems = kHeadDim % 64 == 0 ? 64 : 16;
+    using SmemAtom = std::conditional_t<kSmemRowElems == 64, GMMA::Layout_K_SW128_Atom<Element>,
+                                        GMMA::Layout_K_SW32_Atom<Element>>;
     using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));   // also dO
     using SmemLayoutKV = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));  // K and V
     // Transposed views: (kHeadDim, kBlockM) of Q and dO, (kHeadDim, kBlockN) of K.
@@ -116,7 +120,7 @@ struct BwdSm90BaseTraits {
     static_assert(FwdSm90KernelTraits<Element, kHeadDim, 128, 64, 1>::kNThreads == kNThreads);
 };
 
-// Head dims up to 128 (flash_bwd_sm90_kernel): each warpgroup owns 64 keys for the four GEMMs that produce
+// Head dims 32 to 128 (flash_bwd_sm90_kernel): each warpgroup owns 64 keys for the four GEMMs that produce
 // key-indexed results, computed transposed so that P^T and dS^T come out of S^T = K Q^T and dP^T = V dO^T
 // already in the A-operand registers of dV += P^T dO and dK += dS^T Q. dQ = dS K (query rows) reads dS^T
 // back from shared memory, the warpgroups splitting the head dim.
@@ -150,7 +154,8 @@ struct BwdSm90KernelTraits : BwdSm90BaseTraits<Element_, kHeadDim_, kBlockM_, kB
                                    GMMA::Major::MN, GMMA::Major::MN>(),
         typename Base::SplitN{}));
 
-    using SmemLayoutdSt = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kBlockM>>{}));  // dS^T
+    using SmemLayoutdSt = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+                                                 Shape<Int<kBlockN>, Int<kBlockM>>{}));  // dS^T
     using SmemLayoutdS = decltype(composition(
         SmemLayoutdSt{}, make_layout(Shape<Int<kBlockM>, Int<kBlockN>>{}, Stride<Int<kBlockN>, _1>{})));  // (kBlockM, kBlockN)
     // dS^T registers -> shared memory: stmatrix writes 8x8 tiles whose 16 B rows hold 8 consecutive queries.
@@ -191,7 +196,8 @@ struct BwdSm90WideKernelTraits : BwdSm90BaseTraits<Element_, kHeadDim_, 64, 64> 
                                    GMMA::Major::K, GMMA::Major::MN>(),
         typename Base::SplitN{}));
 
-    using SmemLayoutP = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kBlockN>>{}));  // P and dS
+    using SmemLayoutP = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+                                               Shape<Int<kBlockM>, Int<kBlockN>>{}));  // P and dS
     using SmemLayoutPt = decltype(composition(
         SmemLayoutP{}, make_layout(Shape<Int<kBlockN>, Int<kBlockM>>{}, Stride<Int<kBlockM>, _1>{})));  // (kBlockN, kBlockM)
     // P and dS registers -> shared memory with stmatrix (16 B rows of 8 consecutive keys).

@@ -135,6 +135,29 @@ struct BwdSm90Block {
         }
     }
 
+    // K, V and the first query block's Q, dO, LSE and D, in flight when the loop starts.
+    __forceinline__ __device__ void load_first(const BwdParams& params, int thread) const {
+        load_kv(params, thread);
+        if (m_block_begin < m_block_end) { load_q_do(params, m_block_begin, 0, thread); }
+        cp_async_fence();
+    }
+
+    // Opens the step of query block m_block and returns its stage: waits for its loads, makes them visible to
+    // wgmma, syncs the CTA (so every warpgroup is done with the previous step's shared-memory tiles), and
+    // starts loading the next query block into the other stage.
+    __forceinline__ __device__ int begin_step(const BwdParams& params, int m_block, int thread) const {
+        const int stage = (m_block - m_block_begin) & 1;
+        cp_async_wait<0>();
+        // cp.async writes are generic-proxy stores; wgmma reads shared memory through the async proxy.
+        cutlass::arch::fence_view_async_shared();
+        __syncthreads();
+        if (m_block + 1 < m_block_end) {
+            load_q_do(params, m_block + 1, stage ^ 1, thread);
+            cp_async_fence();
+        }
+        return stage;
+    }
+
     // This head's dQ accumulator as (kBlockM, kHeadDim) tiles.
     __forceinline__ __device__ auto gdQaccum(const BwdParams& params) const {
         float* dq_head = params.dq_accum_ptr + binfo.dq_accum_row(params, batch_idx, head_idx) * kHeadDim;
@@ -204,21 +227,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     typename Traits::TiledMmadQ mma_dq;
     Tensor gdQaccum = blk.gdQaccum(params);  // (kBlockM, kHeadDim, m)
 
-    blk.load_kv(params, tidx);
-    if (blk.m_block_begin < blk.m_block_end) { blk.load_q_do(params, blk.m_block_begin, 0, tidx); }
-    cp_async_fence();
-
+    blk.load_first(params, tidx);
     for (int m_block = blk.m_block_begin; m_block < blk.m_block_end; ++m_block) {
-        const int stage = (m_block - blk.m_block_begin) & 1;
         const int loop_tidx = opaque_int(tidx);
-        cp_async_wait<0>();
-        // cp.async writes are generic-proxy stores; wgmma reads shared memory through the async proxy.
-        cutlass::arch::fence_view_async_shared();
-        __syncthreads();  // this block's Q, dO, LSE and D have landed; every warpgroup is done with dS^T and the other stage
-        if (m_block + 1 < blk.m_block_end) {
-            blk.load_q_do(params, m_block + 1, stage ^ 1, loop_tidx);
-            cp_async_fence();
-        }
+        const int stage = blk.begin_step(params, m_block, loop_tidx);
 
         // Both score GEMMs are in flight together; P^T is computed while dP^T finishes.
         auto thr_mma_sdp = mma_sdp.get_thread_slice(loop_tidx);
@@ -338,21 +350,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     typename Traits::TiledMmadQ mma_dq;
     Tensor gdQaccum = blk.gdQaccum(params);  // (kBlockM, kHeadDim, m)
 
-    blk.load_kv(params, tidx);
-    if (blk.m_block_begin < blk.m_block_end) { blk.load_q_do(params, blk.m_block_begin, 0, tidx); }
-    cp_async_fence();
-
+    blk.load_first(params, tidx);
     for (int m_block = blk.m_block_begin; m_block < blk.m_block_end; ++m_block) {
-        const int stage = (m_block - blk.m_block_begin) & 1;
         const int loop_tidx = opaque_int(tidx);
-        cp_async_wait<0>();
-        // cp.async writes are generic-proxy stores; wgmma reads shared memory through the async proxy.
-        cutlass::arch::fence_view_async_shared();
-        __syncthreads();  // this block's Q, dO, LSE and D have landed; every warpgroup is done with P, dS and the other stage
-        if (m_block + 1 < blk.m_block_end) {
-            blk.load_q_do(params, m_block + 1, stage ^ 1, loop_tidx);
-            cp_async_fence();
-        }
+        const int stage = blk.begin_step(params, m_block, loop_tidx);
 
         auto thr_mma_sdp = mma_sdp.get_thread_slice(loop_tidx);
         Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});   // (MMA, MMA_M, MMA_N)

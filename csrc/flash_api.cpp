@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cfloat>
 #include <cmath>
 #include <cstdlib>
@@ -15,6 +16,8 @@
 
 #include "flash_params.h"
 #include "flash_bwd_aux.h"
+#include "flash_fwd_combine.h"
+#include "fwd_tile_config.h"
 #include "kernel_registry.h"
 
 namespace flash {
@@ -191,6 +194,73 @@ bool use_wgmma(int device) {
     return major == 9 && minor == 0 && !(disable != nullptr && std::string(disable) == "1");
 }
 
+// Multiprocessors of `device`, queried once per device (the split-KV heuristic runs at every call).
+int multiprocessor_count(int device) {
+    constexpr int kMaxCachedDevices = 64;
+    static std::atomic<int> cache[kMaxCachedDevices];  // 0: not queried yet
+    const bool cached = device >= 0 && device < kMaxCachedDevices;
+    int count = cached ? cache[device].load(std::memory_order_relaxed) : 0;
+    if (count > 0) { return count; }
+    if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || count < 1) {
+        return 1;
+    }
+    if (cached) { cache[device].store(count, std::memory_order_relaxed); }
+    return count;
+}
+
+constexpr int kMaxAutoSplits = 64;     // the heuristic's cap
+constexpr int kMaxForcedSplits = 128;  // FLASH_ATTN2_NUM_SPLITS's cap (run_fwd_combine takes at most 128)
+constexpr int kMinKeysPerSplit = 256;  // the heuristic leaves each split at least this many keys (2-4 key blocks)
+
+// FLASH_ATTN2_NUM_SPLITS=n (n >= 1) forces n key splits on every dense forward, for tests and benchmarks;
+// unset, empty or 0 lets choose_num_splits decide.
+int forced_num_splits() {
+    const char* text = std::getenv("FLASH_ATTN2_NUM_SPLITS");
+    if (text == nullptr || *text == '\0') { return 0; }
+    char* end = nullptr;
+    const long value = std::strtol(text, &end, 10);
+    TORCH_CHECK_VALUE(*end == '\0' && value >= 0 && value <= kMaxForcedSplits,
+                      "FLASH_ATTN2_NUM_SPLITS must be an integer in [0, ", num(kMaxForcedSplits), "], got '", text, "'");
+    return static_cast<int>(value);
+}
+
+// Split-KV heuristic. The forward grid has one CTA per (query block, sequence, head), each streaming all of
+// its keys; when that grid is smaller than the GPU, SMs idle (decode and short-query shapes). Splitting the
+// keys num_splits ways multiplies the CTAs and divides each one's key blocks, at the price of an fp32 partial
+// per split and a combine kernel. Model: `slots` CTAs (SMs x CTAs resident per SM) run at once and a CTA costs
+// its number of key blocks, so num_splits = s takes ceil(ctas * s / slots) waves of ceil(n_blocks / s) blocks.
+// No split once the grid fills 80% of the slots; otherwise the smallest s whose time is within 5% of the best,
+// with at least kMinKeysPerSplit keys per split and s <= kMaxAutoSplits. Causal query blocks differ in cost,
+// which the model ignores; their splits share only the keys each block sees (FwdTile).
+int choose_num_splits(int64_t ctas, int64_t seqlen_k, const FwdBlockShape& shape, int64_t slots) {
+    if (ctas <= 0 || ctas * 5 >= slots * 4) { return 1; }
+    const int64_t n_blocks = (seqlen_k + shape.block_n - 1) / shape.block_n;
+    const int64_t max_splits = std::min<int64_t>({kMaxAutoSplits, seqlen_k / kMinKeysPerSplit, n_blocks});
+    auto time = [&](int64_t splits) {
+        return (ctas * splits + slots - 1) / slots * ((n_blocks + splits - 1) / splits);
+    };
+    int64_t best_time = time(1);
+    for (int64_t splits = 2; splits <= max_splits; ++splits) { best_time = std::min(best_time, time(splits)); }
+    for (int64_t splits = 1; splits <= max_splits; ++splits) {
+        if (time(splits) * 20 <= best_time * 21) { return static_cast<int>(splits); }
+    }
+    return 1;
+}
+
+// num_splits for a dense forward whose params are filled in (after any GQA packing).
+int fwd_num_splits(const FwdParams& params, int kernel_head_dim, bool causal, int device) {
+    const FwdBlockShape shape = fwd_block_shape(kernel_head_dim, causal, params.use_wgmma);
+    const int64_t m_blocks = (int64_t(params.seqlen_q) + shape.block_m - 1) / shape.block_m;
+    int splits = forced_num_splits();
+    if (splits == 0) {
+        const int64_t ctas = m_blocks * params.batch * params.num_heads;
+        splits = choose_num_splits(ctas, params.seqlen_k, shape, int64_t(multiprocessor_count(device)) * shape.ctas_per_sm);
+    }
+    // The launch grid's x is query blocks (at least 64 rows each) times splits.
+    const int64_t max_for_grid = std::max<int64_t>(1, INT32_MAX / ((int64_t(params.seqlen_q) + 63) / 64));
+    return static_cast<int>(std::min<int64_t>(splits, max_for_grid));
+}
+
 // Everything both passes read: inputs, output, LSE, sizes, the scale and, for varlen, the sequence bounds.
 void set_fwd_params(FwdParams& params, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                     const at::Tensor& out, const at::Tensor& lse, double softmax_scale, const Varlen* varlen) {
@@ -230,6 +300,7 @@ void set_fwd_params(FwdParams& params, const at::Tensor& q, const at::Tensor& k,
         params.q_batch_stride = params.k_batch_stride = params.v_batch_stride = params.o_batch_stride = 0;
     }
     params.use_wgmma = use_wgmma(q.get_device());
+    params.num_splits = 1;
     params.softmax_scale = static_cast<float>(softmax_scale);
     // A zero or denormal scale would turn masked scores into NaN (-inf * 0); the smallest normal float
     // keeps them at -inf, and every other exp2 argument still rounds to the same value (0).
@@ -242,6 +313,35 @@ std::vector<int64_t> lse_shape(const at::Tensor& q, const Varlen* varlen) {
     return {q.size(0), q.size(2), q.size(1)};
 }
 
+// With a single query row the bottom-right aligned causal mask lets it see every key: run the non-causal
+// kernel instead when the build has it (which also allows packing GQA heads, see pack_gqa).
+template <typename Find>
+bool causal_is_noop(const at::Tensor& q, bool causal, const Varlen* varlen, Find find) {
+    return causal && varlen == nullptr && q.size(1) == 1 && find(kernel_key(q, false)) != nullptr;
+}
+
+// A dense seqlen_q == 1 problem with GQA/MQA (and no causal mask) runs with the `group` query heads that share
+// a key/value head as `group` query rows of one head, so each CTA reads its key/value head once for the
+// whole group, and the backward gets dK/dV per key/value head directly. Returns group, or 1: no packing.
+int64_t gqa_pack_group(const at::Tensor& q, const at::Tensor& k, bool causal, const Varlen* varlen) {
+    const bool pack = varlen == nullptr && !causal && q.size(1) == 1 && q.size(2) > k.size(2);
+    return pack ? q.size(2) / k.size(2) : 1;
+}
+
+// (batch, 1, nheads, d) -> (batch, group, nheads / group, d): a pure stride change (row stride = the head
+// stride, head stride = group * the head stride), so outputs written through the view land in place.
+at::Tensor pack_gqa(const at::Tensor& t, int64_t group) {
+    if (group == 1) { return t; }
+    return t.as_strided({t.size(0), group, t.size(2) / group, t.size(3)},
+                        {t.stride(0), t.stride(2), group * t.stride(2), t.stride(3)}, t.storage_offset());
+}
+
+// (batch, nheads, 1) contiguous is the same memory as (batch, nheads / group, group).
+at::Tensor pack_gqa_lse(const at::Tensor& lse, int64_t group) {
+    if (group == 1) { return lse; }
+    return lse.view({lse.size(0), lse.size(1) / group, group});
+}
+
 // q, k, v are 4-D (varlen: (1, total, heads, head_dim) views); returns out in q's 4-D shape and the LSE.
 std::tuple<at::Tensor, at::Tensor> fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                             double softmax_scale, bool causal, const Varlen* varlen) {
@@ -249,6 +349,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_impl(const at::Tensor& q, const at::Tenso
     if (varlen != nullptr) { check_varlen(*varlen, q, k); }
     check_scale(softmax_scale);
     check_device(q, k, v);
+    if (causal_is_noop(q, causal, varlen, find_fwd_launcher)) { causal = false; }
     const KernelKey key = kernel_key(q, causal);
     const FwdLauncher launcher = require_launcher(find_fwd_launcher(key), "fwd", key);
 
@@ -261,9 +362,24 @@ std::tuple<at::Tensor, at::Tensor> fwd_impl(const at::Tensor& q, const at::Tenso
         return {out.zero_(), lse.fill_(INFINITY)};
     }
 
+    const int64_t group = gqa_pack_group(q, k, causal, varlen);
     FwdParams params{};
-    set_fwd_params(params, q, k, v, out, lse, softmax_scale, varlen);
-    const cudaError_t err = launcher(params, c10::cuda::getCurrentCUDAStream());
+    set_fwd_params(params, pack_gqa(q, group), k, v, pack_gqa(out, group), pack_gqa_lse(lse, group), softmax_scale,
+                   varlen);
+    // Split-KV partials (dense batches only; varlen launches stay unsplit).
+    at::Tensor o_accum, lse_accum;
+    if (varlen == nullptr) { params.num_splits = fwd_num_splits(params, key.head_dim, causal, q.get_device()); }
+    if (params.num_splits > 1) {
+        const auto fp32 = q.options().dtype(at::kFloat);
+        const int64_t splits = params.num_splits, rows = int64_t(params.batch) * params.num_heads * params.seqlen_q;
+        o_accum = at::empty({splits, rows, params.head_dim}, fp32);
+        lse_accum = at::empty({splits, rows}, fp32);
+        params.o_accum_ptr = o_accum.data_ptr<float>();
+        params.lse_accum_ptr = lse_accum.data_ptr<float>();
+    }
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+    cudaError_t err = launcher(params, stream);
+    if (err == cudaSuccess && params.num_splits > 1) { err = run_fwd_combine(params, key.is_bf16, stream); }
     check_launch(err, "flash_attn2::fwd", q.get_device());
     return {out, lse};
 }
@@ -316,19 +432,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(const at::Tensor& dout, 
     check_same_device(dout, "dout", q);
     check_same_device(out, "out", q);
     TORCH_CHECK_VALUE(softmax_lse.device() == q.device(), "softmax_lse must be on the device of q");
+    if (causal_is_noop(q, causal, varlen, find_bwd_launcher)) { causal = false; }
     const KernelKey key = kernel_key(q, causal);
     const BwdLauncher launcher = require_launcher(find_bwd_launcher(key), "bwd", key);
 
     const c10::cuda::CUDAGuard device_guard(q.device());
-    const int64_t batch = varlen != nullptr ? varlen->batch() : q.size(0);
-    const int64_t seqlen_q = varlen != nullptr ? varlen->max_seqlen_q : q.size(1);
-    const int64_t nheads = q.size(2), head_dim = q.size(3), nheads_k = k.size(2);
+    // The kernels see q, dout, out, dq and the LSE through GQA-packed views (group 1: unchanged); sizes below
+    // are the kernels'. Packed, there is no GQA left: dK and dV come out per key/value head.
+    const int64_t group = gqa_pack_group(q, k, causal, varlen);
+    const at::Tensor q_k = pack_gqa(q, group);
+    const int64_t batch = varlen != nullptr ? varlen->batch() : q_k.size(0);
+    const int64_t seqlen_q = varlen != nullptr ? varlen->max_seqlen_q : q_k.size(1);
+    const int64_t nheads = q_k.size(2), head_dim = q.size(3), nheads_k = k.size(2);
     const bool nothing_to_do = q.numel() == 0 || k.numel() == 0 ||
                                (varlen != nullptr && (batch == 0 || seqlen_q == 0 || varlen->max_seqlen_k == 0));
     // Gradients are always returned contiguous (the fake implementations promise as much).
     auto zeros = [](const at::Tensor& t) { return at::zeros(t.sizes(), t.options()); };
     if (nothing_to_do) { return {zeros(q), zeros(k), zeros(v)}; }
-    const at::Tensor lse = softmax_lse.contiguous();
+    const at::Tensor lse = pack_gqa_lse(softmax_lse.contiguous(), group);
     const auto fp32 = q.options().dtype(at::kFloat);
     at::Tensor dsum = at::empty(lse.sizes(), fp32);
     // Each sequence owns whole query blocks of dq_accum rows (see BwdParams::dq_accum_ptr).
@@ -344,6 +465,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(const at::Tensor& dout, 
         return varlen != nullptr ? at::zeros(sizes, options) : at::empty(sizes, options);
     };
     at::Tensor dq = allocate(q.sizes(), q.options());
+    const at::Tensor dq_k = pack_gqa(dq, group);
     // One dK/dV slice per query head; query heads that share a k/v head are summed afterwards, from fp32
     // slices so that each gradient is rounded to the input dtype once.
     const bool grouped = nheads != nheads_k;
@@ -356,14 +478,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(const at::Tensor& dout, 
     }
 
     BwdParams params{};
-    set_fwd_params(params, q, k, v, out, lse, softmax_scale, varlen);
-    params.do_ptr = dout.data_ptr();
-    params.do_batch_stride = varlen != nullptr ? 0 : dout.stride(0);
-    params.do_row_stride = dout.stride(1);
-    params.do_head_stride = dout.stride(2);
+    set_fwd_params(params, q_k, k, v, pack_gqa(out, group), lse, softmax_scale, varlen);
+    const at::Tensor dout_k = pack_gqa(dout, group);
+    params.do_ptr = dout_k.data_ptr();
+    params.do_batch_stride = varlen != nullptr ? 0 : dout_k.stride(0);
+    params.do_row_stride = dout_k.stride(1);
+    params.do_head_stride = dout_k.stride(2);
     params.dsum_ptr = dsum.data_ptr<float>();
     params.dq_accum_ptr = dq_accum.data_ptr<float>();
-    params.dq_ptr = dq.data_ptr();
+    params.dq_ptr = dq_k.data_ptr();
+    params.dq_batch_stride = varlen != nullptr ? 0 : dq_k.stride(0);
+    params.dq_row_stride = dq_k.stride(1);
+    params.dq_head_stride = dq_k.stride(2);
     params.dk_ptr = dk_heads.data_ptr();
     params.dv_ptr = dv_heads.data_ptr();
     params.dk_batch_stride = varlen != nullptr ? 0 : dk_heads.stride(0);
@@ -382,9 +508,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(const at::Tensor& dout, 
     check_launch(err, "flash_attn2::bwd", q.get_device());
 
     if (!grouped) { return {dq, dk_heads, dv_heads}; }
-    const int64_t group = nheads / nheads_k;
+    const int64_t heads_per_kv = nheads / nheads_k;
     auto sum_group = [&](const at::Tensor& heads) {
-        return heads.view({k.size(0), k.size(1), nheads_k, group, head_dim}).sum(3, false, at::kFloat).to(q.scalar_type());
+        return heads.view({k.size(0), k.size(1), nheads_k, heads_per_kv, head_dim}).sum(3, false, at::kFloat).to(q.scalar_type());
     };
     return {dq, sum_group(dk_heads), sum_group(dv_heads)};
 }

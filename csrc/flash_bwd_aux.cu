@@ -39,8 +39,9 @@ __global__ void __launch_bounds__(kThreads) dot_do_o_kernel(const __grid_constan
     if (valid && lane == 0) { params.dsum_ptr[binfo.lse_offset(params, b, h) + s] = sum; }
 }
 
-// dq = softmax_scale * dq_accum for kTokensPerBlock tokens of one (batch, head). dq is contiguous, laid out
-// like q: dense (batch, seqlen_q, num_heads, head_dim), varlen (total_q, num_heads, head_dim).
+// dq = softmax_scale * dq_accum for kTokensPerBlock tokens of one (batch, head), written at the dq strides
+// (dense (batch, seqlen_q, num_heads, head_dim) or a GQA-packed view of it; varlen (total_q, num_heads,
+// head_dim)).
 template <typename Element>
 __global__ void __launch_bounds__(kThreads) convert_dq_kernel(const __grid_constant__ BwdParams params) {
     const int h = blockIdx.y;
@@ -51,9 +52,9 @@ __global__ void __launch_bounds__(kThreads) convert_dq_kernel(const __grid_const
     const int vecs_per_row = params.head_dim / kVec;
     const float* src = params.dq_accum_ptr +
                        (binfo.dq_accum_row(params, b, h) + first) * int64_t(params.dq_accum_head_dim);
-    const int64_t dst_row_stride = int64_t(params.num_heads) * params.head_dim;
-    const int64_t dst_row0 = (params.cu_seqlens_q == nullptr ? int64_t(b) * params.seqlen_q : 0) + binfo.q_start + first;
-    auto* dst = static_cast<Element*>(params.dq_ptr) + dst_row0 * dst_row_stride + int64_t(h) * params.head_dim;
+    const int64_t dst_row_stride = params.dq_row_stride;
+    auto* dst = static_cast<Element*>(params.dq_ptr) + b * params.dq_batch_stride +
+                (binfo.q_start + first) * dst_row_stride + h * params.dq_head_stride;
     cutlass::NumericArrayConverter<Element, float, kVec> convert;
     for (int idx = threadIdx.x; idx < tokens * vecs_per_row; idx += kThreads) {
         const int t = idx / vecs_per_row;

@@ -1,5 +1,6 @@
-// FlashAttention-2 forward kernel body. One CTA computes one (query block, sequence, head) tile;
-// each warp owns 16-row slices of the query block (split-Q), so warps never exchange partial results.
+// FlashAttention-2 forward kernel body. One CTA computes one (query block, sequence, head) tile, or
+// for a split-KV launch that tile's share of the keys; each warp owns 16-row slices of the query block
+// (split-Q), so warps never exchange partial results.
 #pragma once
 
 #include <cmath>
@@ -130,8 +131,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const _
         gemm_reg_smem(tiled_mma, acc_o, tOrP, tOrVt, tOsVt, smem_tiled_copy_V, tOrVt_view);
     }
 
-    // Epilogue: normalize once, stage O through shared memory (Q's buffer) for 16 B global stores.
+    // Epilogue: normalize once, stage O through shared memory (Q's buffer) for 16 B global stores; a
+    // split-KV CTA writes its fp32 partials instead.
     Tensor lse = softmax.finalize(acc_o_rc, params.softmax_scale);
+    Tensor cO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (kBlockM, kHeadDim)
+    Tensor tOcO = thr_mma.partition_C(cO);  // (MMA, MMA_M, MMA_N), positions of acc_o's values
+    Tensor tOcO_rc = make_tensor(tOcO.data(), acc_rowcol_layout(tOcO.layout()));  // (rows, cols)
+    if (tile.is_split(params)) {
+        cp_async_wait<0>();  // Q may still be in flight when no key block was visited.
+        tile.write_partial(params, acc_o_rc, tOcO_rc, lse);
+        return;
+    }
     Tensor rO = convert_fragment<Element>(acc_o);
     Tensor sO = make_tensor(sQ.data(), typename Traits::SmemLayoutO{});  // (kBlockM, kHeadDim)
     auto smem_tiled_copy_O = make_tiled_copy_C(typename Traits::SmemCopyAtomO{}, tiled_mma);
@@ -142,9 +152,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const _
     __syncthreads();
     copy(smem_tiled_copy_O, taccOrO, taccOsO);
 
-    Tensor cO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (kBlockM, kHeadDim)
-    Tensor tOcO = thr_mma.partition_C(cO);  // (MMA, MMA_M, MMA_N), positions of acc_o's values
-    tile.write_lse(params, lse, make_tensor(tOcO.data(), acc_rowcol_layout(tOcO.layout())));
+    tile.write_lse(params, lse, tOcO_rc);
 
     __syncthreads();
     tile.template store_o<typename Traits::GmemTiledCopyO>(params, sO, tidx);

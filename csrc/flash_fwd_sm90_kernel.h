@@ -1,8 +1,8 @@
 // FlashAttention-2 forward kernel for Hopper (sm_90a): the schedule of flash_fwd_kernel.h with both
 // GEMMs on warpgroup MMAs (wgmma), which read K and V straight from shared memory instead of through
-// per-warp ldmatrix copies. One CTA computes one (query block, sequence, head) tile; each warpgroup
-// owns 64 query rows (split-Q), so warpgroups never exchange partial results. K and V are
-// double-buffered: the next key block loads during the whole current step.
+// per-warp ldmatrix copies. One CTA computes one (query block, sequence, head) tile (or, split-KV, its
+// share of the keys); each warpgroup owns 64 query rows (split-Q), so warpgroups never exchange partial
+// results. K and V are double-buffered: the next key block loads during the whole current step.
 #pragma once
 
 #include <cmath>
@@ -130,18 +130,25 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kCtasPerSm)
         warpgroup_gemm</*kZeroInit=*/false>(mma_o, tOrP, tOrVt, acc_o);
     }
 
-    // Epilogue: normalize once, stage O through shared memory (Q's buffer) for 16 B global stores.
+    // Epilogue: normalize once, stage O through shared memory (Q's buffer) for 16 B global stores; a
+    // split-KV CTA writes its fp32 partials instead.
     Tensor lse = softmax.finalize(acc_o_rc, params.softmax_scale);
-    Tensor rO = convert_fragment<Element>(acc_o);
-    Tensor sO = make_tensor(sQ.data(), typename Traits::SmemLayoutO{});  // (kBlockM, kHeadDim)
     Tensor cO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (kBlockM, kHeadDim)
     Tensor tOcO = thr_mma_o.partition_C(cO);  // (MMA, MMA_M, MMA_N), positions of acc_o's values
+    Tensor tOcO_rc = make_tensor(tOcO.data(), gmma_acc_rowcol_layout(tOcO.layout()));  // (rows, cols)
+    if (tile.is_split(params)) {
+        cp_async_wait<0>();  // Q may still be in flight when no key block was visited.
+        tile.write_partial(params, acc_o_rc, tOcO_rc, lse);
+        return;
+    }
+    Tensor rO = convert_fragment<Element>(acc_o);
+    Tensor sO = make_tensor(sQ.data(), typename Traits::SmemLayoutO{});  // (kBlockM, kHeadDim)
     cp_async_wait<0>();  // Q may still be in flight when no key block was visited.
     __syncthreads();     // every warpgroup has finished reading Q
     CUTE_UNROLL
     for (int i = 0; i < size(rO); ++i) { sO(get<0>(tOcO(i)), get<1>(tOcO(i))) = rO(i); }
 
-    tile.write_lse(params, lse, make_tensor(tOcO.data(), gmma_acc_rowcol_layout(tOcO.layout())));
+    tile.write_lse(params, lse, tOcO_rc);
 
     __syncthreads();
     tile.template store_o<typename Traits::GmemTiledCopyO>(params, sO, tidx);

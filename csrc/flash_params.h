@@ -48,6 +48,14 @@ struct FwdParams {
     float softmax_scale_log2;  // softmax_scale * log2(e), so the kernel can use exp2
 
     bool use_wgmma;  // the device is an sm_90 (Hopper): run the warpgroup-MMA forward where one is built
+
+    // Split-KV forward (dense batches only): each (query block, sequence, head) is computed by num_splits
+    // CTAs over disjoint key ranges, which write fp32 partials that run_fwd_combine merges into o_ptr/lse_ptr.
+    int num_splits;                      // 1: no split, the kernel writes o_ptr and lse_ptr itself
+    float* __restrict__ o_accum_ptr;     // (num_splits, batch, num_heads, seqlen_q, head_dim) contiguous: each
+                                         // split's output, normalized by its own row sums
+    float* __restrict__ lse_accum_ptr;   // (num_splits, batch, num_heads, seqlen_q) contiguous: each split's
+                                         // natural-log LSE, -inf for rows that saw no key in that split
 };
 
 // Query rows per block of the backward kernels lie in [kBwdMinBlockM, kBwdMaxBlockM]: the host sizes the
@@ -62,7 +70,7 @@ struct BwdParams : FwdParams {
     float* __restrict__ dq_accum_ptr;  // fp32, zeroed, rows of dq_accum_head_dim: dense (batch, num_heads,
                                        // dq_accum_seqlen, .); varlen (num_heads, dq_accum_seqlen, .), where
                                        // sequence b starts at row cu_seqlens_q[b] + b * kBwdMaxBlockM
-    void* __restrict__ dq_ptr;         // laid out like q but contiguous: dq_accum * scale
+    void* __restrict__ dq_ptr;         // dq_accum * scale, at the dq_*_stride strides
     void* __restrict__ dk_ptr;         // (batch, seqlen_k, num_heads, head_dim): one slice per query head
     void* __restrict__ dv_ptr;         // (batch, seqlen_k, num_heads, head_dim): one slice per query head
     bool dkv_fp32;                     // dk_ptr and dv_ptr hold fp32 (GQA/MQA), else the input dtype
@@ -71,6 +79,9 @@ struct BwdParams : FwdParams {
     index_t do_batch_stride;  // elements between consecutive batches of dout
     index_t do_row_stride;    // elements between consecutive tokens of dout
     index_t do_head_stride;   // elements between consecutive heads of dout
+    index_t dq_batch_stride;  // same three for dq (0 for varlen)
+    index_t dq_row_stride;
+    index_t dq_head_stride;
     index_t dk_batch_stride;  // same three for dk and dv (allocated alike)
     index_t dk_row_stride;
     index_t dk_head_stride;

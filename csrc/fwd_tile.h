@@ -1,6 +1,7 @@
 // What the two forward kernels (mma.sync and Hopper wgmma) share outside their main loops: which
-// (query block, sequence, head) a CTA computes, and the epilogue's two writes (one LSE per row, and the
-// output tile from shared to global memory).
+// (query block, sequence, head, key split) a CTA computes and which key blocks that covers, and the
+// epilogue's writes (one LSE per row, and the output tile from shared to global memory; or, for a
+// split-KV launch, the fp32 partial output and LSE of this key split).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -15,27 +16,61 @@ using namespace cute;
 
 template <int kBlockM, int kBlockN, bool kCausal>
 struct FwdTile {
-    int m_block;     // query block
-    int batch_idx;   // sequence
-    int head_idx;    // query head
-    int head_idx_k;  // its key/value head (MQA/GQA)
-    BlockInfo binfo;
+    int m_block;      // query block
+    int batch_idx;    // sequence
+    int head_idx;     // query head
+    int head_idx_k;   // its key/value head (MQA/GQA)
+    BlockInfo binfo;  // with a split's keys only (see the constructor)
     CausalMask<kBlockM, kBlockN, kCausal> mask;
+    int n_block_end_;  // key blocks [0, n_block_end_) of binfo's keys are this CTA's (none when <= 0)
 
-    // Causal query blocks near the end of the sequence visit the most key blocks: they get the lowest
-    // CTA indices, so they launch first and the short ones fill the tail of the wave.
+    // blockIdx.x = split index * (query blocks) + query block index, so the CTAs that share a key range
+    // are adjacent and read it from L2 together. Causal query blocks near the end of the sequence visit
+    // the most key blocks: they get the lowest indices, so they launch first and the short ones fill
+    // the tail of the wave.
+    //
+    // Split-KV: each split takes an equal share of the key blocks this query block sees (under a causal
+    // mask, only those), and binfo and the mask then present that share as the whole key sequence: its
+    // first key becomes key 0 and seqlen_k shrinks by as much. The bottom-right aligned causal mask is
+    // unchanged by this (key j + offset <= i + seqlen_k - seqlen_q iff key j <= i + (seqlen_k - offset) -
+    // seqlen_q), so the main loops run over blocks [0, n_block_end()) as without splits, and keep no
+    // split offset in a register.
     __forceinline__ __device__ explicit FwdTile(const FwdParams& params)
-        : m_block(kCausal ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x)),
-          batch_idx(blockIdx.y),
+        : batch_idx(blockIdx.y),
           head_idx(blockIdx.z),
           head_idx_k(head_idx / (params.num_heads / params.num_heads_k)),
           binfo(params, batch_idx),
-          mask(binfo.seqlen_q, binfo.seqlen_k) {}
+          mask(binfo.seqlen_q, binfo.seqlen_k) {
+        const int num_m_blocks = int(gridDim.x) / params.num_splits;
+        const int split = int(blockIdx.x) / num_m_blocks;
+        const int m = int(blockIdx.x) - split * num_m_blocks;
+        m_block = kCausal ? num_m_blocks - 1 - m : m;
+        n_block_end_ = mask.n_block_end(m_block);
+        if (params.num_splits > 1) {
+            const int per_split = (max(n_block_end_, 0) + params.num_splits - 1) / params.num_splits;
+            const int begin = split * per_split;
+            n_block_end_ = min(n_block_end_ - begin, per_split);
+            if (n_block_end_ > 0) {
+                binfo.k_start += begin * kBlockN;
+                binfo.seqlen_k -= begin * kBlockN;
+                mask = CausalMask<kBlockM, kBlockN, kCausal>(binfo.seqlen_q, binfo.seqlen_k);
+            }
+        }
+    }
+
+    // Key split of this CTA, in [0, params.num_splits). Recomputed in the epilogue rather than kept in a
+    // register through the main loop.
+    __forceinline__ __device__ static int split_idx(const FwdParams& params) {
+        return int(blockIdx.x) / (int(gridDim.x) / params.num_splits);
+    }
 
     // False when the query block starts past this sequence's end (varlen grids are sized by the longest).
     __forceinline__ __device__ bool has_rows() const { return m_block * kBlockM < binfo.seqlen_q; }
     __forceinline__ __device__ int q_rows_left() const { return binfo.seqlen_q - m_block * kBlockM; }
-    __forceinline__ __device__ int n_block_end() const { return mask.n_block_end(m_block); }
+    // One past the last key block of binfo's keys that this CTA visits (<= 0: none).
+    __forceinline__ __device__ int n_block_end() const { return n_block_end_; }
+    // True for a split-KV launch: the epilogue writes partials (write_partial) instead of out and lse.
+    __forceinline__ __device__ static bool is_split(const FwdParams& params) { return params.num_splits > 1; }
 
     // lse: the thread's rows; coords_rc: (rows, cols) tile positions of its accumulator values. The thread
     // holding a row's first column writes it.
@@ -49,6 +84,39 @@ struct FwdTile {
         for (int r = 0; r < size(lse); ++r) {
             const int row = get<0>(coords_rc(r, 0));
             if (row < rows_left) { lse_row0[row] = lse(r); }
+        }
+    }
+
+    // Split-KV epilogue. acc_o_rc: the thread's output accumulator as (rows, cols), already divided by this
+    // split's row sums; coords_rc: the tile positions of its values; lse: the thread's rows. Writes fp32
+    // partials to this split's slice of o_accum and lse_accum. Both accumulator layouts (mma.sync and wgmma)
+    // hold pairs of adjacent columns in adjacent col indices, stored as one 8-byte write. A row that saw no
+    // key in this split (finalize returned LSE +inf and output 0) gets LSE -inf: weight 0 in the combine.
+    template <class AccTensor, class CoordTensor, class LseTensor>
+    __forceinline__ __device__ void write_partial(const FwdParams& params, const AccTensor& acc_o_rc,
+                                                  const CoordTensor& coords_rc, const LseTensor& lse) const {
+        static_assert(decltype(size<1>(acc_o_rc))::value % 2 == 0);
+        const index_t row0 = ((index_t(split_idx(params)) * params.batch + batch_idx) * params.num_heads + head_idx) *
+                                 index_t(params.seqlen_q) + m_block * kBlockM;
+        const int rows_left = q_rows_left();
+        const bool writes_lse = get<1>(coords_rc(0, 0)) == 0;  // the thread holding each row's first column
+        // One 64-bit base and 32-bit offsets inside the tile keep the address arithmetic light while all
+        // of acc_o is live.
+        float* o_tile = params.o_accum_ptr + row0 * params.head_dim;
+        float* lse_tile = params.lse_accum_ptr + row0;
+        CUTE_UNROLL
+        for (int r = 0; r < size<0>(acc_o_rc); ++r) {
+            const int row = get<0>(coords_rc(r, 0));
+            if (row >= rows_left) { continue; }
+            CUTE_UNROLL
+            for (int c = 0; c < size<1>(acc_o_rc); c += 2) {
+                const int col = get<1>(coords_rc(r, c));
+                if (col < params.head_dim) {
+                    *reinterpret_cast<float2*>(o_tile + row * params.head_dim + col) =
+                        make_float2(acc_o_rc(r, c), acc_o_rc(r, c + 1));
+                }
+            }
+            if (writes_lse) { lse_tile[row] = lse(r) == INFINITY ? -INFINITY : lse(r); }
         }
     }
 

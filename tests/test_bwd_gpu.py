@@ -98,6 +98,26 @@ def test_gqa_mqa(h, hk, causal):
                 rand(2, 200, hk, 64, dtype=torch.bfloat16), causal)
 
 
+@pytest.mark.parametrize("causal, deterministic", [(False, False), (True, True)], ids=["full", "causal-det"])
+@pytest.mark.parametrize("sk", [1, 1023])
+@pytest.mark.parametrize("h, hk", [(8, 2), (6, 1), (4, 4)], ids=["gqa", "mqa", "mha"])
+@pytest.mark.parametrize("head_dim, dtype", [(64, torch.bfloat16), (128, torch.float16)], ids=["d64-bf16", "d128-fp16"])
+def test_decode_gqa_packing(head_dim, dtype, h, hk, sk, causal, deterministic):
+    # seqlen_q == 1: the op runs the query heads of a group as rows of one head (strided views), so dk and
+    # dv come out per key/value head without the fp32 group sum; causal is a no-op. q is a strided view
+    # (heads-major storage) so the packed views are not plain reshapes of contiguous tensors.
+    require_fwd_bwd_kernels(head_dim, dtype, causal)
+    q = rand(3, h, 1, head_dim, dtype=dtype).transpose(1, 2)
+    k, v = (rand(3, sk, hk, head_dim, dtype=dtype) for _ in range(2))
+    check_grads(q, k, v, causal, deterministic=deterministic)
+    dout = rand(3, 1, h, head_dim, dtype=dtype)
+    out, lse = torch.ops.flash_attn2.fwd(q, k, v, head_dim**-0.5, causal)
+    assert out.is_contiguous() and lse.shape == (3, h, 1) and lse.is_contiguous()
+    dq, dk, dv = torch.ops.flash_attn2.bwd(dout, q, k, v, out, lse, head_dim**-0.5, causal, deterministic)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    assert dq.is_contiguous() and dk.is_contiguous() and dv.is_contiguous()
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_strided_packed_qkv(causal):
     require_fwd_bwd_kernels(64, torch.float16, causal)

@@ -386,6 +386,134 @@ def test_opcheck(causal):
     )
 
 
+# ---------------------------------------------------------------- split-KV and seqlen_q == 1 GQA packing
+#
+# FLASH_ATTN2_NUM_SPLITS=n forces n key splits on the dense forward (unset: the heuristic decides). A split
+# may get no key at all (n above the number of key blocks, causal rows before the diagonal): its partial
+# must still combine exactly.
+
+SPLITS = [2, 3, 7]
+# (head dim, dtype): 128 B shared-memory rows at 64, 128 and 256; 64 B rows on the Hopper kernel at 96.
+SPLIT_HEAD_DIMS = [(64, torch.float16), (128, torch.bfloat16), (256, torch.bfloat16), (96, torch.float16)]
+SPLIT_HEAD_DIM_IDS = ["d64-fp16", "d128-bf16", "d256-bf16", "d96-fp16"]
+SPLIT_SQ = [1, 17, 113]
+SPLIT_SK = [1, 17, 1023, 4097]
+
+
+def set_num_splits(monkeypatch, splits):
+    if splits == "auto":
+        monkeypatch.delenv("FLASH_ATTN2_NUM_SPLITS", raising=False)
+    else:
+        monkeypatch.setenv("FLASH_ATTN2_NUM_SPLITS", str(splits))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim, dtype", SPLIT_HEAD_DIMS, ids=SPLIT_HEAD_DIM_IDS)
+@pytest.mark.parametrize("splits", SPLITS)
+def test_split_kv_forced(splits, head_dim, dtype, causal, monkeypatch):
+    require_kernel(head_dim, dtype, causal)
+    set_num_splits(monkeypatch, splits)
+    run_and_check(*make_qkv(2, 113, 1023, 6, 2, head_dim, dtype), causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("splits", [1, 3, "auto"])
+@pytest.mark.parametrize("seqlens", [(1, 4097), (17, 1), (113, 17), (17, 1023)], ids=seqlen_id)
+def test_split_kv_seqlens(seqlens, splits, causal, monkeypatch):
+    sq, sk = seqlens
+    require_kernel(128, torch.bfloat16, causal)
+    set_num_splits(monkeypatch, splits)
+    run_and_check(*make_qkv(2, sq, sk, 4, 1, 128, torch.bfloat16, "guard_bands"), causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim, dtype", SPLIT_HEAD_DIMS[1::2], ids=SPLIT_HEAD_DIM_IDS[1::2])
+@pytest.mark.parametrize(
+    "b, sq, sk, h, hk",
+    [(2, 1, 4097, 32, 4), (1, 1, 16384, 8, 1), (1, 17, 4097, 4, 4), (1, 1023, 1023, 1, 1)],
+    ids=["decode-gqa", "decode-mqa", "short-q", "one-head"],
+)
+def test_split_kv_auto_shapes(b, sq, sk, h, hk, head_dim, dtype, causal, monkeypatch):
+    # Shapes whose grid is small next to the SM count, so the heuristic splits them.
+    require_kernel(head_dim, dtype, causal)
+    set_num_splits(monkeypatch, "auto")
+    run_and_check(*make_qkv(b, sq, sk, h, hk, head_dim, dtype), causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_split_kv_mma_sync_with_wgmma_disabled(head_dim, causal, monkeypatch):
+    require_kernel(head_dim, torch.bfloat16, causal)
+    monkeypatch.setenv("FLASH_ATTN2_DISABLE_WGMMA", "1")
+    set_num_splits(monkeypatch, 3)
+    run_and_check(*make_qkv(2, 113, 1023, 6, 2, head_dim, torch.bfloat16, "seq_major"), causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_split_kv_deterministic_and_close_to_unsplit(causal, monkeypatch):
+    d, dtype = first_available(causal=causal)
+    q, k, v = make_qkv(1, 17, 4097, 8, 2, d, dtype)
+    scale = 1 / math.sqrt(d)
+    set_num_splits(monkeypatch, 7)
+    out1, lse1 = fwd(q, k, v, scale, causal)
+    poison_allocator("cuda")
+    out2, lse2 = fwd(q, k, v, scale, causal)
+    assert torch.equal(out1, out2) and torch.equal(lse1, lse2)
+    set_num_splits(monkeypatch, 1)
+    out_ref, lse_ref = fwd(q, k, v, scale, causal)
+    torch.testing.assert_close(lse1, lse_ref, rtol=0, atol=1e-4)
+    torch.testing.assert_close(out1.float(), out_ref.float(), rtol=0, atol=2e-2)
+
+
+def test_split_kv_rejects_bad_env(monkeypatch):
+    d, dtype = first_available()
+    monkeypatch.setenv("FLASH_ATTN2_NUM_SPLITS", "two")
+    with pytest.raises((RuntimeError, ValueError), match="FLASH_ATTN2_NUM_SPLITS"):
+        fwd(*make_qkv(1, 1, 64, 2, 2, d, dtype), 0.1, False)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_split_kv_cuda_graph_capture(causal, monkeypatch):
+    # The split workspace comes from the caching allocator, so capture and replay work as unsplit.
+    d, dtype = first_available(causal=causal)
+    set_num_splits(monkeypatch, 3)
+    q, k, v = make_qkv(2, 5, 1500, 8, 2, d, dtype)
+    scale = 1 / math.sqrt(d)
+    warmup = torch.cuda.Stream()
+    warmup.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warmup):
+        fwd(q, k, v, scale, causal)
+    torch.cuda.current_stream().wait_stream(warmup)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = fwd(q, k, v, scale, causal)
+    fresh = make_qkv(2, 5, 1500, 8, 2, d, dtype)
+    for dst, src in zip((q, k, v), fresh):
+        dst.copy_(src)
+    graph.replay()
+    torch.cuda.synchronize()
+    ref_out, ref_lse = attention_ref(*fresh, scale, causal)
+    lowp_out, lowp_lse = attention_ref(*fresh, scale, causal, upcast=False)
+    check_close("out", out, ref_out, lowp_out)
+    check_close("lse", lse, ref_lse, lowp_lse)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("layout", ["heads_major", "guard_bands"])
+@pytest.mark.parametrize("h, hk", [(12, 3), (8, 1), (4, 4)], ids=["gqa", "mqa", "mha"])
+@pytest.mark.parametrize("head_dim, dtype", [(64, torch.bfloat16), (128, torch.float16)], ids=["d64-bf16", "d128-fp16"])
+def test_decode_gqa_packing(head_dim, dtype, h, hk, layout, causal, monkeypatch):
+    # seqlen_q == 1: the query heads of a group run as rows of one head (strided views of q, out and lse),
+    # and causal is a no-op. Outputs must keep the user-facing shapes and be contiguous. Unsplit, then split
+    # as the heuristic likes (3 batches x hk heads of one query block leave most SMs idle).
+    require_kernel(head_dim, dtype, causal)
+    q, k, v = make_qkv(3, 1, 1023, h, hk, head_dim, dtype, layout)
+    set_num_splits(monkeypatch, 1)
+    run_and_check(q, k, v, causal)
+    set_num_splits(monkeypatch, "auto")
+    run_and_check(q, k, v, causal)
+
+
 # ---------------------------------------------------------------- 64-bit offsets
 
 
@@ -464,6 +592,19 @@ def test_exhaustive_layouts(seqlens, layout, head_dim, causal, dtype):
     sq, sk = seqlens
     require_kernel(head_dim, dtype, causal)
     run_and_check(*make_qkv(2, sq, sk, 4, 2, head_dim, dtype, layout), causal)
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim, dtype", SPLIT_HEAD_DIMS, ids=SPLIT_HEAD_DIM_IDS)
+@pytest.mark.parametrize("splits", [1, 2, 3, 7, "auto"])
+@pytest.mark.parametrize("h, hk", [(4, 4), (8, 2), (8, 1)], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("seqlens", list(itertools.product(SPLIT_SQ, SPLIT_SK)), ids=seqlen_id)
+def test_exhaustive_split_kv(seqlens, h, hk, splits, head_dim, dtype, causal, monkeypatch):
+    sq, sk = seqlens
+    require_kernel(head_dim, dtype, causal)
+    set_num_splits(monkeypatch, splits)
+    run_and_check(*make_qkv(2, sq, sk, h, hk, head_dim, dtype), causal)
 
 
 @pytest.mark.exhaustive

@@ -1,0 +1,87 @@
+// Forward tile shapes per head dim, shared by the kernel launcher and the host (whose split-KV heuristic
+// needs the query and key block sizes). Plain constants: this header is also compiled by the host compiler.
+#pragma once
+
+namespace flash {
+
+// (kBlockM, kBlockN, warps) per head dim, measured on an H200 with bench/tune_tiles.py for head dims
+// 64, 128 and 256 (bench/results/h200/tune_fwd_nvidia-h200.md); 32 and 96 follow 64 and 128, and 160 to 224
+// follow 256. Up to head dim 128, 128-row tiles on four warps (32 query rows a warp) beat eight warps of
+// 16 rows even with a few bytes of spills: each K/V fragment read from shared memory feeds twice the MMAs.
+// Causal hdim 128 prefers 64-row query blocks (less work wasted on the diagonal). Above 128 the
+// accumulators leave no registers for 32 rows a warp, and 64x64 tiles on four warps win.
+template <int kHeadDim, bool kCausal>
+struct FwdTileConfig;
+template <bool kCausal> struct FwdTileConfig<32, kCausal> { static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 4; };
+template <bool kCausal> struct FwdTileConfig<64, kCausal> { static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 4; };
+template <bool kCausal> struct FwdTileConfig<96, kCausal> { static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 4; };
+template <> struct FwdTileConfig<128, false> { static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 4; };
+template <> struct FwdTileConfig<128, true> { static constexpr int kBlockM = 64, kBlockN = 128, kNWarps = 4; };
+template <bool kCausal> struct FwdTileConfig<160, kCausal> { static constexpr int kBlockM = 64, kBlockN = 64, kNWarps = 4; };
+template <bool kCausal> struct FwdTileConfig<192, kCausal> { static constexpr int kBlockM = 64, kBlockN = 64, kNWarps = 4; };
+template <bool kCausal> struct FwdTileConfig<224, kCausal> { static constexpr int kBlockM = 64, kBlockN = 64, kNWarps = 4; };
+template <bool kCausal> struct FwdTileConfig<256, kCausal> { static constexpr int kBlockM = 64, kBlockN = 64, kNWarps = 4; };
+
+// Tile-tuning builds (bench/tune_tiles.py) force one tile shape on every kernel.
+#if defined(FLASH_FWD_TILE_M) && defined(FLASH_FWD_TILE_N) && defined(FLASH_FWD_TILE_WARPS)
+template <int kHeadDim, bool kCausal>
+struct ForcedTileConfig { static constexpr int kBlockM = FLASH_FWD_TILE_M, kBlockN = FLASH_FWD_TILE_N, kNWarps = FLASH_FWD_TILE_WARPS; };
+template <int kHeadDim, bool kCausal>
+using SelectedTileConfig = ForcedTileConfig<kHeadDim, kCausal>;
+#else
+template <int kHeadDim, bool kCausal>
+using SelectedTileConfig = FwdTileConfig<kHeadDim, kCausal>;
+#endif
+
+// Hopper (sm_90a) warpgroup-MMA kernel: (kBlockM, kBlockN, CTAs per SM) per head dim, warpgroups of 64 query
+// rows. Head dims 32 and 64 fit two CTAs per SM in registers (at most 128 per thread), so one CTA's softmax and
+// loads overlap the other's MMAs. 96 follows 128, and 160 and 224 follow 192 and 256.
+template <int kHeadDim, bool kCausal>
+struct FwdSm90TileConfig { static constexpr bool kEnabled = false; };
+template <bool kCausal> struct FwdSm90TileConfig<32, kCausal> { static constexpr bool kEnabled = true; static constexpr int kBlockM = 128, kBlockN = 64, kCtasPerSm = 2; };
+template <bool kCausal> struct FwdSm90TileConfig<64, kCausal> { static constexpr bool kEnabled = true; static constexpr int kBlockM = 128, kBlockN = 64, kCtasPerSm = 2; };
+template <bool kCausal> struct FwdSm90TileConfig<96, kCausal> { static constexpr bool kEnabled = true; static constexpr int kBlockM = 128, kBlockN = 128, kCtasPerSm = 1; };
+template <bool kCausal> struct FwdSm90TileConfig<128, kCausal> { static constexpr bool kEnabled = true; static constexpr int kBlockM = 128, kBlockN = 128, kCtasPerSm = 1; };
+template <bool kCausal> struct FwdSm90TileConfig<160, kCausal> { static constexpr bool kEnabled = true; static constexpr int kBlockM = 128, kBlockN = 64, kCtasPerSm = 1; };
+template <bool kCausal> struct FwdSm90TileConfig<192, kCausal> { static constexpr bool kEnabled = true; static constexpr int kBlockM = 128, kBlockN = 64, kCtasPerSm = 1; };
+template <bool kCausal> struct FwdSm90TileConfig<224, kCausal> { static constexpr bool kEnabled = true; static constexpr int kBlockM = 128, kBlockN = 64, kCtasPerSm = 1; };
+template <bool kCausal> struct FwdSm90TileConfig<256, kCausal> { static constexpr bool kEnabled = true; static constexpr int kBlockM = 128, kBlockN = 64, kCtasPerSm = 1; };
+
+// (kBlockM, kBlockN, CTAs resident per SM) of the forward kernel that run_fwd launches, for the host's
+// split-KV heuristic. Tile-tuning builds (FLASH_FWD_TILE_*, defined for nvcc only) and builds without sm_90a
+// code launch other tiles than reported here; that only affects how well the heuristic fits.
+struct FwdBlockShape {
+    int block_m;
+    int block_n;
+    int ctas_per_sm;
+};
+
+template <int kHeadDim, bool kCausal>
+constexpr FwdBlockShape fwd_block_shape_of(bool wgmma) {
+    if constexpr (FwdSm90TileConfig<kHeadDim, kCausal>::kEnabled) {
+        using Config = FwdSm90TileConfig<kHeadDim, kCausal>;
+        if (wgmma) { return {Config::kBlockM, Config::kBlockN, Config::kCtasPerSm}; }
+    }
+    return {FwdTileConfig<kHeadDim, kCausal>::kBlockM, FwdTileConfig<kHeadDim, kCausal>::kBlockN, 1};
+}
+
+// kernel_head_dim: one of the compiled head dims (32, 64, ..., 256).
+template <bool kCausal>
+constexpr FwdBlockShape fwd_block_shape(int kernel_head_dim, bool wgmma) {
+    switch (kernel_head_dim) {
+        case 32: return fwd_block_shape_of<32, kCausal>(wgmma);
+        case 64: return fwd_block_shape_of<64, kCausal>(wgmma);
+        case 96: return fwd_block_shape_of<96, kCausal>(wgmma);
+        case 128: return fwd_block_shape_of<128, kCausal>(wgmma);
+        case 160: return fwd_block_shape_of<160, kCausal>(wgmma);
+        case 192: return fwd_block_shape_of<192, kCausal>(wgmma);
+        case 224: return fwd_block_shape_of<224, kCausal>(wgmma);
+        default: return fwd_block_shape_of<256, kCausal>(wgmma);
+    }
+}
+
+constexpr FwdBlockShape fwd_block_shape(int kernel_head_dim, bool causal, bool wgmma) {
+    return causal ? fwd_block_shape<true>(kernel_head_dim, wgmma) : fwd_block_shape<false>(kernel_head_dim, wgmma);
+}
+
+}  // namespace flash

@@ -1,10 +1,11 @@
 """Small forward and backward calls for compute-sanitizer (not a pytest module): odd lengths, causal both
 ways, GQA, padded head dims, strided views, deterministic mode and variable-length batches (with empty and
-one-token sequences), so out-of-bounds reads or writes show up as memcheck errors.
+one-token sequences), and forced split-KV forwards, so out-of-bounds reads or writes show up as memcheck errors.
 
     compute-sanitizer --tool memcheck python tests/memcheck.py
 """
 import itertools
+import os
 
 import torch
 
@@ -44,6 +45,17 @@ def main():
         out = flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
                                      deterministic=causal)
         out.backward(torch.randn_like(out))
+        cases += 1
+    # Split-KV forwards, forced (the heuristic leaves shapes this small unsplit); 7 splits of 203 keys leave
+    # some splits without a key block.
+    for splits, head_dim, causal in itertools.product(("3", "7"), (32, 64, 96, 128, 256), (False, True)):
+        if not flash_attn_cuda.kernel_available(head_dim, torch.bfloat16, causal):
+            continue
+        os.environ["FLASH_ATTN2_NUM_SPLITS"] = splits
+        q = torch.randn(2, 17, 4, head_dim, device="cuda", dtype=torch.bfloat16)
+        k, v = torch.randn(2, 2, 203, 2, head_dim, device="cuda", dtype=torch.bfloat16).unbind(0)
+        flash_attn_func(q, k, v, causal=causal)
+        del os.environ["FLASH_ATTN2_NUM_SPLITS"]
         cases += 1
     torch.cuda.synchronize()
     print(f"memcheck: {cases} calls done")

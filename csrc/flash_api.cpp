@@ -210,7 +210,9 @@ int multiprocessor_count(int device) {
 
 constexpr int kMaxAutoSplits = 64;     // the heuristic's cap
 constexpr int kMaxForcedSplits = 128;  // FLASH_ATTN2_NUM_SPLITS's cap (run_fwd_combine takes at most 128)
-constexpr int kMinKeysPerSplit = 256;  // the heuristic leaves each split at least this many keys (2-4 key blocks)
+constexpr int kMinKeysPerSplit = 1024;  // the heuristic leaves each split at least this many keys (8-16 key blocks);
+                                       // at 256, causal seqlen 1024 with 1-4 heads ran 1.2-1.65x slower split
+                                       // than unsplit on an H200 (bench/split_sweep.py, perf log 18)
 
 // FLASH_ATTN2_NUM_SPLITS=n (n >= 1) forces n key splits on every dense forward, for tests and benchmarks;
 // unset, empty or 0 lets choose_num_splits decide.

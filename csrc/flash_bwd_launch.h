@@ -30,13 +30,10 @@ using SelectedBwdTileConfig = BwdTileConfig<kHeadDim>;
 #endif
 
 // Hopper (sm_90a) warpgroup-MMA backward: 64 query rows by 128 keys up to head dim 128, 64 by 64 (P and dS
-// through shared memory) for 256. Deterministic mode and the other head dims run the mma.sync kernel (at
-// 192 the wide kernel's half head dim, 96, does not tile the 64-element swizzle atoms of dO^T and Q^T).
-enum class BwdSm90Kind { kNone, kNarrow, kWide };
+// through shared memory) above. Deterministic mode runs the mma.sync kernel.
+enum class BwdSm90Kind { kNarrow, kWide };
 template <int kHeadDim>
-constexpr BwdSm90Kind kBwdSm90Kind = kHeadDim <= 128                     ? BwdSm90Kind::kNarrow
-                                     : kHeadDim == 256                    ? BwdSm90Kind::kWide
-                                                                          : BwdSm90Kind::kNone;
+constexpr BwdSm90Kind kBwdSm90Kind = kHeadDim <= 128 ? BwdSm90Kind::kNarrow : BwdSm90Kind::kWide;
 
 template <class Traits, class Kernel>
 cudaError_t launch_bwd_sm90(Kernel kernel, const BwdParams& params, cudaStream_t stream) {

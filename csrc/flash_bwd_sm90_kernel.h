@@ -4,7 +4,7 @@
 // - flash_bwd_sm90_kernel (head dims up to 128): each warpgroup owns 64 keys end to end. The score GEMMs
 //   are computed transposed (S^T = K Q^T, dP^T = V dO^T), so P^T and dS^T come out already in the
 //   A-operand registers of dV += P^T dO and dK += dS^T Q; only dS^T goes through shared memory, for dQ.
-// - flash_bwd_sm90_wide_kernel (head dim 256): dK and dV of 64 keys over the whole head dim
+// - flash_bwd_sm90_wide_kernel (head dims 160 to 256): dK and dV of 64 keys over the whole head dim
 //   do not fit one warpgroup's registers, so the warpgroups split the keys of S and dP, write P and dS to
 //   shared memory, and split the head dim of dV, dK and dQ.
 // Deterministic mode runs the mma.sync kernel.

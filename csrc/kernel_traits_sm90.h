@@ -78,7 +78,7 @@ namespace flash {
 
 // What both Hopper backward kernels share: two warpgroups, Q and dO in kStagesQ stages of (kBlockM, kHeadDim),
 // K and V of (kBlockN, kHeadDim), all 128 B-swizzled with the head dim contiguous, plus transposed views.
-template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_>
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kSmemRowElems_>
 struct BwdSm90BaseTraits {
     using Element = Element_;
     using ElementAccum = float;
@@ -88,16 +88,17 @@ struct BwdSm90BaseTraits {
     static constexpr int kBlockN = kBlockN_;
     static constexpr int kNWarpgroups = 2;
     static constexpr int kNThreads = kNWarpgroups * 128;
-    static_assert(kHeadDim % 32 == 0, "shared-memory rows of whole swizzle atoms, also for half the head dim");
+    // Elements per 8-row swizzle atom row of Q, dO, K and V: 64 (128 B swizzle), 32 (64 B) or 16 (32 B). Each
+    // kernel picks the widest whose atoms tile every head-dim slice its warpgroups read.
+    static constexpr int kSmemRowElems = kSmemRowElems_;
+    static_assert(kHeadDim % kSmemRowElems == 0, "shared-memory rows of whole swizzle atoms");
 
     using KeysAlongM = Layout<Shape<Int<kNWarpgroups>, _1, _1>>;  // warpgroups split GEMM M
     using SplitN = Layout<Shape<_1, Int<kNWarpgroups>, _1>>;      // warpgroups split GEMM N
 
-    // 128 B swizzle rows of 64 elements where the head dim is a multiple of 64; else (head dims 32 and 96) 32 B
-    // rows of 16, so that each warpgroup's half of the head dim in dQ = dS K is whole atoms of K^T.
-    static constexpr int kSmemRowElems = kHeadDim % 64 == 0 ? 64 : 16;
-    using SmemAtom = std::conditional_t<kSmemRowElems == 64, GMMA::Layout_K_SW128_Atom<Element>,
-                                        GMMA::Layout_K_SW32_Atom<Element>>;
+    using SmemAtom = std::conditional_t<
+        kSmemRowElems == 64, GMMA::Layout_K_SW128_Atom<Element>,
+        std::conditional_t<kSmemRowElems == 32, GMMA::Layout_K_SW64_Atom<Element>, GMMA::Layout_K_SW32_Atom<Element>>>;
     using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));   // also dO
     using SmemLayoutKV = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));  // K and V
     // Transposed views: (kHeadDim, kBlockM) of Q and dO, (kHeadDim, kBlockN) of K.
@@ -124,9 +125,15 @@ struct BwdSm90BaseTraits {
 // key-indexed results, computed transposed so that P^T and dS^T come out of S^T = K Q^T and dP^T = V dO^T
 // already in the A-operand registers of dV += P^T dO and dK += dS^T Q. dQ = dS K (query rows) reads dS^T
 // back from shared memory, the warpgroups splitting the head dim.
+// 128 B swizzle rows where the head dim is a multiple of 64; else (32 and 96) 32 B rows, so that each
+// warpgroup's half of the head dim in dQ = dS K is whole atoms of K^T.
+template <int kHeadDim>
+constexpr int kBwdNarrowSmemRowElems = kHeadDim % 64 == 0 ? 64 : 16;
+
 template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_>
-struct BwdSm90KernelTraits : BwdSm90BaseTraits<Element_, kHeadDim_, kBlockM_, kBlockN_> {
-    using Base = BwdSm90BaseTraits<Element_, kHeadDim_, kBlockM_, kBlockN_>;
+struct BwdSm90KernelTraits
+    : BwdSm90BaseTraits<Element_, kHeadDim_, kBlockM_, kBlockN_, kBwdNarrowSmemRowElems<kHeadDim_>> {
+    using Base = BwdSm90BaseTraits<Element_, kHeadDim_, kBlockM_, kBlockN_, kBwdNarrowSmemRowElems<kHeadDim_>>;
     using typename Base::Element;
     using typename Base::ElementAccum;
     using typename Base::SmemAtom;
@@ -166,12 +173,16 @@ struct BwdSm90KernelTraits : BwdSm90BaseTraits<Element_, kHeadDim_, kBlockM_, kB
     static_assert(kSmemBytes <= 227 * 1024);
 };
 
-// Head dim 256 (flash_bwd_sm90_wide_kernel): the warpgroups split the keys of S = Q K^T and
+// Head dims 160 to 256 (flash_bwd_sm90_wide_kernel): the warpgroups split the keys of S = Q K^T and
 // dP = dO V^T (kBlockN / 2 each), write P and dS to shared memory, and split the head dim of dV += P^T dO,
 // dK += dS^T Q and dQ = dS K, so each holds dK and dV of all kBlockN keys over half the head dim.
+// The widest atom whose rows tile each warpgroup's half of the head dim (80, 96, 112 or 128 columns).
+template <int kHeadDim>
+constexpr int kBwdWideSmemRowElems = (kHeadDim / 2) % 64 == 0 ? 64 : (kHeadDim / 2) % 32 == 0 ? 32 : 16;
+
 template <typename Element_, int kHeadDim_>
-struct BwdSm90WideKernelTraits : BwdSm90BaseTraits<Element_, kHeadDim_, 64, 64> {
-    using Base = BwdSm90BaseTraits<Element_, kHeadDim_, 64, 64>;
+struct BwdSm90WideKernelTraits : BwdSm90BaseTraits<Element_, kHeadDim_, 64, 64, kBwdWideSmemRowElems<kHeadDim_>> {
+    using Base = BwdSm90BaseTraits<Element_, kHeadDim_, 64, 64, kBwdWideSmemRowElems<kHeadDim_>>;
     using typename Base::Element;
     using typename Base::ElementAccum;
     using typename Base::SmemAtom;
@@ -179,7 +190,7 @@ struct BwdSm90WideKernelTraits : BwdSm90BaseTraits<Element_, kHeadDim_, 64, 64> 
     static constexpr int kBlockM = 64;
     static constexpr int kBlockN = 64;
     static constexpr int kHalfD = kHeadDim / Base::kNWarpgroups;
-    static_assert(kHalfD % 64 == 0, "each warpgroup's head-dim half of dO^T, Q^T and K^T is whole swizzle atoms");
+    static_assert(kHalfD % Base::kSmemRowElems == 0, "each warpgroup's half of dO^T, Q^T and K^T is whole atoms");
 
     // S and dP: (kBlockM, kBlockN), operands K-major in shared memory.
     using TiledMmaSdP = decltype(make_tiled_mma(

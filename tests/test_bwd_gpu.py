@@ -68,7 +68,7 @@ def test_head_dims(b, sq, sk, h, hk, head_dim, causal, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 160, 256])
 @pytest.mark.parametrize("seqlens", list(itertools.product(SEQLENS, SEQLENS)), ids=lambda p: f"sq{p[0]}-sk{p[1]}")
 def test_seqlens(seqlens, head_dim, causal, dtype):
     sq, sk = seqlens
@@ -79,7 +79,7 @@ def test_seqlens(seqlens, head_dim, causal, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 256])
+@pytest.mark.parametrize("head_dim", KERNEL_HEAD_DIMS)
 @pytest.mark.parametrize("sq, sk", [(17, 1023), (1023, 113), (257, 257)], ids=lambda v: str(v))
 def test_mma_sync_backward_with_wgmma_disabled(sq, sk, head_dim, causal, dtype, monkeypatch):
     # Hopper runs the warpgroup-MMA backward for these head dims; the mma.sync one (what Ampere runs) must

@@ -83,6 +83,44 @@ torch.library.register_autograd("flash_attn2::varlen_fwd", _varlen_fwd_backward,
                                 setup_context=_varlen_fwd_setup_context)
 
 
+def _eager_autograd(name, setup_context, backward):
+    """Calls torch.ops.flash_attn2.<name> with the autograd registered above, minus the per-call cost of
+    torch.library's Python autograd wrapper.
+
+    That wrapper runs at the op's Autograd dispatch key on every call, and costs tens of microseconds with
+    inputs that require grad (more than the kernels of a decoding step; bench/results/perf_log.md, entry 20).
+    In eager mode the same setup_context and backward run in a plain autograd.Function instead, and the op is
+    dispatched below autograd; under torch.compile the op is called as registered, so it traces as one node.
+    """
+
+    class Function(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *args):
+            with torch._C._AutoDispatchBelowAutograd():
+                output = getattr(torch.ops.flash_attn2, name)(*args)
+            setup_context(ctx, args, output)
+            return output
+
+        @staticmethod
+        def backward(ctx, *grads):
+            return backward(ctx, *grads)
+
+    def call(*args):
+        op = getattr(torch.ops.flash_attn2, name)  # looked up per call, so tests can substitute the op
+        if torch.compiler.is_compiling():
+            return op(*args)
+        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            return Function.apply(*args)
+        with torch._C._AutoDispatchBelowAutograd():
+            return op(*args)
+
+    return call
+
+
+fwd = _eager_autograd("fwd", _fwd_setup_context, _fwd_backward)
+varlen_fwd = _eager_autograd("varlen_fwd", _varlen_fwd_setup_context, _varlen_fwd_backward)
+
+
 @functools.cache
 def compiled_kernels() -> frozenset:
     """Names of the kernels in this build, e.g. 'fwd_hdim128_bf16_causal' or 'bwd_hdim64_fp16_noncausal'."""

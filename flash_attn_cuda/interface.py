@@ -3,6 +3,8 @@
 import torch
 import torch.nn.functional as F
 
+from . import _ops
+
 _ALIGN_ELEMS = 8  # the kernels move 16-byte (8-element) chunks
 
 
@@ -87,7 +89,7 @@ def flash_attn_func(
     """
     _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes)
     q, k, v, softmax_scale, head_dim = _prepare(q, k, v, softmax_scale, 4, "(batch, seqlen, nheads, head_dim)")
-    out, softmax_lse = torch.ops.flash_attn2.fwd(q, k, v, softmax_scale, bool(causal), bool(deterministic))
+    out, softmax_lse = _ops.fwd(q, k, v, softmax_scale, bool(causal), bool(deterministic))
     if out.shape[-1] != head_dim:
         out = out[..., :head_dim]
     if return_attn_probs:
@@ -134,7 +136,7 @@ def flash_attn_varlen_func(
     if block_table is not None:
         raise NotImplementedError("block_table: a paged KV cache is not implemented yet")
     q, k, v, softmax_scale, head_dim = _prepare(q, k, v, softmax_scale, 3, "(total, nheads, head_dim)")
-    out, softmax_lse = torch.ops.flash_attn2.varlen_fwd(
+    out, softmax_lse = _ops.varlen_fwd(
         q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), softmax_scale, bool(causal),
         bool(deterministic),
     )

@@ -182,30 +182,38 @@ void check_launch(cudaError_t err, const char* op, int device) {
     TORCH_CHECK(false, op, " kernel launch failed: ", cudaGetErrorString(err), hint);
 }
 
-// Hopper GPUs run the warpgroup-MMA forward kernels (where the build has them, see flash_fwd_launch.h).
-// FLASH_ATTN2_DISABLE_WGMMA=1 forces the mma.sync kernels, to compare the two in one process.
-bool use_wgmma(int device) {
-    int major = 0, minor = 0;
-    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
-        return false;
+// cudaDeviceGetAttribute for the few attributes the ops ask for at every call, queried once per device.
+// Returns -1 when the query fails.
+int device_attribute(cudaDeviceAttr attr, int device) {
+    constexpr cudaDeviceAttr kCachedAttrs[] = {cudaDevAttrComputeCapabilityMajor, cudaDevAttrComputeCapabilityMinor,
+                                               cudaDevAttrMultiProcessorCount};
+    constexpr int kNumAttrs = sizeof(kCachedAttrs) / sizeof(kCachedAttrs[0]);
+    constexpr int kMaxCachedDevices = 64;
+    static std::atomic<int> cache[kNumAttrs][kMaxCachedDevices];  // value + 1; 0: not queried yet
+    const int slot = int(std::find(kCachedAttrs, kCachedAttrs + kNumAttrs, attr) - kCachedAttrs);
+    const bool cached = slot < kNumAttrs && device >= 0 && device < kMaxCachedDevices;
+    if (cached) {
+        const int stored = cache[slot][device].load(std::memory_order_relaxed);
+        if (stored > 0) { return stored - 1; }
     }
-    const char* disable = std::getenv("FLASH_ATTN2_DISABLE_WGMMA");
-    return major == 9 && minor == 0 && !(disable != nullptr && std::string(disable) == "1");
+    int value = 0;
+    if (cudaDeviceGetAttribute(&value, attr, device) != cudaSuccess) { return -1; }
+    if (cached) { cache[slot][device].store(value + 1, std::memory_order_relaxed); }
+    return value;
 }
 
-// Multiprocessors of `device`, queried once per device (the split-KV heuristic runs at every call).
+// Hopper GPUs run the warpgroup-MMA kernels (where the build has them, see flash_fwd_launch.h and
+// flash_bwd_launch.h). FLASH_ATTN2_DISABLE_WGMMA=1 forces the mma.sync kernels, to compare the two in one process.
+bool use_wgmma(int device) {
+    const char* disable = std::getenv("FLASH_ATTN2_DISABLE_WGMMA");
+    return device_attribute(cudaDevAttrComputeCapabilityMajor, device) == 9 &&
+           device_attribute(cudaDevAttrComputeCapabilityMinor, device) == 0 &&
+           !(disable != nullptr && std::string(disable) == "1");
+}
+
+// Multiprocessors of `device` (at least 1), for the split-KV heuristic.
 int multiprocessor_count(int device) {
-    constexpr int kMaxCachedDevices = 64;
-    static std::atomic<int> cache[kMaxCachedDevices];  // 0: not queried yet
-    const bool cached = device >= 0 && device < kMaxCachedDevices;
-    int count = cached ? cache[device].load(std::memory_order_relaxed) : 0;
-    if (count > 0) { return count; }
-    if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || count < 1) {
-        return 1;
-    }
-    if (cached) { cache[device].store(count, std::memory_order_relaxed); }
-    return count;
+    return std::max(device_attribute(cudaDevAttrMultiProcessorCount, device), 1);
 }
 
 constexpr int kMaxAutoSplits = 64;     // the heuristic's cap

@@ -99,14 +99,33 @@ void check_same_device(const at::Tensor& t, const char* name, const at::Tensor& 
                       " must start at a 16-byte aligned address");
 }
 
+// cudaDeviceGetAttribute for the few attributes the ops ask for at every call, queried once per device.
+// Returns -1 when the query fails.
+int device_attribute(cudaDeviceAttr attr, int device) {
+    constexpr cudaDeviceAttr kCachedAttrs[] = {cudaDevAttrComputeCapabilityMajor, cudaDevAttrComputeCapabilityMinor,
+                                               cudaDevAttrMultiProcessorCount};
+    constexpr int kNumAttrs = sizeof(kCachedAttrs) / sizeof(kCachedAttrs[0]);
+    constexpr int kMaxCachedDevices = 64;
+    static std::atomic<int> cache[kNumAttrs][kMaxCachedDevices];  // value + 1; 0: not queried yet
+    const int slot = int(std::find(kCachedAttrs, kCachedAttrs + kNumAttrs, attr) - kCachedAttrs);
+    const bool cached = slot < kNumAttrs && device >= 0 && device < kMaxCachedDevices;
+    if (cached) {
+        const int stored = cache[slot][device].load(std::memory_order_relaxed);
+        if (stored > 0) { return stored - 1; }
+    }
+    int value = 0;
+    if (cudaDeviceGetAttribute(&value, attr, device) != cudaSuccess) { return -1; }
+    if (cached) { cache[slot][device].store(value + 1, std::memory_order_relaxed); }
+    return value;
+}
+
 void check_device(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
     TORCH_CHECK_VALUE(q.is_cuda(), "q must be a CUDA tensor, got device ", q.device());
     check_same_device(q, "q", q);
     check_same_device(k, "k", q);
     check_same_device(v, "v", q);
-    int cc_major = 0;
-    TORCH_CHECK(cudaDeviceGetAttribute(&cc_major, cudaDevAttrComputeCapabilityMajor, q.get_device()) == cudaSuccess,
-                "could not query the compute capability of ", q.device());
+    const int cc_major = device_attribute(cudaDevAttrComputeCapabilityMajor, q.get_device());
+    TORCH_CHECK(cc_major >= 0, "could not query the compute capability of ", q.device());
     TORCH_CHECK(cc_major >= 8, "flash_attn_cuda needs an Ampere (sm_80) or newer GPU, got compute capability ", num(cc_major),
                 ".x on ", q.device());
 }
@@ -180,26 +199,6 @@ void check_launch(cudaError_t err, const char* op, int device) {
                " KiB of shared memory per block; the kernels are tuned for the 163 KiB of sm_80 and sm_90)";
     }
     TORCH_CHECK(false, op, " kernel launch failed: ", cudaGetErrorString(err), hint);
-}
-
-// cudaDeviceGetAttribute for the few attributes the ops ask for at every call, queried once per device.
-// Returns -1 when the query fails.
-int device_attribute(cudaDeviceAttr attr, int device) {
-    constexpr cudaDeviceAttr kCachedAttrs[] = {cudaDevAttrComputeCapabilityMajor, cudaDevAttrComputeCapabilityMinor,
-                                               cudaDevAttrMultiProcessorCount};
-    constexpr int kNumAttrs = sizeof(kCachedAttrs) / sizeof(kCachedAttrs[0]);
-    constexpr int kMaxCachedDevices = 64;
-    static std::atomic<int> cache[kNumAttrs][kMaxCachedDevices];  // value + 1; 0: not queried yet
-    const int slot = int(std::find(kCachedAttrs, kCachedAttrs + kNumAttrs, attr) - kCachedAttrs);
-    const bool cached = slot < kNumAttrs && device >= 0 && device < kMaxCachedDevices;
-    if (cached) {
-        const int stored = cache[slot][device].load(std::memory_order_relaxed);
-        if (stored > 0) { return stored - 1; }
-    }
-    int value = 0;
-    if (cudaDeviceGetAttribute(&value, attr, device) != cudaSuccess) { return -1; }
-    if (cached) { cache[slot][device].store(value + 1, std::memory_order_relaxed); }
-    return value;
 }
 
 // Hopper GPUs run the warpgroup-MMA kernels (where the build has them, see flash_fwd_launch.h and

@@ -270,6 +270,15 @@ int fwd_num_splits(const FwdParams& params, int kernel_head_dim, bool causal, in
     return static_cast<int>(std::min<int64_t>(splits, max_for_grid));
 }
 
+// FLASH_ATTN2_GQA_WALK=1 makes every GQA/MQA backward that can (Hopper, not deterministic) walk whole groups
+// per CTA, =0 none, for tests and benchmarks; unset or anything else leaves it to the grid size (bwd_impl).
+int forced_gqa_walk() {
+    const char* text = std::getenv("FLASH_ATTN2_GQA_WALK");
+    if (text == nullptr) { return -1; }
+    const std::string value(text);
+    return value == "1" ? 1 : value == "0" ? 0 : -1;
+}
+
 // Everything both passes read: inputs, output, LSE, sizes, the scale and, for varlen, the sequence bounds.
 void set_fwd_params(FwdParams& params, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                     const at::Tensor& out, const at::Tensor& lse, double softmax_scale, const Varlen* varlen) {
@@ -475,12 +484,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(const at::Tensor& dout, 
     };
     at::Tensor dq = allocate(q.sizes(), q.options());
     const at::Tensor dq_k = pack_gqa(dq, group);
-    // One dK/dV slice per query head; query heads that share a k/v head are summed afterwards, from fp32
-    // slices so that each gradient is rounded to the input dtype once.
+    // GQA/MQA: on Hopper one CTA walks every query head of its key/value head, summing dK and dV in
+    // registers, as long as that grid (group times smaller) still gives every SM a CTA. Otherwise one dK/dV
+    // slice per query head, summed afterwards from fp32 slices so that each gradient is rounded once.
     const bool grouped = nheads != nheads_k;
-    const auto dkv_options = grouped ? fp32 : q.options();
-    at::Tensor dk_heads = allocate({k.size(0), k.size(1), nheads, head_dim}, dkv_options);
-    at::Tensor dv_heads = allocate({k.size(0), k.size(1), nheads, head_dim}, dkv_options);
+    const int64_t seqlen_k = varlen != nullptr ? varlen->max_seqlen_k : k.size(1);
+    const int device = q.get_device();
+    const int forced_walk = forced_gqa_walk();
+    const bool walk_groups =
+        grouped && !deterministic && use_wgmma(device) && bwd_walks_gqa_groups() && forced_walk != 0 &&
+        (forced_walk == 1 ||
+         (seqlen_k + bwd_sm90_block_n(key.head_dim) - 1) / bwd_sm90_block_n(key.head_dim) * batch * nheads_k >=
+             multiprocessor_count(device));
+    const int64_t heads_per_cta = walk_groups ? nheads / nheads_k : 1;
+    const bool fp32_slices = grouped && !walk_groups;
+    const auto dkv_options = fp32_slices ? fp32 : q.options();
+    at::Tensor dk_heads = allocate({k.size(0), k.size(1), nheads / heads_per_cta, head_dim}, dkv_options);
+    at::Tensor dv_heads = allocate({k.size(0), k.size(1), nheads / heads_per_cta, head_dim}, dkv_options);
     at::Tensor dq_semaphore;
     if (deterministic) {
         dq_semaphore = at::zeros({batch, nheads, (seqlen_q + kBwdMinBlockM - 1) / kBwdMinBlockM}, q.options().dtype(at::kInt));
@@ -504,7 +524,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(const at::Tensor& dout, 
     params.dk_batch_stride = varlen != nullptr ? 0 : dk_heads.stride(0);
     params.dk_row_stride = dk_heads.stride(1);
     params.dk_head_stride = dk_heads.stride(2);
-    params.dkv_fp32 = grouped;
+    params.dkv_fp32 = fp32_slices;
+    params.heads_per_cta = static_cast<int>(heads_per_cta);
     params.dq_semaphore_ptr = deterministic ? dq_semaphore.data_ptr<int>() : nullptr;
     params.dq_accum_seqlen = static_cast<int>(dq_accum_seqlen);
     params.dq_accum_head_dim = key.head_dim;
@@ -514,9 +535,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(const at::Tensor& dout, 
     cudaError_t err = run_bwd_dot_do_o(params, is_bf16, stream);
     if (err == cudaSuccess) { err = launcher(params, stream); }
     if (err == cudaSuccess) { err = run_bwd_convert_dq(params, is_bf16, stream); }
-    check_launch(err, "flash_attn2::bwd", q.get_device());
+    check_launch(err, "flash_attn2::bwd", device);
 
-    if (!grouped) { return {dq, dk_heads, dv_heads}; }
+    if (!fp32_slices) { return {dq, dk_heads, dv_heads}; }
     const int64_t heads_per_kv = nheads / nheads_k;
     auto sum_group = [&](const at::Tensor& heads) {
         return heads.view({k.size(0), k.size(1), nheads_k, heads_per_kv, head_dim}).sum(3, false, at::kFloat).to(q.scalar_type());

@@ -86,4 +86,12 @@ cudaError_t run_bwd_convert_dq(const BwdParams& params, bool is_bf16, cudaStream
                   stream);
 }
 
+bool bwd_walks_gqa_groups() {
+#if defined(FLASH_ATTN2_SM90A) && !defined(FLASH_BWD_TILE_M)
+    return true;
+#else
+    return false;
+#endif
+}
+
 }  // namespace flash

@@ -37,7 +37,9 @@ constexpr BwdSm90Kind kBwdSm90Kind = kHeadDim <= 128 ? BwdSm90Kind::kNarrow : Bw
 
 template <class Traits, class Kernel>
 cudaError_t launch_bwd_sm90(Kernel kernel, const BwdParams& params, cudaStream_t stream) {
-    const dim3 grid((params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, params.batch, params.num_heads);
+    static_assert(Traits::kBlockN == bwd_sm90_block_n(Traits::kHeadDim), "the host sizes its grid decisions by it");
+    const dim3 grid((params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, params.batch,
+                    params.num_heads / params.heads_per_cta);
     return launch_kernel<Traits::kNThreads, Traits::kSmemBytes>(kernel, grid, params, stream);
 }
 
@@ -54,6 +56,8 @@ cudaError_t run_bwd(const BwdParams& params, cudaStream_t stream) {
         }
     }
 #endif
+    // Only the Hopper kernels walk several query heads per CTA; the host asks bwd_walks_gqa_groups() first.
+    if (params.heads_per_cta != 1) { return cudaErrorNotSupported; }
     using Config = SelectedBwdTileConfig<kHeadDim>;
     static_assert(Config::kBlockM >= kBwdMinBlockM && Config::kBlockM <= kBwdMaxBlockM);
     using Traits = BwdKernelTraits<Element, kHeadDim, Config::kBlockM, Config::kBlockN>;

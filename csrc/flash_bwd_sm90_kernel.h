@@ -1,6 +1,8 @@
 // FlashAttention-2 backward kernels for Hopper (sm_90a) on warpgroup MMAs. The schedule is that of
 // flash_bwd_kernel.h: one CTA owns kBlockN keys and walks the query blocks that see them, P is recomputed
-// from the LSE, dK and dV stay in registers, and dQ goes to an fp32 buffer by reduction. Two variants:
+// from the LSE, dK and dV stay in registers, and dQ goes to an fp32 buffer by reduction. With GQA/MQA a CTA
+// can also walk every query head of its key/value head (BwdParams::heads_per_cta), so dK and dV are summed
+// over the group in registers instead of through per-query-head fp32 slices. Two variants:
 // - flash_bwd_sm90_kernel (head dims up to 128): each warpgroup owns 64 keys end to end. The score GEMMs
 //   are computed transposed (S^T = K Q^T, dP^T = V dO^T), so P^T and dS^T come out already in the
 //   A-operand registers of dV += P^T dO and dK += dS^T Q; only dS^T goes through shared memory, for dQ.
@@ -40,11 +42,13 @@ struct BwdSm90Block {
 
     int n_block;
     int batch_idx;
-    int head_idx;
+    int first_head;  // the CTA walks query heads [first_head, first_head + params.heads_per_cta)
     int head_idx_k;
+    int dkv_head;    // the dK/dV slice it writes: its query head, or its key/value head when it walks a group
     BlockInfo binfo;
     int m_block_begin;  // the first query block with a row that sees a key of this block
     int m_block_end;
+    int num_steps;      // (query head, query block) pairs walked: heads outer, query blocks inner
     int causal_offset;  // query row i sees key j iff j <= i + causal_offset
     Element* q_base;    // stage s at q_base + s * kQElems
     Element* do_base;   // likewise
@@ -57,8 +61,9 @@ struct BwdSm90Block {
     __forceinline__ __device__ BwdSm90Block(const BwdParams& params, char* smem_raw)
         : n_block(blockIdx.x),
           batch_idx(blockIdx.y),
-          head_idx(blockIdx.z),
-          head_idx_k(head_idx / (params.num_heads / params.num_heads_k)),
+          first_head(blockIdx.z * params.heads_per_cta),
+          head_idx_k(first_head / (params.num_heads / params.num_heads_k)),
+          dkv_head(blockIdx.z),
           binfo(params, batch_idx) {
         m_block_end = (binfo.seqlen_q + kBlockM - 1) / kBlockM;
         causal_offset = binfo.seqlen_k - binfo.seqlen_q;
@@ -67,6 +72,7 @@ struct BwdSm90Block {
             const int first_row = n_block * kBlockN - causal_offset;
             m_block_begin = first_row <= 0 ? 0 : min(first_row / kBlockM, m_block_end);
         }
+        num_steps = params.heads_per_cta * (m_block_end - m_block_begin);
         q_base = reinterpret_cast<Element*>(smem_raw);
         do_base = q_base + Traits::kStagesQ * kQElems;
         k_base = do_base + Traits::kStagesQ * kQElems;
@@ -79,6 +85,9 @@ struct BwdSm90Block {
     // False when the key block starts past this sequence's end (varlen grids are sized by the longest).
     __forceinline__ __device__ bool has_keys() const { return n_block * kBlockN < binfo.seqlen_k; }
     __forceinline__ __device__ int k_rows_left() const { return binfo.seqlen_k - n_block * kBlockN; }
+    // The query head and query block of step `step` (0 <= step < num_steps).
+    __forceinline__ __device__ int head_of(int step) const { return first_head + step / (m_block_end - m_block_begin); }
+    __forceinline__ __device__ int m_block_of(int step) const { return m_block_begin + step % (m_block_end - m_block_begin); }
 
     template <class Layout>
     __forceinline__ __device__ static auto smem(Element* p, Layout layout) {
@@ -107,10 +116,12 @@ struct BwdSm90Block {
         copy_zfill(gmem_tiled_copy, gmem_thr_copy.partition_S(gV), tVsV, tKVcKV, k_rows_left(), params.head_dim);
     }
 
-    // Q, dO, LSE and D of query block m_block into stage. Rows past seqlen_q read as 0, LSE and D included:
-    // with zero Q and dO rows that gives P = 1 and dS = 0 there, so nothing reaches dV, dK or a stored dQ
-    // row, and the kernels need no query-end mask.
-    __forceinline__ __device__ void load_q_do(const BwdParams& params, int m_block, int stage, int thread) const {
+    // Q, dO, LSE and D of step `step` into stage. Rows past seqlen_q read as 0, LSE and D included: with
+    // zero Q and dO rows that gives P = 1 and dS = 0 there, so nothing reaches dV, dK or a stored dQ row,
+    // and the kernels need no query-end mask.
+    __forceinline__ __device__ void load_q_do(const BwdParams& params, int step, int stage, int thread) const {
+        const int head_idx = head_of(step);
+        const int m_block = m_block_of(step);
         typename Traits::GmemTiledCopyLoad gmem_tiled_copy;
         auto gmem_thr_copy = gmem_tiled_copy.get_thread_slice(thread);
         Tensor gQ = local_tile(binfo.q_view<Element>(params, batch_idx, head_idx), Shape<Int<kBlockM>, Int<kHeadDim>>{},
@@ -135,31 +146,31 @@ struct BwdSm90Block {
         }
     }
 
-    // K, V and the first query block's Q, dO, LSE and D, in flight when the loop starts.
+    // K, V and the first step's Q, dO, LSE and D, in flight when the loop starts.
     __forceinline__ __device__ void load_first(const BwdParams& params, int thread) const {
         load_kv(params, thread);
-        if (m_block_begin < m_block_end) { load_q_do(params, m_block_begin, 0, thread); }
+        if (num_steps > 0) { load_q_do(params, 0, 0, thread); }
         cp_async_fence();
     }
 
-    // Opens the step of query block m_block and returns its stage: waits for its loads, makes them visible to
-    // wgmma, syncs the CTA (so every warpgroup is done with the previous step's shared-memory tiles), and
-    // starts loading the next query block into the other stage.
-    __forceinline__ __device__ int begin_step(const BwdParams& params, int m_block, int thread) const {
-        const int stage = (m_block - m_block_begin) & 1;
+    // Opens step `step` and returns its stage: waits for its loads, makes them visible to wgmma, syncs the
+    // CTA (so every warpgroup is done with the previous step's shared-memory tiles), and starts loading the
+    // next step into the other stage.
+    __forceinline__ __device__ int begin_step(const BwdParams& params, int step, int thread) const {
+        const int stage = step & 1;
         cp_async_wait<0>();
         // cp.async writes are generic-proxy stores; wgmma reads shared memory through the async proxy.
         cutlass::arch::fence_view_async_shared();
         __syncthreads();
-        if (m_block + 1 < m_block_end) {
-            load_q_do(params, m_block + 1, stage ^ 1, thread);
+        if (step + 1 < num_steps) {
+            load_q_do(params, step + 1, stage ^ 1, thread);
             cp_async_fence();
         }
         return stage;
     }
 
-    // This head's dQ accumulator as (kBlockM, kHeadDim) tiles.
-    __forceinline__ __device__ auto gdQaccum(const BwdParams& params) const {
+    // Query head head_idx's dQ accumulator as (kBlockM, kHeadDim) tiles.
+    __forceinline__ __device__ auto gdQaccum(const BwdParams& params, int head_idx) const {
         float* dq_head = params.dq_accum_ptr + binfo.dq_accum_row(params, batch_idx, head_idx) * kHeadDim;
         return make_tensor(make_gmem_ptr(dq_head),
                            make_layout(make_shape(Int<kBlockM>{}, Int<kHeadDim>{}, m_block_end),
@@ -173,9 +184,9 @@ struct BwdSm90Block {
                                                 const Coords& coords) const {
         auto store = [&](auto out_type) {
             using Out = decltype(out_type);
-            Tensor gdK = local_tile(binfo.dk_view<Out>(params, batch_idx, head_idx), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+            Tensor gdK = local_tile(binfo.dk_view<Out>(params, batch_idx, dkv_head), Shape<Int<kBlockN>, Int<kHeadDim>>{},
                                     make_coord(n_block, 0));  // (kBlockN, kHeadDim)
-            Tensor gdV = local_tile(binfo.dv_view<Out>(params, batch_idx, head_idx), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+            Tensor gdV = local_tile(binfo.dv_view<Out>(params, batch_idx, dkv_head), Shape<Int<kBlockN>, Int<kHeadDim>>{},
                                     make_coord(n_block, 0));  // (kBlockN, kHeadDim)
             store_acc<Out>(acc_dk, coords, gdK, k_rows_left(), params.head_dim, params.softmax_scale);
             store_acc<Out>(acc_dv, coords, gdV, k_rows_left(), params.head_dim, 1.f);
@@ -225,12 +236,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
     // dQ, (kBlockM, kHeadDim) per query block, added into dq_accum.
     typename Traits::TiledMmadQ mma_dq;
-    Tensor gdQaccum = blk.gdQaccum(params);  // (kBlockM, kHeadDim, m)
 
     blk.load_first(params, tidx);
-    for (int m_block = blk.m_block_begin; m_block < blk.m_block_end; ++m_block) {
+    for (int step = 0; step < blk.num_steps; ++step) {
         const int loop_tidx = opaque_int(tidx);
-        const int stage = blk.begin_step(params, m_block, loop_tidx);
+        const int stage = blk.begin_step(params, step, loop_tidx);
+        const int m_block = blk.m_block_of(step);
 
         // Both score GEMMs are in flight together; P^T is computed while dP^T finishes.
         auto thr_mma_sdp = mma_sdp.get_thread_slice(loop_tidx);
@@ -302,6 +313,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         warpgroup_fence_operand(acc_dk);
         warpgroup_fence_operand(rPt);
         warpgroup_fence_operand(rdSt);
+        Tensor gdQaccum = blk.gdQaccum(params, blk.head_of(step));          // (kBlockM, kHeadDim, m)
         Tensor tdQgdQ = thr_mma_dq.partition_C(gdQaccum(_, _, m_block));  // (MMA, MMA_M, MMA_D)
         CUTE_UNROLL
         for (int i = 0; i < size(acc_dq); i += 2) { red_add_pair(&tdQgdQ(i), acc_dq(i), acc_dq(i + 1)); }
@@ -348,12 +360,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
     // dQ, (kBlockM, kHeadDim) per query block, each warpgroup half the head dim, added into dq_accum.
     typename Traits::TiledMmadQ mma_dq;
-    Tensor gdQaccum = blk.gdQaccum(params);  // (kBlockM, kHeadDim, m)
 
     blk.load_first(params, tidx);
-    for (int m_block = blk.m_block_begin; m_block < blk.m_block_end; ++m_block) {
+    for (int step = 0; step < blk.num_steps; ++step) {
         const int loop_tidx = opaque_int(tidx);
-        const int stage = blk.begin_step(params, m_block, loop_tidx);
+        const int stage = blk.begin_step(params, step, loop_tidx);
+        const int m_block = blk.m_block_of(step);
 
         auto thr_mma_sdp = mma_sdp.get_thread_slice(loop_tidx);
         Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});   // (MMA, MMA_M, MMA_N)
@@ -417,6 +429,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         warpgroup_gemm_issue</*kZeroInit=*/false>(mma_dkv, tKVrPt, tKVrdOt, acc_dv);
         warpgroup_gemm_issue</*kZeroInit=*/false>(mma_dkv, tKVrdSt, tKVrQt, acc_dk);
         warpgroup_wait_for<2>(acc_dq);
+        Tensor gdQaccum = blk.gdQaccum(params, blk.head_of(step));          // (kBlockM, kHeadDim, m)
         Tensor tdQgdQ = thr_mma_dq.partition_C(gdQaccum(_, _, m_block));  // (MMA, MMA_M, MMA_D)
         CUTE_UNROLL
         for (int i = 0; i < size(acc_dq); i += 2) { red_add_pair(&tdQgdQ(i), acc_dq(i), acc_dq(i + 1)); }

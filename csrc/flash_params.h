@@ -63,6 +63,9 @@ struct FwdParams {
 constexpr int kBwdMinBlockM = 64;
 constexpr int kBwdMaxBlockM = 128;
 
+// Keys per CTA of the Hopper backward kernels (flash_bwd_launch.h), for the host's choice of grid.
+constexpr int bwd_sm90_block_n(int head_dim) { return head_dim <= 128 ? 128 : 64; }
+
 // The backward reads everything the forward read (q, k, v, out, lse) plus these.
 struct BwdParams : FwdParams {
     const void* __restrict__ do_ptr;   // (batch, seqlen_q, num_heads, head_dim), gradient of out
@@ -71,9 +74,13 @@ struct BwdParams : FwdParams {
                                        // dq_accum_seqlen, .); varlen (num_heads, dq_accum_seqlen, .), where
                                        // sequence b starts at row cu_seqlens_q[b] + b * kBwdMaxBlockM
     void* __restrict__ dq_ptr;         // dq_accum * scale, at the dq_*_stride strides
-    void* __restrict__ dk_ptr;         // (batch, seqlen_k, num_heads, head_dim): one slice per query head
-    void* __restrict__ dv_ptr;         // (batch, seqlen_k, num_heads, head_dim): one slice per query head
-    bool dkv_fp32;                     // dk_ptr and dv_ptr hold fp32 (GQA/MQA), else the input dtype
+    void* __restrict__ dk_ptr;         // (batch, seqlen_k, num_heads / heads_per_cta, head_dim): one slice per
+                                       // query head, or per key/value head when heads_per_cta > 1
+    void* __restrict__ dv_ptr;         // likewise
+    bool dkv_fp32;                     // dk_ptr and dv_ptr hold fp32 (per-query-head GQA slices, summed on the
+                                       // host), else the input dtype
+    int heads_per_cta;                 // query heads one CTA walks: 1, or num_heads / num_heads_k (Hopper
+                                       // kernels only), when the grid's z runs over key/value heads
     int* dq_semaphore_ptr;             // (batch, num_heads, ceil(seqlen_q / kBwdMinBlockM)) zeroed; deterministic only
 
     index_t do_batch_stride;  // elements between consecutive batches of dout

@@ -21,16 +21,20 @@ def _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes):
 
 def _kernel_ready(x: torch.Tensor, head_dim: int) -> torch.Tensor:
     """Pads head_dim to a multiple of 8 and copies only when strides or alignment rule out 16-byte loads."""
+    # Plain loops and early returns: this runs three times per call, and decoding-sized calls are host-bound.
     if head_dim % _ALIGN_ELEMS != 0:
         x = F.pad(x, (0, _ALIGN_ELEMS - head_dim % _ALIGN_ELEMS))
-    aligned = x.stride(-1) == 1 and all(
-        s % _ALIGN_ELEMS == 0 for size, s in zip(x.shape[:-1], x.stride()[:-1]) if size > 1
-    )
+    *strides, last_stride = x.stride()
+    if last_stride != 1:
+        return x.contiguous()
+    for size, stride in zip(x.shape, strides):
+        if stride % _ALIGN_ELEMS != 0 and size > 1:
+            return x.contiguous()
     # Allocations are 16-byte aligned, so the view's offset decides. Dynamo cannot trace storage_offset()
     # into a graph; under torch.compile a misaligned view is reported by the op's own check instead.
-    if aligned and not torch.compiler.is_compiling():
-        aligned = x.storage_offset() * x.element_size() % 16 == 0
-    return x if aligned else x.contiguous()
+    if not torch.compiler.is_compiling() and x.storage_offset() * x.element_size() % 16 != 0:
+        return x.contiguous()
+    return x
 
 
 def _prepare(q, k, v, softmax_scale, rank, layout):

@@ -57,6 +57,21 @@ def main():
         flash_attn_func(q, k, v, causal=causal)
         del os.environ["FLASH_ATTN2_NUM_SPLITS"]
         cases += 1
+    # GQA backwards with every CTA walking its whole group (forced; a Hopper-only path), dense and varlen.
+    os.environ["FLASH_ATTN2_GQA_WALK"] = "1"
+    for head_dim, causal in itertools.product(head_dims, (False, True)):
+        if not flash_attn_cuda.kernel_available(head_dim, torch.bfloat16, causal, backward=True):
+            continue
+        q = torch.randn(2, 77, 6, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        kv = torch.randn(2, 203, 2, 2, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        out = flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], causal=causal)
+        out.backward(torch.randn_like(out))
+        q = torch.randn(sum(lens_q), 6, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        kv = torch.randn(sum(lens_k), 2, 2, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        out = flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_q, cu_k, max(lens_q), max(lens_k), causal=causal)
+        out.backward(torch.randn_like(out))
+        cases += 2
+    del os.environ["FLASH_ATTN2_GQA_WALK"]
     torch.cuda.synchronize()
     print(f"memcheck: {cases} calls done")
 

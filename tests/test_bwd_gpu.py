@@ -90,6 +90,33 @@ def test_mma_sync_backward_with_wgmma_disabled(sq, sk, head_dim, causal, dtype, 
                 rand(2, sk, 2, head_dim, dtype=dtype), causal)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", KERNEL_HEAD_DIMS)
+@pytest.mark.parametrize("b, sq, sk, h, hk", [(2, 113, 1023, 8, 2), (2, 257, 17, 6, 1)], ids=["gqa-sq<sk", "mqa-sq>sk"])
+def test_gqa_group_walk(b, sq, sk, h, hk, head_dim, causal, dtype, monkeypatch):
+    # FLASH_ATTN2_GQA_WALK=1: on Hopper every backward CTA walks all query heads of its key/value head and sums
+    # dK and dV in registers, whatever the grid size (elsewhere the variable changes nothing).
+    require_fwd_bwd_kernels(head_dim, dtype, causal)
+    monkeypatch.setenv("FLASH_ATTN2_GQA_WALK", "1")
+    check_grads(rand(b, sq, h, head_dim, dtype=dtype), rand(b, sk, hk, head_dim, dtype=dtype),
+                rand(b, sk, hk, head_dim, dtype=dtype), causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("walk", ["0", "auto"])
+def test_gqa_group_walk_by_grid_size(walk, causal, monkeypatch):
+    # 2 sequences x 2 key/value heads x 33 key blocks of 128 keys fill the 132 SMs of an H200, so the grid-size
+    # rule walks groups there; "0" keeps one CTA per query head with fp32 dK/dV slices.
+    require_fwd_bwd_kernels(128, torch.bfloat16, causal)
+    if walk == "0":
+        monkeypatch.setenv("FLASH_ATTN2_GQA_WALK", "0")
+    else:
+        monkeypatch.delenv("FLASH_ATTN2_GQA_WALK", raising=False)
+    check_grads(rand(2, 200, 8, 128, dtype=torch.bfloat16), rand(2, 4100, 2, 128, dtype=torch.bfloat16),
+                rand(2, 4100, 2, 128, dtype=torch.bfloat16), causal)
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("h, hk", [(8, 1), (8, 2), (12, 3)])
 def test_gqa_mqa(h, hk, causal):

@@ -77,6 +77,15 @@ def test_varlen_head_dims(head_dim, causal, dtype):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128, 192, 256])
+def test_varlen_gqa_group_walk(head_dim, causal, monkeypatch):
+    # Hopper backward CTAs walking every query head of their key/value head (forced; see test_bwd_gpu.py).
+    require_fwd_bwd_kernels(head_dim, torch.bfloat16, causal)
+    monkeypatch.setenv("FLASH_ATTN2_GQA_WALK", "1")
+    check_varlen(LENS_Q, LENS_K, 6, 2, head_dim, torch.bfloat16, causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("h, hk", [(4, 4), (8, 1)])
 @pytest.mark.parametrize("lens", [([1], [1]), ([1023, 1, 0], [0, 1, 1023]), ([129, 257], [257, 129])],
                          ids=["one-token", "long-short-empty", "swap"])

@@ -109,7 +109,8 @@ def _eager_autograd(name, setup_context, backward):
         op = getattr(torch.ops.flash_attn2, name)  # looked up per call, so tests can substitute the op
         if torch.compiler.is_compiling():
             return op(*args)
-        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+        # q, k and v come first; the other tensor arguments (cu_seqlens) never require grad.
+        if torch.is_grad_enabled() and (args[0].requires_grad or args[1].requires_grad or args[2].requires_grad):
             return Function.apply(*args)
         with torch._C._AutoDispatchBelowAutograd():
             return op(*args)

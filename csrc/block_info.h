@@ -44,7 +44,8 @@ struct BlockInfo {
     __forceinline__ __device__ auto do_view(const BwdParams& p, int b, int h) const {
         return view<const Element>(p.do_ptr, b * p.do_batch_stride + h * p.do_head_stride, q_start, seqlen_q, p.do_row_stride, p);
     }
-    // dK and dV have one slice per query head (summed over each GQA group on the host).
+    // dK and dV slice h: a query head's (summed over its GQA group on the host), or a key/value head's when
+    // the backward CTAs walk whole groups (BwdParams::heads_per_cta).
     template <typename Element>
     __forceinline__ __device__ auto dk_view(const BwdParams& p, int b, int h) const {
         return view<Element>(p.dk_ptr, b * p.dk_batch_stride + h * p.dk_head_stride, k_start, seqlen_k, p.dk_row_stride, p);

@@ -49,7 +49,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kCtasPerSm)
     Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem_sm90)),
                             typename Traits::SmemLayoutQ{});  // (kBlockM, kHeadDim)
     Element* kv_base = raw_pointer_cast(sQ.data()) + Traits::kSmemQElems;
-    // Stage s (of Traits::kStagesKV = 2) holds K at kv_base + 2s * kv and V right after it.
+    // Stage s (of Traits::kStagesKV) holds K at kv_base + 2s * kv and V right after it.
     auto sK_stage = [&](int s) {
         return make_tensor(make_smem_ptr(kv_base + 2 * s * Traits::kSmemKVElems),
                            typename Traits::SmemLayoutKV{});  // (kBlockN, kHeadDim)
@@ -98,23 +98,28 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kCtasPerSm)
 
     // Key blocks run from the last to the first, so the tiles that need masking (the sequence end
     // and the causal diagonal) come first.
+    // One cp.async group per key block, empty past the first block, so that waiting until kStagesKV - 2
+    // groups are pending always means this step's block has landed while the next ones keep streaming.
+    constexpr int kStagesKV = Traits::kStagesKV;
     copy_zfill(gmem_tiled_copy, tQgQ, tQsQ, tQcQ, q_rows_left, params.head_dim);
-    if (n_block_end > 0) { load_kv(n_block_end - 1, 0); }
-    cp_async_fence();
+    CUTE_UNROLL
+    for (int s = 0; s < kStagesKV - 1; ++s) {
+        if (n_block_end - 1 - s >= 0) { load_kv(n_block_end - 1 - s, s); }
+        cp_async_fence();
+    }
 
     Tensor acc_o_rc = gmma_as_rowcol(acc_o);  // (rows, kHeadDim cols)
     OnlineSoftmax<decltype(size<0>(acc_o_rc))::value> softmax(params.softmax_scale_log2);
 
     int stage = 0;
-    for (int n_block = n_block_end - 1; n_block >= 0; --n_block, stage ^= 1) {
-        cp_async_wait<0>();
+    for (int n_block = n_block_end - 1; n_block >= 0; --n_block, stage = stage + 1 == kStagesKV ? 0 : stage + 1) {
+        cp_async_wait<kStagesKV - 2>();
         // cp.async writes are generic-proxy stores; wgmma reads shared memory through the async proxy.
         cutlass::arch::fence_view_async_shared();
-        __syncthreads();  // this step's K and V have landed, and every warpgroup is done with the other stage
-        if (n_block > 0) {
-            load_kv(n_block - 1, stage ^ 1);
-            cp_async_fence();
-        }
+        __syncthreads();  // this step's K and V have landed, and every warpgroup is done with the stage refilled next
+        const int refill_stage = stage == 0 ? kStagesKV - 1 : stage - 1;
+        if (n_block - (kStagesKV - 1) >= 0) { load_kv(n_block - (kStagesKV - 1), refill_stage); }
+        cp_async_fence();
 
         Tensor tSrK = thr_mma_s.make_fragment_B(thr_mma_s.partition_B(sK_stage(stage)));  // (MMA, MMA_N, MMA_K)
         Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});   // (MMA, MMA_M, MMA_N)

@@ -56,8 +56,10 @@ struct FwdSm90KernelTraits {
 
     static constexpr int kSmemQElems = cosize_v<SmemLayoutQ>;
     static constexpr int kSmemKVElems = cosize_v<SmemLayoutKV>;
-    // Q, then two stages of (K, V): the next key block loads while this one computes.
-    static constexpr int kStagesKV = 2;
+    // Q, then stages of (K, V): with three, two key blocks are in flight while one computes, which
+    // memory-bound calls (decoding) need to keep the loads streaming; two where three do not fit.
+    static constexpr int kStagesKV =
+        (kSmemQElems + 6 * kSmemKVElems) * int(sizeof(Element)) * kCtasPerSm <= 227 * 1024 ? 3 : 2;
     static constexpr int kSmemBytes = (kSmemQElems + 2 * kStagesKV * kSmemKVElems) * int(sizeof(Element));
     static_assert(kSmemBytes * kCtasPerSm <= 227 * 1024, "sm_90 has 227 KiB of shared memory per SM for blocks");
 

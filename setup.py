@@ -156,8 +156,8 @@ def build_extensions():
     archs = env_list("FLASH_ATTN2_CUDA_ARCHS", ("80", "90"), ("80", "86", "89", "90", "100", "120"))
     nvcc_threads = env_int("NVCC_THREADS", 1)
     os.environ.setdefault("MAX_JOBS", str(default_max_jobs(nvcc_threads)))
-    sources = ["csrc/module.cpp", "csrc/flash_api.cpp", "csrc/kernel_registry.cpp", "csrc/flash_bwd_aux.cu",
-               "csrc/flash_fwd_combine.cu"]
+    sources = ["csrc/module.cpp", "csrc/flash_api.cpp", "csrc/autograd.cpp", "csrc/kernel_registry.cpp",
+               "csrc/flash_bwd_aux.cu", "csrc/flash_fwd_combine.cu"]
     fixed_sources = len(sources)
     sources += kernel_sources()
     print(f"flash_attn_cuda: archs={archs} kernels={len(sources) - fixed_sources} MAX_JOBS={os.environ['MAX_JOBS']}")

@@ -23,7 +23,6 @@
 namespace flash {
 namespace {
 
-constexpr int kKernelHeadDims[] = {32, 64, 96, 128, 160, 192, 224, 256};
 constexpr int kMaxHeadDim = 256;
 constexpr int kMaxGridYZ = 65535;  // batch and heads index the grid's y and z
 
@@ -217,9 +216,11 @@ int multiprocessor_count(int device) {
 
 constexpr int kMaxAutoSplits = 64;     // the heuristic's cap
 constexpr int kMaxForcedSplits = 128;  // FLASH_ATTN2_NUM_SPLITS's cap (run_fwd_combine takes at most 128)
-constexpr int kMinKeysPerSplit = 1024;  // the heuristic leaves each split at least this many keys (8-16 key blocks);
-                                       // at 256, causal seqlen 1024 with 1-4 heads ran 1.2-1.65x slower split
-                                       // than unsplit on an H200 (bench/split_sweep.py, perf log 18)
+// The heuristic splits only seqlen_k >= kMinKeysToSplit, into splits of at least kMinKeysPerSplit keys. Below
+// 1024 keys the kernel time a split saves is under the host time its partials and combine launch cost (perf
+// log 18); at 1024 causal keys and 1-4 heads, 4 splits take 23 us of GPU time to 12 (perf log 22).
+constexpr int kMinKeysToSplit = 1024;
+constexpr int kMinKeysPerSplit = 256;
 
 // FLASH_ATTN2_NUM_SPLITS=n (n >= 1) forces n key splits on every dense forward, for tests and benchmarks;
 // unset, empty or 0 lets choose_num_splits decide.
@@ -239,10 +240,11 @@ int forced_num_splits() {
 // per split and a combine kernel. Model: `slots` CTAs (SMs x CTAs resident per SM) run at once and a CTA costs
 // its number of key blocks, so num_splits = s takes ceil(ctas * s / slots) waves of ceil(n_blocks / s) blocks.
 // No split once the grid fills 80% of the slots; otherwise the smallest s whose time is within 5% of the best,
-// with at least kMinKeysPerSplit keys per split and s <= kMaxAutoSplits. Causal query blocks differ in cost,
-// which the model ignores; their splits share only the keys each block sees (FwdTile).
+// with at least kMinKeysPerSplit keys per split, s <= kMaxAutoSplits, and no split below kMinKeysToSplit keys.
+// Causal query blocks differ in cost, which the model ignores; their splits share only the keys each block
+// sees (FwdTile).
 int choose_num_splits(int64_t ctas, int64_t seqlen_k, const FwdBlockShape& shape, int64_t slots) {
-    if (ctas <= 0 || ctas * 5 >= slots * 4) { return 1; }
+    if (ctas <= 0 || ctas * 5 >= slots * 4 || seqlen_k < kMinKeysToSplit) { return 1; }
     const int64_t n_blocks = (seqlen_k + shape.block_n - 1) / shape.block_n;
     const int64_t max_splits = std::min<int64_t>({kMaxAutoSplits, seqlen_k / kMinKeysPerSplit, n_blocks});
     auto time = [&](int64_t splits) {

@@ -16,6 +16,9 @@ namespace flash {
 using FwdLauncher = cudaError_t (*)(const FwdParams&, cudaStream_t);
 using BwdLauncher = cudaError_t (*)(const BwdParams&, cudaStream_t);
 
+// The head dims that kernels are compiled for; other sizes run on the next larger one.
+inline constexpr int kKernelHeadDims[] = {32, 64, 96, 128, 160, 192, 224, 256};
+
 struct KernelKey {
     bool is_bf16;
     int head_dim;  // the kernel's compile-time head dim

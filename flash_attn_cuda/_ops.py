@@ -1,4 +1,7 @@
-"""Loads the compiled ops (torch.ops.flash_attn2.*) and registers their fake implementations."""
+"""Loads the compiled ops (torch.ops.flash_attn2.*) and registers their fake implementations.
+
+Autograd for fwd and varlen_fwd is registered in C++ (csrc/autograd.cpp).
+"""
 
 import functools
 
@@ -24,27 +27,6 @@ def _bwd_fake(dout, q, k, v, out, softmax_lse, softmax_scale, causal, determinis
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-def _fwd_setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, causal, *rest = inputs
-    out, softmax_lse = output
-    ctx.save_for_backward(q, k, v, out, softmax_lse)
-    ctx.softmax_scale = softmax_scale
-    ctx.causal = causal
-    ctx.deterministic = bool(rest[0]) if rest else False
-
-
-def _fwd_backward(ctx, grad_out, grad_softmax_lse):
-    # The LSE is an auxiliary output: its gradient is not propagated (as in flash-attn 2.x).
-    q, k, v, out, softmax_lse = ctx.saved_tensors
-    dq, dk, dv = torch.ops.flash_attn2.bwd(
-        grad_out.contiguous(), q, k, v, out, softmax_lse, ctx.softmax_scale, ctx.causal, ctx.deterministic,
-    )
-    return dq, dk, dv, None, None, None
-
-
-torch.library.register_autograd("flash_attn2::fwd", _fwd_backward, setup_context=_fwd_setup_context)
-
-
 @torch.library.register_fake("flash_attn2::varlen_fwd")
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                      deterministic=False):
@@ -58,68 +40,6 @@ def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 def _varlen_bwd_fake(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                      softmax_scale, causal, deterministic=False):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-
-
-def _varlen_fwd_setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, *rest = inputs
-    out, softmax_lse = output
-    ctx.save_for_backward(q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k)
-    ctx.max_seqlens = (max_seqlen_q, max_seqlen_k)
-    ctx.softmax_scale = softmax_scale
-    ctx.causal = causal
-    ctx.deterministic = bool(rest[0]) if rest else False
-
-
-def _varlen_fwd_backward(ctx, grad_out, grad_softmax_lse):
-    q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
-    dq, dk, dv = torch.ops.flash_attn2.varlen_bwd(
-        grad_out.contiguous(), q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens,
-        ctx.softmax_scale, ctx.causal, ctx.deterministic,
-    )
-    return dq, dk, dv, None, None, None, None, None, None, None
-
-
-torch.library.register_autograd("flash_attn2::varlen_fwd", _varlen_fwd_backward,
-                                setup_context=_varlen_fwd_setup_context)
-
-
-def _eager_autograd(name, setup_context, backward):
-    """Calls torch.ops.flash_attn2.<name> with the autograd registered above, minus the per-call cost of
-    torch.library's Python autograd wrapper.
-
-    That wrapper runs at the op's Autograd dispatch key on every call, and costs tens of microseconds with
-    inputs that require grad (more than the kernels of a decoding step; bench/results/perf_log.md, entry 20).
-    In eager mode the same setup_context and backward run in a plain autograd.Function instead, and the op is
-    dispatched below autograd; under torch.compile the op is called as registered, so it traces as one node.
-    """
-
-    class Function(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, *args):
-            with torch._C._AutoDispatchBelowAutograd():
-                output = getattr(torch.ops.flash_attn2, name)(*args)
-            setup_context(ctx, args, output)
-            return output
-
-        @staticmethod
-        def backward(ctx, *grads):
-            return backward(ctx, *grads)
-
-    def call(*args):
-        op = getattr(torch.ops.flash_attn2, name)  # looked up per call, so tests can substitute the op
-        if torch.compiler.is_compiling():
-            return op(*args)
-        # q, k and v come first; the other tensor arguments (cu_seqlens) never require grad.
-        if torch.is_grad_enabled() and (args[0].requires_grad or args[1].requires_grad or args[2].requires_grad):
-            return Function.apply(*args)
-        with torch._C._AutoDispatchBelowAutograd():
-            return op(*args)
-
-    return call
-
-
-fwd = _eager_autograd("fwd", _fwd_setup_context, _fwd_backward)
-varlen_fwd = _eager_autograd("varlen_fwd", _varlen_fwd_setup_context, _varlen_fwd_backward)
 
 
 @functools.cache

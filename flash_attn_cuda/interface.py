@@ -3,7 +3,7 @@
 import torch
 import torch.nn.functional as F
 
-from . import _ops
+from . import _ops  # noqa: F401  (loads torch.ops.flash_attn2 and its fake implementations)
 
 _ALIGN_ELEMS = 8  # the kernels move 16-byte (8-element) chunks
 
@@ -21,28 +21,33 @@ def _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes):
 
 def _kernel_ready(x: torch.Tensor, head_dim: int) -> torch.Tensor:
     """Pads head_dim to a multiple of 8 and copies only when strides or alignment rule out 16-byte loads."""
-    # Plain loops and early returns: this runs three times per call, and decoding-sized calls are host-bound.
+    # Early returns, cheapest test first: this runs three times per call, and decoding-sized calls are
+    # host-bound. Contiguous with head_dim % 8 == 0 means every stride is a multiple of 8 elements.
     if head_dim % _ALIGN_ELEMS != 0:
         x = F.pad(x, (0, _ALIGN_ELEMS - head_dim % _ALIGN_ELEMS))
-    *strides, last_stride = x.stride()
-    if last_stride != 1:
-        return x.contiguous()
-    for size, stride in zip(x.shape, strides):
-        if stride % _ALIGN_ELEMS != 0 and size > 1:
+    elif not x.is_contiguous():
+        *strides, last_stride = x.stride()
+        if last_stride != 1:
             return x.contiguous()
+        for size, stride in zip(x.shape, strides):
+            if stride % _ALIGN_ELEMS != 0 and size > 1:
+                return x.contiguous()
     # Allocations are 16-byte aligned, so the view's offset decides. Dynamo cannot trace storage_offset()
     # into a graph; under torch.compile a misaligned view is reported by the op's own check instead.
-    if not torch.compiler.is_compiling() and x.storage_offset() * x.element_size() % 16 != 0:
-        return x.contiguous()
-    return x
+    if torch.compiler.is_compiling() or x.storage_offset() * x.element_size() % 16 == 0:
+        return x
+    # contiguous() would return a contiguous view unchanged, misaligned.
+    return x.clone(memory_format=torch.contiguous_format)
 
 
 def _prepare(q, k, v, softmax_scale, rank, layout):
     """Checks q, k, v of the given rank, resolves the default and negative softmax_scale, and makes the
     tensors kernel-ready. Returns (q, k, v, softmax_scale, original head_dim)."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != rank:
-            raise ValueError(f"{name} must be a {rank}-D tensor {layout}")
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+            and q.dim() == rank and k.dim() == rank and v.dim() == rank):
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor) or t.dim() != rank:
+                raise ValueError(f"{name} must be a {rank}-D tensor {layout}")
     head_dim = q.shape[-1]
     if k.shape[-1] != head_dim or v.shape[-1] != head_dim:
         raise ValueError(f"k and v must have the same head_dim as q ({head_dim}), got {k.shape[-1]} and {v.shape[-1]}")
@@ -50,11 +55,11 @@ def _prepare(q, k, v, softmax_scale, rank, layout):
         raise ValueError(f"head_dim must be in [1, 256], got {head_dim}")
     if softmax_scale is None:
         softmax_scale = head_dim ** -0.5
-    if softmax_scale < 0:
+    elif softmax_scale < 0:
         # (-q) k^T * |scale| equals q k^T * scale; the kernel needs a non-negative scale.
         q, softmax_scale = -q, -softmax_scale
-    q, k, v = (_kernel_ready(t, head_dim) for t in (q, k, v))
-    return q, k, v, float(softmax_scale), head_dim
+    return (_kernel_ready(q, head_dim), _kernel_ready(k, head_dim), _kernel_ready(v, head_dim),
+            float(softmax_scale), head_dim)
 
 
 def flash_attn_func(
@@ -93,7 +98,7 @@ def flash_attn_func(
     """
     _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes)
     q, k, v, softmax_scale, head_dim = _prepare(q, k, v, softmax_scale, 4, "(batch, seqlen, nheads, head_dim)")
-    out, softmax_lse = _ops.fwd(q, k, v, softmax_scale, bool(causal), bool(deterministic))
+    out, softmax_lse = torch.ops.flash_attn2.fwd(q, k, v, softmax_scale, bool(causal), bool(deterministic))
     if out.shape[-1] != head_dim:
         out = out[..., :head_dim]
     if return_attn_probs:
@@ -140,7 +145,7 @@ def flash_attn_varlen_func(
     if block_table is not None:
         raise NotImplementedError("block_table: a paged KV cache is not implemented yet")
     q, k, v, softmax_scale, head_dim = _prepare(q, k, v, softmax_scale, 3, "(total, nheads, head_dim)")
-    out, softmax_lse = _ops.varlen_fwd(
+    out, softmax_lse = torch.ops.flash_attn2.varlen_fwd(
         q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), softmax_scale, bool(causal),
         bool(deterministic),
     )

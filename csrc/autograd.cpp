@@ -1,0 +1,145 @@
+// Autograd for the forward ops, registered at the Autograd dispatch key in C++. Decoding-sized calls are
+// host-bound, and a Python autograd.Function cost them 10-20 us per call (bench/results/perf_log.md, entry 22);
+// here the backward node is recorded without leaving C++. The backward ops have no autograd of their own
+// (no double backward, as in flash-attn 2.x).
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include <tuple>
+
+namespace flash {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+using FwdSignature = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                        double, bool, bool);
+using BwdSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+    double, bool, bool);
+using VarlenFwdSignature = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                              const at::Tensor&, const at::Tensor&,
+                                                              const at::Tensor&, int64_t, int64_t, double, bool, bool);
+using VarlenBwdSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+    const at::Tensor&, const at::Tensor&, int64_t, int64_t, double, bool, bool);
+
+// The ops are called through the dispatcher, below autograd, so that whatever implements them for the
+// inputs' device runs: the CUDA kernels, the fake implementations under torch.compile, Meta.
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> op_handle(const char* name) {
+    return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+const c10::TypedOperatorHandle<FwdSignature>& fwd_op() {
+    static const auto op = op_handle<FwdSignature>("flash_attn2::fwd");
+    return op;
+}
+
+const c10::TypedOperatorHandle<BwdSignature>& bwd_op() {
+    static const auto op = op_handle<BwdSignature>("flash_attn2::bwd");
+    return op;
+}
+
+const c10::TypedOperatorHandle<VarlenFwdSignature>& varlen_fwd_op() {
+    static const auto op = op_handle<VarlenFwdSignature>("flash_attn2::varlen_fwd");
+    return op;
+}
+
+const c10::TypedOperatorHandle<VarlenBwdSignature>& varlen_bwd_op() {
+    static const auto op = op_handle<VarlenBwdSignature>("flash_attn2::varlen_bwd");
+    return op;
+}
+
+bool needs_graph(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+    return at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
+}
+
+// The non-tensor settings both passes share, kept in the context's saved_data.
+void save_settings(AutogradContext* ctx, double softmax_scale, bool causal, bool deterministic) {
+    ctx->saved_data["softmax_scale"] = softmax_scale;
+    ctx->saved_data["causal"] = causal;
+    ctx->saved_data["deterministic"] = deterministic;
+}
+
+struct FwdFunction : public torch::autograd::Function<FwdFunction> {
+    static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 double softmax_scale, bool causal, bool deterministic) {
+        at::AutoDispatchBelowADInplaceOrView below_autograd;
+        auto [out, lse] = fwd_op().call(q, k, v, softmax_scale, causal, deterministic);
+        ctx->save_for_backward({q, k, v, out, lse});
+        save_settings(ctx, softmax_scale, causal, deterministic);
+        ctx->mark_non_differentiable({lse});  // as in flash-attn 2.x, the LSE passes no gradient back
+        return {out, lse};
+    }
+
+    static variable_list backward(AutogradContext* ctx, variable_list grads) {
+        const variable_list saved = ctx->get_saved_variables();
+        auto [dq, dk, dv] = bwd_op().call(grads[0].contiguous(), saved[0], saved[1], saved[2], saved[3], saved[4],
+                                          ctx->saved_data["softmax_scale"].toDouble(),
+                                          ctx->saved_data["causal"].toBool(),
+                                          ctx->saved_data["deterministic"].toBool());
+        return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor()};
+    }
+};
+
+struct VarlenFwdFunction : public torch::autograd::Function<VarlenFwdFunction> {
+    static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+                                 int64_t max_seqlen_k, double softmax_scale, bool causal, bool deterministic) {
+        at::AutoDispatchBelowADInplaceOrView below_autograd;
+        auto [out, lse] = varlen_fwd_op().call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                               softmax_scale, causal, deterministic);
+        ctx->save_for_backward({q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k});
+        save_settings(ctx, softmax_scale, causal, deterministic);
+        ctx->saved_data["max_seqlen_q"] = max_seqlen_q;
+        ctx->saved_data["max_seqlen_k"] = max_seqlen_k;
+        ctx->mark_non_differentiable({lse});
+        return {out, lse};
+    }
+
+    static variable_list backward(AutogradContext* ctx, variable_list grads) {
+        const variable_list saved = ctx->get_saved_variables();
+        auto [dq, dk, dv] = varlen_bwd_op().call(
+            grads[0].contiguous(), saved[0], saved[1], saved[2], saved[3], saved[4], saved[5], saved[6],
+            ctx->saved_data["max_seqlen_q"].toInt(), ctx->saved_data["max_seqlen_k"].toInt(),
+            ctx->saved_data["softmax_scale"].toDouble(), ctx->saved_data["causal"].toBool(),
+            ctx->saved_data["deterministic"].toBool());
+        return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+                at::Tensor()};
+    }
+};
+
+std::tuple<at::Tensor, at::Tensor> fwd_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                double softmax_scale, bool causal, bool deterministic) {
+    if (!needs_graph(q, k, v)) {
+        at::AutoDispatchBelowADInplaceOrView below_autograd;
+        return fwd_op().call(q, k, v, softmax_scale, causal, deterministic);
+    }
+    const variable_list outputs = FwdFunction::apply(q, k, v, softmax_scale, causal, deterministic);
+    return {outputs[0], outputs[1]};
+}
+
+std::tuple<at::Tensor, at::Tensor> varlen_fwd_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                       const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                                                       int64_t max_seqlen_q, int64_t max_seqlen_k,
+                                                       double softmax_scale, bool causal, bool deterministic) {
+    if (!needs_graph(q, k, v)) {
+        at::AutoDispatchBelowADInplaceOrView below_autograd;
+        return varlen_fwd_op().call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                                    causal, deterministic);
+    }
+    const variable_list outputs = VarlenFwdFunction::apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                           max_seqlen_k, softmax_scale, causal, deterministic);
+    return {outputs[0], outputs[1]};
+}
+
+}  // namespace
+}  // namespace flash
+
+TORCH_LIBRARY_IMPL(flash_attn2, Autograd, m) {
+    m.impl("fwd", &flash::fwd_autograd);
+    m.impl("varlen_fwd", &flash::varlen_fwd_autograd);
+}

@@ -35,12 +35,12 @@ enum class BwdSm90Kind { kNarrow, kWide };
 template <int kHeadDim>
 constexpr BwdSm90Kind kBwdSm90Kind = kHeadDim <= 128 ? BwdSm90Kind::kNarrow : BwdSm90Kind::kWide;
 
-template <class Traits, class Kernel>
-cudaError_t launch_bwd_sm90(Kernel kernel, const BwdParams& params, cudaStream_t stream) {
+template <class Traits, auto kKernel>
+cudaError_t launch_bwd_sm90(const BwdParams& params, cudaStream_t stream) {
     static_assert(Traits::kBlockN == bwd_sm90_block_n(Traits::kHeadDim), "the host sizes its grid decisions by it");
     const dim3 grid((params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, params.batch,
                     params.num_heads / params.heads_per_cta);
-    return launch_kernel<Traits::kNThreads, Traits::kSmemBytes>(kernel, grid, params, stream);
+    return launch_kernel<kKernel, Traits::kNThreads, Traits::kSmemBytes>(grid, params, stream);
 }
 
 template <typename Element, int kHeadDim, bool kCausal>
@@ -49,10 +49,10 @@ cudaError_t run_bwd(const BwdParams& params, cudaStream_t stream) {
     if (params.use_wgmma && !params.deterministic) {
         if constexpr (kBwdSm90Kind<kHeadDim> == BwdSm90Kind::kNarrow) {
             using Traits = BwdSm90KernelTraits<Element, kHeadDim, 64, 128>;
-            return launch_bwd_sm90<Traits>(&flash_bwd_sm90_kernel<Traits, kCausal>, params, stream);
+            return launch_bwd_sm90<Traits, &flash_bwd_sm90_kernel<Traits, kCausal>>(params, stream);
         } else if constexpr (kBwdSm90Kind<kHeadDim> == BwdSm90Kind::kWide) {
             using Traits = BwdSm90WideKernelTraits<Element, kHeadDim>;
-            return launch_bwd_sm90<Traits>(&flash_bwd_sm90_wide_kernel<Traits, kCausal>, params, stream);
+            return launch_bwd_sm90<Traits, &flash_bwd_sm90_wide_kernel<Traits, kCausal>>(params, stream);
         }
     }
 #endif
@@ -64,8 +64,8 @@ cudaError_t run_bwd(const BwdParams& params, cudaStream_t stream) {
     // Key blocks along x: in deterministic mode a key block waits on its neighbour of the same (batch,
     // head) with the next lower CTA index, which must therefore be scheduled first.
     const dim3 grid((params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, params.batch, params.num_heads);
-    return launch_kernel<Traits::kNThreads, Traits::kSmemBytes>(&flash_bwd_kernel<Traits, kCausal>, grid, params,
-                                                                stream);
+    return launch_kernel<&flash_bwd_kernel<Traits, kCausal>, Traits::kNThreads, Traits::kSmemBytes>(grid, params,
+                                                                                                 stream);
 }
 
 }  // namespace flash

@@ -25,16 +25,16 @@ cudaError_t run_fwd(const FwdParams& params, cudaStream_t stream) {
             using Config = FwdSm90TileConfig<kHeadDim, kCausal>;
             using Traits = FwdSm90KernelTraits<Element, kHeadDim, Config::kBlockM, Config::kBlockN, Config::kCtasPerSm>;
             const dim3 grid(fwd_grid_x(params, Traits::kBlockM), params.batch, params.num_heads);
-            return launch_kernel<Traits::kNThreads, Traits::kSmemBytes>(&flash_fwd_sm90_kernel<Traits, kCausal>, grid,
-                                                                        params, stream);
+            return launch_kernel<&flash_fwd_sm90_kernel<Traits, kCausal>, Traits::kNThreads, Traits::kSmemBytes>(
+                grid, params, stream);
         }
     }
 #endif
     using Config = SelectedTileConfig<kHeadDim, kCausal>;
     using Traits = FwdKernelTraits<Element, kHeadDim, Config::kBlockM, Config::kBlockN, Config::kNWarps>;
     const dim3 grid(fwd_grid_x(params, Traits::kBlockM), params.batch, params.num_heads);
-    return launch_kernel<Traits::kNThreads, Traits::kSmemBytes>(&flash_fwd_kernel<Traits, kCausal>, grid, params,
-                                                                stream);
+    return launch_kernel<&flash_fwd_kernel<Traits, kCausal>, Traits::kNThreads, Traits::kSmemBytes>(grid, params,
+                                                                                                 stream);
 }
 
 }  // namespace flash

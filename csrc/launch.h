@@ -8,11 +8,12 @@
 
 namespace flash {
 
-// Opts `kernel` in to kSmemBytes of dynamic shared memory when that exceeds 48 KB, launches it on `stream`,
-// and returns the launch status. The opt-in holds per device (its primary context) once made, so it is made
-// on a device's first launch only: decoding-sized calls are host-bound, and each driver call counts.
-template <int kThreads, int kSmemBytes, typename Params>
-cudaError_t launch_kernel(void (*kernel)(Params), dim3 grid, const Params& params, cudaStream_t stream) {
+// Launches kKernel on `stream` with kSmemBytes of dynamic shared memory and returns the launch status.
+// Above 48 KB the kernel must be opted in to that much first. The opt-in holds per device (its primary
+// context) once made, so it is made on a device's first launch only: decoding-sized calls are host-bound,
+// and each driver call counts. The kernel is a template argument so that each kernel keeps its own record.
+template <auto kKernel, int kThreads, int kSmemBytes, typename Params>
+cudaError_t launch_kernel(dim3 grid, const Params& params, cudaStream_t stream) {
     if constexpr (kSmemBytes > 48 * 1024) {
         static std::atomic<uint64_t> opted_in_devices{0};  // bit d: done on device d (devices 0-63)
         int device = 0;
@@ -20,12 +21,12 @@ cudaError_t launch_kernel(void (*kernel)(Params), dim3 grid, const Params& param
         if (err != cudaSuccess) { return err; }
         const uint64_t bit = device < 64 ? uint64_t(1) << device : 0;
         if (bit == 0 || (opted_in_devices.load(std::memory_order_relaxed) & bit) == 0) {
-            err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+            err = cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
             if (err != cudaSuccess) { return err; }
             opted_in_devices.fetch_or(bit, std::memory_order_relaxed);
         }
     }
-    kernel<<<grid, kThreads, kSmemBytes, stream>>>(params);
+    kKernel<<<grid, kThreads, kSmemBytes, stream>>>(params);
     return cudaGetLastError();
 }
 

@@ -2,7 +2,7 @@
 // GEMMs on warpgroup MMAs (wgmma), which read K and V straight from shared memory instead of through
 // per-warp ldmatrix copies. One CTA computes one (query block, sequence, head) tile (or, split-KV, its
 // share of the keys); each warpgroup owns 64 query rows (split-Q), so warpgroups never exchange partial
-// results. K and V are double-buffered: the next key block loads during the whole current step.
+// results. K and V come in Traits::kStagesKV stages: later key blocks load during the whole current step.
 #pragma once
 
 #include <cmath>
@@ -111,6 +111,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kCtasPerSm)
     Tensor acc_o_rc = gmma_as_rowcol(acc_o);  // (rows, kHeadDim cols)
     OnlineSoftmax<decltype(size<0>(acc_o_rc))::value> softmax(params.softmax_scale_log2);
 
+    // A warpgroup whose 64 query rows all lie past the sequence end (decoding and other short queries fill
+    // one warpgroup's rows at most) skips the MMAs and the softmax of every step; it still loads its share of
+    // K and V and meets every barrier. The condition is uniform over the warpgroup.
+    const bool warpgroup_has_rows = tidx / 128 * 64 < q_rows_left;
     int stage = 0;
     for (int n_block = n_block_end - 1; n_block >= 0; --n_block, stage = stage + 1 == kStagesKV ? 0 : stage + 1) {
         cp_async_wait<kStagesKV - 2>();
@@ -120,6 +124,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kCtasPerSm)
         const int refill_stage = stage == 0 ? kStagesKV - 1 : stage - 1;
         if (n_block - (kStagesKV - 1) >= 0) { load_kv(n_block - (kStagesKV - 1), refill_stage); }
         cp_async_fence();
+        if (!warpgroup_has_rows) { continue; }
 
         Tensor tSrK = thr_mma_s.make_fragment_B(thr_mma_s.partition_B(sK_stage(stage)));  // (MMA, MMA_N, MMA_K)
         Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});   // (MMA, MMA_M, MMA_N)

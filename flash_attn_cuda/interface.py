@@ -24,7 +24,8 @@ def _kernel_ready(x: torch.Tensor, head_dim: int) -> torch.Tensor:
     # Early returns, cheapest test first: this runs three times per call, and decoding-sized calls are
     # host-bound. Contiguous with head_dim % 8 == 0 means every stride is a multiple of 8 elements.
     if head_dim % _ALIGN_ELEMS != 0:
-        x = F.pad(x, (0, _ALIGN_ELEMS - head_dim % _ALIGN_ELEMS))
+        # F.pad keeps a permuted layout (a head dim that is not innermost); contiguous() is free otherwise.
+        x = F.pad(x, (0, _ALIGN_ELEMS - head_dim % _ALIGN_ELEMS)).contiguous()
     elif not x.is_contiguous():
         *strides, last_stride = x.stride()
         if last_stride != 1:

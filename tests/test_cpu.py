@@ -542,6 +542,39 @@ def test_varlen_block_table_not_implemented():
         flash_attn_cuda.flash_attn_varlen_func(*varlen_args(), block_table=torch.zeros(1, 1, dtype=torch.int32))
 
 
+def _permuted(b, s, h, d):
+    # (b, s, h, d) viewed from a (b, h, d, s) buffer (a transposed key cache): the sequence is innermost, a
+    # layout that F.pad keeps.
+    return torch.randn(b, h, d, s, dtype=torch.float16).permute(0, 3, 1, 2)
+
+
+def _misaligned(b, s, h, d):
+    # Contiguous, but starting 2 bytes into its storage.
+    return torch.randn(b * s * h * d + 1, dtype=torch.float16)[1:].view(b, s, h, d)
+
+
+@pytest.mark.parametrize("make", [_permuted, _misaligned, lambda *shape: torch.randn(*shape, dtype=torch.float16)],
+                         ids=["permuted", "misaligned", "contiguous"])
+@pytest.mark.parametrize("head_dim", [64, 100])
+def test_op_gets_kernel_ready_inputs(monkeypatch, make, head_dim):
+    # Whatever the layout handed to flash_attn_func, the op sees a unit last stride, other strides that are
+    # multiples of 8 elements, and a 16-byte aligned start (the kernels move 16-byte chunks).
+    seen = []
+
+    def fake_op(q, k, v, *rest):
+        seen.extend((q, k, v))
+        return torch.empty_like(q), torch.empty(1)
+
+    monkeypatch.setattr(torch.ops.flash_attn2, "fwd", fake_op)
+    q, k, v = (make(2, 9, 4, head_dim) for _ in range(3))
+    out = flash_attn_func(q, k, v)
+    assert out.shape == q.shape
+    for t in seen:
+        assert t.stride(-1) == 1 and t.shape[-1] % 8 == 0
+        assert all(stride % 8 == 0 for size, stride in zip(t.shape[:-1], t.stride()[:-1]) if size > 1)
+        assert t.data_ptr() % 16 == 0
+
+
 @pytest.mark.parametrize("func, packed_shape, dim", [
     ("flash_attn_qkvpacked_func", (2, 9, 3, 4, 64), 2),
     ("flash_attn_varlen_qkvpacked_func", (9, 3, 4, 64), 1),

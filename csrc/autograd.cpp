@@ -1,7 +1,9 @@
 // Autograd for the forward ops, registered at the Autograd dispatch key in C++. Decoding-sized calls are
 // host-bound, and a Python autograd.Function cost them 10-20 us per call (bench/results/perf_log.md, entry 22);
 // here the backward node is recorded without leaving C++. The backward ops have no autograd of their own
-// (no double backward, as in flash-attn 2.x).
+// (no double backward, as in flash-attn 2.x). As there, the LSE is an output that requires grad but passes no
+// gradient back; marking it non-differentiable would trip compiled autograd, which asserts that no output of
+// a C++ function is so marked.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
@@ -64,6 +66,12 @@ void save_settings(AutogradContext* ctx, double softmax_scale, bool causal, bool
     ctx->saved_data["deterministic"] = deterministic;
 }
 
+// The gradient of `out` as the backward kernels read it: contiguous, and zeros when the loss did not use out
+// (with materialize_grads off it then arrives undefined).
+at::Tensor out_grad(const at::Tensor& grad, const at::Tensor& out) {
+    return grad.defined() ? grad.contiguous() : at::zeros_like(out, at::MemoryFormat::Contiguous);
+}
+
 struct FwdFunction : public torch::autograd::Function<FwdFunction> {
     static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  double softmax_scale, bool causal, bool deterministic) {
@@ -71,14 +79,14 @@ struct FwdFunction : public torch::autograd::Function<FwdFunction> {
         auto [out, lse] = fwd_op().call(q, k, v, softmax_scale, causal, deterministic);
         ctx->save_for_backward({q, k, v, out, lse});
         save_settings(ctx, softmax_scale, causal, deterministic);
-        ctx->mark_non_differentiable({lse});  // as in flash-attn 2.x, the LSE passes no gradient back
+        ctx->set_materialize_grads(false);  // the LSE's gradient is ignored: no zeros are made for it
         return {out, lse};
     }
 
     static variable_list backward(AutogradContext* ctx, variable_list grads) {
         const variable_list saved = ctx->get_saved_variables();
-        auto [dq, dk, dv] = bwd_op().call(grads[0].contiguous(), saved[0], saved[1], saved[2], saved[3], saved[4],
-                                          ctx->saved_data["softmax_scale"].toDouble(),
+        auto [dq, dk, dv] = bwd_op().call(out_grad(grads[0], saved[3]), saved[0], saved[1], saved[2], saved[3],
+                                          saved[4], ctx->saved_data["softmax_scale"].toDouble(),
                                           ctx->saved_data["causal"].toBool(),
                                           ctx->saved_data["deterministic"].toBool());
         return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor()};
@@ -96,14 +104,14 @@ struct VarlenFwdFunction : public torch::autograd::Function<VarlenFwdFunction> {
         save_settings(ctx, softmax_scale, causal, deterministic);
         ctx->saved_data["max_seqlen_q"] = max_seqlen_q;
         ctx->saved_data["max_seqlen_k"] = max_seqlen_k;
-        ctx->mark_non_differentiable({lse});
+        ctx->set_materialize_grads(false);
         return {out, lse};
     }
 
     static variable_list backward(AutogradContext* ctx, variable_list grads) {
         const variable_list saved = ctx->get_saved_variables();
         auto [dq, dk, dv] = varlen_bwd_op().call(
-            grads[0].contiguous(), saved[0], saved[1], saved[2], saved[3], saved[4], saved[5], saved[6],
+            out_grad(grads[0], saved[3]), saved[0], saved[1], saved[2], saved[3], saved[4], saved[5], saved[6],
             ctx->saved_data["max_seqlen_q"].toInt(), ctx->saved_data["max_seqlen_k"].toInt(),
             ctx->saved_data["softmax_scale"].toDouble(), ctx->saved_data["causal"].toBool(),
             ctx->saved_data["deterministic"].toBool());

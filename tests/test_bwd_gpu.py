@@ -222,6 +222,29 @@ def test_compiled_training_matches_eager():
         torch.testing.assert_close(pe, pc, rtol=0, atol=2e-2)
 
 
+def test_compiled_autograd_and_lse_gradient():
+    # The backward node is a C++ autograd function: compiled autograd must run it, and the LSE, which requires
+    # grad as in flash-attn 2.x, passes no gradient back (deterministic mode, so the gradients compare bitwise).
+    require_fwd_bwd_kernels(64, torch.bfloat16, True)
+    q, k, v = (rand(2, 129, 4, 64, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
+    dout = torch.randn_like(q)
+
+    def backward(with_lse):
+        for t in (q, k, v):
+            t.grad = None
+        out, lse, _ = flash_attn_func(q, k, v, causal=True, deterministic=True, return_attn_probs=True)
+        assert lse.requires_grad
+        loss = (out * dout).sum() + (lse.sum() if with_lse else 0)
+        loss.backward()
+        return [t.grad.clone() for t in (q, k, v)]
+
+    expected = backward(False)
+    assert all(torch.equal(a, b) for a, b in zip(expected, backward(True)))
+    with torch._dynamo.compiled_autograd._enable(torch.compile(backend="eager")):
+        compiled = backward(False)
+    assert all(torch.equal(a, b) for a, b in zip(expected, compiled))
+
+
 def test_memory_is_linear_at_16k():
     # At 16k tokens the fp32 score matrices of 4 heads would take 4 GiB; the backward must stay far below.
     require_fwd_bwd_kernels(128, torch.bfloat16, True)

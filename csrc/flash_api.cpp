@@ -281,6 +281,38 @@ int forced_gqa_walk() {
     return value == "1" ? 1 : value == "0" ? 0 : -1;
 }
 
+constexpr int kMaxAutoKeyBlocks = 16;     // choose_key_blocks_per_cta's cap
+constexpr int kMaxForcedKeyBlocks = 128;  // FLASH_ATTN2_BWD_KEY_BLOCKS's cap
+
+// FLASH_ATTN2_BWD_KEY_BLOCKS=n (n >= 1) forces n key blocks per CTA on every backward that runs the Hopper
+// kernel of head dims <= 128, for tests and benchmarks; unset, empty or 0 lets choose_key_blocks_per_cta decide.
+int forced_key_blocks_per_cta() {
+    const char* text = std::getenv("FLASH_ATTN2_BWD_KEY_BLOCKS");
+    if (text == nullptr || *text == '\0') { return 0; }
+    char* end = nullptr;
+    const long value = std::strtol(text, &end, 10);
+    TORCH_CHECK_VALUE(*end == '\0' && value >= 0 && value <= kMaxForcedKeyBlocks, "FLASH_ATTN2_BWD_KEY_BLOCKS must be an integer in [0, ",
+                      num(kMaxForcedKeyBlocks), "], got '", text, "'");
+    return static_cast<int>(value);
+}
+
+// Key blocks per CTA of the Hopper backward of head dims <= 128. With at most two query-block steps per key
+// block (short queries against long keys) a CTA's time goes mostly to loading K and V and storing dK and dV,
+// one after the other, and the grid runs many waves of such CTAs. A CTA that walks j consecutive key blocks
+// loads the next one's K and V while it computes and stores the current one. Model: `slots` CTAs run at once
+// and a CTA costs j + 1 key-block times (its first load is not hidden); the smallest j of least time, up to
+// kMaxAutoKeyBlocks. Longer queries keep one key block per CTA: their steps already hide the loads.
+int choose_key_blocks_per_cta(int64_t n_blocks, int64_t ctas_per_key_block, int64_t steps_per_key_block,
+                              int64_t slots) {
+    if (steps_per_key_block > 2 || n_blocks <= 1) { return 1; }
+    auto time = [&](int64_t j) { return ((n_blocks + j - 1) / j * ctas_per_key_block + slots - 1) / slots * (j + 1); };
+    int64_t best = 1;
+    for (int64_t j = 2; j <= std::min<int64_t>(kMaxAutoKeyBlocks, n_blocks); ++j) {
+        if (time(j) < time(best)) { best = j; }
+    }
+    return static_cast<int>(best);
+}
+
 // Everything both passes read: inputs, output, LSE, sizes, the scale and, for varlen, the sequence bounds.
 void set_fwd_params(FwdParams& params, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                     const at::Tensor& out, const at::Tensor& lse, double softmax_scale, const Varlen* varlen) {
@@ -494,7 +526,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(const at::Tensor& dout, 
     const int device = q.get_device();
     const int forced_walk = forced_gqa_walk();
     const bool walk_groups =
-        grouped && !deterministic && use_wgmma(device) && bwd_walks_gqa_groups() && forced_walk != 0 &&
+        grouped && !deterministic && use_wgmma(device) && has_sm90_bwd_kernels() && forced_walk != 0 &&
         (forced_walk == 1 ||
          (seqlen_k + bwd_sm90_block_n(key.head_dim) - 1) / bwd_sm90_block_n(key.head_dim) * batch * nheads_k >=
              multiprocessor_count(device));
@@ -528,6 +560,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(const at::Tensor& dout, 
     params.dk_head_stride = dk_heads.stride(2);
     params.dkv_fp32 = fp32_slices;
     params.heads_per_cta = static_cast<int>(heads_per_cta);
+    params.key_blocks_per_cta = 1;
+    if (!deterministic && use_wgmma(device) && has_sm90_bwd_kernels() && bwd_sm90_walks_key_blocks(key.head_dim)) {
+        int key_blocks = forced_key_blocks_per_cta();
+        if (key_blocks == 0) {
+            const int64_t block_n = bwd_sm90_block_n(key.head_dim);
+            key_blocks = choose_key_blocks_per_cta(
+                (params.seqlen_k + block_n - 1) / block_n, int64_t(params.batch) * (params.num_heads / heads_per_cta),
+                heads_per_cta * ((params.seqlen_q + kBwdSm90BlockM - 1) / kBwdSm90BlockM), multiprocessor_count(device));
+        }
+        params.key_blocks_per_cta = key_blocks;
+    }
     params.dq_semaphore_ptr = deterministic ? dq_semaphore.data_ptr<int>() : nullptr;
     params.dq_accum_seqlen = static_cast<int>(dq_accum_seqlen);
     params.dq_accum_head_dim = key.head_dim;

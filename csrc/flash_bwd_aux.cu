@@ -86,7 +86,7 @@ cudaError_t run_bwd_convert_dq(const BwdParams& params, bool is_bf16, cudaStream
                   stream);
 }
 
-bool bwd_walks_gqa_groups() {
+bool has_sm90_bwd_kernels() {
 #if defined(FLASH_ATTN2_SM90A) && !defined(FLASH_BWD_TILE_M)
     return true;
 #else

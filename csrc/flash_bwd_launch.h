@@ -37,8 +37,15 @@ constexpr BwdSm90Kind kBwdSm90Kind = kHeadDim <= 128 ? BwdSm90Kind::kNarrow : Bw
 
 template <class Traits, auto kKernel>
 cudaError_t launch_bwd_sm90(const BwdParams& params, cudaStream_t stream) {
-    static_assert(Traits::kBlockN == bwd_sm90_block_n(Traits::kHeadDim), "the host sizes its grid decisions by it");
-    const dim3 grid((params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, params.batch,
+    static_assert(Traits::kBlockN == bwd_sm90_block_n(Traits::kHeadDim) && Traits::kBlockM == kBwdSm90BlockM,
+                  "the host sizes its grid decisions by them");
+    static_assert((Traits::kStagesKV > 1) == bwd_sm90_walks_key_blocks(Traits::kHeadDim),
+                  "the host sets key_blocks_per_cta by it");
+    if (params.key_blocks_per_cta < 1 || (Traits::kStagesKV == 1 && params.key_blocks_per_cta != 1)) {
+        return cudaErrorNotSupported;
+    }
+    const int n_blocks = (params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
+    const dim3 grid((n_blocks + params.key_blocks_per_cta - 1) / params.key_blocks_per_cta, params.batch,
                     params.num_heads / params.heads_per_cta);
     return launch_kernel<kKernel, Traits::kNThreads, Traits::kSmemBytes>(grid, params, stream);
 }
@@ -56,8 +63,9 @@ cudaError_t run_bwd(const BwdParams& params, cudaStream_t stream) {
         }
     }
 #endif
-    // Only the Hopper kernels walk several query heads per CTA; the host asks bwd_walks_gqa_groups() first.
-    if (params.heads_per_cta != 1) { return cudaErrorNotSupported; }
+    // Only the Hopper kernels walk several query heads or key blocks per CTA; the host asks
+    // has_sm90_bwd_kernels() first.
+    if (params.heads_per_cta != 1 || params.key_blocks_per_cta != 1) { return cudaErrorNotSupported; }
     using Config = SelectedBwdTileConfig<kHeadDim>;
     static_assert(Config::kBlockM >= kBwdMinBlockM && Config::kBlockM <= kBwdMaxBlockM);
     using Traits = BwdKernelTraits<Element, kHeadDim, Config::kBlockM, Config::kBlockN>;

@@ -28,16 +28,19 @@ namespace flash {
 
 using namespace cute;
 
-// One step of a CTA's walk: its number (from 0), query head and query block.
+// One step of a CTA's walk: its number (from 0, counted over all of the CTA's key blocks), query head and
+// query block.
 struct BwdStep {
     int number;
     int head;
     int m_block;
 };
 
-// What both kernels share: the CTA's key block and the query blocks that see it, the shared-memory
-// carve-up (Q and dO in kStagesQ stages, K, V, the kernel's scratch tiles, then LSE and D per stage), the
-// loads, and the dK/dV store.
+// What both kernels share: the CTA's key blocks and the query blocks that see each, the shared-memory
+// carve-up (Q and dO in kStagesQ stages, K and V in kStagesKV stages, the kernel's scratch tiles, then LSE
+// and D per Q stage), the loads, and the dK/dV store. A CTA walks key blocks [n_block, n_block_stop) one
+// after another (BwdParams::key_blocks_per_cta, kStagesKV == 2 only); the last step of one key block
+// starts loading the next one's K and V and first Q and dO.
 template <class Traits, bool kCausal>
 struct BwdSm90Block {
     using Element = typename Traits::Element;
@@ -47,53 +50,81 @@ struct BwdSm90Block {
     static constexpr int kQElems = Traits::kSmemQElems;
     static_assert(Traits::kNThreads >= 2 * kBlockM, "one thread per LSE and per D value of a query block");
 
-    int n_block;
+    int n_block;       // the current key block
+    int n_block_stop;  // one past the CTA's last key block
+    int kv_stage;      // the K/V buffer of the current key block
     int batch_idx;
-    int first_head;  // the CTA walks query heads [first_head, first_head + params.heads_per_cta)
+    int first_head;  // the CTA walks query heads [first_head, first_head + heads_per_cta)
+    int heads_per_cta;
     int head_idx_k;
     int dkv_head;    // the dK/dV slice it writes: its query head, or its key/value head when it walks a group
     BlockInfo binfo;
-    int m_block_begin;  // the first query block with a row that sees a key of this block
+    int m_block_begin;  // the first query block with a row that sees a key of the current block
     int m_block_end;
-    int num_steps;      // (query head, query block) pairs walked: heads outer, query blocks inner
+    // Steps [step_begin, step_end) are the current key block's (query head, query block) pairs, heads outer,
+    // query blocks inner. Every key block of a CTA has steps unless seqlen_q is 0: causal, the last query row
+    // sees every key.
+    int step_begin;
+    int step_end;
     int causal_offset;  // query row i sees key j iff j <= i + causal_offset
     Element* q_base;    // stage s at q_base + s * kQElems
     Element* do_base;   // likewise
-    Element* k_base;
-    Element* v_base;
+    Element* k_base;    // K of K/V stage s at k_base + 2s * kSmemKVElems, V right after it
     Element* scratch_base;  // Traits::kSmemScratchElems elements
     float* s_lse;           // (kStagesQ, kBlockM)
     float* s_dsum;          // (kStagesQ, kBlockM)
 
     __forceinline__ __device__ BwdSm90Block(const BwdParams& params, char* smem_raw)
-        : n_block(blockIdx.x),
+        : n_block(blockIdx.x * (Traits::kStagesKV > 1 ? params.key_blocks_per_cta : 1)),
+          kv_stage(0),
           batch_idx(blockIdx.y),
           first_head(blockIdx.z * params.heads_per_cta),
+          heads_per_cta(params.heads_per_cta),
           head_idx_k(first_head / (params.num_heads / params.num_heads_k)),
           dkv_head(blockIdx.z),
           binfo(params, batch_idx) {
+        const int n_blocks = (binfo.seqlen_k + kBlockN - 1) / kBlockN;
+        n_block_stop = Traits::kStagesKV > 1 ? min(n_block + params.key_blocks_per_cta, n_blocks) : n_block + 1;
         m_block_end = (binfo.seqlen_q + kBlockM - 1) / kBlockM;
         causal_offset = binfo.seqlen_k - binfo.seqlen_q;
-        m_block_begin = 0;
-        if constexpr (kCausal) {
-            const int first_row = n_block * kBlockN - causal_offset;
-            m_block_begin = first_row <= 0 ? 0 : min(first_row / kBlockM, m_block_end);
-        }
-        num_steps = params.heads_per_cta * (m_block_end - m_block_begin);
+        m_block_begin = m_block_begin_of(n_block);
+        step_begin = 0;
+        step_end = steps_of(m_block_begin);
         q_base = reinterpret_cast<Element*>(smem_raw);
         do_base = q_base + Traits::kStagesQ * kQElems;
         k_base = do_base + Traits::kStagesQ * kQElems;
-        v_base = k_base + Traits::kSmemKVElems;
-        scratch_base = v_base + Traits::kSmemKVElems;
+        scratch_base = k_base + 2 * Traits::kStagesKV * Traits::kSmemKVElems;
         s_lse = reinterpret_cast<float*>(scratch_base + Traits::kSmemScratchElems);
         s_dsum = s_lse + Traits::kStagesQ * kBlockM;
     }
 
-    // False when the key block starts past this sequence's end (varlen grids are sized by the longest).
+    // The first query block with a row that sees a key of block n.
+    __forceinline__ __device__ int m_block_begin_of(int n) const {
+        if constexpr (kCausal) {
+            const int first_row = n * kBlockN - causal_offset;
+            return first_row <= 0 ? 0 : min(first_row / kBlockM, m_block_end);
+        } else {
+            return 0;
+        }
+    }
+    // Steps of a key block whose first query block is first_m_block.
+    __forceinline__ __device__ int steps_of(int first_m_block) const { return heads_per_cta * (m_block_end - first_m_block); }
+
+    // False when the first key block starts past this sequence's end (varlen grids are sized by the longest).
     __forceinline__ __device__ bool has_keys() const { return n_block * kBlockN < binfo.seqlen_k; }
     __forceinline__ __device__ int k_rows_left() const { return binfo.seqlen_k - n_block * kBlockN; }
+    // Moves to the CTA's next key block, whose loads the last step of this one started; false after the last.
+    __forceinline__ __device__ bool next_key_block() {
+        if (n_block + 1 >= n_block_stop) { return false; }
+        ++n_block;
+        kv_stage ^= 1;
+        m_block_begin = m_block_begin_of(n_block);
+        step_begin = step_end;
+        step_end += steps_of(m_block_begin);
+        return true;
+    }
     // Steps advance by a compare and a select: a division per step cost the backward 2-4% (perf log 21).
-    __forceinline__ __device__ BwdStep first_step() const { return {0, first_head, m_block_begin}; }
+    __forceinline__ __device__ BwdStep first_step() const { return {step_begin, first_head, m_block_begin}; }
     __forceinline__ __device__ BwdStep next_step(const BwdStep& step) const {
         const bool wrap = step.m_block + 1 == m_block_end;
         return {step.number + 1, step.head + int(wrap), wrap ? m_block_begin : step.m_block + 1};
@@ -107,23 +138,25 @@ struct BwdSm90Block {
     __forceinline__ __device__ auto sdO(int stage) const { return smem(do_base + stage * kQElems, typename Traits::SmemLayoutQ{}); }   // (kBlockM, kHeadDim)
     __forceinline__ __device__ auto sQt(int stage) const { return smem(q_base + stage * kQElems, typename Traits::SmemLayoutQt{}); }   // (kHeadDim, kBlockM)
     __forceinline__ __device__ auto sdOt(int stage) const { return smem(do_base + stage * kQElems, typename Traits::SmemLayoutQt{}); } // (kHeadDim, kBlockM)
-    __forceinline__ __device__ auto sK() const { return smem(k_base, typename Traits::SmemLayoutKV{}); }    // (kBlockN, kHeadDim)
-    __forceinline__ __device__ auto sV() const { return smem(v_base, typename Traits::SmemLayoutKV{}); }    // (kBlockN, kHeadDim)
-    __forceinline__ __device__ auto sKt() const { return smem(k_base, typename Traits::SmemLayoutKt{}); }   // (kHeadDim, kBlockN)
+    __forceinline__ __device__ Element* k_stage(int s) const { return k_base + 2 * s * Traits::kSmemKVElems; }
+    __forceinline__ __device__ auto sK(int s) const { return smem(k_stage(s), typename Traits::SmemLayoutKV{}); }    // (kBlockN, kHeadDim)
+    __forceinline__ __device__ auto sV(int s) const { return smem(k_stage(s) + Traits::kSmemKVElems, typename Traits::SmemLayoutKV{}); }  // (kBlockN, kHeadDim)
+    __forceinline__ __device__ auto sKt(int s) const { return smem(k_stage(s), typename Traits::SmemLayoutKt{}); }   // (kHeadDim, kBlockN)
 
-    // K and V of this key block; rows past seqlen_k and columns past head_dim read as 0.
-    __forceinline__ __device__ void load_kv(const BwdParams& params, int thread) const {
+    // K and V of key block n into K/V stage s; rows past seqlen_k and columns past head_dim read as 0.
+    __forceinline__ __device__ void load_kv(const BwdParams& params, int n, int s, int thread) const {
         typename Traits::GmemTiledCopyLoad gmem_tiled_copy;
         auto gmem_thr_copy = gmem_tiled_copy.get_thread_slice(thread);
         Tensor gK = local_tile(binfo.k_view<Element>(params, batch_idx, head_idx_k), Shape<Int<kBlockN>, Int<kHeadDim>>{},
-                               make_coord(n_block, 0));  // (kBlockN, kHeadDim)
+                               make_coord(n, 0));  // (kBlockN, kHeadDim)
         Tensor gV = local_tile(binfo.v_view<Element>(params, batch_idx, head_idx_k), Shape<Int<kBlockN>, Int<kHeadDim>>{},
-                               make_coord(n_block, 0));  // (kBlockN, kHeadDim)
+                               make_coord(n, 0));  // (kBlockN, kHeadDim)
         Tensor tKVcKV = gmem_thr_copy.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));  // (CPY, CPY_N, CPY_K)
-        Tensor tKsK = gmem_thr_copy.partition_D(sK());  // (CPY, CPY_N, CPY_K)
-        Tensor tVsV = gmem_thr_copy.partition_D(sV());  // (CPY, CPY_N, CPY_K)
-        copy_zfill(gmem_tiled_copy, gmem_thr_copy.partition_S(gK), tKsK, tKVcKV, k_rows_left(), params.head_dim);
-        copy_zfill(gmem_tiled_copy, gmem_thr_copy.partition_S(gV), tVsV, tKVcKV, k_rows_left(), params.head_dim);
+        Tensor tKsK = gmem_thr_copy.partition_D(sK(s));  // (CPY, CPY_N, CPY_K)
+        Tensor tVsV = gmem_thr_copy.partition_D(sV(s));  // (CPY, CPY_N, CPY_K)
+        const int rows_left = binfo.seqlen_k - n * kBlockN;
+        copy_zfill(gmem_tiled_copy, gmem_thr_copy.partition_S(gK), tKsK, tKVcKV, rows_left, params.head_dim);
+        copy_zfill(gmem_tiled_copy, gmem_thr_copy.partition_S(gV), tVsV, tKVcKV, rows_left, params.head_dim);
     }
 
     // Q, dO, LSE and D of step `step` into stage. Rows past seqlen_q read as 0, LSE and D included: with
@@ -158,23 +191,30 @@ struct BwdSm90Block {
 
     // K, V and the first step's Q, dO, LSE and D, in flight when the loop starts.
     __forceinline__ __device__ void load_first(const BwdParams& params, int thread) const {
-        load_kv(params, thread);
-        if (num_steps > 0) { load_q_do(params, first_step(), 0, thread); }
+        load_kv(params, n_block, kv_stage, thread);
+        if (step_end > 0) { load_q_do(params, first_step(), 0, thread); }
         cp_async_fence();
     }
 
     // Opens step `step` and returns its stage: waits for its loads, makes them visible to wgmma, syncs the
     // CTA (so every warpgroup is done with the previous step's shared-memory tiles), and starts loading the
-    // next step into the other stage.
+    // next step into the other stage; the last step of a key block also loads the next key block's K and V
+    // into the other K/V stage, whose readers finished with the previous key block.
     __forceinline__ __device__ int begin_step(const BwdParams& params, const BwdStep& step, int thread) const {
         const int stage = step.number & 1;
         cp_async_wait<0>();
         // cp.async writes are generic-proxy stores; wgmma reads shared memory through the async proxy.
         cutlass::arch::fence_view_async_shared();
         __syncthreads();
-        if (step.number + 1 < num_steps) {
+        if (step.number + 1 < step_end) {
             load_q_do(params, next_step(step), stage ^ 1, thread);
             cp_async_fence();
+        } else if constexpr (Traits::kStagesKV > 1) {
+            if (n_block + 1 < n_block_stop) {
+                load_kv(params, n_block + 1, kv_stage ^ 1, thread);
+                load_q_do(params, {step_end, first_head, m_block_begin_of(n_block + 1)}, stage ^ 1, thread);
+                cp_async_fence();
+            }
         }
         return stage;
     }
@@ -223,7 +263,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     constexpr int kHeadDim = Traits::kHeadDim;
 
     extern __shared__ __align__(1024) char smem_bwd_sm90[];  // 128 B swizzle atoms repeat every 1 KiB
-    const BwdSm90Block<Traits, kCausal> blk(params, smem_bwd_sm90);
+    BwdSm90Block<Traits, kCausal> blk(params, smem_bwd_sm90);
     if (!blk.has_keys()) { return; }
     const int tidx = threadIdx.x;
 
@@ -231,107 +271,113 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     Tensor sdS = blk.smem(blk.scratch_base, typename Traits::SmemLayoutdS{});    // (kBlockM, kBlockN)
     Tensor cSt = make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{});      // (kBlockN, kBlockM)
 
-    // S^T and dP^T, (kBlockN, kBlockM): A operands K and V are fixed; B operands Q and dO change per stage.
+    // S^T and dP^T, (kBlockN, kBlockM): A operands K and V are fixed per key block; B operands Q and dO
+    // change per stage.
     typename Traits::TiledMmaSdP mma_sdp;
-    Tensor tSrK = mma_sdp.get_thread_slice(tidx).make_fragment_A(mma_sdp.get_thread_slice(tidx).partition_A(blk.sK()));  // (MMA, MMA_N, MMA_K)
-    Tensor tSrV = mma_sdp.get_thread_slice(tidx).make_fragment_A(mma_sdp.get_thread_slice(tidx).partition_A(blk.sV()));  // (MMA, MMA_N, MMA_K)
     auto smem_tiled_copy_dst = make_tiled_copy_C(typename Traits::SmemCopyAtomdSt{}, mma_sdp);
 
-    // dV and dK, (kBlockN, kHeadDim), held in registers across the whole loop.
+    // dV and dK, (kBlockN, kHeadDim), held in registers across a key block's steps.
     typename Traits::TiledMmadKV mma_dkv;
     Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});  // (MMA, MMA_N, MMA_D)
     Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});  // (MMA, MMA_N, MMA_D)
-    clear(acc_dk);
-    clear(acc_dv);
 
     // dQ, (kBlockM, kHeadDim) per query block, added into dq_accum.
     typename Traits::TiledMmadQ mma_dq;
 
     blk.load_first(params, tidx);
-    for (BwdStep step = blk.first_step(); step.number < blk.num_steps; step = blk.next_step(step)) {
-        const int loop_tidx = opaque_int(tidx);
-        const int stage = blk.begin_step(params, step, loop_tidx);
-        const int m_block = step.m_block;
+    do {  // key blocks of this CTA
+        clear(acc_dk);
+        clear(acc_dv);
+        const int kv_stage = blk.kv_stage;
+        auto thr_mma_kv = mma_sdp.get_thread_slice(tidx);
+        Tensor tSrK = thr_mma_kv.make_fragment_A(thr_mma_kv.partition_A(blk.sK(kv_stage)));  // (MMA, MMA_N, MMA_K)
+        Tensor tSrV = thr_mma_kv.make_fragment_A(thr_mma_kv.partition_A(blk.sV(kv_stage)));  // (MMA, MMA_N, MMA_K)
+        for (BwdStep step = blk.first_step(); step.number < blk.step_end; step = blk.next_step(step)) {
+            const int loop_tidx = opaque_int(tidx);
+            const int stage = blk.begin_step(params, step, loop_tidx);
+            const int m_block = step.m_block;
 
-        // Both score GEMMs are in flight together; P^T is computed while dP^T finishes.
-        auto thr_mma_sdp = mma_sdp.get_thread_slice(loop_tidx);
-        Tensor acc_st = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});   // (MMA, MMA_N, MMA_M)
-        Tensor acc_dpt = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});  // (MMA, MMA_N, MMA_M)
-        Tensor tSrQ = thr_mma_sdp.make_fragment_B(thr_mma_sdp.partition_B(blk.sQ(stage)));    // (MMA, MMA_M, MMA_K)
-        Tensor tSrdO = thr_mma_sdp.make_fragment_B(thr_mma_sdp.partition_B(blk.sdO(stage)));  // (MMA, MMA_M, MMA_K)
-        warpgroup_gemm_issue</*kZeroInit=*/true>(mma_sdp, tSrK, tSrQ, acc_st);
-        warpgroup_gemm_issue</*kZeroInit=*/true>(mma_sdp, tSrV, tSrdO, acc_dpt);
+            // Both score GEMMs are in flight together; P^T is computed while dP^T finishes.
+            auto thr_mma_sdp = mma_sdp.get_thread_slice(loop_tidx);
+            Tensor acc_st = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});   // (MMA, MMA_N, MMA_M)
+            Tensor acc_dpt = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});  // (MMA, MMA_N, MMA_M)
+            Tensor tSrQ = thr_mma_sdp.make_fragment_B(thr_mma_sdp.partition_B(blk.sQ(stage)));    // (MMA, MMA_M, MMA_K)
+            Tensor tSrdO = thr_mma_sdp.make_fragment_B(thr_mma_sdp.partition_B(blk.sdO(stage)));  // (MMA, MMA_M, MMA_K)
+            warpgroup_gemm_issue</*kZeroInit=*/true>(mma_sdp, tSrK, tSrQ, acc_st);
+            warpgroup_gemm_issue</*kZeroInit=*/true>(mma_sdp, tSrV, tSrdO, acc_dpt);
 
-        // (key row, query column) of each accumulator value.
-        Tensor tStcSt = thr_mma_sdp.partition_C(cSt);                                            // (MMA, MMA_N, MMA_M)
-        Tensor tStcSt_rc = make_tensor(tStcSt.data(), gmma_acc_rowcol_layout(tStcSt.layout()));  // (key rows, query cols)
-        // Causal: key n_block * kBlockN + row is hidden from query m_block * kBlockM + col iff row - col > diag.
-        const int diag = m_block * kBlockM + blk.causal_offset - blk.n_block * kBlockN;
-        const bool causal_tile = kCausal && kBlockN - 1 > diag;
-        const float* lse_stage = blk.s_lse + stage * kBlockM;
-        const float* dsum_stage = blk.s_dsum + stage * kBlockM;
+            // (key row, query column) of each accumulator value.
+            Tensor tStcSt = thr_mma_sdp.partition_C(cSt);                                            // (MMA, MMA_N, MMA_M)
+            Tensor tStcSt_rc = make_tensor(tStcSt.data(), gmma_acc_rowcol_layout(tStcSt.layout()));  // (key rows, query cols)
+            // Causal: key n_block * kBlockN + row is hidden from query m_block * kBlockM + col iff row - col > diag.
+            const int diag = m_block * kBlockM + blk.causal_offset - blk.n_block * kBlockN;
+            const bool causal_tile = kCausal && kBlockN - 1 > diag;
+            const float* lse_stage = blk.s_lse + stage * kBlockM;
+            const float* dsum_stage = blk.s_dsum + stage * kBlockM;
 
-        // P^T = exp2(s * scale * log2(e) - lse * log2(e)).
-        warpgroup_wait_for<1>(acc_st);
-        Tensor st = gmma_as_rowcol(acc_st);  // (key rows, query cols)
-        CUTE_UNROLL
-        for (int c = 0; c < size<1>(st); ++c) {
-            const int col = get<1>(tStcSt_rc(0, c));
-            const float lse_log2 = lse_stage[col] * float(M_LOG2E);
+            // P^T = exp2(s * scale * log2(e) - lse * log2(e)).
+            warpgroup_wait_for<1>(acc_st);
+            Tensor st = gmma_as_rowcol(acc_st);  // (key rows, query cols)
             CUTE_UNROLL
-            for (int r = 0; r < size<0>(st); ++r) {
-                const bool hidden = causal_tile && get<0>(tStcSt_rc(r, c)) - col > diag;
-                st(r, c) = hidden ? 0.f : exp2f(st(r, c) * params.softmax_scale_log2 - lse_log2);
+            for (int c = 0; c < size<1>(st); ++c) {
+                const int col = get<1>(tStcSt_rc(0, c));
+                const float lse_log2 = lse_stage[col] * float(M_LOG2E);
+                CUTE_UNROLL
+                for (int r = 0; r < size<0>(st); ++r) {
+                    const bool hidden = causal_tile && get<0>(tStcSt_rc(r, c)) - col > diag;
+                    st(r, c) = hidden ? 0.f : exp2f(st(r, c) * params.softmax_scale_log2 - lse_log2);
+                }
             }
-        }
-        Tensor rPt = convert_fragment<Element>(acc_st);
-        Tensor tKVrPt = make_tensor(rPt.data(), gmma_acc_as_a_operand_layout(rPt.layout()));  // (MMA, MMA_N, MMA_K)
-        auto thr_mma_dkv = mma_dkv.get_thread_slice(loop_tidx);
-        Tensor tKVrdOt = thr_mma_dkv.make_fragment_B(thr_mma_dkv.partition_B(blk.sdOt(stage)));  // (MMA, MMA_D, MMA_K)
-        warpgroup_gemm_issue</*kZeroInit=*/false>(mma_dkv, tKVrPt, tKVrdOt, acc_dv);
+            Tensor rPt = convert_fragment<Element>(acc_st);
+            Tensor tKVrPt = make_tensor(rPt.data(), gmma_acc_as_a_operand_layout(rPt.layout()));  // (MMA, MMA_N, MMA_K)
+            auto thr_mma_dkv = mma_dkv.get_thread_slice(loop_tidx);
+            Tensor tKVrdOt = thr_mma_dkv.make_fragment_B(thr_mma_dkv.partition_B(blk.sdOt(stage)));  // (MMA, MMA_D, MMA_K)
+            warpgroup_gemm_issue</*kZeroInit=*/false>(mma_dkv, tKVrPt, tKVrdOt, acc_dv);
 
-        // dS^T = P^T (dP^T - D), the gradient of the scaled scores.
-        warpgroup_wait_for<1>(acc_dpt);
-        Tensor dpt = gmma_as_rowcol(acc_dpt);  // (key rows, query cols)
-        CUTE_UNROLL
-        for (int c = 0; c < size<1>(dpt); ++c) {
-            const float dsum = dsum_stage[get<1>(tStcSt_rc(0, c))];
+            // dS^T = P^T (dP^T - D), the gradient of the scaled scores.
+            warpgroup_wait_for<1>(acc_dpt);
+            Tensor dpt = gmma_as_rowcol(acc_dpt);  // (key rows, query cols)
             CUTE_UNROLL
-            for (int r = 0; r < size<0>(dpt); ++r) { dpt(r, c) = st(r, c) * (dpt(r, c) - dsum); }
+            for (int c = 0; c < size<1>(dpt); ++c) {
+                const float dsum = dsum_stage[get<1>(tStcSt_rc(0, c))];
+                CUTE_UNROLL
+                for (int r = 0; r < size<0>(dpt); ++r) { dpt(r, c) = st(r, c) * (dpt(r, c) - dsum); }
+            }
+            Tensor rdSt = convert_fragment<Element>(acc_dpt);
+            Tensor tKVrdSt = make_tensor(rdSt.data(), gmma_acc_as_a_operand_layout(rdSt.layout()));  // (MMA, MMA_N, MMA_K)
+
+            // dS^T to shared memory for the dQ GEMM, whose rows (queries) span both warpgroups' keys.
+            auto smem_thr_copy_dst = smem_tiled_copy_dst.get_thread_slice(loop_tidx);
+            Tensor tdStrdSt = smem_thr_copy_dst.retile_S(rdSt);     // (CPY, CPY_N, CPY_M)
+            Tensor tdStsdSt = smem_thr_copy_dst.partition_D(sdSt);  // (CPY, CPY_N, CPY_M)
+            copy(smem_tiled_copy_dst, tdStrdSt, tdStsdSt);
+            cutlass::arch::fence_view_async_shared();
+
+            Tensor tKVrQt = thr_mma_dkv.make_fragment_B(thr_mma_dkv.partition_B(blk.sQt(stage)));  // (MMA, MMA_D, MMA_K)
+            warpgroup_gemm_issue</*kZeroInit=*/false>(mma_dkv, tKVrdSt, tKVrQt, acc_dk);
+
+            __syncthreads();  // all of dS^T is in shared memory
+            auto thr_mma_dq = mma_dq.get_thread_slice(loop_tidx);
+            Tensor tQrdS = thr_mma_dq.make_fragment_A(thr_mma_dq.partition_A(sdS));        // (MMA, MMA_M, MMA_K)
+            Tensor tQrKt = thr_mma_dq.make_fragment_B(thr_mma_dq.partition_B(blk.sKt(kv_stage)));  // (MMA, MMA_D, MMA_K)
+            Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (MMA, MMA_M, MMA_D)
+            warpgroup_gemm_issue</*kZeroInit=*/true>(mma_dq, tQrdS, tQrKt, acc_dq);
+            warpgroup_wait_for<0>(acc_dq);
+            warpgroup_fence_operand(acc_dv);
+            warpgroup_fence_operand(acc_dk);
+            warpgroup_fence_operand(rPt);
+            warpgroup_fence_operand(rdSt);
+            Tensor gdQaccum = blk.gdQaccum(params, step.head);                  // (kBlockM, kHeadDim, m)
+            Tensor tdQgdQ = thr_mma_dq.partition_C(gdQaccum(_, _, m_block));  // (MMA, MMA_M, MMA_D)
+            CUTE_UNROLL
+            for (int i = 0; i < size(acc_dq); i += 2) { red_add_pair(&tdQgdQ(i), acc_dq(i), acc_dq(i + 1)); }
         }
-        Tensor rdSt = convert_fragment<Element>(acc_dpt);
-        Tensor tKVrdSt = make_tensor(rdSt.data(), gmma_acc_as_a_operand_layout(rdSt.layout()));  // (MMA, MMA_N, MMA_K)
-
-        // dS^T to shared memory for the dQ GEMM, whose rows (queries) span both warpgroups' keys.
-        auto smem_thr_copy_dst = smem_tiled_copy_dst.get_thread_slice(loop_tidx);
-        Tensor tdStrdSt = smem_thr_copy_dst.retile_S(rdSt);     // (CPY, CPY_N, CPY_M)
-        Tensor tdStsdSt = smem_thr_copy_dst.partition_D(sdSt);  // (CPY, CPY_N, CPY_M)
-        copy(smem_tiled_copy_dst, tdStrdSt, tdStsdSt);
-        cutlass::arch::fence_view_async_shared();
-
-        Tensor tKVrQt = thr_mma_dkv.make_fragment_B(thr_mma_dkv.partition_B(blk.sQt(stage)));  // (MMA, MMA_D, MMA_K)
-        warpgroup_gemm_issue</*kZeroInit=*/false>(mma_dkv, tKVrdSt, tKVrQt, acc_dk);
-
-        __syncthreads();  // all of dS^T is in shared memory
-        auto thr_mma_dq = mma_dq.get_thread_slice(loop_tidx);
-        Tensor tQrdS = thr_mma_dq.make_fragment_A(thr_mma_dq.partition_A(sdS));        // (MMA, MMA_M, MMA_K)
-        Tensor tQrKt = thr_mma_dq.make_fragment_B(thr_mma_dq.partition_B(blk.sKt()));  // (MMA, MMA_D, MMA_K)
-        Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (MMA, MMA_M, MMA_D)
-        warpgroup_gemm_issue</*kZeroInit=*/true>(mma_dq, tQrdS, tQrKt, acc_dq);
-        warpgroup_wait_for<0>(acc_dq);
-        warpgroup_fence_operand(acc_dv);
-        warpgroup_fence_operand(acc_dk);
-        warpgroup_fence_operand(rPt);
-        warpgroup_fence_operand(rdSt);
-        Tensor gdQaccum = blk.gdQaccum(params, step.head);                  // (kBlockM, kHeadDim, m)
-        Tensor tdQgdQ = thr_mma_dq.partition_C(gdQaccum(_, _, m_block));  // (MMA, MMA_M, MMA_D)
-        CUTE_UNROLL
-        for (int i = 0; i < size(acc_dq); i += 2) { red_add_pair(&tdQgdQ(i), acc_dq(i), acc_dq(i + 1)); }
-    }
-    cp_async_wait<0>();  // K and V are still in flight when no query block sees this key block.
-
-    Tensor tKVcdKV = mma_dkv.get_thread_slice(tidx).partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));  // (MMA, MMA_N, MMA_D)
-    blk.store_dk_dv(params, acc_dk, acc_dv, tKVcdKV);
+        // The next key block's loads, started by this one's last step, overlap the store.
+        Tensor tKVcdKV = mma_dkv.get_thread_slice(opaque_int(tidx))
+                             .partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));  // (MMA, MMA_N, MMA_D)
+        blk.store_dk_dv(params, acc_dk, acc_dv, tKVcdKV);
+    } while (blk.next_key_block());
+    cp_async_wait<0>();  // no cp.async may land in shared memory after the CTA exits
 #endif
 }
 
@@ -346,6 +392,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
     extern __shared__ __align__(1024) char smem_bwd_sm90[];  // 128 B swizzle atoms repeat every 1 KiB
     const BwdSm90Block<Traits, kCausal> blk(params, smem_bwd_sm90);
+    static_assert(Traits::kStagesKV == 1, "one key block per CTA");
     if (!blk.has_keys()) { return; }
     const int tidx = threadIdx.x;
 
@@ -372,7 +419,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     typename Traits::TiledMmadQ mma_dq;
 
     blk.load_first(params, tidx);
-    for (BwdStep step = blk.first_step(); step.number < blk.num_steps; step = blk.next_step(step)) {
+    for (BwdStep step = blk.first_step(); step.number < blk.step_end; step = blk.next_step(step)) {
         const int loop_tidx = opaque_int(tidx);
         const int stage = blk.begin_step(params, step, loop_tidx);
         const int m_block = step.m_block;
@@ -382,8 +429,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA, MMA_M, MMA_N)
         Tensor tSrQ = thr_mma_sdp.make_fragment_A(thr_mma_sdp.partition_A(blk.sQ(stage)));    // (MMA, MMA_M, MMA_K)
         Tensor tSrdO = thr_mma_sdp.make_fragment_A(thr_mma_sdp.partition_A(blk.sdO(stage)));  // (MMA, MMA_M, MMA_K)
-        Tensor tSrK = thr_mma_sdp.make_fragment_B(thr_mma_sdp.partition_B(blk.sK()));         // (MMA, MMA_N, MMA_K)
-        Tensor tSrV = thr_mma_sdp.make_fragment_B(thr_mma_sdp.partition_B(blk.sV()));         // (MMA, MMA_N, MMA_K)
+        Tensor tSrK = thr_mma_sdp.make_fragment_B(thr_mma_sdp.partition_B(blk.sK(0)));        // (MMA, MMA_N, MMA_K)
+        Tensor tSrV = thr_mma_sdp.make_fragment_B(thr_mma_sdp.partition_B(blk.sV(0)));        // (MMA, MMA_N, MMA_K)
         warpgroup_gemm_issue</*kZeroInit=*/true>(mma_sdp, tSrQ, tSrK, acc_s);
         warpgroup_gemm_issue</*kZeroInit=*/true>(mma_sdp, tSrdO, tSrV, acc_dp);
 
@@ -428,7 +475,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         // dQ first, so its reduction into global memory overlaps the dV and dK GEMMs.
         auto thr_mma_dq = mma_dq.get_thread_slice(loop_tidx);
         Tensor tQrdS = thr_mma_dq.make_fragment_A(thr_mma_dq.partition_A(sdS));        // (MMA, MMA_M, MMA_K)
-        Tensor tQrKt = thr_mma_dq.make_fragment_B(thr_mma_dq.partition_B(blk.sKt()));  // (MMA, MMA_D, MMA_K)
+        Tensor tQrKt = thr_mma_dq.make_fragment_B(thr_mma_dq.partition_B(blk.sKt(0)));  // (MMA, MMA_D, MMA_K)
         Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (MMA, MMA_M, MMA_D)
         warpgroup_gemm_issue</*kZeroInit=*/true>(mma_dq, tQrdS, tQrKt, acc_dq);
         auto thr_mma_dkv = mma_dkv.get_thread_slice(loop_tidx);

@@ -124,30 +124,32 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kCtasPerSm)
     };
     auto next_stage = [](int stage) { return stage + 1 == kStagesKV ? 0 : stage + 1; };
 
-    // A warpgroup whose 64 query rows all lie past the sequence end (decoding and other short queries fill one
-    // warpgroup's rows at most) only loads its share of K and V and meets the barriers. Decided once, outside
-    // the loops: a branch inside the main loop cost the anchor shapes 3-6% (perf log 26).
-    if (tidx / 128 * 64 >= q_rows_left) {
-        for (int n_block = n_block_end - 1, stage = 0; n_block >= 0; --n_block, stage = next_stage(stage)) {
-            advance_pipeline(n_block, stage);
-        }
-    } else {
-        for (int n_block = n_block_end - 1, stage = 0; n_block >= 0; --n_block, stage = next_stage(stage)) {
-            advance_pipeline(n_block, stage);
+    // A warpgroup runs only the key blocks its own 64 query rows see; for the others it just loads its share of
+    // K and V and meets the barriers. That skips every block for a warpgroup whose rows all lie past the
+    // sequence end (decoding and other short queries fill one warpgroup at most), and, causal, the blocks
+    // right of its part of the diagonal, which come first. Decided once, outside the loops: a branch inside
+    // the main loop cost the anchor shapes 3-6% (perf log 26).
+    const int wg_row0 = tidx / 128 * 64;
+    const int n_block_end_wg =
+        wg_row0 >= q_rows_left ? 0 : min(n_block_end, mask.n_block_end_for_rows(m_block * kBlockM + wg_row0 + 63));
+    int n_block = n_block_end - 1;
+    int stage = 0;
+    for (; n_block >= n_block_end_wg; --n_block, stage = next_stage(stage)) { advance_pipeline(n_block, stage); }
+    for (; n_block >= 0; --n_block, stage = next_stage(stage)) {
+        advance_pipeline(n_block, stage);
 
-            Tensor tSrK = thr_mma_s.make_fragment_B(thr_mma_s.partition_B(sK_stage(stage)));  // (MMA, MMA_N, MMA_K)
-            Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});   // (MMA, MMA_M, MMA_N)
-            warpgroup_gemm</*kZeroInit=*/true>(mma_s, tSrQ, tSrK, acc_s);
+        Tensor tSrK = thr_mma_s.make_fragment_B(thr_mma_s.partition_B(sK_stage(stage)));  // (MMA, MMA_N, MMA_K)
+        Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});   // (MMA, MMA_M, MMA_N)
+        warpgroup_gemm</*kZeroInit=*/true>(mma_s, tSrQ, tSrK, acc_s);
 
-            Tensor scores = gmma_as_rowcol(acc_s);  // (rows, kBlockN cols)
-            if (mask.tile_needs_mask(m_block, n_block)) { mask.apply(scores, tScS_rc, m_block, n_block); }
-            softmax.update(scores, acc_o_rc);
+        Tensor scores = gmma_as_rowcol(acc_s);  // (rows, kBlockN cols)
+        if (mask.tile_needs_mask(m_block, n_block)) { mask.apply(scores, tScS_rc, m_block, n_block); }
+        softmax.update(scores, acc_o_rc);
 
-            Tensor rP = convert_fragment<Element>(acc_s);
-            Tensor tOrP = make_tensor(rP.data(), gmma_acc_as_a_operand_layout(rP.layout()));  // (MMA, MMA_M, MMA_K)
-            Tensor tOrVt = thr_mma_o.make_fragment_B(thr_mma_o.partition_B(sVt_stage(stage)));  // (MMA, MMA_N, MMA_K)
-            warpgroup_gemm</*kZeroInit=*/false>(mma_o, tOrP, tOrVt, acc_o);
-        }
+        Tensor rP = convert_fragment<Element>(acc_s);
+        Tensor tOrP = make_tensor(rP.data(), gmma_acc_as_a_operand_layout(rP.layout()));  // (MMA, MMA_M, MMA_K)
+        Tensor tOrVt = thr_mma_o.make_fragment_B(thr_mma_o.partition_B(sVt_stage(stage)));  // (MMA, MMA_N, MMA_K)
+        warpgroup_gemm</*kZeroInit=*/false>(mma_o, tOrP, tOrVt, acc_o);
     }
 
     // Epilogue: normalize once, stage O through shared memory (Q's buffer) for 16 B global stores; a

@@ -63,8 +63,12 @@ struct FwdParams {
 constexpr int kBwdMinBlockM = 64;
 constexpr int kBwdMaxBlockM = 128;
 
-// Keys per CTA of the Hopper backward kernels (flash_bwd_launch.h), for the host's choice of grid.
+// Query rows per step and keys per CTA of the Hopper backward kernels (flash_bwd_launch.h), for the host's
+// choice of grid.
+constexpr int kBwdSm90BlockM = 64;
 constexpr int bwd_sm90_block_n(int head_dim) { return head_dim <= 128 ? 128 : 64; }
+// Whether that kernel can walk several key blocks per CTA (BwdParams::key_blocks_per_cta).
+constexpr bool bwd_sm90_walks_key_blocks(int head_dim) { return head_dim <= 128; }
 
 // The backward reads everything the forward read (q, k, v, out, lse) plus these.
 struct BwdParams : FwdParams {
@@ -81,6 +85,9 @@ struct BwdParams : FwdParams {
                                        // host), else the input dtype
     int heads_per_cta;                 // query heads one CTA walks: 1, or num_heads / num_heads_k (Hopper
                                        // kernels only), when the grid's z runs over key/value heads
+    int key_blocks_per_cta;            // consecutive key blocks one CTA walks, the next one's K and V loading while
+                                       // it finishes the current one: 1, or more for the Hopper kernel of head
+                                       // dims <= 128 (bwd_sm90_walks_key_blocks)
     int* dq_semaphore_ptr;             // (batch, num_heads, ceil(seqlen_q / kBwdMinBlockM)) zeroed; deterministic only
 
     index_t do_batch_stride;  // elements between consecutive batches of dout

@@ -24,16 +24,18 @@ struct CausalMask {
     // Last key column visible to query row `row` (may be negative: no key visible).
     __forceinline__ __device__ int last_visible_col(int row) const { return row + seqlen_k - seqlen_q; }
 
-    // One past the last key block that query block m_block must visit (<= 0: it sees no key).
-    __forceinline__ __device__ int n_block_end(int m_block) const {
+    // One past the last key block that query rows up to `last_row` must visit (<= 0: they see no key).
+    __forceinline__ __device__ int n_block_end_for_rows(int last_row) const {
         const int n_blocks = (seqlen_k + kBlockN - 1) / kBlockN;
         if constexpr (!kCausal) {
             return n_blocks;
         } else {
-            const int last_col = last_visible_col((m_block + 1) * kBlockM - 1);
+            const int last_col = last_visible_col(last_row);
             return last_col < 0 ? 0 : min(n_blocks, last_col / kBlockN + 1);
         }
     }
+    // The same for query block m_block.
+    __forceinline__ __device__ int n_block_end(int m_block) const { return n_block_end_for_rows((m_block + 1) * kBlockM - 1); }
 
     // True when tile (m_block, n_block) has any invisible element; other tiles skip apply().
     __forceinline__ __device__ bool tile_needs_mask(int m_block, int n_block) const {

@@ -1,6 +1,7 @@
 """Small forward and backward calls for compute-sanitizer (not a pytest module): odd lengths, causal both
 ways, GQA, padded head dims, strided views, deterministic mode and variable-length batches (with empty and
-one-token sequences), and forced split-KV forwards, so out-of-bounds reads or writes show up as memcheck errors.
+one-token sequences), forced split-KV forwards and forced multi-key-block backwards, so out-of-bounds reads
+or writes show up as memcheck errors.
 
     compute-sanitizer --tool memcheck python tests/memcheck.py
 """
@@ -72,6 +73,22 @@ def main():
         out.backward(torch.randn_like(out))
         cases += 2
     del os.environ["FLASH_ATTN2_GQA_WALK"]
+    # Backwards with every CTA walking 3 key blocks (forced; Hopper, head dims <= 128), dense and varlen.
+    os.environ["FLASH_ATTN2_BWD_KEY_BLOCKS"] = "3"
+    for head_dim, causal in itertools.product((32, 64, 96, 128), (False, True)):
+        if not flash_attn_cuda.kernel_available(head_dim, torch.bfloat16, causal, backward=True):
+            continue
+        for sq, sk in ((1, 700), (300, 200)):
+            q = torch.randn(2, sq, 4, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            kv = torch.randn(2, sk, 2, 4, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            out = flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], causal=causal)
+            out.backward(torch.randn_like(out))
+        q = torch.randn(sum(lens_q), 4, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        kv = torch.randn(sum(lens_k), 2, 2, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        out = flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_q, cu_k, max(lens_q), max(lens_k), causal=causal)
+        out.backward(torch.randn_like(out))
+        cases += 3
+    del os.environ["FLASH_ATTN2_BWD_KEY_BLOCKS"]
     torch.cuda.synchronize()
     print(f"memcheck: {cases} calls done")
 

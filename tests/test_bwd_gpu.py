@@ -117,6 +117,42 @@ def test_gqa_group_walk_by_grid_size(walk, causal, monkeypatch):
                 rand(2, 4100, 2, 128, dtype=torch.bfloat16), causal)
 
 
+@pytest.mark.parametrize("key_blocks", ["2", "3"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128])
+@pytest.mark.parametrize("b, sq, sk, h, hk", [(2, 1, 1023, 4, 4), (2, 113, 777, 6, 2), (1, 300, 200, 3, 3)],
+                         ids=["decode", "gqa-sq<sk", "sq>sk"])
+def test_key_blocks_per_cta(b, sq, sk, h, hk, head_dim, causal, key_blocks, monkeypatch):
+    # FLASH_ATTN2_BWD_KEY_BLOCKS=n: every Hopper backward CTA of head dims <= 128 walks n consecutive key blocks,
+    # loading the next one's K and V during the current one (elsewhere the variable changes nothing). The
+    # shapes give one and several query blocks per key block, causal key blocks whose first query blocks see
+    # none of their keys, a CTA whose key blocks run past the sequence end, and GQA groups walked per CTA.
+    require_fwd_bwd_kernels(head_dim, torch.bfloat16, causal)
+    monkeypatch.setenv("FLASH_ATTN2_BWD_KEY_BLOCKS", key_blocks)
+    monkeypatch.setenv("FLASH_ATTN2_GQA_WALK", "1")
+    check_grads(rand(b, sq, h, head_dim, dtype=torch.bfloat16), rand(b, sk, hk, head_dim, dtype=torch.bfloat16),
+                rand(b, sk, hk, head_dim, dtype=torch.bfloat16), causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("sq", [1, 100])
+def test_short_queries_long_keys(sq, dtype, monkeypatch):
+    # Grids large enough that the heuristic walks 16 key blocks per backward CTA on an H200.
+    require_fwd_bwd_kernels(128, dtype, False)
+    monkeypatch.delenv("FLASH_ATTN2_BWD_KEY_BLOCKS", raising=False)
+    check_grads(rand(8, sq, 16, 128, dtype=dtype), rand(8, 4096, 16, 128, dtype=dtype),
+                rand(8, 4096, 16, 128, dtype=dtype), False)
+
+
+def test_key_blocks_rejects_bad_env(monkeypatch):
+    require_fwd_bwd_kernels(64, torch.bfloat16, False)
+    monkeypatch.setenv("FLASH_ATTN2_BWD_KEY_BLOCKS", "two")
+    q, k, v = (rand(1, 65, 2, 64, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
+    out = flash_attn_func(q, k, v)
+    with pytest.raises((RuntimeError, ValueError), match="FLASH_ATTN2_BWD_KEY_BLOCKS"):
+        out.backward(torch.randn_like(out))
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("h, hk", [(8, 1), (8, 2), (12, 3)])
 def test_gqa_mqa(h, hk, causal):

@@ -86,6 +86,16 @@ def test_varlen_gqa_group_walk(head_dim, causal, monkeypatch):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_varlen_key_blocks_per_cta(head_dim, causal, monkeypatch):
+    # Hopper backward CTAs walking 3 key blocks each (forced; see test_bwd_gpu.py), across sequences whose key
+    # blocks end at different places.
+    require_fwd_bwd_kernels(head_dim, torch.bfloat16, causal)
+    monkeypatch.setenv("FLASH_ATTN2_BWD_KEY_BLOCKS", "3")
+    check_varlen(LENS_Q, LENS_K, 6, 2, head_dim, torch.bfloat16, causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("h, hk", [(4, 4), (8, 1)])
 @pytest.mark.parametrize("lens", [([1], [1]), ([1023, 1, 0], [0, 1, 1023]), ([129, 257], [257, 129])],
                          ids=["one-token", "long-short-empty", "swap"])

@@ -301,13 +301,16 @@ int forced_key_blocks_per_cta() {
 // one after the other, and the grid runs many waves of such CTAs. A CTA that walks j consecutive key blocks
 // loads the next one's K and V while it computes and stores the current one. Model: `slots` CTAs run at once
 // and a CTA costs j + 1 key-block times (its first load is not hidden); the smallest j of least time, up to
-// kMaxAutoKeyBlocks. Longer queries keep one key block per CTA: their steps already hide the loads.
+// kMaxAutoKeyBlocks, that still leaves two waves of CTAs (at j = 8 and one wave, the GQA decode row of
+// bench_skinny ran 1.2x slower than at j = 1: perf log 28). Longer queries keep one key block per CTA: their
+// steps already hide the loads.
 int choose_key_blocks_per_cta(int64_t n_blocks, int64_t ctas_per_key_block, int64_t steps_per_key_block,
                               int64_t slots) {
     if (steps_per_key_block > 2 || n_blocks <= 1) { return 1; }
     auto time = [&](int64_t j) { return ((n_blocks + j - 1) / j * ctas_per_key_block + slots - 1) / slots * (j + 1); };
+    const int64_t max_j = std::min<int64_t>({kMaxAutoKeyBlocks, n_blocks, n_blocks * ctas_per_key_block / (2 * slots)});
     int64_t best = 1;
-    for (int64_t j = 2; j <= std::min<int64_t>(kMaxAutoKeyBlocks, n_blocks); ++j) {
+    for (int64_t j = 2; j <= max_j; ++j) {
         if (time(j) < time(best)) { best = j; }
     }
     return static_cast<int>(best);

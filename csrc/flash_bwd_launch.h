@@ -47,7 +47,8 @@ cudaError_t launch_bwd_sm90(const BwdParams& params, cudaStream_t stream) {
     const int n_blocks = (params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
     const dim3 grid((n_blocks + params.key_blocks_per_cta - 1) / params.key_blocks_per_cta, params.batch,
                     params.num_heads / params.heads_per_cta);
-    return launch_kernel<kKernel, Traits::kNThreads, Traits::kSmemBytes>(grid, params, stream);
+    const int smem_bytes = params.key_blocks_per_cta > 1 ? Traits::kSmemBytes : Traits::kSmemBytesOneKV;
+    return launch_kernel<kKernel, Traits::kNThreads, Traits::kSmemBytes>(grid, params, stream, smem_bytes);
 }
 
 template <typename Element, int kHeadDim, bool kCausal>

@@ -37,8 +37,8 @@ struct BwdStep {
 };
 
 // What both kernels share: the CTA's key blocks and the query blocks that see each, the shared-memory
-// carve-up (Q and dO in kStagesQ stages, K and V in kStagesKV stages, the kernel's scratch tiles, then LSE
-// and D per Q stage), the loads, and the dK/dV store. A CTA walks key blocks [n_block, n_block_stop) one
+// carve-up (Q and dO in kStagesQ stages, K and V, the kernel's scratch tiles, LSE and D per Q stage, then
+// with kStagesKV == 2 the second K/V buffer), the loads, the dQ reduction and the dK/dV store. A CTA walks key blocks [n_block, n_block_stop) one
 // after another (BwdParams::key_blocks_per_cta, kStagesKV == 2 only); the last step of one key block
 // starts loading the next one's K and V and first Q and dO.
 template <class Traits, bool kCausal>
@@ -69,7 +69,7 @@ struct BwdSm90Block {
     int causal_offset;  // query row i sees key j iff j <= i + causal_offset
     Element* q_base;    // stage s at q_base + s * kQElems
     Element* do_base;   // likewise
-    Element* k_base;    // K of K/V stage s at k_base + 2s * kSmemKVElems, V right after it
+    Element* k_base;    // K of K/V stage 0; stage 1's at k_base + kKV1Offset; V right after K in each
     Element* scratch_base;  // Traits::kSmemScratchElems elements
     float* s_lse;           // (kStagesQ, kBlockM)
     float* s_dsum;          // (kStagesQ, kBlockM)
@@ -93,7 +93,7 @@ struct BwdSm90Block {
         q_base = reinterpret_cast<Element*>(smem_raw);
         do_base = q_base + Traits::kStagesQ * kQElems;
         k_base = do_base + Traits::kStagesQ * kQElems;
-        scratch_base = k_base + 2 * Traits::kStagesKV * Traits::kSmemKVElems;
+        scratch_base = k_base + 2 * Traits::kSmemKVElems;
         s_lse = reinterpret_cast<float*>(scratch_base + Traits::kSmemScratchElems);
         s_dsum = s_lse + Traits::kStagesQ * kBlockM;
     }
@@ -138,7 +138,8 @@ struct BwdSm90Block {
     __forceinline__ __device__ auto sdO(int stage) const { return smem(do_base + stage * kQElems, typename Traits::SmemLayoutQ{}); }   // (kBlockM, kHeadDim)
     __forceinline__ __device__ auto sQt(int stage) const { return smem(q_base + stage * kQElems, typename Traits::SmemLayoutQt{}); }   // (kHeadDim, kBlockM)
     __forceinline__ __device__ auto sdOt(int stage) const { return smem(do_base + stage * kQElems, typename Traits::SmemLayoutQt{}); } // (kHeadDim, kBlockM)
-    __forceinline__ __device__ Element* k_stage(int s) const { return k_base + 2 * s * Traits::kSmemKVElems; }
+    static constexpr int kKV1Offset = Traits::kSmemBytesOneKV / int(sizeof(Element)) - 2 * Traits::kStagesQ * kQElems;
+    __forceinline__ __device__ Element* k_stage(int s) const { return k_base + s * kKV1Offset; }
     __forceinline__ __device__ auto sK(int s) const { return smem(k_stage(s), typename Traits::SmemLayoutKV{}); }    // (kBlockN, kHeadDim)
     __forceinline__ __device__ auto sV(int s) const { return smem(k_stage(s) + Traits::kSmemKVElems, typename Traits::SmemLayoutKV{}); }  // (kBlockN, kHeadDim)
     __forceinline__ __device__ auto sKt(int s) const { return smem(k_stage(s), typename Traits::SmemLayoutKt{}); }   // (kHeadDim, kBlockN)
@@ -225,6 +226,25 @@ struct BwdSm90Block {
         return make_tensor(make_gmem_ptr(dq_head),
                            make_layout(make_shape(Int<kBlockM>{}, Int<kHeadDim>{}, m_block_end),
                                        make_stride(Int<kHeadDim>{}, _1{}, Int<kBlockM * kHeadDim>{})));  // (kBlockM, kHeadDim, m)
+    }
+
+    // Adds step's dQ (acc_dq, partitioned by thr_mma_dq) into dq_accum. In a query block that runs past
+    // seqlen_q, pairs of zeros are skipped: rows past the end are exactly zero (dS = 0 there, see load_q_do),
+    // and with short queries every key block's CTA would otherwise add a block of mostly zeros into the same
+    // L2 lines. Skipping a zero changes no sum, and testing the value takes no registers for row coordinates.
+    template <class ThrMma, class Acc>
+    __forceinline__ __device__ void add_dq(const BwdParams& params, const ThrMma& thr_mma_dq, const Acc& acc_dq,
+                                           const BwdStep& step) const {
+        Tensor tdQgdQ = thr_mma_dq.partition_C(gdQaccum(params, step.head)(_, _, step.m_block));  // (MMA, MMA_M, MMA_D)
+        if (binfo.seqlen_q - step.m_block * kBlockM >= kBlockM) {
+            CUTE_UNROLL
+            for (int i = 0; i < size(acc_dq); i += 2) { red_add_pair(&tdQgdQ(i), acc_dq(i), acc_dq(i + 1)); }
+        } else {
+            CUTE_UNROLL
+            for (int i = 0; i < size(acc_dq); i += 2) {
+                if (acc_dq(i) != 0.f || acc_dq(i + 1) != 0.f) { red_add_pair(&tdQgdQ(i), acc_dq(i), acc_dq(i + 1)); }
+            }
+        }
     }
 
     // dK picks up the softmax scale here; dQ gets it when its fp32 buffer is converted. coords: the
@@ -367,10 +387,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             warpgroup_fence_operand(acc_dk);
             warpgroup_fence_operand(rPt);
             warpgroup_fence_operand(rdSt);
-            Tensor gdQaccum = blk.gdQaccum(params, step.head);                  // (kBlockM, kHeadDim, m)
-            Tensor tdQgdQ = thr_mma_dq.partition_C(gdQaccum(_, _, m_block));  // (MMA, MMA_M, MMA_D)
-            CUTE_UNROLL
-            for (int i = 0; i < size(acc_dq); i += 2) { red_add_pair(&tdQgdQ(i), acc_dq(i), acc_dq(i + 1)); }
+            blk.add_dq(params, thr_mma_dq, acc_dq, step);
         }
         // The next key block's loads, started by this one's last step, overlap the store.
         Tensor tKVcdKV = mma_dkv.get_thread_slice(opaque_int(tidx))
@@ -486,10 +503,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         warpgroup_gemm_issue</*kZeroInit=*/false>(mma_dkv, tKVrPt, tKVrdOt, acc_dv);
         warpgroup_gemm_issue</*kZeroInit=*/false>(mma_dkv, tKVrdSt, tKVrQt, acc_dk);
         warpgroup_wait_for<2>(acc_dq);
-        Tensor gdQaccum = blk.gdQaccum(params, step.head);                  // (kBlockM, kHeadDim, m)
-        Tensor tdQgdQ = thr_mma_dq.partition_C(gdQaccum(_, _, m_block));  // (MMA, MMA_M, MMA_D)
-        CUTE_UNROLL
-        for (int i = 0; i < size(acc_dq); i += 2) { red_add_pair(&tdQgdQ(i), acc_dq(i), acc_dq(i + 1)); }
+        blk.add_dq(params, thr_mma_dq, acc_dq, step);
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc_dv);
         warpgroup_fence_operand(acc_dk);

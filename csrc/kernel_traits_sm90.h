@@ -113,9 +113,9 @@ struct BwdSm90BaseTraits {
     static constexpr int kSmemKVElems = cosize_v<SmemLayoutKV>;
     static constexpr int kStagesQ = 2;  // Q, dO, LSE and D of the next query block load during this one
 
-    // Shared memory with kv_stages buffers of K and V and scratch_elems more elements for the kernel's own tiles.
-    static constexpr int smem_bytes(int scratch_elems, int kv_stages) {
-        return (2 * kStagesQ * kSmemQElems + 2 * kv_stages * kSmemKVElems + scratch_elems) * int(sizeof(Element)) +
+    // Shared memory with one buffer of K and V and scratch_elems more elements for the kernel's own tiles.
+    static constexpr int smem_bytes(int scratch_elems) {
+        return (2 * kStagesQ * kSmemQElems + 2 * kSmemKVElems + scratch_elems) * int(sizeof(Element)) +
                2 * kStagesQ * kBlockM * int(sizeof(float));
     }
 
@@ -172,9 +172,12 @@ struct BwdSm90KernelTraits
 
     static constexpr int kSmemScratchElems = cosize_v<SmemLayoutdSt>;
     // Two K/V buffers: a CTA that walks several key blocks (BwdParams::key_blocks_per_cta) loads the next
-    // block's K and V while it finishes this one.
+    // block's K and V while it finishes this one. The second lies past everything else, so that a launch of
+    // one key block per CTA keeps the smaller carve-out it had before (kSmemBytesOneKV; perf log 29).
     static constexpr int kStagesKV = 2;
-    static constexpr int kSmemBytes = Base::smem_bytes(kSmemScratchElems, kStagesKV);
+    static constexpr int kSmemBytesOneKV = Base::smem_bytes(kSmemScratchElems);
+    static constexpr int kSmemBytes = kSmemBytesOneKV + 2 * Base::kSmemKVElems * int(sizeof(Element));
+    static_assert(kSmemBytesOneKV % 1024 == 0, "the second K/V buffer keeps the 1 KiB alignment of swizzle atoms");
     static_assert(kSmemBytes <= 227 * 1024);
 };
 
@@ -222,7 +225,8 @@ struct BwdSm90WideKernelTraits : BwdSm90BaseTraits<Element_, kHeadDim_, 64, 64, 
     static constexpr int kSmemPElems = cosize_v<SmemLayoutP>;
     static constexpr int kSmemScratchElems = 2 * kSmemPElems;
     static constexpr int kStagesKV = 1;  // one key block per CTA: a second K/V buffer would not fit at head dim 256
-    static constexpr int kSmemBytes = Base::smem_bytes(kSmemScratchElems, kStagesKV);
+    static constexpr int kSmemBytesOneKV = Base::smem_bytes(kSmemScratchElems);
+    static constexpr int kSmemBytes = kSmemBytesOneKV;
     static_assert(kSmemBytes <= 227 * 1024);
 };
 

@@ -39,8 +39,8 @@ struct BwdStep {
 // What both kernels share: the CTA's key blocks and the query blocks that see each, the shared-memory
 // carve-up (Q and dO in kStagesQ stages, K and V, the kernel's scratch tiles, LSE and D per Q stage, then
 // with kStagesKV == 2 the second K/V buffer), the loads, the dQ reduction and the dK/dV store. A CTA walks key blocks [n_block, n_block_stop) one
-// after another (BwdParams::key_blocks_per_cta, kStagesKV == 2 only); the last step of one key block
-// starts loading the next one's K and V and first Q and dO.
+// after another (BwdParams::key_blocks_per_cta, kStagesKV == 2 only); the next one's K and V load during the
+// current one's steps, and its first Q and dO during the current one's last step.
 template <class Traits, bool kCausal>
 struct BwdSm90Block {
     using Element = typename Traits::Element;
@@ -59,7 +59,8 @@ struct BwdSm90Block {
     int head_idx_k;
     int dkv_head;    // the dK/dV slice it writes: its query head, or its key/value head when it walks a group
     BlockInfo binfo;
-    int m_block_begin;  // the first query block with a row that sees a key of the current block
+    int m_block_begin;       // the first query block with a row that sees a key of the current block
+    int m_block_begin_next;  // the same for the next key block (its first step loads during the current's last)
     int m_block_end;
     // Steps [step_begin, step_end) are the current key block's (query head, query block) pairs, heads outer,
     // query blocks inner. Every key block of a CTA has steps unless seqlen_q is 0: causal, the last query row
@@ -88,6 +89,7 @@ struct BwdSm90Block {
         m_block_end = (binfo.seqlen_q + kBlockM - 1) / kBlockM;
         causal_offset = binfo.seqlen_k - binfo.seqlen_q;
         m_block_begin = m_block_begin_of(n_block);
+        m_block_begin_next = m_block_begin_of(n_block + 1);
         step_begin = 0;
         step_end = steps_of(m_block_begin);
         q_base = reinterpret_cast<Element*>(smem_raw);
@@ -118,7 +120,8 @@ struct BwdSm90Block {
         if (n_block + 1 >= n_block_stop) { return false; }
         ++n_block;
         kv_stage ^= 1;
-        m_block_begin = m_block_begin_of(n_block);
+        m_block_begin = m_block_begin_next;
+        m_block_begin_next = m_block_begin_of(n_block + 1);
         step_begin = step_end;
         step_end += steps_of(m_block_begin);
         return true;
@@ -197,25 +200,39 @@ struct BwdSm90Block {
         cp_async_fence();
     }
 
+    // Whether the CTA has a key block after the current one.
+    __forceinline__ __device__ bool has_next_key_block() const { return Traits::kStagesKV > 1 && n_block + 1 < n_block_stop; }
+
+    // Starts loading the next key block's K and V into the other K/V stage, as its own cp.async group, once
+    // every warpgroup is done with the key block that used that stage last. Called before the current key
+    // block's steps, so the load has all of them (and the dK/dV store) to land.
+    __forceinline__ __device__ void load_next_kv(const BwdParams& params, int thread) const {
+        __syncthreads();
+        load_kv(params, n_block + 1, kv_stage ^ 1, thread);
+        cp_async_fence();
+    }
+
     // Opens step `step` and returns its stage: waits for its loads, makes them visible to wgmma, syncs the
     // CTA (so every warpgroup is done with the previous step's shared-memory tiles), and starts loading the
-    // next step into the other stage; the last step of a key block also loads the next key block's K and V
-    // into the other K/V stage, whose readers finished with the previous key block.
-    __forceinline__ __device__ int begin_step(const BwdParams& params, const BwdStep& step, int thread) const {
+    // next step (the next key block's first after the last) into the other stage. The first step of a key
+    // block whose successor's K and V are in flight (load_next_kv, the newest cp.async group) leaves that
+    // group pending.
+    __forceinline__ __device__ int begin_step(const BwdParams& params, const BwdStep& step, bool kv_in_flight,
+                                              int thread) const {
         const int stage = step.number & 1;
-        cp_async_wait<0>();
+        if (kv_in_flight && step.number == step_begin) {
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
         // cp.async writes are generic-proxy stores; wgmma reads shared memory through the async proxy.
         cutlass::arch::fence_view_async_shared();
         __syncthreads();
-        if (step.number + 1 < step_end) {
-            load_q_do(params, next_step(step), stage ^ 1, thread);
+        const bool last = step.number + 1 == step_end;
+        if (!last || has_next_key_block()) {
+            const BwdStep next = last ? BwdStep{step_end, first_head, m_block_begin_next} : next_step(step);
+            load_q_do(params, next, stage ^ 1, thread);
             cp_async_fence();
-        } else if constexpr (Traits::kStagesKV > 1) {
-            if (n_block + 1 < n_block_stop) {
-                load_kv(params, n_block + 1, kv_stage ^ 1, thread);
-                load_q_do(params, {step_end, first_head, m_block_begin_of(n_block + 1)}, stage ^ 1, thread);
-                cp_async_fence();
-            }
         }
         return stage;
     }
@@ -236,14 +253,11 @@ struct BwdSm90Block {
     __forceinline__ __device__ void add_dq(const BwdParams& params, const ThrMma& thr_mma_dq, const Acc& acc_dq,
                                            const BwdStep& step) const {
         Tensor tdQgdQ = thr_mma_dq.partition_C(gdQaccum(params, step.head)(_, _, step.m_block));  // (MMA, MMA_M, MMA_D)
-        if (binfo.seqlen_q - step.m_block * kBlockM >= kBlockM) {
-            CUTE_UNROLL
-            for (int i = 0; i < size(acc_dq); i += 2) { red_add_pair(&tdQgdQ(i), acc_dq(i), acc_dq(i + 1)); }
-        } else {
-            CUTE_UNROLL
-            for (int i = 0; i < size(acc_dq); i += 2) {
-                if (acc_dq(i) != 0.f || acc_dq(i + 1) != 0.f) { red_add_pair(&tdQgdQ(i), acc_dq(i), acc_dq(i + 1)); }
-            }
+        // One loop of predicated reductions, not one loop per case: two copies grew the main loop's code.
+        const bool whole_block = binfo.seqlen_q - step.m_block * kBlockM >= kBlockM;
+        CUTE_UNROLL
+        for (int i = 0; i < size(acc_dq); i += 2) {
+            red_add_pair_if(whole_block || acc_dq(i) != 0.f || acc_dq(i + 1) != 0.f, &tdQgdQ(i), acc_dq(i), acc_dq(i + 1));
         }
     }
 
@@ -309,12 +323,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         clear(acc_dk);
         clear(acc_dv);
         const int kv_stage = blk.kv_stage;
+        const bool kv_in_flight = blk.has_next_key_block();
+        if (kv_in_flight) { blk.load_next_kv(params, tidx); }
         auto thr_mma_kv = mma_sdp.get_thread_slice(tidx);
         Tensor tSrK = thr_mma_kv.make_fragment_A(thr_mma_kv.partition_A(blk.sK(kv_stage)));  // (MMA, MMA_N, MMA_K)
         Tensor tSrV = thr_mma_kv.make_fragment_A(thr_mma_kv.partition_A(blk.sV(kv_stage)));  // (MMA, MMA_N, MMA_K)
         for (BwdStep step = blk.first_step(); step.number < blk.step_end; step = blk.next_step(step)) {
             const int loop_tidx = opaque_int(tidx);
-            const int stage = blk.begin_step(params, step, loop_tidx);
+            const int stage = blk.begin_step(params, step, kv_in_flight, loop_tidx);
             const int m_block = step.m_block;
 
             // Both score GEMMs are in flight together; P^T is computed while dP^T finishes.
@@ -389,7 +405,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             warpgroup_fence_operand(rdSt);
             blk.add_dq(params, thr_mma_dq, acc_dq, step);
         }
-        // The next key block's loads, started by this one's last step, overlap the store.
+        // The next key block's K and V and first Q and dO are in flight during the store.
         Tensor tKVcdKV = mma_dkv.get_thread_slice(opaque_int(tidx))
                              .partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));  // (MMA, MMA_N, MMA_D)
         blk.store_dk_dv(params, acc_dk, acc_dv, tKVcdKV);
@@ -438,7 +454,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     blk.load_first(params, tidx);
     for (BwdStep step = blk.first_step(); step.number < blk.step_end; step = blk.next_step(step)) {
         const int loop_tidx = opaque_int(tidx);
-        const int stage = blk.begin_step(params, step, loop_tidx);
+        const int stage = blk.begin_step(params, step, /*kv_in_flight=*/false, loop_tidx);
         const int m_block = step.m_block;
 
         auto thr_mma_sdp = mma_sdp.get_thread_slice(loop_tidx);

@@ -76,6 +76,19 @@ __forceinline__ __device__ void warpgroup_gemm(TiledMma& tiled_mma, TensorA& tCr
     }
 }
 
+// Adds two adjacent fp32 values into global memory when `add`, the predicate inside the asm: with an `if`
+// around red_add_pair instead, ptxas spilled 4 bytes in the hdim 128 causal backward.
+__forceinline__ __device__ void red_add_pair_if(bool add, float* dst, float a, float b) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %3, 0;\n"
+        "@p red.global.add.v2.f32 [%0], {%1, %2};\n"
+        "}\n" ::"l"(dst),
+        "f"(a), "f"(b), "r"(int(add))
+        : "memory");
+}
+
 // Returns x unchanged, but the compiler can no longer see where it came from: values computed from the
 // result inside a loop are recomputed there instead of being hoisted out and held (or spilled) across it.
 __forceinline__ __device__ int opaque_int(int x) {

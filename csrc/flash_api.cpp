@@ -291,8 +291,9 @@ int forced_key_blocks_per_cta() {
     if (text == nullptr || *text == '\0') { return 0; }
     char* end = nullptr;
     const long value = std::strtol(text, &end, 10);
-    TORCH_CHECK_VALUE(*end == '\0' && value >= 0 && value <= kMaxForcedKeyBlocks, "FLASH_ATTN2_BWD_KEY_BLOCKS must be an integer in [0, ",
-                      num(kMaxForcedKeyBlocks), "], got '", text, "'");
+    TORCH_CHECK_VALUE(*end == '\0' && value >= 0 && value <= kMaxForcedKeyBlocks,
+                      "FLASH_ATTN2_BWD_KEY_BLOCKS must be an integer in [0, ", num(kMaxForcedKeyBlocks), "], got '",
+                      text, "'");
     return static_cast<int>(value);
 }
 
@@ -301,9 +302,9 @@ int forced_key_blocks_per_cta() {
 // one after the other, and the grid runs many waves of such CTAs. A CTA that walks j consecutive key blocks
 // loads the next one's K and V while it computes and stores the current one. Model: `slots` CTAs run at once
 // and a CTA costs j + 1 key-block times (its first load is not hidden); the smallest j of least time, up to
-// kMaxAutoKeyBlocks, that still leaves two waves of CTAs (at j = 8 and one wave, the GQA decode row of
-// bench_skinny ran 1.2x slower than at j = 1: perf log 28). Longer queries keep one key block per CTA: their
-// steps already hide the loads.
+// kMaxAutoKeyBlocks, that still leaves two waves of CTAs. That cap came after one wave at j = 8 measured
+// slower on bench_skinny's GQA decode row; a later A/B put most of that loss on the loop code instead, so the
+// cap is unproven (perf log 28, 29). Longer queries keep one key block per CTA: their steps hide the loads.
 int choose_key_blocks_per_cta(int64_t n_blocks, int64_t ctas_per_key_block, int64_t steps_per_key_block,
                               int64_t slots) {
     if (steps_per_key_block > 2 || n_blocks <= 1) { return 1; }

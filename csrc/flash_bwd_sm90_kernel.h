@@ -115,7 +115,7 @@ struct BwdSm90Block {
     // False when the first key block starts past this sequence's end (varlen grids are sized by the longest).
     __forceinline__ __device__ bool has_keys() const { return n_block * kBlockN < binfo.seqlen_k; }
     __forceinline__ __device__ int k_rows_left() const { return binfo.seqlen_k - n_block * kBlockN; }
-    // Moves to the CTA's next key block, whose loads the last step of this one started; false after the last.
+    // Moves to the CTA's next key block, whose loads this one started; false after the last.
     __forceinline__ __device__ bool next_key_block() {
         if (n_block + 1 >= n_block_stop) { return false; }
         ++n_block;
@@ -205,7 +205,9 @@ struct BwdSm90Block {
 
     // Starts loading the next key block's K and V into the other K/V stage, as its own cp.async group, once
     // every warpgroup is done with the key block that used that stage last. Called before the current key
-    // block's steps, so the load has all of them (and the dK/dV store) to land.
+    // block's steps. cp.async groups complete in order, so the load stays pending only through the first
+    // step: a one-step key block (short queries) overlaps it with its whole step and dK/dV store, and a
+    // longer one takes it in at its second step's wait.
     __forceinline__ __device__ void load_next_kv(const BwdParams& params, int thread) const {
         __syncthreads();
         load_kv(params, n_block + 1, kv_stage ^ 1, thread);
@@ -323,7 +325,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         clear(acc_dk);
         clear(acc_dv);
         const int kv_stage = blk.kv_stage;
-        const bool kv_in_flight = blk.has_next_key_block();
+        const bool kv_in_flight = blk.has_next_key_block() && blk.step_end > blk.step_begin;  // no steps: no K/V needed
         if (kv_in_flight) { blk.load_next_kv(params, tidx); }
         auto thr_mma_kv = mma_sdp.get_thread_slice(tidx);
         Tensor tSrK = thr_mma_kv.make_fragment_A(thr_mma_kv.partition_A(blk.sK(kv_stage)));  // (MMA, MMA_N, MMA_K)
@@ -405,7 +407,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             warpgroup_fence_operand(rdSt);
             blk.add_dq(params, thr_mma_dq, acc_dq, step);
         }
-        // The next key block's K and V and first Q and dO are in flight during the store.
+        // With one step per key block, the next one's K and V and first Q and dO are in flight during the store.
         Tensor tKVcdKV = mma_dkv.get_thread_slice(opaque_int(tidx))
                              .partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));  // (MMA, MMA_N, MMA_D)
         blk.store_dk_dv(params, acc_dk, acc_dv, tKVcdKV);

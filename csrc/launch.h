@@ -9,9 +9,10 @@
 namespace flash {
 
 // Launches kKernel on `stream` with smem_bytes (at most kSmemBytes, the most any launch of it takes) of
-// dynamic shared memory and returns the launch status. Above 48 KB the kernel must be opted in to kSmemBytes first. The opt-in holds per device (its primary
-// context) once made, so it is made on a device's first launch only: decoding-sized calls are host-bound,
-// and each driver call counts. The kernel is a template argument so that each kernel keeps its own record.
+// dynamic shared memory and returns the launch status. Above 48 KB the kernel must be opted in to kSmemBytes
+// first. The opt-in holds per device (its primary context) once made, so it is made on a device's first
+// launch only: decoding-sized calls are host-bound, and each driver call counts. The kernel is a template
+// argument so that each kernel keeps its own record.
 template <auto kKernel, int kThreads, int kSmemBytes, typename Params>
 cudaError_t launch_kernel(dim3 grid, const Params& params, cudaStream_t stream, int smem_bytes = kSmemBytes) {
     if constexpr (kSmemBytes > 48 * 1024) {

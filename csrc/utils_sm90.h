@@ -79,6 +79,7 @@ __forceinline__ __device__ void warpgroup_gemm(TiledMma& tiled_mma, TensorA& tCr
 // Adds two adjacent fp32 values into global memory when `add`, the predicate inside the asm: with an `if`
 // around red_add_pair instead, ptxas spilled 4 bytes in the hdim 128 causal backward.
 __forceinline__ __device__ void red_add_pair_if(bool add, float* dst, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile(
         "{\n"
         ".reg .pred p;\n"
@@ -87,6 +88,12 @@ __forceinline__ __device__ void red_add_pair_if(bool add, float* dst, float a, f
         "}\n" ::"l"(dst),
         "f"(a), "f"(b), "r"(int(add))
         : "memory");
+#else
+    if (add) {
+        atomicAdd(dst, a);
+        atomicAdd(dst + 1, b);
+    }
+#endif
 }
 
 // Returns x unchanged, but the compiler can no longer see where it came from: values computed from the

@@ -214,6 +214,14 @@ int multiprocessor_count(int device) {
     return std::max(device_attribute(cudaDevAttrMultiProcessorCount, device), 1);
 }
 
+// FLASH_ATTN2_FWD_SHORT_KEYS=1 runs the short-key Hopper forward tile (FwdSm90ShortKeysTileConfig) at every
+// seqlen_k, =0 never, for tests and benchmarks; unset or anything else: at seqlen_k <= kFwdShortKeysMax.
+bool fwd_short_key_tiles(int seqlen_k) {
+    const char* text = std::getenv("FLASH_ATTN2_FWD_SHORT_KEYS");
+    const std::string value(text == nullptr ? "" : text);
+    return value == "1" || (value != "0" && seqlen_k <= kFwdShortKeysMax);
+}
+
 constexpr int kMaxAutoSplits = 64;     // the heuristic's cap
 constexpr int kMaxForcedSplits = 128;  // FLASH_ATTN2_NUM_SPLITS's cap (run_fwd_combine takes at most 128)
 // The heuristic splits only seqlen_k >= kMinKeysToSplit, into splits of at least kMinKeysPerSplit keys. Below
@@ -260,7 +268,7 @@ int choose_num_splits(int64_t ctas, int64_t seqlen_k, const FwdBlockShape& shape
 
 // num_splits for a dense forward whose params are filled in (after any GQA packing).
 int fwd_num_splits(const FwdParams& params, int kernel_head_dim, bool causal, int device) {
-    const FwdBlockShape shape = fwd_block_shape(kernel_head_dim, causal, params.use_wgmma);
+    const FwdBlockShape shape = fwd_block_shape(kernel_head_dim, causal, params.use_wgmma, params.short_key_tiles);
     const int64_t m_blocks = (int64_t(params.seqlen_q) + shape.block_m - 1) / shape.block_m;
     int splits = forced_num_splits();
     if (splits == 0) {
@@ -356,6 +364,7 @@ void set_fwd_params(FwdParams& params, const at::Tensor& q, const at::Tensor& k,
         params.q_batch_stride = params.k_batch_stride = params.v_batch_stride = params.o_batch_stride = 0;
     }
     params.use_wgmma = use_wgmma(q.get_device());
+    params.short_key_tiles = params.use_wgmma && fwd_short_key_tiles(params.seqlen_k);
     params.num_splits = 1;
     params.softmax_scale = static_cast<float>(softmax_scale);
     // A zero or denormal scale would turn masked scores into NaN (-inf * 0); the smallest normal float

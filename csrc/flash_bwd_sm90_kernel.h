@@ -247,19 +247,19 @@ struct BwdSm90Block {
                                        make_stride(Int<kHeadDim>{}, _1{}, Int<kBlockM * kHeadDim>{})));  // (kBlockM, kHeadDim, m)
     }
 
-    // Adds step's dQ (acc_dq, partitioned by thr_mma_dq) into dq_accum. In a query block that runs past
-    // seqlen_q, pairs of zeros are skipped: rows past the end are exactly zero (dS = 0 there, see load_q_do),
-    // and with short queries every key block's CTA would otherwise add a block of mostly zeros into the same
-    // L2 lines. Skipping a zero changes no sum, and testing the value takes no registers for row coordinates.
+    // Adds step's dQ (acc_dq, partitioned by thr_mma_dq) into dq_accum, skipping the rows past seqlen_q: with
+    // short queries every key block's CTA would otherwise add a block of mostly zero rows into the same L2
+    // lines. A test of each value's row, which folds to two compares per step (a thread holds two rows of
+    // each 64-row wgmma tile); testing the values for zero instead cost the anchor shapes 2-4% (perf log 31).
     template <class ThrMma, class Acc>
     __forceinline__ __device__ void add_dq(const BwdParams& params, const ThrMma& thr_mma_dq, const Acc& acc_dq,
                                            const BwdStep& step) const {
         Tensor tdQgdQ = thr_mma_dq.partition_C(gdQaccum(params, step.head)(_, _, step.m_block));  // (MMA, MMA_M, MMA_D)
-        // One loop of predicated reductions, not one loop per case: two copies grew the main loop's code.
-        const bool whole_block = binfo.seqlen_q - step.m_block * kBlockM >= kBlockM;
+        Tensor tdQcdQ = thr_mma_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));  // (MMA, MMA_M, MMA_D)
+        const int rows_left = binfo.seqlen_q - step.m_block * kBlockM;
         CUTE_UNROLL
         for (int i = 0; i < size(acc_dq); i += 2) {
-            red_add_pair_if(whole_block || acc_dq(i) != 0.f || acc_dq(i + 1) != 0.f, &tdQgdQ(i), acc_dq(i), acc_dq(i + 1));
+            red_add_pair_if(get<0>(tdQcdQ(i)) < rows_left, &tdQgdQ(i), acc_dq(i), acc_dq(i + 1));
         }
     }
 

@@ -17,16 +17,26 @@ inline unsigned fwd_grid_x(const FwdParams& params, int block_m) {
     return unsigned((params.seqlen_q + block_m - 1) / block_m) * unsigned(params.num_splits);
 }
 
+// The Hopper kernel with the tile of Config (a FwdSm90TileConfig or FwdSm90ShortKeysTileConfig).
+template <typename Element, int kHeadDim, bool kCausal, class Config>
+cudaError_t run_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
+    using Traits = FwdSm90KernelTraits<Element, kHeadDim, Config::kBlockM, Config::kBlockN, Config::kCtasPerSm>;
+    const dim3 grid(fwd_grid_x(params, Traits::kBlockM), params.batch, params.num_heads);
+    return launch_kernel<&flash_fwd_sm90_kernel<Traits, kCausal>, Traits::kNThreads, Traits::kSmemBytes>(grid, params,
+                                                                                                      stream);
+}
+
 template <typename Element, int kHeadDim, bool kCausal>
 cudaError_t run_fwd(const FwdParams& params, cudaStream_t stream) {
 #if defined(FLASH_ATTN2_SM90A) && !defined(FLASH_FWD_TILE_M)
+    if constexpr (FwdSm90ShortKeysTileConfig<kHeadDim, kCausal>::kEnabled) {
+        if (params.use_wgmma && params.short_key_tiles) {
+            return run_fwd_sm90<Element, kHeadDim, kCausal, FwdSm90ShortKeysTileConfig<kHeadDim, kCausal>>(params, stream);
+        }
+    }
     if constexpr (FwdSm90TileConfig<kHeadDim, kCausal>::kEnabled) {
         if (params.use_wgmma) {
-            using Config = FwdSm90TileConfig<kHeadDim, kCausal>;
-            using Traits = FwdSm90KernelTraits<Element, kHeadDim, Config::kBlockM, Config::kBlockN, Config::kCtasPerSm>;
-            const dim3 grid(fwd_grid_x(params, Traits::kBlockM), params.batch, params.num_heads);
-            return launch_kernel<&flash_fwd_sm90_kernel<Traits, kCausal>, Traits::kNThreads, Traits::kSmemBytes>(
-                grid, params, stream);
+            return run_fwd_sm90<Element, kHeadDim, kCausal, FwdSm90TileConfig<kHeadDim, kCausal>>(params, stream);
         }
     }
 #endif

@@ -48,6 +48,7 @@ struct FwdParams {
     float softmax_scale_log2;  // softmax_scale * log2(e), so the kernel can use exp2
 
     bool use_wgmma;  // the device is an sm_90 (Hopper): run the warpgroup-MMA forward where one is built
+    bool short_key_tiles;  // with use_wgmma: the forward runs FwdSm90ShortKeysTileConfig where the head dim has one
 
     // Split-KV forward (dense batches only): each (query block, sequence, head) is computed by num_splits
     // CTAs over disjoint key ranges, which write fp32 partials that run_fwd_combine merges into o_ptr/lse_ptr.

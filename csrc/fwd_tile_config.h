@@ -47,6 +47,16 @@ template <bool kCausal> struct FwdSm90TileConfig<192, kCausal> { static constexp
 template <bool kCausal> struct FwdSm90TileConfig<224, kCausal> { static constexpr bool kEnabled = true; static constexpr int kBlockM = 128, kBlockN = 64, kCtasPerSm = 1; };
 template <bool kCausal> struct FwdSm90TileConfig<256, kCausal> { static constexpr bool kEnabled = true; static constexpr int kBlockM = 128, kBlockN = 64, kCtasPerSm = 1; };
 
+// Head dim 128 over short key sequences (FwdParams::short_key_tiles): a 128-row CTA with one CTA per SM sees
+// only a few key blocks, so its Q load and output store are a large share of its time, with nothing else on
+// the SM to overlap them. One-warpgroup CTAs of 64 rows and 64-key blocks fit two per SM in shared memory and
+// registers, so one CTA's prologue and epilogue run under the other's MMAs.
+template <int kHeadDim, bool kCausal>
+struct FwdSm90ShortKeysTileConfig { static constexpr bool kEnabled = false; };
+template <bool kCausal> struct FwdSm90ShortKeysTileConfig<128, kCausal> { static constexpr bool kEnabled = true; static constexpr int kBlockM = 64, kBlockN = 64, kCtasPerSm = 2; };
+// seqlen_k at or below which the host picks FwdSm90ShortKeysTileConfig where one exists.
+constexpr int kFwdShortKeysMax = 1024;
+
 // (kBlockM, kBlockN, CTAs resident per SM) of the forward kernel that run_fwd launches, for the host's
 // split-KV heuristic. Tile-tuning builds (FLASH_FWD_TILE_*, defined for nvcc only) and builds without sm_90a
 // code launch other tiles than reported here; that only affects how well the heuristic fits.
@@ -57,7 +67,11 @@ struct FwdBlockShape {
 };
 
 template <int kHeadDim, bool kCausal>
-constexpr FwdBlockShape fwd_block_shape_of(bool wgmma) {
+constexpr FwdBlockShape fwd_block_shape_of(bool wgmma, bool short_keys) {
+    if constexpr (FwdSm90ShortKeysTileConfig<kHeadDim, kCausal>::kEnabled) {
+        using Config = FwdSm90ShortKeysTileConfig<kHeadDim, kCausal>;
+        if (wgmma && short_keys) { return {Config::kBlockM, Config::kBlockN, Config::kCtasPerSm}; }
+    }
     if constexpr (FwdSm90TileConfig<kHeadDim, kCausal>::kEnabled) {
         using Config = FwdSm90TileConfig<kHeadDim, kCausal>;
         if (wgmma) { return {Config::kBlockM, Config::kBlockN, Config::kCtasPerSm}; }
@@ -67,21 +81,22 @@ constexpr FwdBlockShape fwd_block_shape_of(bool wgmma) {
 
 // kernel_head_dim: one of the compiled head dims (32, 64, ..., 256).
 template <bool kCausal>
-constexpr FwdBlockShape fwd_block_shape(int kernel_head_dim, bool wgmma) {
+constexpr FwdBlockShape fwd_block_shape(int kernel_head_dim, bool wgmma, bool short_keys) {
     switch (kernel_head_dim) {
-        case 32: return fwd_block_shape_of<32, kCausal>(wgmma);
-        case 64: return fwd_block_shape_of<64, kCausal>(wgmma);
-        case 96: return fwd_block_shape_of<96, kCausal>(wgmma);
-        case 128: return fwd_block_shape_of<128, kCausal>(wgmma);
-        case 160: return fwd_block_shape_of<160, kCausal>(wgmma);
-        case 192: return fwd_block_shape_of<192, kCausal>(wgmma);
-        case 224: return fwd_block_shape_of<224, kCausal>(wgmma);
-        default: return fwd_block_shape_of<256, kCausal>(wgmma);
+        case 32: return fwd_block_shape_of<32, kCausal>(wgmma, short_keys);
+        case 64: return fwd_block_shape_of<64, kCausal>(wgmma, short_keys);
+        case 96: return fwd_block_shape_of<96, kCausal>(wgmma, short_keys);
+        case 128: return fwd_block_shape_of<128, kCausal>(wgmma, short_keys);
+        case 160: return fwd_block_shape_of<160, kCausal>(wgmma, short_keys);
+        case 192: return fwd_block_shape_of<192, kCausal>(wgmma, short_keys);
+        case 224: return fwd_block_shape_of<224, kCausal>(wgmma, short_keys);
+        default: return fwd_block_shape_of<256, kCausal>(wgmma, short_keys);
     }
 }
 
-constexpr FwdBlockShape fwd_block_shape(int kernel_head_dim, bool causal, bool wgmma) {
-    return causal ? fwd_block_shape<true>(kernel_head_dim, wgmma) : fwd_block_shape<false>(kernel_head_dim, wgmma);
+constexpr FwdBlockShape fwd_block_shape(int kernel_head_dim, bool causal, bool wgmma, bool short_keys) {
+    return causal ? fwd_block_shape<true>(kernel_head_dim, wgmma, short_keys)
+                  : fwd_block_shape<false>(kernel_head_dim, wgmma, short_keys);
 }
 
 }  // namespace flash

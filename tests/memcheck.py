@@ -89,6 +89,17 @@ def main():
         out.backward(torch.randn_like(out))
         cases += 3
     del os.environ["FLASH_ATTN2_BWD_KEY_BLOCKS"]
+    # Head dim 128 forwards on the regular Hopper tile, which the short keys above leave to the short-key tile.
+    os.environ["FLASH_ATTN2_FWD_SHORT_KEYS"] = "0"
+    for dtype, causal in itertools.product((torch.float16, torch.bfloat16), (False, True)):
+        if not flash_attn_cuda.kernel_available(128, dtype, causal):
+            continue
+        for sq, sk in ((1, 17), (113, 77), (77, 203)):
+            q = torch.randn(2, sq, 4, 128, device="cuda", dtype=dtype)
+            k, v = torch.randn(2, 2, sk, 2, 128, device="cuda", dtype=dtype).unbind(0)
+            flash_attn_func(q, k, v, causal=causal)
+            cases += 1
+    del os.environ["FLASH_ATTN2_FWD_SHORT_KEYS"]
     torch.cuda.synchronize()
     print(f"memcheck: {cases} calls done")
 

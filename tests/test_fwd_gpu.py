@@ -386,6 +386,42 @@ def test_opcheck(causal):
     )
 
 
+# ---------------------------------------------------------------- short-key Hopper tile
+#
+# On Hopper, head dim 128 with seqlen_k <= 1024 runs one-warpgroup 64x64 tiles, two CTAs per SM
+# (FwdSm90ShortKeysTileConfig). FLASH_ATTN2_FWD_SHORT_KEYS=1 forces that tile at every length, =0 never, so
+# both tiles are checked on both sides of the threshold (elsewhere only one of them runs).
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("force", ["1", "0"], ids=["short-tile", "regular-tile"])
+@pytest.mark.parametrize(
+    "b, sq, sk, h, hk, layout",
+    [
+        (3, 113, 1023, 4, 4, "contiguous"),
+        (2, 1023, 113, 6, 2, "heads_major"),
+        (1, 2049, 2049, 2, 1, "guard_bands"),
+        (2, 1, 4097, 8, 2, "seq_major"),
+        (5, 17, 17, 3, 3, "packed"),
+    ],
+    ids=["sq113-sk1023", "sq1023-sk113-gqa", "sq2049", "decode-split", "sq17"],
+)
+def test_short_key_tile_forced(b, sq, sk, h, hk, layout, force, dtype, causal, monkeypatch):
+    require_kernel(128, dtype, causal)
+    monkeypatch.setenv("FLASH_ATTN2_FWD_SHORT_KEYS", force)
+    run_and_check(*make_qkv(b, sq, sk, h, hk, 128, dtype, layout), causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("splits", [3, "auto"])
+def test_short_key_tile_split_kv(splits, causal, monkeypatch):
+    require_kernel(128, torch.bfloat16, causal)
+    monkeypatch.setenv("FLASH_ATTN2_FWD_SHORT_KEYS", "1")
+    set_num_splits(monkeypatch, splits)
+    run_and_check(*make_qkv(1, 17, 4097, 4, 1, 128, torch.bfloat16), causal)
+
+
 # ---------------------------------------------------------------- split-KV and seqlen_q == 1 GQA packing
 #
 # FLASH_ATTN2_NUM_SPLITS=n forces n key splits on the dense forward (unset: the heuristic decides). A split

@@ -215,11 +215,11 @@ int multiprocessor_count(int device) {
 }
 
 // FLASH_ATTN2_FWD_SHORT_KEYS=1 runs the short-key Hopper forward tile (FwdSm90ShortKeysTileConfig) at every
-// seqlen_k, =0 never, for tests and benchmarks; unset or anything else: at seqlen_k <= kFwdShortKeysMax.
-bool fwd_short_key_tiles(int seqlen_k) {
+// seqlen_k, =0 never, for tests and benchmarks; unset or anything else: up to kFwdShortKeysMax(Causal) keys.
+bool fwd_short_key_tiles(int seqlen_k, bool causal) {
     const char* text = std::getenv("FLASH_ATTN2_FWD_SHORT_KEYS");
     const std::string value(text == nullptr ? "" : text);
-    return value == "1" || (value != "0" && seqlen_k <= kFwdShortKeysMax);
+    return value == "1" || (value != "0" && seqlen_k <= (causal ? kFwdShortKeysMaxCausal : kFwdShortKeysMax));
 }
 
 constexpr int kMaxAutoSplits = 64;     // the heuristic's cap
@@ -287,6 +287,16 @@ int forced_gqa_walk() {
     if (text == nullptr) { return -1; }
     const std::string value(text);
     return value == "1" ? 1 : value == "0" ? 0 : -1;
+}
+
+// FLASH_ATTN2_BWD_SHORT_QUERIES=1 runs the Hopper backward's 16-row query tile (head dim 128) at every
+// seqlen_q, =0 never, for tests and benchmarks; unset or anything else: at seqlen_q <= kBwdShortQueriesMax,
+// where a 64-row tile would compute mostly padding.
+constexpr int kBwdShortQueriesMax = 16;
+bool bwd_short_query_tiles(int64_t seqlen_q) {
+    const char* text = std::getenv("FLASH_ATTN2_BWD_SHORT_QUERIES");
+    const std::string value(text == nullptr ? "" : text);
+    return value == "1" || (value != "0" && seqlen_q <= kBwdShortQueriesMax);
 }
 
 constexpr int kMaxAutoKeyBlocks = 16;     // choose_key_blocks_per_cta's cap
@@ -364,7 +374,6 @@ void set_fwd_params(FwdParams& params, const at::Tensor& q, const at::Tensor& k,
         params.q_batch_stride = params.k_batch_stride = params.v_batch_stride = params.o_batch_stride = 0;
     }
     params.use_wgmma = use_wgmma(q.get_device());
-    params.short_key_tiles = params.use_wgmma && fwd_short_key_tiles(params.seqlen_k);
     params.num_splits = 1;
     params.softmax_scale = static_cast<float>(softmax_scale);
     // A zero or denormal scale would turn masked scores into NaN (-inf * 0); the smallest normal float
@@ -431,6 +440,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_impl(const at::Tensor& q, const at::Tenso
     FwdParams params{};
     set_fwd_params(params, pack_gqa(q, group), k, v, pack_gqa(out, group), pack_gqa_lse(lse, group), softmax_scale,
                    varlen);
+    params.short_key_tiles = params.use_wgmma && fwd_short_key_tiles(params.seqlen_k, causal);
     // Split-KV partials (dense batches only; varlen launches stay unsplit).
     at::Tensor o_accum, lse_accum;
     if (varlen == nullptr) { params.num_splits = fwd_num_splits(params, key.head_dim, causal, q.get_device()); }
@@ -574,13 +584,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(const at::Tensor& dout, 
     params.dkv_fp32 = fp32_slices;
     params.heads_per_cta = static_cast<int>(heads_per_cta);
     params.key_blocks_per_cta = 1;
+    params.short_query_tiles = bwd_short_query_tiles(params.seqlen_q);
     if (!deterministic && use_wgmma(device) && has_sm90_bwd_kernels() && bwd_sm90_walks_key_blocks(key.head_dim)) {
         int key_blocks = forced_key_blocks_per_cta();
         if (key_blocks == 0) {
             const int64_t block_n = bwd_sm90_block_n(key.head_dim);
+            const int64_t block_m = bwd_sm90_block_m(key.head_dim, params.short_query_tiles);
             key_blocks = choose_key_blocks_per_cta(
                 (params.seqlen_k + block_n - 1) / block_n, int64_t(params.batch) * (params.num_heads / heads_per_cta),
-                heads_per_cta * ((params.seqlen_q + kBwdSm90BlockM - 1) / kBwdSm90BlockM), multiprocessor_count(device));
+                heads_per_cta * ((params.seqlen_q + block_m - 1) / block_m), multiprocessor_count(device));
         }
         params.key_blocks_per_cta = key_blocks;
     }

@@ -29,15 +29,18 @@ template <int kHeadDim>
 using SelectedBwdTileConfig = BwdTileConfig<kHeadDim>;
 #endif
 
-// Hopper (sm_90a) warpgroup-MMA backward: 64 query rows by 128 keys up to head dim 128, 64 by 64 (P and dS
-// through shared memory) above. Deterministic mode runs the mma.sync kernel.
+// Hopper (sm_90a) warpgroup-MMA backward: 64 query rows by 128 keys up to head dim 128 (16 rows for short
+// queries at head dim 128), 64 by 64 (P and dS through shared memory) above. Deterministic mode runs the
+// mma.sync kernel.
 enum class BwdSm90Kind { kNarrow, kWide };
 template <int kHeadDim>
 constexpr BwdSm90Kind kBwdSm90Kind = kHeadDim <= 128 ? BwdSm90Kind::kNarrow : BwdSm90Kind::kWide;
 
 template <class Traits, auto kKernel>
 cudaError_t launch_bwd_sm90(const BwdParams& params, cudaStream_t stream) {
-    static_assert(Traits::kBlockN == bwd_sm90_block_n(Traits::kHeadDim) && Traits::kBlockM == kBwdSm90BlockM,
+    static_assert(Traits::kBlockN == bwd_sm90_block_n(Traits::kHeadDim) &&
+                      (Traits::kBlockM == kBwdSm90BlockM ||
+                       (Traits::kBlockM == kBwdSm90ShortBlockM && bwd_sm90_has_short_query_tile(Traits::kHeadDim))),
                   "the host sizes its grid decisions by them");
     static_assert((Traits::kStagesKV > 1) == bwd_sm90_walks_key_blocks(Traits::kHeadDim),
                   "the host sets key_blocks_per_cta by it");
@@ -56,7 +59,13 @@ cudaError_t run_bwd(const BwdParams& params, cudaStream_t stream) {
 #if defined(FLASH_ATTN2_SM90A) && !defined(FLASH_BWD_TILE_M)
     if (params.use_wgmma && !params.deterministic) {
         if constexpr (kBwdSm90Kind<kHeadDim> == BwdSm90Kind::kNarrow) {
-            using Traits = BwdSm90KernelTraits<Element, kHeadDim, 64, 128>;
+            if constexpr (bwd_sm90_has_short_query_tile(kHeadDim)) {
+                if (params.short_query_tiles) {
+                    using Traits = BwdSm90KernelTraits<Element, kHeadDim, kBwdSm90ShortBlockM, 128>;
+                    return launch_bwd_sm90<Traits, &flash_bwd_sm90_kernel<Traits, kCausal>>(params, stream);
+                }
+            }
+            using Traits = BwdSm90KernelTraits<Element, kHeadDim, kBwdSm90BlockM, 128>;
             return launch_bwd_sm90<Traits, &flash_bwd_sm90_kernel<Traits, kCausal>>(params, stream);
         } else if constexpr (kBwdSm90Kind<kHeadDim> == BwdSm90Kind::kWide) {
             using Traits = BwdSm90WideKernelTraits<Element, kHeadDim>;

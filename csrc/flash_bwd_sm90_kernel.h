@@ -169,7 +169,7 @@ struct BwdSm90Block {
     __forceinline__ __device__ void load_q_do(const BwdParams& params, const BwdStep& step, int stage, int thread) const {
         const int head_idx = step.head;
         const int m_block = step.m_block;
-        typename Traits::GmemTiledCopyLoad gmem_tiled_copy;
+        typename Traits::GmemTiledCopyQ gmem_tiled_copy;
         auto gmem_thr_copy = gmem_tiled_copy.get_thread_slice(thread);
         Tensor gQ = local_tile(binfo.q_view<Element>(params, batch_idx, head_idx), Shape<Int<kBlockM>, Int<kHeadDim>>{},
                                make_coord(m_block, 0));  // (kBlockM, kHeadDim)
@@ -251,15 +251,27 @@ struct BwdSm90Block {
     // short queries every key block's CTA would otherwise add a block of mostly zero rows into the same L2
     // lines. A test of each value's row, which folds to two compares per step (a thread holds two rows of
     // each 64-row wgmma tile); testing the values for zero instead cost the anchor shapes 2-4% (perf log 31).
+    // acc_dq is (kBlockM, kHeadDim), added a pair of adjacent columns at a time, or with
+    // Traits::kDqTransposed (kHeadDim, kBlockM), whose adjacent values lie in different rows of dq_accum.
     template <class ThrMma, class Acc>
     __forceinline__ __device__ void add_dq(const BwdParams& params, const ThrMma& thr_mma_dq, const Acc& acc_dq,
                                            const BwdStep& step) const {
-        Tensor tdQgdQ = thr_mma_dq.partition_C(gdQaccum(params, step.head)(_, _, step.m_block));  // (MMA, MMA_M, MMA_D)
-        Tensor tdQcdQ = thr_mma_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));  // (MMA, MMA_M, MMA_D)
+        Tensor gdQ = gdQaccum(params, step.head)(_, _, step.m_block);  // (kBlockM, kHeadDim)
         const int rows_left = binfo.seqlen_q - step.m_block * kBlockM;
-        CUTE_UNROLL
-        for (int i = 0; i < size(acc_dq); i += 2) {
-            red_add_pair_if(get<0>(tdQcdQ(i)) < rows_left, &tdQgdQ(i), acc_dq(i), acc_dq(i + 1));
+        if constexpr (Traits::kDqTransposed) {
+            Tensor gdQt = make_tensor(gdQ.data(), make_layout(Shape<Int<kHeadDim>, Int<kBlockM>>{},
+                                                              Stride<_1, Int<kHeadDim>>{}));  // (kHeadDim, kBlockM)
+            Tensor tdQgdQ = thr_mma_dq.partition_C(gdQt);  // (MMA, MMA_D, MMA_M)
+            Tensor tdQcdQ = thr_mma_dq.partition_C(make_identity_tensor(Shape<Int<kHeadDim>, Int<kBlockM>>{}));  // (MMA, MMA_D, MMA_M)
+            CUTE_UNROLL
+            for (int i = 0; i < size(acc_dq); ++i) { red_add_if(get<1>(tdQcdQ(i)) < rows_left, &tdQgdQ(i), acc_dq(i)); }
+        } else {
+            Tensor tdQgdQ = thr_mma_dq.partition_C(gdQ);  // (MMA, MMA_M, MMA_D)
+            Tensor tdQcdQ = thr_mma_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));  // (MMA, MMA_M, MMA_D)
+            CUTE_UNROLL
+            for (int i = 0; i < size(acc_dq); i += 2) {
+                red_add_pair_if(get<0>(tdQcdQ(i)) < rows_left, &tdQgdQ(i), acc_dq(i), acc_dq(i + 1));
+            }
         }
     }
 
@@ -396,10 +408,22 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
             __syncthreads();  // all of dS^T is in shared memory
             auto thr_mma_dq = mma_dq.get_thread_slice(loop_tidx);
-            Tensor tQrdS = thr_mma_dq.make_fragment_A(thr_mma_dq.partition_A(sdS));        // (MMA, MMA_M, MMA_K)
-            Tensor tQrKt = thr_mma_dq.make_fragment_B(thr_mma_dq.partition_B(blk.sKt(kv_stage)));  // (MMA, MMA_D, MMA_K)
-            Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (MMA, MMA_M, MMA_D)
-            warpgroup_gemm_issue</*kZeroInit=*/true>(mma_dq, tQrdS, tQrKt, acc_dq);
+            auto dq_gemm = [&]() {
+                if constexpr (Traits::kDqTransposed) {
+                    Tensor tQrKt = thr_mma_dq.make_fragment_A(thr_mma_dq.partition_A(blk.sKt(kv_stage)));  // (MMA, MMA_D, MMA_K)
+                    Tensor tQrdS = thr_mma_dq.make_fragment_B(thr_mma_dq.partition_B(sdS));              // (MMA, MMA_M, MMA_K)
+                    Tensor acc = partition_fragment_C(mma_dq, Shape<Int<kHeadDim>, Int<kBlockM>>{});      // (MMA, MMA_D, MMA_M)
+                    warpgroup_gemm_issue</*kZeroInit=*/true>(mma_dq, tQrKt, tQrdS, acc);
+                    return acc;
+                } else {
+                    Tensor tQrdS = thr_mma_dq.make_fragment_A(thr_mma_dq.partition_A(sdS));              // (MMA, MMA_M, MMA_K)
+                    Tensor tQrKt = thr_mma_dq.make_fragment_B(thr_mma_dq.partition_B(blk.sKt(kv_stage)));  // (MMA, MMA_D, MMA_K)
+                    Tensor acc = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});      // (MMA, MMA_M, MMA_D)
+                    warpgroup_gemm_issue</*kZeroInit=*/true>(mma_dq, tQrdS, tQrKt, acc);
+                    return acc;
+                }
+            };
+            Tensor acc_dq = dq_gemm();
             warpgroup_wait_for<0>(acc_dq);
             warpgroup_fence_operand(acc_dv);
             warpgroup_fence_operand(acc_dk);

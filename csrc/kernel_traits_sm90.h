@@ -121,16 +121,37 @@ struct BwdSm90BaseTraits {
 
     using GmemTiledCopyLoad = typename FwdSm90KernelTraits<Element, kHeadDim, 128, 64, 1>::GmemTiledCopyQKV;
     static_assert(FwdSm90KernelTraits<Element, kHeadDim, 128, 64, 1>::kNThreads == kNThreads);
+    using GmemTiledCopyQ = GmemTiledCopyLoad;  // Q and dO
 };
 
 // Head dims 32 to 128 (flash_bwd_sm90_kernel): each warpgroup owns 64 keys for the four GEMMs that produce
 // key-indexed results, computed transposed so that P^T and dS^T come out of S^T = K Q^T and dP^T = V dO^T
 // already in the A-operand registers of dV += P^T dO and dK += dS^T Q. dQ = dS K (query rows) reads dS^T
 // back from shared memory, the warpgroups splitting the head dim.
+// kBlockM is 64, or 16 for short queries at head dim 128 (kBwdSm90ShortBlockM): the query block is the N of
+// the score GEMMs and the K of dV and dK, where wgmma takes 16, but it cannot be the M of dQ = dS K, so the
+// 16-row tile computes dQ^T = K^T dS^T instead, the warpgroups splitting the head dim as its M.
 // 128 B swizzle rows where the head dim is a multiple of 64; else (32 and 96) 32 B rows, so that each
 // warpgroup's half of the head dim in dQ = dS K is whole atoms of K^T.
 template <int kHeadDim>
 constexpr int kBwdNarrowSmemRowElems = kHeadDim % 64 == 0 ? 64 : 16;
+
+// dQ = dS K: (kBlockM, kHeadDim / 2) per warpgroup; dS read from dS^T (query contiguous), K^T head-dim
+// contiguous. Transposed, dQ^T = K^T dS^T: (kHeadDim / 2, kBlockM) per warpgroup, the same operands.
+template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kNWarpgroups, bool kTransposed>
+auto bwd_sm90_tiled_mma_dq() {
+    if constexpr (kTransposed) {
+        return make_tiled_mma(SM90::GMMA::ss_op_selector<Element, Element, float,
+                                                         Shape<Int<kHeadDim / kNWarpgroups>, Int<kBlockM>, Int<kBlockN>>,
+                                                         GMMA::Major::MN, GMMA::Major::MN>(),
+                              Layout<Shape<Int<kNWarpgroups>, _1, _1>>{});
+    } else {
+        return make_tiled_mma(SM90::GMMA::ss_op_selector<Element, Element, float,
+                                                         Shape<Int<kBlockM>, Int<kHeadDim / kNWarpgroups>, Int<kBlockN>>,
+                                                         GMMA::Major::MN, GMMA::Major::MN>(),
+                              Layout<Shape<_1, Int<kNWarpgroups>, _1>>{});
+    }
+}
 
 template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_>
 struct BwdSm90KernelTraits
@@ -144,8 +165,10 @@ struct BwdSm90KernelTraits
     static constexpr int kBlockN = kBlockN_;
 
     static_assert(kBlockN == 64 * Base::kNWarpgroups, "each warpgroup owns 64 keys");
-    static_assert(kBlockM == 64, "one 64-row wgmma tile of queries per step");
+    static_assert(kBlockM == 64 || (kBlockM == 16 && kHeadDim == 64 * Base::kNWarpgroups),
+                  "64 query rows, or 16 where the head dim gives each warpgroup 64 rows of dQ^T");
     static_assert(kHeadDim <= 128, "dK and dV of 64 keys stay in one warpgroup's registers");
+    static constexpr bool kDqTransposed = kBlockM < 64;
 
     // S^T = K Q^T and dP^T = V dO^T: (kBlockN, kBlockM), operands K-major in shared memory.
     using TiledMmaSdP = decltype(make_tiled_mma(
@@ -156,28 +179,32 @@ struct BwdSm90KernelTraits
         SM90::GMMA::rs_op_selector<Element, Element, ElementAccum, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kBlockM>>,
                                    GMMA::Major::K, GMMA::Major::MN>(),
         typename Base::KeysAlongM{}));
-    // dQ = dS K: (kBlockM, kHeadDim / 2) per warpgroup; dS read from dS^T (query contiguous), K^T head-dim contiguous.
-    using TiledMmadQ = decltype(make_tiled_mma(
-        SM90::GMMA::ss_op_selector<Element, Element, ElementAccum,
-                                   Shape<Int<kBlockM>, Int<kHeadDim / Base::kNWarpgroups>, Int<kBlockN>>,
-                                   GMMA::Major::MN, GMMA::Major::MN>(),
-        typename Base::SplitN{}));
+    using TiledMmadQ = decltype(bwd_sm90_tiled_mma_dq<Element, kHeadDim, kBlockM, kBlockN, Base::kNWarpgroups, kDqTransposed>());
 
-    using SmemLayoutdSt = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
-                                                 Shape<Int<kBlockN>, Int<kBlockM>>{}));  // dS^T
+    // dS^T rows are kBlockM queries: 128 B of them at 64, 32 B at 16.
+    using SmemAtomdSt = std::conditional_t<kBlockM == 64, GMMA::Layout_K_SW128_Atom<Element>, GMMA::Layout_K_SW32_Atom<Element>>;
+    using SmemLayoutdSt = decltype(tile_to_shape(SmemAtomdSt{}, Shape<Int<kBlockN>, Int<kBlockM>>{}));  // dS^T
     using SmemLayoutdS = decltype(composition(
         SmemLayoutdSt{}, make_layout(Shape<Int<kBlockM>, Int<kBlockN>>{}, Stride<Int<kBlockN>, _1>{})));  // (kBlockM, kBlockN)
     // dS^T registers -> shared memory: stmatrix writes 8x8 tiles whose 16 B rows hold 8 consecutive queries.
     using SmemCopyAtomdSt = Copy_Atom<SM90_U32x4_STSM_N, Element>;
 
+    // Q and dO: a 16-row tile spreads each row over 16 threads (the K/V copy covers 32 rows at a time).
+    using GmemTiledCopyQ = std::conditional_t<
+        kBlockM == 16,
+        decltype(make_tiled_copy(Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint128_t>, Element>{},
+                                 Layout<Shape<_16, Int<Base::kNThreads / 16>>, Stride<Int<Base::kNThreads / 16>, _1>>{},
+                                 Layout<Shape<_1, _8>>{})),
+        typename Base::GmemTiledCopyLoad>;
+
     static constexpr int kSmemScratchElems = cosize_v<SmemLayoutdSt>;
     // Two K/V buffers: a CTA that walks several key blocks (BwdParams::key_blocks_per_cta) loads the next
-    // block's K and V while it finishes this one. The second lies past everything else, so that a launch of
-    // one key block per CTA keeps the smaller carve-out it had before (kSmemBytesOneKV; perf log 29).
+    // block's K and V while it finishes this one. The second lies past everything else, from a 1 KiB boundary
+    // (where swizzle atoms repeat), so that a launch of one key block per CTA keeps the smaller carve-out it
+    // had before (kSmemBytesOneKV; perf log 29).
     static constexpr int kStagesKV = 2;
-    static constexpr int kSmemBytesOneKV = Base::smem_bytes(kSmemScratchElems);
+    static constexpr int kSmemBytesOneKV = (Base::smem_bytes(kSmemScratchElems) + 1023) / 1024 * 1024;
     static constexpr int kSmemBytes = kSmemBytesOneKV + 2 * Base::kSmemKVElems * int(sizeof(Element));
-    static_assert(kSmemBytesOneKV % 1024 == 0, "the second K/V buffer keeps the 1 KiB alignment of swizzle atoms");
     static_assert(kSmemBytes <= 227 * 1024);
 };
 

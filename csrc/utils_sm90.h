@@ -96,6 +96,22 @@ __forceinline__ __device__ void red_add_pair_if(bool add, float* dst, float a, f
 #endif
 }
 
+// Adds one fp32 value into global memory when `add` (predicated inside the asm, as red_add_pair_if).
+__forceinline__ __device__ void red_add_if(bool add, float* dst, float a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %2, 0;\n"
+        "@p red.global.add.f32 [%0], %1;\n"
+        "}\n" ::"l"(dst),
+        "f"(a), "r"(int(add))
+        : "memory");
+#else
+    if (add) { atomicAdd(dst, a); }
+#endif
+}
+
 // Returns x unchanged, but the compiler can no longer see where it came from: values computed from the
 // result inside a loop are recomputed there instead of being hoisted out and held (or spilled) across it.
 __forceinline__ __device__ int opaque_int(int x) {

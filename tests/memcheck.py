@@ -89,6 +89,24 @@ def main():
         out.backward(torch.randn_like(out))
         cases += 3
     del os.environ["FLASH_ATTN2_BWD_KEY_BLOCKS"]
+    # Backwards on the 16-row query tile of the Hopper kernel (head dim 128; forced at every length), with
+    # one and with 3 key blocks per CTA, dense and varlen.
+    os.environ["FLASH_ATTN2_BWD_SHORT_QUERIES"] = "1"
+    for key_blocks, causal in itertools.product(("1", "3"), (False, True)):
+        if not flash_attn_cuda.kernel_available(128, torch.bfloat16, causal, backward=True):
+            continue
+        os.environ["FLASH_ATTN2_BWD_KEY_BLOCKS"] = key_blocks
+        for sq, sk in ((1, 700), (5, 200), (40, 300)):
+            q = torch.randn(2, sq, 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            kv = torch.randn(2, sk, 2, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            out = flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], causal=causal)
+            out.backward(torch.randn_like(out))
+        q = torch.randn(sum(lens_q), 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        kv = torch.randn(sum(lens_k), 2, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        out = flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_q, cu_k, max(lens_q), max(lens_k), causal=causal)
+        out.backward(torch.randn_like(out))
+        cases += 4
+    del os.environ["FLASH_ATTN2_BWD_SHORT_QUERIES"], os.environ["FLASH_ATTN2_BWD_KEY_BLOCKS"]
     # Head dim 128 forwards on the regular Hopper tile, which the short keys above leave to the short-key tile.
     os.environ["FLASH_ATTN2_FWD_SHORT_KEYS"] = "0"
     for dtype, causal in itertools.product((torch.float16, torch.bfloat16), (False, True)):

@@ -144,6 +144,29 @@ def test_short_queries_long_keys(sq, dtype, monkeypatch):
                 rand(8, 4096, 16, 128, dtype=dtype), False)
 
 
+@pytest.mark.parametrize("force", ["1", "0"], ids=["short-tile", "regular-tile"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize(
+    "b, sq, sk, h, hk, key_blocks",
+    [(3, 1, 1023, 4, 4, "auto"), (2, 5, 777, 6, 2, "auto"), (2, 16, 4097, 2, 2, "auto"),
+     (2, 16, 300, 4, 4, "3"), (1, 113, 300, 3, 1, "auto"), (1, 300, 113, 2, 2, "2")],
+    ids=["decode", "gqa-sq5", "sq16-long", "sq16-walk3", "sq113-mqa", "sq300-walk2"],
+)
+def test_short_query_tile_forced(b, sq, sk, h, hk, key_blocks, dtype, causal, force, monkeypatch):
+    # On Hopper, head dim 128 with seqlen_q <= 16 runs 16-row query blocks in the backward (dQ^T = K^T dS^T).
+    # FLASH_ATTN2_BWD_SHORT_QUERIES=1 forces them at every length (several query blocks per key block, causal
+    # diagonals), =0 never, so both tiles are checked on both sides of the threshold.
+    require_fwd_bwd_kernels(128, dtype, causal)
+    monkeypatch.setenv("FLASH_ATTN2_BWD_SHORT_QUERIES", force)
+    if key_blocks == "auto":
+        monkeypatch.delenv("FLASH_ATTN2_BWD_KEY_BLOCKS", raising=False)
+    else:
+        monkeypatch.setenv("FLASH_ATTN2_BWD_KEY_BLOCKS", key_blocks)
+    check_grads(rand(b, sq, h, 128, dtype=dtype), rand(b, sk, hk, 128, dtype=dtype),
+                rand(b, sk, hk, 128, dtype=dtype), causal)
+
+
 def test_key_blocks_rejects_bad_env(monkeypatch):
     require_fwd_bwd_kernels(64, torch.bfloat16, False)
     monkeypatch.setenv("FLASH_ATTN2_BWD_KEY_BLOCKS", "two")

@@ -96,6 +96,17 @@ def test_varlen_key_blocks_per_cta(head_dim, causal, monkeypatch):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("lens", [(LENS_Q, LENS_K), ([1, 16, 0, 5], [700, 3, 129, 0])], ids=["mixed", "short-q"])
+def test_varlen_short_query_tile(lens, causal, monkeypatch):
+    # Hopper backward with 16-row query blocks at head dim 128 (forced; see test_bwd_gpu.py), walking 3 key
+    # blocks per CTA.
+    require_fwd_bwd_kernels(128, torch.bfloat16, causal)
+    monkeypatch.setenv("FLASH_ATTN2_BWD_SHORT_QUERIES", "1")
+    monkeypatch.setenv("FLASH_ATTN2_BWD_KEY_BLOCKS", "3")
+    check_varlen(*lens, 6, 2, 128, torch.bfloat16, causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("h, hk", [(4, 4), (8, 1)])
 @pytest.mark.parametrize("lens", [([1], [1]), ([1023, 1, 0], [0, 1, 1023]), ([129, 257], [257, 129])],
                          ids=["one-token", "long-short-empty", "swap"])

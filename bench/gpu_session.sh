@@ -4,7 +4,8 @@
 # Stages: build (setup.py build_ext --inplace, all kernels unless FLASH_ATTN2_HDIMS/DTYPES say otherwise; also
 # leaves the stripped extension in $OUT/so_part_* so a later call can carry it in .devbuild/ and skip the build),
 # prebuilt (installs .devbuild/_C*.so instead of building), test (pytest), memcheck (compute-sanitizer over
-# tests/memcheck.py), bench (mma peak + forward grid), bench_bwd (backward and forward+backward, seqlen 2k/8k/16k,
+# tests/memcheck.py; $MEMCHECK_SECTIONS picks sections), bench (mma peak + forward grid), bench_bwd (backward
+# and forward+backward, seqlen 2k/8k/16k,
 # with cuDNN and deterministic mode), bench_varlen, bench_skinny, tune (bench/tune_tiles.py with $TUNE_ARGS), pack (everything
 # in $OUT into one results.tar, since a device call returns at most 8 files).
 # Results go to $OUT (default /tmp/flash_out).
@@ -41,7 +42,7 @@ for stage in "$@"; do
         ;;
     memcheck)
         timeout 240 compute-sanitizer --tool memcheck --error-exitcode 1 --print-limit 10 \
-            python3 tests/memcheck.py 2>&1 | tail -15 || status=1
+            python3 tests/memcheck.py ${MEMCHECK_SECTIONS:-} 2>&1 | tail -15 || status=1
         ;;
     bench)
         python3 bench/mma_peak.py --out-dir "$OUT"

@@ -122,6 +122,7 @@ struct BwdSm90BaseTraits {
     using GmemTiledCopyLoad = typename FwdSm90KernelTraits<Element, kHeadDim, 128, 64, 1>::GmemTiledCopyQKV;
     static_assert(FwdSm90KernelTraits<Element, kHeadDim, 128, 64, 1>::kNThreads == kNThreads);
     using GmemTiledCopyQ = GmemTiledCopyLoad;  // Q and dO
+    static constexpr bool kDqTransposed = false;  // dQ computed as dQ^T = K^T dS^T (BwdSm90KernelTraits)
 };
 
 // Head dims 32 to 128 (flash_bwd_sm90_kernel): each warpgroup owns 64 keys for the four GEMMs that produce

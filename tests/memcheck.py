@@ -3,10 +3,13 @@ ways, GQA, padded head dims, strided views, deterministic mode and variable-leng
 one-token sequences), forced split-KV forwards and forced multi-key-block backwards, so out-of-bounds reads
 or writes show up as memcheck errors.
 
-    compute-sanitizer --tool memcheck python tests/memcheck.py
+    compute-sanitizer --tool memcheck python tests/memcheck.py [section ...]
+
+With section names (the functions below, e.g. `short_queries`), only those run.
 """
 import itertools
 import os
+import sys
 
 import torch
 
@@ -14,9 +17,18 @@ import flash_attn_cuda
 from flash_attn_cuda import flash_attn_func, flash_attn_varlen_func
 
 
-def main():
-    torch.manual_seed(0)
-    cases = 0
+# Variable-length batches: lengths with empty and one-token sequences, and every kernel head dim.
+LENS_Q, LENS_K = [0, 1, 17, 130, 64], [5, 0, 17, 77, 129]
+HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
+
+
+def cu_seqlens():
+    return (torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32, device="cuda") for n in (LENS_Q, LENS_K))
+
+
+def dense():
+    """Odd lengths, causal both ways, GQA, padded head dims, strided views, deterministic mode; returns the calls."""
+    calls = 0
     for head_dim in (32, 40, 64, 96, 128, 160, 192, 224, 256):
         for dtype in (torch.float16, torch.bfloat16):
             for causal in (False, True):
@@ -33,22 +45,31 @@ def main():
                     out = flash_attn_func(q, k, v, causal=causal, deterministic=i % 2 == 1)
                     if with_bwd:
                         out.backward(torch.randn_like(out))
-                    cases += 1
-    lens_q, lens_k = [0, 1, 17, 130, 64], [5, 0, 17, 77, 129]
-    cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32, device="cuda") for n in (lens_q, lens_k))
-    head_dims = (32, 64, 96, 128, 160, 192, 224, 256)
-    for head_dim, dtype, causal in itertools.product(head_dims, (torch.float16, torch.bfloat16), (False, True)):
+                    calls += 1
+    return calls
+
+
+def varlen():
+    """Variable-length batches with empty and one-token sequences; returns the calls."""
+    calls = 0
+    cu_q, cu_k = cu_seqlens()
+    for head_dim, dtype, causal in itertools.product(HEAD_DIMS, (torch.float16, torch.bfloat16), (False, True)):
         if not flash_attn_cuda.kernel_available(head_dim, dtype, causal, backward=True):
             continue
         # Packed (total, 3, h, d) buffers: strided q, k, v of exactly total rows each.
-        q = torch.randn(sum(lens_q), 3, 4, head_dim, device="cuda", dtype=dtype)[:, 0].requires_grad_()
-        kv = torch.randn(sum(lens_k), 2, 2, head_dim, device="cuda", dtype=dtype).requires_grad_()
-        out = flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+        q = torch.randn(sum(LENS_Q), 3, 4, head_dim, device="cuda", dtype=dtype)[:, 0].requires_grad_()
+        kv = torch.randn(sum(LENS_K), 2, 2, head_dim, device="cuda", dtype=dtype).requires_grad_()
+        out = flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_q, cu_k, max(LENS_Q), max(LENS_K), causal=causal,
                                      deterministic=causal)
         out.backward(torch.randn_like(out))
-        cases += 1
-    # Split-KV forwards, forced (the heuristic leaves shapes this small unsplit); 7 splits of 203 keys leave
-    # some splits without a key block.
+        calls += 1
+    return calls
+
+
+def split_kv():
+    """Split-KV forwards, forced (the heuristic leaves shapes this small unsplit); 7 splits of 203 keys leave
+    some splits without a key block. Returns the calls."""
+    calls = 0
     for splits, head_dim, causal in itertools.product(("3", "7"), (32, 64, 96, 128, 256), (False, True)):
         if not flash_attn_cuda.kernel_available(head_dim, torch.bfloat16, causal):
             continue
@@ -57,23 +78,37 @@ def main():
         k, v = torch.randn(2, 2, 203, 2, head_dim, device="cuda", dtype=torch.bfloat16).unbind(0)
         flash_attn_func(q, k, v, causal=causal)
         del os.environ["FLASH_ATTN2_NUM_SPLITS"]
-        cases += 1
-    # GQA backwards with every CTA walking its whole group (forced; a Hopper-only path), dense and varlen.
+        calls += 1
+    return calls
+
+
+def gqa_walk():
+    """GQA backwards with every CTA walking its whole group (forced; a Hopper-only path), dense and varlen;
+    returns the calls."""
+    calls = 0
+    cu_q, cu_k = cu_seqlens()
     os.environ["FLASH_ATTN2_GQA_WALK"] = "1"
-    for head_dim, causal in itertools.product(head_dims, (False, True)):
+    for head_dim, causal in itertools.product(HEAD_DIMS, (False, True)):
         if not flash_attn_cuda.kernel_available(head_dim, torch.bfloat16, causal, backward=True):
             continue
         q = torch.randn(2, 77, 6, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         kv = torch.randn(2, 203, 2, 2, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         out = flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], causal=causal)
         out.backward(torch.randn_like(out))
-        q = torch.randn(sum(lens_q), 6, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        kv = torch.randn(sum(lens_k), 2, 2, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        out = flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_q, cu_k, max(lens_q), max(lens_k), causal=causal)
+        q = torch.randn(sum(LENS_Q), 6, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        kv = torch.randn(sum(LENS_K), 2, 2, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        out = flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_q, cu_k, max(LENS_Q), max(LENS_K), causal=causal)
         out.backward(torch.randn_like(out))
-        cases += 2
+        calls += 2
     del os.environ["FLASH_ATTN2_GQA_WALK"]
-    # Backwards with every CTA walking 3 key blocks (forced; Hopper, head dims <= 128), dense and varlen.
+    return calls
+
+
+def key_blocks():
+    """Backwards with every CTA walking 3 key blocks (forced; Hopper, head dims <= 128), dense and varlen;
+    returns the calls."""
+    calls = 0
+    cu_q, cu_k = cu_seqlens()
     os.environ["FLASH_ATTN2_BWD_KEY_BLOCKS"] = "3"
     for head_dim, causal in itertools.product((32, 64, 96, 128), (False, True)):
         if not flash_attn_cuda.kernel_available(head_dim, torch.bfloat16, causal, backward=True):
@@ -83,31 +118,43 @@ def main():
             kv = torch.randn(2, sk, 2, 4, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
             out = flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], causal=causal)
             out.backward(torch.randn_like(out))
-        q = torch.randn(sum(lens_q), 4, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        kv = torch.randn(sum(lens_k), 2, 2, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        out = flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_q, cu_k, max(lens_q), max(lens_k), causal=causal)
+        q = torch.randn(sum(LENS_Q), 4, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        kv = torch.randn(sum(LENS_K), 2, 2, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        out = flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_q, cu_k, max(LENS_Q), max(LENS_K), causal=causal)
         out.backward(torch.randn_like(out))
-        cases += 3
+        calls += 3
     del os.environ["FLASH_ATTN2_BWD_KEY_BLOCKS"]
-    # Backwards on the 16-row query tile of the Hopper kernel (head dim 128; forced at every length), with
-    # one and with 3 key blocks per CTA, dense and varlen.
+    return calls
+
+
+def short_queries():
+    """Backwards on the 16-row query tile of the Hopper kernel (head dim 128; forced at every length), with
+    one and with 3 key blocks per CTA, dense and varlen; returns the calls."""
+    calls = 0
+    cu_q, cu_k = cu_seqlens()
     os.environ["FLASH_ATTN2_BWD_SHORT_QUERIES"] = "1"
-    for key_blocks, causal in itertools.product(("1", "3"), (False, True)):
+    for walk, causal in itertools.product(("1", "3"), (False, True)):
         if not flash_attn_cuda.kernel_available(128, torch.bfloat16, causal, backward=True):
             continue
-        os.environ["FLASH_ATTN2_BWD_KEY_BLOCKS"] = key_blocks
+        os.environ["FLASH_ATTN2_BWD_KEY_BLOCKS"] = walk
         for sq, sk in ((1, 700), (5, 200), (40, 300)):
             q = torch.randn(2, sq, 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
             kv = torch.randn(2, sk, 2, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
             out = flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], causal=causal)
             out.backward(torch.randn_like(out))
-        q = torch.randn(sum(lens_q), 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        kv = torch.randn(sum(lens_k), 2, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        out = flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_q, cu_k, max(lens_q), max(lens_k), causal=causal)
+        q = torch.randn(sum(LENS_Q), 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        kv = torch.randn(sum(LENS_K), 2, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        out = flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_q, cu_k, max(LENS_Q), max(LENS_K), causal=causal)
         out.backward(torch.randn_like(out))
-        cases += 4
+        calls += 4
     del os.environ["FLASH_ATTN2_BWD_SHORT_QUERIES"], os.environ["FLASH_ATTN2_BWD_KEY_BLOCKS"]
-    # Head dim 128 forwards on the regular Hopper tile, which the short keys above leave to the short-key tile.
+    return calls
+
+
+def fwd_regular_tile():
+    """Head dim 128 forwards on the regular Hopper tile at lengths that otherwise run the short-key tile;
+    returns the calls."""
+    calls = 0
     os.environ["FLASH_ATTN2_FWD_SHORT_KEYS"] = "0"
     for dtype, causal in itertools.product((torch.float16, torch.bfloat16), (False, True)):
         if not flash_attn_cuda.kernel_available(128, dtype, causal):
@@ -116,10 +163,23 @@ def main():
             q = torch.randn(2, sq, 4, 128, device="cuda", dtype=dtype)
             k, v = torch.randn(2, 2, sk, 2, 128, device="cuda", dtype=dtype).unbind(0)
             flash_attn_func(q, k, v, causal=causal)
-            cases += 1
+            calls += 1
     del os.environ["FLASH_ATTN2_FWD_SHORT_KEYS"]
+    return calls
+
+
+SECTIONS = [dense, varlen, split_kv, gqa_walk, key_blocks, short_queries, fwd_regular_tile]
+
+
+def main():
+    names = sys.argv[1:] or [section.__name__ for section in SECTIONS]
+    unknown = set(names) - {section.__name__ for section in SECTIONS}
+    if unknown:
+        raise SystemExit(f"unknown sections: {sorted(unknown)}")
+    torch.manual_seed(0)
+    calls = sum(section() for section in SECTIONS if section.__name__ in names)
     torch.cuda.synchronize()
-    print(f"memcheck: {cases} calls done")
+    print(f"memcheck: {calls} calls done")
 
 
 if __name__ == "__main__":

@@ -5,9 +5,9 @@
 # leaves the stripped extension in $OUT/so_part_* so a later call can carry it in .devbuild/ and skip the build),
 # prebuilt (installs .devbuild/_C*.so instead of building), test (pytest), memcheck (compute-sanitizer over
 # tests/memcheck.py; $MEMCHECK_SECTIONS picks sections), bench (mma peak + forward grid), bench_bwd (backward
-# and forward+backward, seqlen 2k/8k/16k,
-# with cuDNN and deterministic mode), bench_varlen, bench_skinny, tune (bench/tune_tiles.py with $TUNE_ARGS), pack (everything
-# in $OUT into one results.tar, since a device call returns at most 8 files).
+# and forward+backward, seqlen 2k/8k/16k, with cuDNN and deterministic mode), bench_varlen, bench_skinny, tune
+# (bench/tune_tiles.py with $TUNE_ARGS), pack (everything in $OUT into one results.tar, since a device call
+# returns at most 8 files).
 # Results go to $OUT (default /tmp/flash_out).
 set -uo pipefail
 OUT=${OUT:-/tmp/flash_out}

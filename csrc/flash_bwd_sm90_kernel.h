@@ -38,9 +38,10 @@ struct BwdStep {
 
 // What both kernels share: the CTA's key blocks and the query blocks that see each, the shared-memory
 // carve-up (Q and dO in kStagesQ stages, K and V, the kernel's scratch tiles, LSE and D per Q stage, then
-// with kStagesKV == 2 the second K/V buffer), the loads, the dQ reduction and the dK/dV store. A CTA walks key blocks [n_block, n_block_stop) one
-// after another (BwdParams::key_blocks_per_cta, kStagesKV == 2 only); the next one's K and V load during the
-// current one's steps, and its first Q and dO during the current one's last step.
+// with kStagesKV == 2 the second K/V buffer), the loads, the dQ reduction and the dK/dV store. A CTA walks
+// key blocks [n_block, n_block_stop) one after another (BwdParams::key_blocks_per_cta, kStagesKV == 2 only);
+// the next one's K and V load during the current one's steps, and its first Q and dO during the current one's
+// last step.
 template <class Traits, bool kCausal>
 struct BwdSm90Block {
     using Element = typename Traits::Element;
@@ -249,8 +250,9 @@ struct BwdSm90Block {
 
     // Adds step's dQ (acc_dq, partitioned by thr_mma_dq) into dq_accum, skipping the rows past seqlen_q: with
     // short queries every key block's CTA would otherwise add a block of mostly zero rows into the same L2
-    // lines. A test of each value's row, which folds to two compares per step (a thread holds two rows of
-    // each 64-row wgmma tile); testing the values for zero instead cost the anchor shapes 2-4% (perf log 31).
+    // lines. A test of each value's row, which folds to a few compares per step (a thread holds two rows of
+    // each 64-row wgmma tile, or four query columns of a transposed one); testing the values for zero instead
+    // cost the anchor shapes 2-4% (perf log 31).
     // acc_dq is (kBlockM, kHeadDim), added a pair of adjacent columns at a time, or with
     // Traits::kDqTransposed (kHeadDim, kBlockM), whose adjacent values lie in different rows of dq_accum.
     template <class ThrMma, class Acc>
@@ -329,7 +331,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});  // (MMA, MMA_N, MMA_D)
     Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});  // (MMA, MMA_N, MMA_D)
 
-    // dQ, (kBlockM, kHeadDim) per query block, added into dq_accum.
+    // dQ, (kBlockM, kHeadDim) per query block (transposed with Traits::kDqTransposed), added into dq_accum.
     typename Traits::TiledMmadQ mma_dq;
 
     blk.load_first(params, tidx);

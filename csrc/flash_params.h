@@ -59,8 +59,9 @@ struct FwdParams {
                                          // natural-log LSE, -inf for rows that saw no key in that split
 };
 
-// Query rows per block of the backward kernels lie in [kBwdMinBlockM, kBwdMaxBlockM]: the host sizes the
-// deterministic-mode semaphores for the smallest and pads dq_accum for the largest.
+// Query rows per block of the mma.sync backward kernels lie in [kBwdMinBlockM, kBwdMaxBlockM]: the host sizes
+// the deterministic-mode semaphores (mma.sync only) for the smallest and pads dq_accum for the largest, which
+// every backward's blocks, the Hopper ones' 16 and 64 rows included, divide.
 constexpr int kBwdMinBlockM = 64;
 constexpr int kBwdMaxBlockM = 128;
 

@@ -79,7 +79,7 @@ struct FwdSm90KernelTraits {
 namespace flash {
 
 // What both Hopper backward kernels share: two warpgroups, Q and dO in kStagesQ stages of (kBlockM, kHeadDim),
-// K and V of (kBlockN, kHeadDim), all 128 B-swizzled with the head dim contiguous, plus transposed views.
+// K and V of (kBlockN, kHeadDim), swizzled with the head dim contiguous (kSmemRowElems), plus transposed views.
 template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kSmemRowElems_>
 struct BwdSm90BaseTraits {
     using Element = Element_;
@@ -122,7 +122,7 @@ struct BwdSm90BaseTraits {
     using GmemTiledCopyLoad = typename FwdSm90KernelTraits<Element, kHeadDim, 128, 64, 1>::GmemTiledCopyQKV;
     static_assert(FwdSm90KernelTraits<Element, kHeadDim, 128, 64, 1>::kNThreads == kNThreads);
     using GmemTiledCopyQ = GmemTiledCopyLoad;  // Q and dO
-    static constexpr bool kDqTransposed = false;  // dQ computed as dQ^T = K^T dS^T (BwdSm90KernelTraits)
+    static constexpr bool kDqTransposed = false;  // whether dQ is computed as dQ^T = K^T dS^T (BwdSm90KernelTraits)
 };
 
 // Head dims 32 to 128 (flash_bwd_sm90_kernel): each warpgroup owns 64 keys for the four GEMMs that produce

@@ -147,7 +147,8 @@ def short_queries():
         out = flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_q, cu_k, max(LENS_Q), max(LENS_K), causal=causal)
         out.backward(torch.randn_like(out))
         calls += 4
-    del os.environ["FLASH_ATTN2_BWD_SHORT_QUERIES"], os.environ["FLASH_ATTN2_BWD_KEY_BLOCKS"]
+    os.environ.pop("FLASH_ATTN2_BWD_SHORT_QUERIES")
+    os.environ.pop("FLASH_ATTN2_BWD_KEY_BLOCKS", None)  # unset when the build has no head dim 128
     return calls
 
 

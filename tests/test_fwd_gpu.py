@@ -388,7 +388,7 @@ def test_opcheck(causal):
 
 # ---------------------------------------------------------------- short-key Hopper tile
 #
-# On Hopper, head dim 128 with seqlen_k <= 1024 runs one-warpgroup 64x64 tiles, two CTAs per SM
+# On Hopper, head dim 128 with seqlen_k <= 1024 (causal) or <= 512 runs one-warpgroup 64x64 tiles, two CTAs per SM
 # (FwdSm90ShortKeysTileConfig). FLASH_ATTN2_FWD_SHORT_KEYS=1 forces that tile at every length, =0 never, so
 # both tiles are checked on both sides of the threshold (elsewhere only one of them runs).
 

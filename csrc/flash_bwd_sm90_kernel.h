@@ -410,23 +410,26 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
             __syncthreads();  // all of dS^T is in shared memory
             auto thr_mma_dq = mma_dq.get_thread_slice(loop_tidx);
+            // The accumulator is complete before it is returned: a copy of registers that a wgmma still
+            // writes would be undefined.
             auto dq_gemm = [&]() {
                 if constexpr (Traits::kDqTransposed) {
                     Tensor tQrKt = thr_mma_dq.make_fragment_A(thr_mma_dq.partition_A(blk.sKt(kv_stage)));  // (MMA, MMA_D, MMA_K)
                     Tensor tQrdS = thr_mma_dq.make_fragment_B(thr_mma_dq.partition_B(sdS));              // (MMA, MMA_M, MMA_K)
                     Tensor acc = partition_fragment_C(mma_dq, Shape<Int<kHeadDim>, Int<kBlockM>>{});      // (MMA, MMA_D, MMA_M)
                     warpgroup_gemm_issue</*kZeroInit=*/true>(mma_dq, tQrKt, tQrdS, acc);
+                    warpgroup_wait_for<0>(acc);
                     return acc;
                 } else {
                     Tensor tQrdS = thr_mma_dq.make_fragment_A(thr_mma_dq.partition_A(sdS));              // (MMA, MMA_M, MMA_K)
                     Tensor tQrKt = thr_mma_dq.make_fragment_B(thr_mma_dq.partition_B(blk.sKt(kv_stage)));  // (MMA, MMA_D, MMA_K)
                     Tensor acc = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});      // (MMA, MMA_M, MMA_D)
                     warpgroup_gemm_issue</*kZeroInit=*/true>(mma_dq, tQrdS, tQrKt, acc);
+                    warpgroup_wait_for<0>(acc);
                     return acc;
                 }
             };
             Tensor acc_dq = dq_gemm();
-            warpgroup_wait_for<0>(acc_dq);
             warpgroup_fence_operand(acc_dv);
             warpgroup_fence_operand(acc_dk);
             warpgroup_fence_operand(rPt);

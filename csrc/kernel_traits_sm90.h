@@ -191,6 +191,7 @@ struct BwdSm90KernelTraits
     using SmemCopyAtomdSt = Copy_Atom<SM90_U32x4_STSM_N, Element>;
 
     // Q and dO: a 16-row tile spreads each row over 16 threads (the K/V copy covers 32 rows at a time).
+    static_assert(kBlockM != 16 || kHeadDim == 16 * 8, "16 threads of 8 elements cover one row");
     using GmemTiledCopyQ = std::conditional_t<
         kBlockM == 16,
         decltype(make_tiled_copy(Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint128_t>, Element>{},

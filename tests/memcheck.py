@@ -128,14 +128,15 @@ def key_blocks():
 
 
 def short_queries():
-    """Backwards on the 16-row query tile of the Hopper kernel (head dim 128; forced at every length), with
-    one and with 3 key blocks per CTA, dense and varlen; returns the calls."""
+    """Backwards of head dim 128 on the 16-row query tile of the Hopper kernel, forced at every length, and on
+    the 64-row one at lengths that otherwise run the 16-row tile; with one and with 3 key blocks per CTA, dense
+    and varlen; returns the calls."""
     calls = 0
     cu_q, cu_k = cu_seqlens()
-    os.environ["FLASH_ATTN2_BWD_SHORT_QUERIES"] = "1"
-    for walk, causal in itertools.product(("1", "3"), (False, True)):
+    for short, walk, causal in itertools.product(("1", "0"), ("1", "3"), (False, True)):
         if not flash_attn_cuda.kernel_available(128, torch.bfloat16, causal, backward=True):
             continue
+        os.environ["FLASH_ATTN2_BWD_SHORT_QUERIES"] = short
         os.environ["FLASH_ATTN2_BWD_KEY_BLOCKS"] = walk
         for sq, sk in ((1, 700), (5, 200), (40, 300)):
             q = torch.randn(2, sq, 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -147,8 +148,8 @@ def short_queries():
         out = flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_q, cu_k, max(LENS_Q), max(LENS_K), causal=causal)
         out.backward(torch.randn_like(out))
         calls += 4
-    os.environ.pop("FLASH_ATTN2_BWD_SHORT_QUERIES")
-    os.environ.pop("FLASH_ATTN2_BWD_KEY_BLOCKS", None)  # unset when the build has no head dim 128
+    os.environ.pop("FLASH_ATTN2_BWD_SHORT_QUERIES", None)  # unset when the build has no head dim 128
+    os.environ.pop("FLASH_ATTN2_BWD_KEY_BLOCKS", None)
     return calls
 
 

@@ -153,12 +153,14 @@ def test_short_queries_long_keys(sq, dtype, monkeypatch):
      (2, 16, 300, 4, 4, "3"), (1, 113, 300, 3, 1, "auto"), (1, 300, 113, 2, 2, "2")],
     ids=["decode", "gqa-sq5", "sq16-long", "sq16-walk3", "sq113-mqa", "sq300-walk2"],
 )
-def test_short_query_tile_forced(b, sq, sk, h, hk, key_blocks, dtype, causal, force, monkeypatch):
+@pytest.mark.parametrize("walk_groups", ["0", "1"], ids=["per-head", "group-walk"])
+def test_short_query_tile_forced(b, sq, sk, h, hk, key_blocks, dtype, causal, force, walk_groups, monkeypatch):
     # On Hopper, head dim 128 with seqlen_q <= 16 runs 16-row query blocks in the backward (dQ^T = K^T dS^T).
     # FLASH_ATTN2_BWD_SHORT_QUERIES=1 forces them at every length (several query blocks per key block, causal
     # diagonals), =0 never, so both tiles are checked on both sides of the threshold.
     require_fwd_bwd_kernels(128, dtype, causal)
     monkeypatch.setenv("FLASH_ATTN2_BWD_SHORT_QUERIES", force)
+    monkeypatch.setenv("FLASH_ATTN2_GQA_WALK", walk_groups)
     if key_blocks == "auto":
         monkeypatch.delenv("FLASH_ATTN2_BWD_KEY_BLOCKS", raising=False)
     else:

@@ -214,12 +214,30 @@ int multiprocessor_count(int device) {
     return std::max(device_attribute(cudaDevAttrMultiProcessorCount, device), 1);
 }
 
+// Test and benchmark switches: 1 when the variable `name` is "1", 0 when "0", -1 when unset or anything else
+// (the default choice).
+int env_switch(const char* name) {
+    const char* text = std::getenv(name);
+    const std::string value(text == nullptr ? "" : text);
+    return value == "1" ? 1 : value == "0" ? 0 : -1;
+}
+
+// Test and benchmark counts: the integer in the variable `name`, in [0, max]; 0 when unset or empty.
+int env_count(const char* name, int max) {
+    const char* text = std::getenv(name);
+    if (text == nullptr || *text == '\0') { return 0; }
+    char* end = nullptr;
+    const long value = std::strtol(text, &end, 10);
+    TORCH_CHECK_VALUE(*end == '\0' && value >= 0 && value <= max, name, " must be an integer in [0, ", num(max),
+                      "], got '", text, "'");
+    return static_cast<int>(value);
+}
+
 // FLASH_ATTN2_FWD_SHORT_KEYS=1 runs the short-key Hopper forward tile (FwdSm90ShortKeysTileConfig) at every
 // seqlen_k, =0 never, for tests and benchmarks; unset or anything else: up to kFwdShortKeysMax(Causal) keys.
 bool fwd_short_key_tiles(int seqlen_k, bool causal) {
-    const char* text = std::getenv("FLASH_ATTN2_FWD_SHORT_KEYS");
-    const std::string value(text == nullptr ? "" : text);
-    return value == "1" || (value != "0" && seqlen_k <= (causal ? kFwdShortKeysMaxCausal : kFwdShortKeysMax));
+    const int forced = env_switch("FLASH_ATTN2_FWD_SHORT_KEYS");
+    return forced == 1 || (forced == -1 && seqlen_k <= (causal ? kFwdShortKeysMaxCausal : kFwdShortKeysMax));
 }
 
 constexpr int kMaxAutoSplits = 64;     // the heuristic's cap
@@ -232,15 +250,7 @@ constexpr int kMinKeysPerSplit = 256;
 
 // FLASH_ATTN2_NUM_SPLITS=n (n >= 1) forces n key splits on every dense forward, for tests and benchmarks;
 // unset, empty or 0 lets choose_num_splits decide.
-int forced_num_splits() {
-    const char* text = std::getenv("FLASH_ATTN2_NUM_SPLITS");
-    if (text == nullptr || *text == '\0') { return 0; }
-    char* end = nullptr;
-    const long value = std::strtol(text, &end, 10);
-    TORCH_CHECK_VALUE(*end == '\0' && value >= 0 && value <= kMaxForcedSplits,
-                      "FLASH_ATTN2_NUM_SPLITS must be an integer in [0, ", num(kMaxForcedSplits), "], got '", text, "'");
-    return static_cast<int>(value);
-}
+int forced_num_splits() { return env_count("FLASH_ATTN2_NUM_SPLITS", kMaxForcedSplits); }
 
 // Split-KV heuristic. The forward grid has one CTA per (query block, sequence, head), each streaming all of
 // its keys; when that grid is smaller than the GPU, SMs idle (decode and short-query shapes). Splitting the
@@ -282,21 +292,15 @@ int fwd_num_splits(const FwdParams& params, int kernel_head_dim, bool causal, in
 
 // FLASH_ATTN2_GQA_WALK=1 makes every GQA/MQA backward that can (Hopper, not deterministic) walk whole groups
 // per CTA, =0 none, for tests and benchmarks; unset or anything else leaves it to the grid size (bwd_impl).
-int forced_gqa_walk() {
-    const char* text = std::getenv("FLASH_ATTN2_GQA_WALK");
-    if (text == nullptr) { return -1; }
-    const std::string value(text);
-    return value == "1" ? 1 : value == "0" ? 0 : -1;
-}
+int forced_gqa_walk() { return env_switch("FLASH_ATTN2_GQA_WALK"); }
 
 // FLASH_ATTN2_BWD_SHORT_QUERIES=1 runs the Hopper backward's 16-row query tile (head dim 128) at every
 // seqlen_q, =0 never, for tests and benchmarks; unset or anything else: at seqlen_q <= kBwdShortQueriesMax,
 // where a 64-row tile would compute mostly padding.
 constexpr int kBwdShortQueriesMax = 16;
 bool bwd_short_query_tiles(int64_t seqlen_q) {
-    const char* text = std::getenv("FLASH_ATTN2_BWD_SHORT_QUERIES");
-    const std::string value(text == nullptr ? "" : text);
-    return value == "1" || (value != "0" && seqlen_q <= kBwdShortQueriesMax);
+    const int forced = env_switch("FLASH_ATTN2_BWD_SHORT_QUERIES");
+    return forced == 1 || (forced == -1 && seqlen_q <= kBwdShortQueriesMax);
 }
 
 constexpr int kMaxAutoKeyBlocks = 16;     // choose_key_blocks_per_cta's cap
@@ -304,16 +308,7 @@ constexpr int kMaxForcedKeyBlocks = 128;  // FLASH_ATTN2_BWD_KEY_BLOCKS's cap
 
 // FLASH_ATTN2_BWD_KEY_BLOCKS=n (n >= 1) forces n key blocks per CTA on every backward that runs the Hopper
 // kernel of head dims <= 128, for tests and benchmarks; unset, empty or 0 lets choose_key_blocks_per_cta decide.
-int forced_key_blocks_per_cta() {
-    const char* text = std::getenv("FLASH_ATTN2_BWD_KEY_BLOCKS");
-    if (text == nullptr || *text == '\0') { return 0; }
-    char* end = nullptr;
-    const long value = std::strtol(text, &end, 10);
-    TORCH_CHECK_VALUE(*end == '\0' && value >= 0 && value <= kMaxForcedKeyBlocks,
-                      "FLASH_ATTN2_BWD_KEY_BLOCKS must be an integer in [0, ", num(kMaxForcedKeyBlocks), "], got '",
-                      text, "'");
-    return static_cast<int>(value);
-}
+int forced_key_blocks_per_cta() { return env_count("FLASH_ATTN2_BWD_KEY_BLOCKS", kMaxForcedKeyBlocks); }
 
 // Key blocks per CTA of the Hopper backward of head dims <= 128. With at most two query-block steps per key
 // block (short queries against long keys) a CTA's time goes mostly to loading K and V and storing dK and dV,

@@ -2,6 +2,9 @@
 
     ncu --kernel-name regex:flash_bwd_kernel --launch-skip 1 --launch-count 1 --set full \
         python bench/profile_bwd.py --impl ours --hdim 128
+
+--shape b,sq,sk,h,d replaces the (tokens, hidden, seqlen, hdim) shape; the calls after the first lie in an
+NVTX range "bwd", so `ncu --nvtx --nvtx-include "bwd/"` profiles every kernel of them and nothing else.
 """
 import argparse
 
@@ -18,10 +21,15 @@ def main():
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--causal", action="store_true")
     p.add_argument("--calls", type=int, default=2)
+    p.add_argument("--shape", help="b,sq,sk,h,d")
     a = p.parse_args()
     b, h = a.tokens // a.seqlen, a.hidden // a.hdim
-    q, k, v = (torch.randn(b, a.seqlen, h, a.hdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-               for _ in range(3))
+    sq = sk = a.seqlen
+    d = a.hdim
+    if a.shape:
+        b, sq, sk, h, d = (int(x) for x in a.shape.split(","))
+    q = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(b, sk, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
     if a.impl == "ours":
         from flash_attn_cuda import flash_attn_func
         fn = lambda: flash_attn_func(q, k, v, causal=a.causal)  # noqa: E731
@@ -35,9 +43,13 @@ def main():
                 return F.scaled_dot_product_attention(qt, kt, vt, is_causal=a.causal)
     out = fn()
     dout = torch.randn_like(out)
-    for _ in range(a.calls):
+    torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    torch.cuda.synchronize()
+    torch.cuda.nvtx.range_push("bwd")
+    for _ in range(a.calls - 1):
         torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
     torch.cuda.synchronize()
+    torch.cuda.nvtx.range_pop()
 
 
 if __name__ == "__main__":

@@ -277,25 +277,49 @@ struct BwdSm90Block {
         }
     }
 
-    // dK picks up the softmax scale here; dQ gets it when its fp32 buffer is converted. coords: the
-    // (key, head dim) positions of the accumulator values.
-    template <class Acc, class Coords>
-    __forceinline__ __device__ void store_dk_dv(const BwdParams& params, const Acc& acc_dk, const Acc& acc_dv,
-                                                const Coords& coords) const {
-        auto store = [&](auto out_type) {
-            using Out = decltype(out_type);
-            Tensor gdK = local_tile(binfo.dk_view<Out>(params, batch_idx, dkv_head), Shape<Int<kBlockN>, Int<kHeadDim>>{},
-                                    make_coord(n_block, 0));  // (kBlockN, kHeadDim)
-            Tensor gdV = local_tile(binfo.dv_view<Out>(params, batch_idx, dkv_head), Shape<Int<kBlockN>, Int<kHeadDim>>{},
-                                    make_coord(n_block, 0));  // (kBlockN, kHeadDim)
-            store_acc<Out>(acc_dk, coords, gdK, k_rows_left(), params.head_dim, params.softmax_scale);
-            store_acc<Out>(acc_dv, coords, gdV, k_rows_left(), params.head_dim, 1.f);
-        };
+    // Writes the key block's dK and dV. dK picks up the softmax scale here; dQ gets it when its fp32 buffer is
+    // converted. Element outputs go through the current K/V buffer, which is free once every warpgroup's
+    // GEMMs of the key block are done: stmatrix in, 16 B stores out. Stored straight from the accumulators
+    // (4 B per thread and store, half of each 32 B sector) they took most of a short-query CTA's time (perf
+    // log 34). fp32 outputs (GQA slices per query head) would not fit the buffer and keep the direct stores.
+    template <class TiledMma, class Acc>
+    __forceinline__ __device__ void store_dk_dv(const BwdParams& params, const TiledMma& mma_dkv, Acc& acc_dk,
+                                                Acc& acc_dv, int thread) const {
+        auto thr_mma = mma_dkv.get_thread_slice(thread);
+        Tensor cdKV = make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{});  // (kBlockN, kHeadDim)
         if (params.dkv_fp32) {
-            store(float{});
-        } else {
-            store(Element{});
+            Tensor tdKVcdKV = thr_mma.partition_C(cdKV);  // (MMA, MMA_N, MMA_D)
+            auto gdKV = [&](auto view) {
+                return local_tile(view, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));  // (kBlockN, kHeadDim)
+            };
+            Tensor gdK = gdKV(binfo.dk_view<float>(params, batch_idx, dkv_head));
+            Tensor gdV = gdKV(binfo.dv_view<float>(params, batch_idx, dkv_head));
+            store_acc<float>(acc_dk, tdKVcdKV, gdK, k_rows_left(), params.head_dim, params.softmax_scale);
+            store_acc<float>(acc_dv, tdKVcdKV, gdV, k_rows_left(), params.head_dim, 1.f);
+            return;
         }
+        if (step_end == step_begin) { cp_async_wait<0>(); }  // no step waited for this key block's K and V
+        __syncthreads();  // every warpgroup's wgmmas that read this K/V buffer have completed
+        CUTE_UNROLL
+        for (int i = 0; i < size(acc_dk); ++i) { acc_dk(i) *= params.softmax_scale; }
+        Tensor rdK = convert_fragment<Element>(acc_dk);
+        Tensor rdV = convert_fragment<Element>(acc_dv);
+        auto smem_tiled_copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_dkv);
+        auto smem_thr_copy = smem_tiled_copy.get_thread_slice(thread);
+        copy(smem_tiled_copy, smem_thr_copy.retile_S(rdK), smem_thr_copy.partition_D(sK(kv_stage)));
+        copy(smem_tiled_copy, smem_thr_copy.retile_S(rdV), smem_thr_copy.partition_D(sV(kv_stage)));
+        __syncthreads();
+        typename Traits::GmemTiledCopyStore gmem_tiled_copy;
+        auto gmem_thr_copy = gmem_tiled_copy.get_thread_slice(thread);
+        Tensor tdKVcdKV = gmem_thr_copy.partition_D(cdKV);  // (CPY, CPY_N, CPY_D)
+        Tensor gdK = local_tile(binfo.dk_view<Element>(params, batch_idx, dkv_head), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                                make_coord(n_block, 0));  // (kBlockN, kHeadDim)
+        Tensor gdV = local_tile(binfo.dv_view<Element>(params, batch_idx, dkv_head), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                                make_coord(n_block, 0));  // (kBlockN, kHeadDim)
+        copy_to_gmem(gmem_tiled_copy, gmem_thr_copy.partition_S(sK(kv_stage)), gmem_thr_copy.partition_D(gdK), tdKVcdKV,
+                     k_rows_left(), params.head_dim);
+        copy_to_gmem(gmem_tiled_copy, gmem_thr_copy.partition_S(sV(kv_stage)), gmem_thr_copy.partition_D(gdV), tdKVcdKV,
+                     k_rows_left(), params.head_dim);
     }
 };
 
@@ -437,9 +461,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             blk.add_dq(params, thr_mma_dq, acc_dq, step);
         }
         // With one step per key block, the next one's K and V and first Q and dO are in flight during the store.
-        Tensor tKVcdKV = mma_dkv.get_thread_slice(opaque_int(tidx))
-                             .partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));  // (MMA, MMA_N, MMA_D)
-        blk.store_dk_dv(params, acc_dk, acc_dv, tKVcdKV);
+        blk.store_dk_dv(params, mma_dkv, acc_dk, acc_dv, opaque_int(tidx));
     } while (blk.next_key_block());
     cp_async_wait<0>();  // no cp.async may land in shared memory after the CTA exits
 #endif
@@ -555,10 +577,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         warpgroup_fence_operand(acc_dv);
         warpgroup_fence_operand(acc_dk);
     }
-    cp_async_wait<0>();  // K and V are still in flight when no query block sees this key block.
-
-    Tensor tKVcdKV = mma_dkv.get_thread_slice(tidx).partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));  // (MMA, MMA_N, MMA_D)
-    blk.store_dk_dv(params, acc_dk, acc_dv, tKVcdKV);
+    blk.store_dk_dv(params, mma_dkv, acc_dk, acc_dv, tidx);
 #endif
 }
 

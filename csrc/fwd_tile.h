@@ -9,6 +9,7 @@
 #include "block_info.h"
 #include "flash_params.h"
 #include "mask.h"
+#include "utils.h"
 
 namespace flash {
 
@@ -131,20 +132,8 @@ struct FwdTile {
         Tensor cO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (kBlockM, kHeadDim)
         GmemTiledCopyO gmem_tiled_copy_O;
         auto gmem_thr_copy_O = gmem_tiled_copy_O.get_thread_slice(tidx);
-        Tensor tOsO = gmem_thr_copy_O.partition_S(sO);    // (CPY, CPY_M, CPY_K)
-        Tensor tOgO = gmem_thr_copy_O.partition_D(gO);    // (CPY, CPY_M, CPY_K)
-        Tensor tOcO = gmem_thr_copy_O.partition_D(cO);    // (CPY, CPY_M, CPY_K)
-        Tensor tOrO = make_tensor<Element>(shape(tOgO));  // (CPY, CPY_M, CPY_K)
-        copy(gmem_tiled_copy_O, tOsO, tOrO);
-        const int rows_left = q_rows_left();
-        CUTE_UNROLL
-        for (int m = 0; m < size<1>(tOgO); ++m) {
-            if (get<0>(tOcO(0, m, 0)) >= rows_left) { continue; }
-            CUTE_UNROLL
-            for (int k = 0; k < size<2>(tOgO); ++k) {
-                if (get<1>(tOcO(0, m, k)) < params.head_dim) { copy(gmem_tiled_copy_O, tOrO(_, m, k), tOgO(_, m, k)); }
-            }
-        }
+        copy_to_gmem(gmem_tiled_copy_O, gmem_thr_copy_O.partition_S(sO), gmem_thr_copy_O.partition_D(gO),
+                     gmem_thr_copy_O.partition_D(cO), q_rows_left(), params.head_dim);
     }
 };
 

@@ -122,6 +122,7 @@ struct BwdSm90BaseTraits {
     using GmemTiledCopyLoad = typename FwdSm90KernelTraits<Element, kHeadDim, 128, 64, 1>::GmemTiledCopyQKV;
     static_assert(FwdSm90KernelTraits<Element, kHeadDim, 128, 64, 1>::kNThreads == kNThreads);
     using GmemTiledCopyQ = GmemTiledCopyLoad;  // Q and dO
+    using GmemTiledCopyStore = typename FwdSm90KernelTraits<Element, kHeadDim, 128, 64, 1>::GmemTiledCopyO;  // dK, dV
     static constexpr bool kDqTransposed = false;  // whether dQ is computed as dQ^T = K^T dS^T (BwdSm90KernelTraits)
 };
 

@@ -1,6 +1,6 @@
 // Small device helpers: register-layout views of MMA accumulators, warp-quad reductions,
-// the two GEMM shapes the forward needs (both operands in smem, or A in registers), and a
-// zero-filling global -> shared copy.
+// the two GEMM shapes the forward needs (both operands in smem, or A in registers), a zero-filling
+// global -> shared copy and its predicated shared -> global counterpart.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -97,6 +97,23 @@ __forceinline__ __device__ void copy_zfill(const TiledCopy& tiled_copy, const Sr
         for (int k = 0; k < size<2>(src); ++k) {
             const bool ok = row_ok && get<1>(coords(0, m, k)) < max_col;
             copy(tiled_copy.with(ok), src(_, m, k), dst(_, m, k));
+        }
+    }
+}
+
+// Copies a (CPY, CPY_ROWS, CPY_COLS) partition shared -> global through registers, skipping every 16 B
+// chunk whose row is >= max_row or whose column is >= max_col. coords holds the chunk positions.
+template <class TiledCopy, class SrcTensor, class DstTensor, class CoordTensor>
+__forceinline__ __device__ void copy_to_gmem(const TiledCopy& tiled_copy, const SrcTensor& src, DstTensor&& dst,
+                                             const CoordTensor& coords, int max_row, int max_col) {
+    Tensor reg = make_tensor<typename SrcTensor::value_type>(shape(src));  // (CPY, CPY_ROWS, CPY_COLS)
+    copy(tiled_copy, src, reg);
+    CUTE_UNROLL
+    for (int m = 0; m < size<1>(reg); ++m) {
+        if (get<0>(coords(0, m, 0)) >= max_row) { continue; }
+        CUTE_UNROLL
+        for (int k = 0; k < size<2>(reg); ++k) {
+            if (get<1>(coords(0, m, k)) < max_col) { copy(tiled_copy, reg(_, m, k), dst(_, m, k)); }
         }
     }
 }

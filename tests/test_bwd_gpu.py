@@ -68,6 +68,18 @@ def test_head_dims(b, sq, sk, h, hk, head_dim, causal, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [40, 72, 104, 136, 200])
+@pytest.mark.parametrize("h, hk", [(4, 4), (6, 2)], ids=["mha", "gqa"])
+def test_head_dim_below_kernel_dim(h, hk, head_dim, causal, dtype):
+    # Multiples of 8 that fill only part of the kernel's head dim: dK and dV leave the kernel in 16 B chunks of
+    # a (keys, kernel head dim) tile, and a chunk past head_dim would land on the next key's row.
+    require_fwd_bwd_kernels(head_dim, dtype, causal)
+    check_grads(rand(2, 113, h, head_dim, dtype=dtype), rand(2, 301, hk, head_dim, dtype=dtype),
+                rand(2, 301, hk, head_dim, dtype=dtype), causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 160, 256])
 @pytest.mark.parametrize("seqlens", list(itertools.product(SEQLENS, SEQLENS)), ids=lambda p: f"sq{p[0]}-sk{p[1]}")
 def test_seqlens(seqlens, head_dim, causal, dtype):

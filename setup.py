@@ -116,10 +116,6 @@ def nvcc_flags(archs, nvcc_threads):
         flags.append(f"-gencode=arch=compute_{target},code=sm_{target}")
     if "90" in archs:
         flags.append("-DFLASH_ATTN2_SM90A")
-        # Lets CuTe's wgmma selectors pick N = 80, 112, 160, 224 ... (any multiple of 8): without it a GEMM whose
-        # N is a head-dim slice of 80 or 112 runs as N = 16 instructions, each re-reading its A tile from
-        # shared memory (perf log 34).
-        flags.append("-DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED")
     tile = os.environ.get("FLASH_ATTN2_FWD_TILE")  # "M,N,WARPS": tile-tuning builds only
     if tile:
         if not re.fullmatch(r"\d+,\d+,\d+", tile):

@@ -285,6 +285,8 @@ struct BwdSm90Block {
     template <class TiledMma, class Acc>
     __forceinline__ __device__ void store_dk_dv(const BwdParams& params, const TiledMma& mma_dkv, Acc& acc_dk,
                                                 Acc& acc_dv, int thread) const {
+        // No step waited for this key block's K and V when it had none; the wide kernel exits right after.
+        if (step_end == step_begin) { cp_async_wait<0>(); }
         auto thr_mma = mma_dkv.get_thread_slice(thread);
         Tensor cdKV = make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{});  // (kBlockN, kHeadDim)
         if (params.dkv_fp32) {
@@ -298,7 +300,6 @@ struct BwdSm90Block {
             store_acc<float>(acc_dv, tdKVcdKV, gdV, k_rows_left(), params.head_dim, 1.f);
             return;
         }
-        if (step_end == step_begin) { cp_async_wait<0>(); }  // no step waited for this key block's K and V
         __syncthreads();  // every warpgroup's wgmmas that read this K/V buffer have completed
         CUTE_UNROLL
         for (int i = 0; i < size(acc_dk); ++i) { acc_dk(i) *= params.softmax_scale; }

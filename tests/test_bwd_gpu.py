@@ -69,11 +69,13 @@ def test_head_dims(b, sq, sk, h, hk, head_dim, causal, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [40, 72, 104, 136, 200])
-@pytest.mark.parametrize("h, hk", [(4, 4), (6, 2)], ids=["mha", "gqa"])
-def test_head_dim_below_kernel_dim(h, hk, head_dim, causal, dtype):
-    # Multiples of 8 that fill only part of the kernel's head dim: dK and dV leave the kernel in 16 B chunks of
-    # a (keys, kernel head dim) tile, and a chunk past head_dim would land on the next key's row.
+@pytest.mark.parametrize("h, hk, walk", [(4, 4, "0"), (6, 2, "0"), (6, 2, "1")], ids=["mha", "gqa", "gqa-walk"])
+def test_head_dim_below_kernel_dim(h, hk, walk, head_dim, causal, dtype, monkeypatch):
+    # Multiples of 8 that fill only part of the kernel's head dim. On Hopper, element-typed dK and dV (MHA, or a
+    # GQA group walked per CTA) leave the kernel in 16 B chunks of a (keys, kernel head dim) tile, and a chunk
+    # past head_dim would land on the next key's row; GQA without a walk writes fp32 slices instead.
     require_fwd_bwd_kernels(head_dim, dtype, causal)
+    monkeypatch.setenv("FLASH_ATTN2_GQA_WALK", walk)
     check_grads(rand(2, 113, h, head_dim, dtype=dtype), rand(2, 301, hk, head_dim, dtype=dtype),
                 rand(2, 301, hk, head_dim, dtype=dtype), causal)
 

@@ -437,15 +437,15 @@ std::tuple<at::Tensor, at::Tensor> fwd_impl(const at::Tensor& q, const at::Tenso
                    varlen);
     params.short_key_tiles = params.use_wgmma && fwd_short_key_tiles(params.seqlen_k, causal);
     // Split-KV partials (dense batches only; varlen launches stay unsplit).
-    at::Tensor o_accum, lse_accum;
+    at::Tensor accum;
     if (varlen == nullptr) { params.num_splits = fwd_num_splits(params, key.head_dim, causal, q.get_device()); }
     if (params.num_splits > 1) {
-        const auto fp32 = q.options().dtype(at::kFloat);
+        // One allocation for both partials (each allocation is host time in a host-bound call): o_accum
+        // (splits, rows, head_dim), then lse_accum (splits, rows), 16-byte aligned as head_dim % 8 == 0.
         const int64_t splits = params.num_splits, rows = int64_t(params.batch) * params.num_heads * params.seqlen_q;
-        o_accum = at::empty({splits, rows, params.head_dim}, fp32);
-        lse_accum = at::empty({splits, rows}, fp32);
-        params.o_accum_ptr = o_accum.data_ptr<float>();
-        params.lse_accum_ptr = lse_accum.data_ptr<float>();
+        accum = at::empty({splits * rows * (params.head_dim + 1)}, q.options().dtype(at::kFloat));
+        params.o_accum_ptr = accum.data_ptr<float>();
+        params.lse_accum_ptr = params.o_accum_ptr + splits * rows * params.head_dim;
     }
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
     cudaError_t err = launcher(params, stream);

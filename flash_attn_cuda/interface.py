@@ -19,7 +19,7 @@ def _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes):
         raise NotImplementedError("alibi_slopes: ALiBi is not implemented yet")
 
 
-def _kernel_ready(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+def _kernel_ready(x: torch.Tensor, head_dim: int, compiling: bool) -> torch.Tensor:
     """Pads head_dim to a multiple of 8 and copies only when strides or alignment rule out 16-byte loads."""
     # Early returns, cheapest test first: this runs three times per call, and decoding-sized calls are
     # host-bound. Contiguous with head_dim % 8 == 0 means every stride is a multiple of 8 elements.
@@ -35,7 +35,7 @@ def _kernel_ready(x: torch.Tensor, head_dim: int) -> torch.Tensor:
                 return x.contiguous()
     # Allocations are 16-byte aligned, so the view's offset decides. Dynamo cannot trace storage_offset()
     # into a graph; under torch.compile a misaligned view is reported by the op's own check instead.
-    if torch.compiler.is_compiling() or x.storage_offset() * x.element_size() % 16 == 0:
+    if compiling or x.storage_offset() * x.element_size() % 16 == 0:
         return x
     # contiguous() would return a contiguous view unchanged, misaligned.
     return x.clone(memory_format=torch.contiguous_format)
@@ -59,8 +59,9 @@ def _prepare(q, k, v, softmax_scale, rank, layout):
     elif softmax_scale < 0:
         # (-q) k^T * |scale| equals q k^T * scale; the kernel needs a non-negative scale.
         q, softmax_scale = -q, -softmax_scale
-    return (_kernel_ready(q, head_dim), _kernel_ready(k, head_dim), _kernel_ready(v, head_dim),
-            float(softmax_scale), head_dim)
+    compiling = torch.compiler.is_compiling()
+    return (_kernel_ready(q, head_dim, compiling), _kernel_ready(k, head_dim, compiling),
+            _kernel_ready(v, head_dim, compiling), float(softmax_scale), head_dim)
 
 
 def flash_attn_func(

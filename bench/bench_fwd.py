@@ -7,6 +7,7 @@ EFFICIENT_ATTENTION backends, in one run, on the anchor shapes (batch*seqlen tok
 import argparse
 import contextlib
 import os
+import statistics
 import sys
 import warnings
 
@@ -40,6 +41,7 @@ def parse_args(argv=None):
     p.add_argument("--hidden", type=int, default=2048, help="nheads * hdim")
     p.add_argument("--warmup", type=int, default=None, help="untimed calls per measurement (default 5, --quick 3)")
     p.add_argument("--rep", type=int, default=None, help="timed calls per measurement, >= 20 (default 30, --quick 20)")
+    p.add_argument("--rounds", type=int, default=3, help="turns each implementation takes per shape (median)")
     p.add_argument("--quick", action="store_true", help="fewer shapes and repetitions")
     p.add_argument("--out-dir", default=os.path.join(HERE, "results"))
     p.add_argument("--mma-peak", default=None, help="mma_peak.json to use (default <out-dir>/mma_peak.json)")
@@ -112,22 +114,42 @@ def make_runners(lib, lib_err, q, k, v, qt, kt, vt, causal, impls):
     return runners
 
 
-def run_one(runner, warmup, rep, pass_="fwd"):
-    """(ms, output, error) for one runner; SDPA's 'why not' warnings are folded into the error message."""
+def prepare_one(runner, pass_="fwd"):
+    """(context factory, callable to time, output, error) for one runner; SDPA's 'why not' warnings are folded
+    into the error message."""
     if isinstance(runner, str):
-        return None, None, runner
+        return None, None, None, runner
     ctx, fn, inputs = runner
     with warnings.catch_warnings(record=True) as caught, ctx():
         warnings.simplefilter("always")
         try:
+            out = fn().detach()
             timed, _ = timed_pass(fn, inputs, pass_)
-            ms, err = common.try_time(timed, warmup, rep)
+            return ctx, timed, out, None
         except Exception as exc:
-            ms, err = None, f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
-        out = fn().detach() if err is None else None
-    if err and caught:
+            err = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+    if caught:
         err += " | " + str(caught[0].message).strip().splitlines()[0][:200]
-    return ms, out, err
+    return None, None, None, err
+
+
+def time_rounds(timers, row, args):
+    """Times each (context, callable) of timers in turn, args.rounds times; row["ms"] gets each one's median
+    over its rounds and row["rounds_ms"] the rounds. A runner that fails is left out of later rounds."""
+    times = {name: [] for name in timers}
+    for _ in range(args.rounds):
+        for name, (ctx, timed) in list(timers.items()):
+            with warnings.catch_warnings(), ctx():
+                warnings.simplefilter("ignore")
+                ms, err = common.try_time(timed, args.warmup, args.rep)
+            if err:
+                row["errors"][name] = err
+                del timers[name]
+            else:
+                times[name].append(ms)
+    for name, ms in times.items():
+        row["ms"][name] = statistics.median(ms) if ms and name not in row["errors"] else None
+    row["rounds_ms"] = times
 
 
 def shape_of(args, hdim, seqlen):
@@ -154,14 +176,17 @@ def bench_shape(lib, lib_err, dtype_name, hdim, causal, seqlen, args):
         for x in (q, k, v, qt, kt, vt):
             x.requires_grad_()
     row = new_row(args, hdim, causal, seqlen)
-    outs = {}
+    outs, timers = {}, {}
     for name, runner in make_runners(lib, lib_err, q, k, v, qt, kt, vt, causal, args.impls).items():
-        ms, out, err = run_one(runner, args.warmup, args.rep, args.pass_)
-        row["ms"][name] = ms
+        ctx, timed, out, err = prepare_one(runner, args.pass_)
         if err:
             row["errors"][name] = err
-        if out is not None:
-            outs[name] = out if name.startswith("ours") else out.transpose(1, 2)
+            continue
+        timers[name] = (ctx, timed)
+        outs[name] = out if name.startswith("ours") else out.transpose(1, 2)
+    # The implementations take turns (--rounds), so a drift in the GPU's or host's speed over the run
+    # reaches all of them alike; each cell is the median over its rounds.
+    time_rounds(timers, row, args)
     ref = next((n for n in args.impls if not n.startswith("ours") and n in outs), None)
     if "ours" in outs and ref:
         diff = (outs["ours"].float() - outs[ref].float()).abs().max().item()
@@ -181,13 +206,16 @@ def main(argv=None):
     meta = common.stamp()
     title = {"fwd": "Forward", "bwd": "Backward", "fwd_bwd": "Forward + backward"}[args.pass_]
     meta.update({"title": f"{title} attention, {args.dtype}", "pass": args.pass_, "dtype": args.dtype,
-                 "tokens": args.tokens, "hidden": args.hidden, "warmup": args.warmup, "rep": max(args.rep, 20)})
+                 "tokens": args.tokens, "hidden": args.hidden, "warmup": args.warmup, "rep": max(args.rep, 20),
+                 "rounds": args.rounds})
     meta["method"] = (f"{args.dtype}, batch x seqlen = {args.tokens} tokens, hidden {args.hidden} "
                       f"(nheads = {args.hidden} / hdim). TFLOP/s by the FA2 convention: 4*b*h*s^2*d, halved when "
-                      f"causal, x2.5 for the backward, x3.5 for forward + backward. Median of {max(args.rep, 20)} timed calls (CUDA events) after {args.warmup} "
-                      f"warm-up calls. Inputs contiguous in each layout (ours (b,s,h,d), SDPA (b,h,s,d)). "
-                      f"flash / cudnn / efficient: torch SDPA backends FLASH_ATTENTION / CUDNN_ATTENTION / "
-                      f"EFFICIENT_ATTENTION. n/a: failed or unsupported.")
+                      f"causal, x2.5 for the backward, x3.5 for forward + backward. Each cell: the median over "
+                      f"{args.rounds} rounds in which the implementations take turns, each round the median of "
+                      f"{max(args.rep, 20)} timed calls (CUDA events) after {args.warmup} warm-up calls. Inputs "
+                      f"contiguous in each layout (ours (b,s,h,d), SDPA (b,h,s,d)). flash / cudnn / efficient: torch "
+                      f"SDPA backends FLASH_ATTENTION / CUDNN_ATTENTION / EFFICIENT_ATTENTION. n/a: failed or "
+                      f"unsupported.")
     peak = common.load_mma_peak(args.mma_peak or os.path.join(args.out_dir, "mma_peak.json"), meta["gpu"])
     print(f"[bench] {meta['gpu']} commit {meta['commit']} torch {meta['torch']} cuDNN {meta['cudnn']}; mma.sync peak: "
           + (f"{peak['tflops']:.0f} TFLOP/s" if peak else "not measured"))

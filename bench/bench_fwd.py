@@ -135,10 +135,17 @@ def prepare_one(runner, pass_="fwd"):
 
 def time_rounds(timers, row, args):
     """Times each (context, callable) of timers in turn, args.rounds times; row["ms"] gets each one's median
-    over its rounds and row["rounds_ms"] the rounds. A runner that fails is left out of later rounds."""
+    over its rounds and row["rounds_ms"] the rounds. A runner that fails is left out of later rounds.
+
+    Round r starts with the r-th runner. On the H200 the first timing after the pause between shapes runs
+    faster than the ones that follow (perf log 35), so each runner gets the first slot equally often."""
     times = {name: [] for name in timers}
-    for _ in range(args.rounds):
-        for name, (ctx, timed) in list(timers.items()):
+    names = list(timers)
+    for r in range(args.rounds if names else 0):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            if name not in timers:
+                continue
+            ctx, timed = timers[name]
             with warnings.catch_warnings(), ctx():
                 warnings.simplefilter("ignore")
                 ms, err = common.try_time(timed, args.warmup, args.rep)
@@ -211,11 +218,11 @@ def main(argv=None):
     meta["method"] = (f"{args.dtype}, batch x seqlen = {args.tokens} tokens, hidden {args.hidden} "
                       f"(nheads = {args.hidden} / hdim). TFLOP/s by the FA2 convention: 4*b*h*s^2*d, halved when "
                       f"causal, x2.5 for the backward, x3.5 for forward + backward. Each cell: the median over "
-                      f"{args.rounds} rounds in which the implementations take turns, each round the median of "
-                      f"{max(args.rep, 20)} timed calls (CUDA events) after {args.warmup} warm-up calls. Inputs "
-                      f"contiguous in each layout (ours (b,s,h,d), SDPA (b,h,s,d)). flash / cudnn / efficient: torch "
-                      f"SDPA backends FLASH_ATTENTION / CUDNN_ATTENTION / EFFICIENT_ATTENTION. n/a: failed or "
-                      f"unsupported.")
+                      f"{args.rounds} rounds in which the implementations take turns (round r starts with the r-th), "
+                      f"each round the median of {max(args.rep, 20)} timed calls (CUDA events) after {args.warmup} "
+                      f"warm-up calls. Inputs contiguous in each layout (ours (b,s,h,d), SDPA (b,h,s,d)). flash / "
+                      f"cudnn / efficient: torch SDPA backends FLASH_ATTENTION / CUDNN_ATTENTION / "
+                      f"EFFICIENT_ATTENTION. n/a: failed or unsupported.")
     peak = common.load_mma_peak(args.mma_peak or os.path.join(args.out_dir, "mma_peak.json"), meta["gpu"])
     print(f"[bench] {meta['gpu']} commit {meta['commit']} torch {meta['torch']} cuDNN {meta['cudnn']}; mma.sync peak: "
           + (f"{peak['tflops']:.0f} TFLOP/s" if peak else "not measured"))

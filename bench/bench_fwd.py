@@ -137,8 +137,9 @@ def time_rounds(timers, row, args):
     """Times each (context, callable) of timers in turn, args.rounds times; row["ms"] gets each one's median
     over its rounds and row["rounds_ms"] the rounds. A runner that fails is left out of later rounds.
 
-    Round r starts with the r-th runner. On the H200 the first timing after the pause between shapes runs
-    faster than the ones that follow (perf log 35), so each runner gets the first slot equally often."""
+    On the H200 the first timing after the pause between shapes runs faster than the ones after it (perf log
+    35); the median leaves that round out. Round r starts with the r-th runner, so that no runner always
+    follows the same one."""
     times = {name: [] for name in timers}
     names = list(timers)
     for r in range(args.rounds if names else 0):

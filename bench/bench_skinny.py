@@ -87,8 +87,7 @@ def main(argv=None):
                 times[name] = {"fwd": [], "bwd": []}
             names = list(passes)
             for r in range(a.rounds if names else 0):
-                # Round r starts with the r-th implementation: the first timing after a pause runs faster
-                # (perf log 35), so each gets the first slot equally often.
+                # Round r starts with the r-th implementation, so that neither always follows the other.
                 for name in names[r % len(names):] + names[:r % len(names)]:
                     fns = passes[name]
                     for pass_, f in list(fns.items()):

@@ -50,8 +50,8 @@ def event_us(fn, rep=30):
     return statistics.median(s.elapsed_time(e) for s, e in pairs) * 1e3
 
 
-def host_us(fn, calls=100):
-    for _ in range(5):
+def host_us(fn, calls=100, warmup=5):
+    for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     start = time.perf_counter()

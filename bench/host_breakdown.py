@@ -16,7 +16,6 @@ import json
 import os
 import statistics
 import sys
-import time
 import warnings
 
 import torch
@@ -26,19 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.append(os.path.dirname(HERE))
 import common  # noqa: E402
-from call_overhead import event_us, with_env  # noqa: E402
-
-
-def host_us(fn, calls):
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
+from call_overhead import event_us, host_us, with_env  # noqa: E402
 
 
 def profile_table(fn, calls, rows=14):
@@ -104,7 +91,7 @@ def main(argv=None):
     with warnings.catch_warnings(), sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
         warnings.simplefilter("ignore")
         for name, fn in pieces.items():
-            result["host"][name] = host_us(fn, a.calls)
+            result["host"][name] = host_us(fn, a.calls, warmup=20)
             print(f"  host  {name:28s} {result['host'][name]:6.1f}", flush=True)
         for i in range(a.rounds):
             ours_us, flash_us = event_us(ours), event_us(flash)

@@ -12,6 +12,10 @@ namespace flash {
 
 using namespace cute;
 
+// The sequence of this CTA: every grid is (blocks of a sequence, sequences, heads), and a batch of more
+// sequences than grid y holds is launched in chunks that start at params.batch_offset (launch.h).
+__forceinline__ __device__ int sequence_of_cta(const FwdParams& params) { return params.batch_offset + int(blockIdx.y); }
+
 struct BlockInfo {
     int q_start;   // first row of the sequence in q (0 for dense batches)
     int k_start;   // first row of the sequence in k and v

@@ -24,7 +24,7 @@ namespace flash {
 namespace {
 
 constexpr int kMaxHeadDim = 256;
-constexpr int kMaxGridYZ = 65535;  // batch and heads index the grid's y and z
+constexpr int kMaxGridZ = 65535;  // heads index the grid's z; batches of any size go in chunks (launch.h)
 
 // Numbers in error messages go through std::to_string rather than a stream: streaming integers from an
 // extension built with a newer GCC than the process's libstdc++ crashed on the H200 machine (torch 2.11).
@@ -80,8 +80,8 @@ void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
                       num(head_dim));
     const bool heads_ok = nheads_k > 0 && nheads % nheads_k == 0;
     TORCH_CHECK_VALUE(heads_ok, "nheads (", num(nheads), ") must be a multiple of nheads_k (", num(nheads_k), ")");
-    TORCH_CHECK_VALUE(batch <= kMaxGridYZ, "batch must be at most ", num(kMaxGridYZ), ", got ", num(batch));
-    TORCH_CHECK_VALUE(nheads <= kMaxGridYZ, "nheads must be at most ", num(kMaxGridYZ), ", got ", num(nheads));
+    TORCH_CHECK_VALUE(batch <= INT32_MAX, "batch must be at most ", num(INT32_MAX), ", got ", num(batch));
+    TORCH_CHECK_VALUE(nheads <= kMaxGridZ, "nheads must be at most ", num(kMaxGridZ), ", got ", num(nheads));
     // Block arithmetic on sequence positions is 32-bit; leave room for one block past the end.
     constexpr int64_t kMaxSeqlen = INT32_MAX - 256;
     TORCH_CHECK_VALUE(q.size(1) <= kMaxSeqlen && k.size(1) <= kMaxSeqlen, "seqlen_q and seqlen_k must be at most ",
@@ -173,7 +173,7 @@ void check_varlen(const Varlen& varlen, const at::Tensor& q, const at::Tensor& k
     TORCH_CHECK_VALUE(varlen.cu_seqlens_k.size(0) == varlen.cu_seqlens_q.size(0),
                       "cu_seqlens_k must have the length of cu_seqlens_q (", num(varlen.cu_seqlens_q.size(0)), "), got ",
                       num(varlen.cu_seqlens_k.size(0)));
-    TORCH_CHECK_VALUE(varlen.batch() <= kMaxGridYZ, "batch (len(cu_seqlens_q) - 1) must be at most ", num(kMaxGridYZ),
+    TORCH_CHECK_VALUE(varlen.batch() <= INT32_MAX, "batch (len(cu_seqlens_q) - 1) must be at most ", num(INT32_MAX),
                       ", got ", num(varlen.batch()));
     TORCH_CHECK_VALUE(varlen.max_seqlen_q >= 0 && varlen.max_seqlen_q <= q.size(1),
                       "max_seqlen_q must be in [0, total_q = ", num(q.size(1)), "], got ", num(varlen.max_seqlen_q));

@@ -1,6 +1,7 @@
 #include "flash_bwd_aux.h"
 
 #include "block_info.h"
+#include "launch.h"
 
 #include <cutlass/array.h>
 #include <cutlass/numeric_conversion.h>
@@ -12,14 +13,14 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kVec = 8;                                  // elements per 16-byte access
 constexpr int kLanesPerRow = 8;                          // D: a row is summed by 8 lanes, 64 columns per step
-constexpr int kTokensPerBlock = kThreads / kLanesPerRow;  // both kernels: grid (token blocks, heads, batch)
+constexpr int kTokensPerBlock = kThreads / kLanesPerRow;  // both kernels: grid (token blocks, batch, heads)
 
 // D = rowsum(dO * O) for kTokensPerBlock tokens of one (batch, head), written in the LSE layout.
 template <typename Element>
 __global__ void __launch_bounds__(kThreads) dot_do_o_kernel(const __grid_constant__ BwdParams params) {
     const int s = blockIdx.x * kTokensPerBlock + threadIdx.x / kLanesPerRow;
-    const int h = blockIdx.y;
-    const int b = blockIdx.z;
+    const int b = sequence_of_cta(params);
+    const int h = blockIdx.z;
     const int lane = threadIdx.x % kLanesPerRow;
     const BlockInfo binfo(params, b);
     const bool valid = s < binfo.seqlen_q;
@@ -44,8 +45,8 @@ __global__ void __launch_bounds__(kThreads) dot_do_o_kernel(const __grid_constan
 // head_dim)).
 template <typename Element>
 __global__ void __launch_bounds__(kThreads) convert_dq_kernel(const __grid_constant__ BwdParams params) {
-    const int h = blockIdx.y;
-    const int b = blockIdx.z;
+    const int b = sequence_of_cta(params);
+    const int h = blockIdx.z;
     const BlockInfo binfo(params, b);
     const int first = blockIdx.x * kTokensPerBlock;
     const int tokens = min(kTokensPerBlock, binfo.seqlen_q - first);
@@ -69,10 +70,12 @@ __global__ void __launch_bounds__(kThreads) convert_dq_kernel(const __grid_const
 using AuxKernel = void (*)(BwdParams);
 
 cudaError_t launch(AuxKernel kernel, const BwdParams& params, cudaStream_t stream) {
-    const dim3 grid((params.seqlen_q + kTokensPerBlock - 1) / kTokensPerBlock, params.num_heads, params.batch);
+    const dim3 grid((params.seqlen_q + kTokensPerBlock - 1) / kTokensPerBlock, params.batch, params.num_heads);
     if (grid.x == 0 || grid.y == 0 || grid.z == 0) { return cudaSuccess; }
-    kernel<<<grid, kThreads, 0, stream>>>(params);
-    return cudaGetLastError();
+    return launch_in_batch_chunks(grid, params, [&](dim3 chunk_grid, const BwdParams& chunk_params) {
+        kernel<<<chunk_grid, kThreads, 0, stream>>>(chunk_params);
+        return cudaGetLastError();
+    });
 }
 
 }  // namespace

@@ -89,7 +89,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
     // Deterministic causal runs key blocks from the last (fewest query blocks) to the first; see accumulate_dq.
     const bool reversed = kCausal && params.deterministic;
     const int n_block = reversed ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
-    const int batch_idx = blockIdx.y;
+    const int batch_idx = sequence_of_cta(params);
     const int head_idx = blockIdx.z;
     const int head_idx_k = head_idx / (params.num_heads / params.num_heads_k);
     const int tidx = threadIdx.x;

@@ -79,7 +79,7 @@ struct BwdSm90Block {
     __forceinline__ __device__ BwdSm90Block(const BwdParams& params, char* smem_raw)
         : n_block(blockIdx.x * (Traits::kStagesKV > 1 ? params.key_blocks_per_cta : 1)),
           kv_stage(0),
-          batch_idx(blockIdx.y),
+          batch_idx(sequence_of_cta(params)),
           first_head(blockIdx.z * params.heads_per_cta),
           heads_per_cta(params.heads_per_cta),
           head_idx_k(first_head / (params.num_heads / params.num_heads_k)),
@@ -127,6 +127,21 @@ struct BwdSm90Block {
         step_end += steps_of(m_block_begin);
         return true;
     }
+    // Keys past seqlen_k read as zeros, which gives them P = exp(-lse) where the causal mask leaves them
+    // visible. For a row whose LSE is far below zero (a few large-magnitude keys) that overflows, to inf in fp16
+    // or even fp32, and dQ = dS K then computes inf * 0 = NaN. This sets their P to 0. p: the accumulator
+    // values of P; keys_of(i): the tile key of value i. Only the key block that holds the sequence end has
+    // such keys, and only there does this loop run, after the exp: the exp loops keep their registers.
+    template <class PTensor, class KeyOf>
+    __forceinline__ __device__ void hide_keys_past_end(PTensor& p, KeyOf keys_of) const {
+        const int key_end = k_rows_left();
+        if (key_end >= kBlockN) { return; }
+        CUTE_UNROLL
+        for (int i = 0; i < size(p); ++i) {
+            if (keys_of(i) >= key_end) { p(i) = 0.f; }
+        }
+    }
+
     // Steps advance by a compare and a select: a division per step cost the backward 2-4% (perf log 21).
     __forceinline__ __device__ BwdStep first_step() const { return {step_begin, first_head, m_block_begin}; }
     __forceinline__ __device__ BwdStep next_step(const BwdStep& step) const {
@@ -405,6 +420,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                     st(r, c) = hidden ? 0.f : exp2f(st(r, c) * params.softmax_scale_log2 - lse_log2);
                 }
             }
+            blk.hide_keys_past_end(acc_st, [&](int i) { return get<0>(tStcSt(i)); });
             Tensor rPt = convert_fragment<Element>(acc_st);
             Tensor tKVrPt = make_tensor(rPt.data(), gmma_acc_as_a_operand_layout(rPt.layout()));  // (MMA, MMA_N, MMA_K)
             auto thr_mma_dkv = mma_dkv.get_thread_slice(loop_tidx);
@@ -541,6 +557,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                 s(r, c) = hidden ? 0.f : exp2f(s(r, c) * params.softmax_scale_log2 - lse_log2);
             }
         }
+        blk.hide_keys_past_end(acc_s, [&](int i) { return get<1>(tScS(i)); });
         warpgroup_wait_for<0>(acc_dp);
         Tensor dp = gmma_as_rowcol(acc_dp);  // (query rows, key cols)
         CUTE_UNROLL

@@ -7,6 +7,7 @@
 #include <cutlass/numeric_types.h>
 
 #include "block_info.h"
+#include "launch.h"
 
 namespace flash {
 namespace {
@@ -18,7 +19,7 @@ constexpr int kMaxSplits = 128;    // the host caps num_splits at this
 constexpr int kSplitsPerLane = kMaxSplits / 32;
 
 // One warp per query row of one (sequence, head): the lanes first reduce the row's split LSEs, then
-// each lane sums kVec columns over all splits. Grid: (row blocks of kWarps rows, num_heads, batch).
+// each lane sums kVec columns over all splits. Grid: (row blocks of kWarps rows, batch, num_heads).
 template <typename Element>
 __global__ void __launch_bounds__(kThreads) combine_kernel(const __grid_constant__ FwdParams params) {
     __shared__ float s_weight[kWarps][kMaxSplits];  // exp(lse_s - lse) per split, for each warp's row
@@ -26,8 +27,8 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const __grid_constant
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     const int row = blockIdx.x * kWarps + warp;
-    const int h = blockIdx.y;
-    const int b = blockIdx.z;
+    const int b = sequence_of_cta(params);
+    const int h = blockIdx.z;
     if (row >= params.seqlen_q) { return; }  // whole warps leave; nothing below synchronizes the block
 
     const int num_splits = params.num_splits;
@@ -82,11 +83,13 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const __grid_constant
 
 cudaError_t run_fwd_combine(const FwdParams& params, bool is_bf16, cudaStream_t stream) {
     if (params.num_splits < 1 || params.num_splits > kMaxSplits) { return cudaErrorInvalidValue; }
-    const dim3 grid((params.seqlen_q + kWarps - 1) / kWarps, params.num_heads, params.batch);
+    const dim3 grid((params.seqlen_q + kWarps - 1) / kWarps, params.batch, params.num_heads);
     if (grid.x == 0 || grid.y == 0 || grid.z == 0) { return cudaSuccess; }
     auto kernel = is_bf16 ? &combine_kernel<cutlass::bfloat16_t> : &combine_kernel<cutlass::half_t>;
-    kernel<<<grid, kThreads, 0, stream>>>(params);
-    return cudaGetLastError();
+    return launch_in_batch_chunks(grid, params, [&](dim3 chunk_grid, const FwdParams& chunk_params) {
+        kernel<<<chunk_grid, kThreads, 0, stream>>>(chunk_params);
+        return cudaGetLastError();
+    });
 }
 
 }  // namespace flash

@@ -36,6 +36,7 @@ struct FwdParams {
     index_t lse_head_stride;   // elements between consecutive heads of lse
 
     int batch;         // number of sequences
+    int batch_offset;  // the first sequence of this launch: grid y counts sequences from it (launch.h)
     int seqlen_q;      // query tokens per sequence (varlen: the maximum, which sizes the grid)
     int seqlen_k;      // key/value tokens per sequence (varlen: the maximum)
     int total_q;       // varlen: rows of q; cu_seqlens_q is clamped to it so no kernel leaves the tensor

@@ -37,7 +37,7 @@ struct FwdTile {
     // seqlen_q), so the main loops run over blocks [0, n_block_end()) as without splits, and keep no
     // split offset in a register.
     __forceinline__ __device__ explicit FwdTile(const FwdParams& params)
-        : batch_idx(blockIdx.y),
+        : batch_idx(sequence_of_cta(params)),
           head_idx(blockIdx.z),
           head_idx_k(head_idx / (params.num_heads / params.num_heads_k)),
           binfo(params, batch_idx),

@@ -3,16 +3,39 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 
 namespace flash {
 
-// Launches kKernel on `stream` with smem_bytes (at most kSmemBytes, the most any launch of it takes) of
-// dynamic shared memory and returns the launch status. Above 48 KB the kernel must be opted in to kSmemBytes
-// first. The opt-in holds per device (its primary context) once made, so it is made on a device's first
-// launch only: decoding-sized calls are host-bound, and each driver call counts. The kernel is a template
-// argument so that each kernel keeps its own record.
+constexpr int kMaxGridY = 65535;
+
+// Every grid is (blocks of a sequence, sequences, heads), but grid y stops at kMaxGridY: a batch of more
+// sequences is launched in chunks of at most kMaxGridY, each told its first sequence in params.batch_offset
+// (sequence_of_cta). Launches on one stream run one after the other, so the chunks keep the CTA order that
+// deterministic mode relies on. launch_one(grid, params) launches one chunk and returns its status.
+template <typename Params, typename LaunchOne>
+cudaError_t launch_in_batch_chunks(dim3 grid, const Params& params, LaunchOne launch_one) {
+    if (params.batch <= kMaxGridY) {
+        grid.y = unsigned(params.batch);
+        return launch_one(grid, params);
+    }
+    Params chunk = params;
+    for (int first = 0; first < params.batch; first += kMaxGridY) {
+        chunk.batch_offset = first;
+        grid.y = unsigned(std::min(params.batch - first, kMaxGridY));
+        const cudaError_t err = launch_one(grid, chunk);
+        if (err != cudaSuccess) { return err; }
+    }
+    return cudaSuccess;
+}
+
+// Launches kKernel on `stream` over `grid` (its y: the batch, see launch_in_batch_chunks) with smem_bytes (at
+// most kSmemBytes, the most any launch of it takes) of dynamic shared memory and returns the launch status.
+// Above 48 KB the kernel must be opted in to kSmemBytes first. The opt-in holds per device (its primary
+// context) once made, so it is made on a device's first launch only: decoding-sized calls are host-bound, and
+// each driver call counts. The kernel is a template argument so that each kernel keeps its own record.
 template <auto kKernel, int kThreads, int kSmemBytes, typename Params>
 cudaError_t launch_kernel(dim3 grid, const Params& params, cudaStream_t stream, int smem_bytes = kSmemBytes) {
     if constexpr (kSmemBytes > 48 * 1024) {
@@ -27,8 +50,10 @@ cudaError_t launch_kernel(dim3 grid, const Params& params, cudaStream_t stream, 
             opted_in_devices.fetch_or(bit, std::memory_order_relaxed);
         }
     }
-    kKernel<<<grid, kThreads, smem_bytes, stream>>>(params);
-    return cudaGetLastError();
+    return launch_in_batch_chunks(grid, params, [&](dim3 chunk_grid, const Params& chunk_params) {
+        kKernel<<<chunk_grid, kThreads, smem_bytes, stream>>>(chunk_params);
+        return cudaGetLastError();
+    });
 }
 
 }  // namespace flash

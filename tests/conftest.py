@@ -136,10 +136,11 @@ def check_close(name, ours, ref, ref_lowp, atol=1e-5):
 #   dP, so dS = P (dP - D) keeps that rounding where a few keys dominate a row. ref_lowp's softmax backward forms
 #   dP and its row sum from the same rounded values, which cancel. Every FlashAttention-2 backward computes D
 #   this way. Measured: on an H200, seqlen_q 1, seqlen_k 2, fp16, q and k * 8.66, dq was 1.654e-2 off against a
-#   bound of 1.511e-2, the error of a float32 emulation whose D reads the fp16 output to 4 digits, and 7.8e-6
-#   with an fp32 output; in that emulation test_bwd_gpu's test_seqlens[sq1-sk17-256-causal-fp16] failed 0.09%
-#   of 20000 draws (0.01% with D from the fp32 output) and seqlen_q 1 against seqlen_k 2 5.5% (0.2%).
-#   rounded_output_floors is the first-order size of this error, exactly.
+#   bound of 1.511e-2; a float32 emulation of the kernel's arithmetic whose D reads the fp16 output gave the
+#   same error to 4 digits, and 7.8e-6 with D from the fp32 output. In a second emulation (float64 with the
+#   kernel's roundings, on the CPU), test_bwd_gpu's test_seqlens[sq1-sk17-256-causal-fp16] failed the plain
+#   rule in 0.09% of 20000 draws (0.01% with D from the fp32 output), and seqlen_q 1 against seqlen_k 2 in
+#   5.5% of 3000 (0.2%). rounded_output_floors is the first-order size of this error, exactly.
 # - float32 rounding where the references give exact zeros (every row sees one key: dP = D), and tensors of a
 #   few dozen entries, where ref_lowp can land well under one rounding of the largest entry by luck
 #   (fp32_cancellation_floor, one_ulp).

@@ -1,12 +1,12 @@
 """Distribution of the correctness rule's ratio for the backward, over fresh random inputs of one shape.
 
-For each trial, prints max|ours - ref| / max|ref_lowp - ref| for dq, dk and dv (the rule of DEVELOPERS.md asks
-for <= 2, plus 1e-5 absolute), how many trials failed the rule as the tests apply it (conftest.check_results:
-atol raised by one ulp and, for dq and dk, by gradient_floors, since D = rowsum(dO * O) reads the rounded
-output), and how many gave gradients that differ bit for bit when the same inputs run again (dq adds its key
-blocks in whatever order they finish; dk and dv have no such freedom). Implementations: ours with the Hopper
-kernels (wgmma), ours with FLASH_ATTN2_DISABLE_WGMMA=1 (mma.sync), and PyTorch SDPA's FlashAttention-2 backend
-(flash), which computes D the same way.
+For each trial, prints max|ours - ref| / max|ref_lowp - ref| for dq, dk and dv (the correctness rule,
+conftest.check_close, asks for <= 2, plus 1e-5 absolute), how many trials failed the rule as the tests apply it
+(conftest.check_results: atol raised by one ulp and, for dq and dk, by gradient_floors, since D = rowsum(dO * O)
+reads the rounded output), and how many gave gradients that differ bit for bit when the same inputs run again
+(dq adds its key blocks in whatever order they finish; dk and dv have no such freedom). Implementations: ours
+with the Hopper kernels (wgmma), ours with FLASH_ATTN2_DISABLE_WGMMA=1 (mma.sync), and PyTorch SDPA's
+FlashAttention-2 backend (flash), which computes D the same way.
 
     python bench/grad_error_ratio.py --hdim 256 --sq 1 --sk 17 --causal --dtype fp16 --trials 300
 """
@@ -99,8 +99,9 @@ def main():
           f"rule; rerun: trials whose second run differed bitwise")
     for name, rows in results.items():
         t = torch.tensor(rows)
-        cells = ", ".join(f"{g} median {t[:, i].median():.2f} max {t[:, i].max():.2f} over-2 {(t[:, i] > 2).sum().item()} "
-                          f"rerun {int(t[:, i + 4].sum().item())}" for i, g in enumerate(("dq", "dk", "dv")))
+        cells = ", ".join(f"{g} median {t[:, i].median():.2f} max {t[:, i].max():.2f} "
+                          f"over-2 {(t[:, i] > 2).sum().item()} rerun {int(t[:, i + 4].sum().item())}"
+                          for i, g in enumerate(("dq", "dk", "dv")))
         print(f"  {name:8s} failed {int(t[:, 3].sum().item())}; {cells}")
 
 

@@ -23,7 +23,7 @@ from setuptools import find_packages, setup
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "csrc"))
-from generate_kernels import DTYPES, HEAD_DIMS, PASSES, kernel_name  # noqa: E402
+from generate_kernels import DTYPES, HEAD_DIMS, MASKS, PASSES, kernel_name  # noqa: E402
 
 # Peak resident memory of one nvcc job on one instantiation, measured on our build machine, with margin.
 GB_PER_NVCC_JOB = 2.5
@@ -75,8 +75,8 @@ def kernel_sources():
     hdims = env_list("FLASH_ATTN2_HDIMS", HEAD_DIMS, HEAD_DIMS, int)
     dtypes = env_list("FLASH_ATTN2_DTYPES", DTYPES, DTYPES)
     sources = []
-    for pass_, hdim, dtype, causal in itertools.product(PASSES, hdims, dtypes, (False, True)):
-        path = Path("csrc") / "instantiations" / f"{kernel_name(hdim, dtype, causal, pass_)}.cu"
+    for pass_, hdim, dtype, mask in itertools.product(PASSES, hdims, dtypes, MASKS):
+        path = Path("csrc") / "instantiations" / f"{kernel_name(pass_, hdim, dtype, mask)}.cu"
         if not (ROOT / path).is_file():
             raise RuntimeError(f"{path} is missing; run `python csrc/generate_kernels.py`")
         sources.append(str(path))
@@ -156,8 +156,10 @@ def build_extensions():
     archs = env_list("FLASH_ATTN2_CUDA_ARCHS", ("80", "90"), ("80", "86", "89", "90", "100", "120"))
     nvcc_threads = env_int("NVCC_THREADS", 1)
     os.environ.setdefault("MAX_JOBS", str(default_max_jobs(nvcc_threads)))
-    sources = ["csrc/module.cpp", "csrc/flash_api.cpp", "csrc/autograd.cpp", "csrc/kernel_registry.cpp",
-               "csrc/flash_bwd_aux.cu", "csrc/flash_fwd_combine.cu"]
+    host = ("module", "ops", "checks", "device_info", "plan", "plan_op", "host_params", "fwd", "bwd", "autograd",
+            "kernel_registry")
+    sources = [f"csrc/{name}.cpp" for name in host] + [
+        "csrc/build_info.cu", "csrc/flash_bwd_aux.cu", "csrc/flash_fwd_combine.cu"]
     fixed_sources = len(sources)
     sources += kernel_sources()
     print(f"flash_attn_cuda: archs={archs} kernels={len(sources) - fixed_sources} MAX_JOBS={os.environ['MAX_JOBS']}")

@@ -8,7 +8,10 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include <string>
 #include <tuple>
+
+#include "ops.h"
 
 namespace flash {
 namespace {
@@ -16,17 +19,11 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-using FwdSignature = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                        double, bool, bool);
-using BwdSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    double, bool, bool);
-using VarlenFwdSignature = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                              const at::Tensor&, const at::Tensor&,
-                                                              const at::Tensor&, int64_t, int64_t, double, bool, bool);
-using VarlenBwdSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    const at::Tensor&, const at::Tensor&, int64_t, int64_t, double, bool, bool);
+// The ops' signatures, as declared in ops.h.
+using FwdSignature = decltype(fwd);
+using BwdSignature = decltype(bwd);
+using VarlenFwdSignature = decltype(varlen_fwd);
+using VarlenBwdSignature = decltype(varlen_bwd);
 
 // The ops are called through the dispatcher, below autograd, so that whatever implements them for the
 // inputs' device runs: the CUDA kernels, the fake implementations under torch.compile, Meta.
@@ -59,11 +56,14 @@ bool needs_graph(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) 
     return at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
 }
 
-// The non-tensor settings both passes share, kept in the context's saved_data.
-void save_settings(AutogradContext* ctx, double softmax_scale, bool causal, bool deterministic) {
+// The non-tensor settings both passes share, kept in the context's saved_data. The plan override reaches the
+// backward too, so a forced path holds for both passes.
+void save_settings(AutogradContext* ctx, double softmax_scale, bool causal, bool deterministic,
+                   const std::string& plan_override) {
     ctx->saved_data["softmax_scale"] = softmax_scale;
     ctx->saved_data["causal"] = causal;
     ctx->saved_data["deterministic"] = deterministic;
+    ctx->saved_data["plan_override"] = plan_override;
 }
 
 // The gradient of `out` as the backward kernels read it: contiguous, and zeros when the loss did not use out
@@ -74,11 +74,12 @@ at::Tensor out_grad(const at::Tensor& grad, const at::Tensor& out) {
 
 struct FwdFunction : public torch::autograd::Function<FwdFunction> {
     static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                 double softmax_scale, bool causal, bool deterministic) {
+                                 double softmax_scale, bool causal, bool deterministic, int64_t num_splits,
+                                 const std::string& plan_override) {
         at::AutoDispatchBelowADInplaceOrView below_autograd;
-        auto [out, lse] = fwd_op().call(q, k, v, softmax_scale, causal, deterministic);
+        auto [out, lse] = fwd_op().call(q, k, v, softmax_scale, causal, deterministic, num_splits, plan_override);
         ctx->save_for_backward({q, k, v, out, lse});
-        save_settings(ctx, softmax_scale, causal, deterministic);
+        save_settings(ctx, softmax_scale, causal, deterministic, plan_override);
         ctx->set_materialize_grads(false);  // the LSE's gradient is ignored: no zeros are made for it
         return {out, lse};
     }
@@ -88,20 +89,22 @@ struct FwdFunction : public torch::autograd::Function<FwdFunction> {
         auto [dq, dk, dv] = bwd_op().call(out_grad(grads[0], saved[3]), saved[0], saved[1], saved[2], saved[3],
                                           saved[4], ctx->saved_data["softmax_scale"].toDouble(),
                                           ctx->saved_data["causal"].toBool(),
-                                          ctx->saved_data["deterministic"].toBool());
-        return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor()};
+                                          ctx->saved_data["deterministic"].toBool(),
+                                          ctx->saved_data["plan_override"].toStringRef());
+        return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
     }
 };
 
 struct VarlenFwdFunction : public torch::autograd::Function<VarlenFwdFunction> {
     static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
-                                 int64_t max_seqlen_k, double softmax_scale, bool causal, bool deterministic) {
+                                 int64_t max_seqlen_k, double softmax_scale, bool causal, bool deterministic,
+                                 const std::string& plan_override) {
         at::AutoDispatchBelowADInplaceOrView below_autograd;
         auto [out, lse] = varlen_fwd_op().call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                               softmax_scale, causal, deterministic);
+                                               softmax_scale, causal, deterministic, plan_override);
         ctx->save_for_backward({q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k});
-        save_settings(ctx, softmax_scale, causal, deterministic);
+        save_settings(ctx, softmax_scale, causal, deterministic, plan_override);
         ctx->saved_data["max_seqlen_q"] = max_seqlen_q;
         ctx->saved_data["max_seqlen_k"] = max_seqlen_k;
         ctx->set_materialize_grads(false);
@@ -114,33 +117,37 @@ struct VarlenFwdFunction : public torch::autograd::Function<VarlenFwdFunction> {
             out_grad(grads[0], saved[3]), saved[0], saved[1], saved[2], saved[3], saved[4], saved[5], saved[6],
             ctx->saved_data["max_seqlen_q"].toInt(), ctx->saved_data["max_seqlen_k"].toInt(),
             ctx->saved_data["softmax_scale"].toDouble(), ctx->saved_data["causal"].toBool(),
-            ctx->saved_data["deterministic"].toBool());
+            ctx->saved_data["deterministic"].toBool(), ctx->saved_data["plan_override"].toStringRef());
         return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
-                at::Tensor()};
+                at::Tensor(), at::Tensor()};
     }
 };
 
 std::tuple<at::Tensor, at::Tensor> fwd_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                double softmax_scale, bool causal, bool deterministic) {
+                                                double softmax_scale, bool causal, bool deterministic,
+                                                int64_t num_splits, const std::string& plan_override) {
     if (!needs_graph(q, k, v)) {
         at::AutoDispatchBelowADInplaceOrView below_autograd;
-        return fwd_op().call(q, k, v, softmax_scale, causal, deterministic);
+        return fwd_op().call(q, k, v, softmax_scale, causal, deterministic, num_splits, plan_override);
     }
-    const variable_list outputs = FwdFunction::apply(q, k, v, softmax_scale, causal, deterministic);
+    const variable_list outputs =
+        FwdFunction::apply(q, k, v, softmax_scale, causal, deterministic, num_splits, plan_override);
     return {outputs[0], outputs[1]};
 }
 
 std::tuple<at::Tensor, at::Tensor> varlen_fwd_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                        const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                                                        int64_t max_seqlen_q, int64_t max_seqlen_k,
-                                                       double softmax_scale, bool causal, bool deterministic) {
+                                                       double softmax_scale, bool causal, bool deterministic,
+                                                       const std::string& plan_override) {
     if (!needs_graph(q, k, v)) {
         at::AutoDispatchBelowADInplaceOrView below_autograd;
         return varlen_fwd_op().call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                                    causal, deterministic);
+                                    causal, deterministic, plan_override);
     }
-    const variable_list outputs = VarlenFwdFunction::apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                           max_seqlen_k, softmax_scale, causal, deterministic);
+    const variable_list outputs =
+        VarlenFwdFunction::apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                                 causal, deterministic, plan_override);
     return {outputs[0], outputs[1]};
 }
 

@@ -44,12 +44,14 @@ struct FwdParams {
     int num_heads;     // query heads
     int num_heads_k;   // key/value heads; num_heads is a multiple of it (MQA/GQA)
     int head_dim;      // actual head dim, a multiple of 8, at most the kernel's kHeadDim
+    int gqa_pack;      // 1, or the query heads of a key/value head that run as rows of one head (Plan::gqa_pack):
+                       // then row r of "head" h is query head h * gqa_pack + r, all at query position 0
 
     float softmax_scale;       // multiplies QK^T before the softmax
     float softmax_scale_log2;  // softmax_scale * log2(e), so the kernel can use exp2
 
-    bool use_wgmma;  // the device is an sm_90 (Hopper): run the warpgroup-MMA forward where one is built
-    bool short_key_tiles;  // with use_wgmma: the forward runs FwdSm90ShortKeysTileConfig where the head dim has one
+    bool use_wgmma;  // the plan runs the Hopper (warpgroup-MMA) kernels
+    bool short_key_tiles;  // with use_wgmma: the forward runs FwdSm90ShortKeysTileConfig (the plan checked it exists)
 
     // Split-KV forward (dense batches only): each (query block, sequence, head) is computed by num_splits
     // CTAs over disjoint key ranges, which write fp32 partials that run_fwd_combine merges into o_ptr/lse_ptr.

@@ -2,6 +2,11 @@
 // needs the query and key block sizes). Plain constants: this header is also compiled by the host compiler.
 #pragma once
 
+#include <cstddef>
+#include <utility>
+
+#include "kernel_list.h"
+
 namespace flash {
 
 // (kBlockM, kBlockN, warps) per head dim, measured on an H200 with bench/tune_tiles.py for head dims
@@ -82,24 +87,39 @@ constexpr FwdBlockShape fwd_block_shape_of(bool wgmma, bool short_keys) {
     return {FwdTileConfig<kHeadDim, kCausal>::kBlockM, FwdTileConfig<kHeadDim, kCausal>::kBlockN, 1};
 }
 
-// kernel_head_dim: one of the compiled head dims (32, 64, ..., 256).
-template <bool kCausal>
-constexpr FwdBlockShape fwd_block_shape(int kernel_head_dim, bool wgmma, bool short_keys) {
-    switch (kernel_head_dim) {
-        case 32: return fwd_block_shape_of<32, kCausal>(wgmma, short_keys);
-        case 64: return fwd_block_shape_of<64, kCausal>(wgmma, short_keys);
-        case 96: return fwd_block_shape_of<96, kCausal>(wgmma, short_keys);
-        case 128: return fwd_block_shape_of<128, kCausal>(wgmma, short_keys);
-        case 160: return fwd_block_shape_of<160, kCausal>(wgmma, short_keys);
-        case 192: return fwd_block_shape_of<192, kCausal>(wgmma, short_keys);
-        case 224: return fwd_block_shape_of<224, kCausal>(wgmma, short_keys);
-        default: return fwd_block_shape_of<256, kCausal>(wgmma, short_keys);
-    }
+// kernel_head_dim: one of the compiled head dims (kKernelHeadDims).
+template <bool kCausal, std::size_t... kIndex>
+constexpr FwdBlockShape fwd_block_shape(int kernel_head_dim, bool wgmma, bool short_keys,
+                                        std::index_sequence<kIndex...>) {
+    FwdBlockShape shape{};
+    ((kernel_head_dim == kKernelHeadDims[kIndex] &&
+      (shape = fwd_block_shape_of<kKernelHeadDims[kIndex], kCausal>(wgmma, short_keys), true)) ||
+     ...);
+    return shape;
 }
 
 constexpr FwdBlockShape fwd_block_shape(int kernel_head_dim, bool causal, bool wgmma, bool short_keys) {
-    return causal ? fwd_block_shape<true>(kernel_head_dim, wgmma, short_keys)
-                  : fwd_block_shape<false>(kernel_head_dim, wgmma, short_keys);
+    constexpr auto kIndices = std::make_index_sequence<kNumKernelHeadDims>{};
+    return causal ? fwd_block_shape<true>(kernel_head_dim, wgmma, short_keys, kIndices)
+                  : fwd_block_shape<false>(kernel_head_dim, wgmma, short_keys, kIndices);
 }
+
+// Whether the Hopper forward of this kernel head dim has a short-key tile (FwdSm90ShortKeysTileConfig).
+template <std::size_t... kIndex>
+constexpr bool fwd_has_short_key_tile(int kernel_head_dim, std::index_sequence<kIndex...>) {
+    return ((kernel_head_dim == kKernelHeadDims[kIndex] &&
+             FwdSm90ShortKeysTileConfig<kKernelHeadDims[kIndex], false>::kEnabled) ||
+            ...);
+}
+constexpr bool fwd_has_short_key_tile(int kernel_head_dim) {
+    return fwd_has_short_key_tile(kernel_head_dim, std::make_index_sequence<kNumKernelHeadDims>{});
+}
+
+// The mma.sync backward's (query rows, keys) per block: dK and dV of kBlockN keys stay in registers, so wide
+// heads take fewer keys per CTA. At head dim 64 the registers leave room for 128-row query blocks, which halve
+// the steps (and barriers) per key block: 6% faster on an H200 (bench/results/h200/tune_bwd_nvidia-h200.md).
+// BwdTileConfig (flash_bwd_launch.h) is this rule.
+constexpr int bwd_block_m(int kernel_head_dim) { return kernel_head_dim == 64 ? 128 : 64; }
+constexpr int bwd_block_n(int kernel_head_dim) { return kernel_head_dim <= 128 ? 128 : 64; }
 
 }  // namespace flash

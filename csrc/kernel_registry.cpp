@@ -6,20 +6,19 @@ namespace flash {
 
 namespace {
 
-constexpr int kNumHeadDims = sizeof(kKernelHeadDims) / sizeof(kKernelHeadDims[0]);
-constexpr int kNumSlots = kNumHeadDims * 2 * 2;
+constexpr int kNumSlots = kNumKernelHeadDims * kNumDtypes * kNumMasks;
 
-// Launchers are looked up on every call: an array indexed by (head dim, dtype, causal) rather than a map
+// Launchers are looked up on every call: an array indexed by (head dim, dtype, mask) rather than a map
 // keyed by name. Returns -1 for a head dim that has no kernels.
 int slot(const KernelKey& key) {
-    for (int i = 0; i < kNumHeadDims; ++i) {
-        if (kKernelHeadDims[i] == key.head_dim) { return (i * 2 + int(key.is_bf16)) * 2 + int(key.causal); }
+    for (int i = 0; i < kNumKernelHeadDims; ++i) {
+        if (kKernelHeadDims[i] == key.head_dim) { return (i * kNumDtypes + int(key.is_bf16)) * kNumMasks + int(key.causal); }
     }
     return -1;
 }
 
-KernelKey key_of_slot(int index) {
-    return {bool(index / 2 % 2), kKernelHeadDims[index / 4], bool(index % 2)};
+const char* name_of_slot(Pass pass, int index) {
+    return kKernelNames[int(pass)][index / (kNumDtypes * kNumMasks)][index / kNumMasks % kNumDtypes][index % kNumMasks];
 }
 
 // Function-local so registration from other translation units' static initializers is order-safe.
@@ -44,17 +43,17 @@ Launcher find_launcher(const KernelKey& key) {
 }
 
 template <typename Launcher>
-void append_names(const char* pass, std::vector<std::string>& names) {
+void append_names(Pass pass, std::vector<std::string>& names) {
     for (int index = 0; index < kNumSlots; ++index) {
-        if (launcher_table<Launcher>()[index] != nullptr) { names.push_back(kernel_name(pass, key_of_slot(index))); }
+        if (launcher_table<Launcher>()[index] != nullptr) { names.push_back(name_of_slot(pass, index)); }
     }
 }
 
 }  // namespace
 
-std::string kernel_name(const char* pass, const KernelKey& key) {
-    return std::string(pass) + "_hdim" + std::to_string(key.head_dim) + (key.is_bf16 ? "_bf16" : "_fp16") +
-           (key.causal ? "_causal" : "_noncausal");
+std::string kernel_name(Pass pass, const KernelKey& key) {
+    const int index = slot(key);
+    return index < 0 ? "(no kernel of head dim " + std::to_string(key.head_dim) + ")" : name_of_slot(pass, index);
 }
 
 bool register_launcher(const KernelKey& key, FwdLauncher launcher) { return register_in_table(key, launcher); }
@@ -67,8 +66,8 @@ BwdLauncher find_bwd_launcher(const KernelKey& key) { return find_launcher<BwdLa
 
 std::vector<std::string> compiled_kernels() {
     std::vector<std::string> names;
-    append_names<FwdLauncher>("fwd", names);
-    append_names<BwdLauncher>("bwd", names);
+    append_names<FwdLauncher>(Pass::kFwd, names);
+    append_names<BwdLauncher>(Pass::kBwd, names);
     return names;
 }
 

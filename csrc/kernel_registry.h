@@ -1,5 +1,5 @@
 // Runtime-to-compile-time dispatch: every generated instantiation file registers its launcher here,
-// and the ops look launchers up by (pass, dtype, head dim, causal). A build that skipped some
+// and the host looks launchers up by (pass, dtype, head dim, mask). A build that skipped some
 // instantiations simply has fewer entries, so the ops can name what is missing.
 #pragma once
 
@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "flash_params.h"
+#include "kernel_key.h"
 
 namespace flash {
 
@@ -16,17 +17,8 @@ namespace flash {
 using FwdLauncher = cudaError_t (*)(const FwdParams&, cudaStream_t);
 using BwdLauncher = cudaError_t (*)(const BwdParams&, cudaStream_t);
 
-// The head dims that kernels are compiled for; other sizes run on the next larger one.
-inline constexpr int kKernelHeadDims[] = {32, 64, 96, 128, 160, 192, 224, 256};
-
-struct KernelKey {
-    bool is_bf16;
-    int head_dim;  // the kernel's compile-time head dim
-    bool causal;
-};
-
-// "fwd_hdim128_bf16_causal", the same name as the generated file.
-std::string kernel_name(const char* pass, const KernelKey& key);
+// "fwd_hdim128_bf16_causal", the name of the generated file (kernel_list.h).
+std::string kernel_name(Pass pass, const KernelKey& key);
 
 // Called from static initializers in the instantiation files.
 bool register_launcher(const KernelKey& key, FwdLauncher launcher);

@@ -9,12 +9,13 @@ import torch
 
 from . import _C  # noqa: F401  (loading the library registers the ops)
 
-KERNEL_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
+from ._kernel_list import HEAD_DIMS as KERNEL_HEAD_DIMS, kernel_name
+
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
 @torch.library.register_fake("flash_attn2::fwd")
-def _fwd_fake(q, k, v, softmax_scale, causal, deterministic=False):
+def _fwd_fake(q, k, v, softmax_scale, causal, deterministic=False, num_splits=0, plan_override=""):
     batch, seqlen_q, nheads, head_dim = q.shape
     out = q.new_empty((batch, seqlen_q, nheads, head_dim))
     softmax_lse = q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
@@ -22,14 +23,14 @@ def _fwd_fake(q, k, v, softmax_scale, causal, deterministic=False):
 
 
 @torch.library.register_fake("flash_attn2::bwd")
-def _bwd_fake(dout, q, k, v, out, softmax_lse, softmax_scale, causal, deterministic=False):
+def _bwd_fake(dout, q, k, v, out, softmax_lse, softmax_scale, causal, deterministic=False, plan_override=""):
     # The op returns contiguous gradients whatever the strides of q, k and v.
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 @torch.library.register_fake("flash_attn2::varlen_fwd")
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                     deterministic=False):
+                     deterministic=False, plan_override=""):
     total_q, nheads, head_dim = q.shape
     out = q.new_empty((total_q, nheads, head_dim))
     softmax_lse = q.new_empty((nheads, total_q), dtype=torch.float32)
@@ -38,7 +39,7 @@ def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
 @torch.library.register_fake("flash_attn2::varlen_bwd")
 def _varlen_bwd_fake(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                     softmax_scale, causal, deterministic=False):
+                     softmax_scale, causal, deterministic=False, plan_override=""):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -61,9 +62,6 @@ def kernel_available(head_dim: int, dtype: torch.dtype, causal: bool, backward: 
     that a call with these settings needs."""
     if dtype not in _DTYPE_NAMES:
         return False
-    suffix = f"hdim{kernel_head_dim(head_dim)}_{_DTYPE_NAMES[dtype]}_{'causal' if causal else 'noncausal'}"
+    passes = ("fwd", "bwd") if backward else ("fwd",)
     names = compiled_kernels()
-    if backward and f"bwd_{suffix}" not in names:
-        return False
-    name = f"fwd_{suffix}"
-    return name in compiled_kernels()
+    return all(kernel_name(pass_, kernel_head_dim(head_dim), _DTYPE_NAMES[dtype], causal) in names for pass_ in passes)

@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _ops  # noqa: F401  (loads torch.ops.flash_attn2 and its fake implementations)
+from .plan import forced
 
 _ALIGN_ELEMS = 8  # the kernels move 16-byte (8-element) chunks
 
@@ -100,7 +101,9 @@ def flash_attn_func(
     """
     _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes)
     q, k, v, softmax_scale, head_dim = _prepare(q, k, v, softmax_scale, 4, "(batch, seqlen, nheads, head_dim)")
-    out, softmax_lse = torch.ops.flash_attn2.fwd(q, k, v, softmax_scale, bool(causal), bool(deterministic))
+    num_splits, plan_override = forced()
+    out, softmax_lse = torch.ops.flash_attn2.fwd(q, k, v, softmax_scale, bool(causal), bool(deterministic), num_splits,
+                                                 plan_override)
     if out.shape[-1] != head_dim:
         out = out[..., :head_dim]
     if return_attn_probs:
@@ -149,7 +152,7 @@ def flash_attn_varlen_func(
     q, k, v, softmax_scale, head_dim = _prepare(q, k, v, softmax_scale, 3, "(total, nheads, head_dim)")
     out, softmax_lse = torch.ops.flash_attn2.varlen_fwd(
         q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), softmax_scale, bool(causal),
-        bool(deterministic),
+        bool(deterministic), forced()[1],
     )
     if out.shape[-1] != head_dim:
         out = out[..., :head_dim]

@@ -1,0 +1,123 @@
+#include "host_params.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+
+namespace flash {
+
+Problem problem_of(Pass pass, const at::Tensor& q, const at::Tensor& k, bool causal, bool deterministic,
+                   const Varlen* varlen) {
+    Problem problem{};
+    problem.pass = pass;
+    problem.batch = varlen != nullptr ? varlen->batch() : q.size(0);
+    problem.seqlen_q = varlen != nullptr ? varlen->max_seqlen_q : q.size(1);
+    problem.seqlen_k = varlen != nullptr ? varlen->max_seqlen_k : k.size(1);
+    problem.nheads = q.size(2);
+    problem.nheads_k = k.size(2);
+    problem.head_dim = q.size(3);
+    problem.causal = causal;
+    problem.deterministic = deterministic;
+    problem.varlen = varlen != nullptr;
+    return problem;
+}
+
+PlanOverride override_of(const std::string& plan_override) {
+    PlanOverride override;
+    const std::string error = parse_plan_override(plan_override, override);
+    TORCH_CHECK_VALUE(error.empty(), error);
+    return override;
+}
+
+namespace {
+
+template <typename Launcher>
+Launcher require_launcher(Launcher launcher, Pass pass, const KernelKey& key) {
+    TORCH_CHECK(launcher != nullptr, "flash_attn_cuda was built without the kernel ", kernel_name(pass, key),
+                "; rebuild with FLASH_ATTN2_HDIMS and FLASH_ATTN2_DTYPES covering it");
+    return launcher;
+}
+
+KernelKey key_of(const at::Tensor& q, const Plan& plan) {
+    return {q.scalar_type() == at::kBFloat16, plan.kernel_head_dim, plan.causal};
+}
+
+}  // namespace
+
+FwdLauncher require_fwd_launcher(const at::Tensor& q, const Plan& plan) {
+    const KernelKey key = key_of(q, plan);
+    return require_launcher(find_fwd_launcher(key), Pass::kFwd, key);
+}
+
+BwdLauncher require_bwd_launcher(const at::Tensor& q, const Plan& plan) {
+    const KernelKey key = key_of(q, plan);
+    return require_launcher(find_bwd_launcher(key), Pass::kBwd, key);
+}
+
+void set_fwd_params(FwdParams& params, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                    const at::Tensor& out, const at::Tensor& lse, double softmax_scale, const Varlen* varlen,
+                    const Plan& plan) {
+    params.q_ptr = q.data_ptr();
+    params.k_ptr = k.data_ptr();
+    params.v_ptr = v.data_ptr();
+    params.o_ptr = out.data_ptr();
+    params.lse_ptr = lse.data_ptr<float>();
+    params.q_batch_stride = q.stride(0);
+    params.q_row_stride = q.stride(1);
+    params.q_head_stride = q.stride(2);
+    params.k_batch_stride = k.stride(0);
+    params.k_row_stride = k.stride(1);
+    params.k_head_stride = k.stride(2);
+    params.v_batch_stride = v.stride(0);
+    params.v_row_stride = v.stride(1);
+    params.v_head_stride = v.stride(2);
+    params.o_batch_stride = out.stride(0);
+    params.o_row_stride = out.stride(1);
+    params.o_head_stride = out.stride(2);
+    params.batch = static_cast<int>(q.size(0));
+    params.seqlen_q = static_cast<int>(q.size(1));
+    params.seqlen_k = static_cast<int>(k.size(1));
+    params.total_q = static_cast<int>(q.size(1));
+    params.total_k = static_cast<int>(k.size(1));
+    params.num_heads = static_cast<int>(q.size(2));
+    params.num_heads_k = static_cast<int>(k.size(2));
+    params.head_dim = static_cast<int>(q.size(3));
+    params.lse_batch_stride = lse.dim() == 3 ? lse.stride(0) : 0;
+    params.lse_head_stride = lse.stride(-2);
+    if (varlen != nullptr) {
+        params.cu_seqlens_q = varlen->cu_seqlens_q.data_ptr<int>();
+        params.cu_seqlens_k = varlen->cu_seqlens_k.data_ptr<int>();
+        params.batch = static_cast<int>(varlen->batch());
+        params.seqlen_q = static_cast<int>(varlen->max_seqlen_q);
+        params.seqlen_k = static_cast<int>(varlen->max_seqlen_k);
+        params.q_batch_stride = params.k_batch_stride = params.v_batch_stride = params.o_batch_stride = 0;
+    }
+    params.gqa_pack = static_cast<int>(plan.gqa_pack);
+    params.use_wgmma = plan.wgmma;
+    params.short_key_tiles = plan.short_key_tile;
+    params.num_splits = plan.num_splits;
+    params.softmax_scale = static_cast<float>(softmax_scale);
+    // A zero or denormal scale would turn masked scores into NaN (-inf * 0); the smallest normal float
+    // keeps them at -inf, and every other exp2 argument still rounds to the same value (0).
+    params.softmax_scale_log2 = std::max(static_cast<float>(softmax_scale * M_LOG2E), FLT_MIN);
+}
+
+std::vector<int64_t> lse_shape(const at::Tensor& q, const Varlen* varlen) {
+    if (varlen != nullptr) { return {q.size(2), q.size(1)}; }
+    return {q.size(0), q.size(2), q.size(1)};
+}
+
+at::Tensor pack_gqa(const at::Tensor& t, int64_t group) {
+    if (group == 1) { return t; }
+    return t.as_strided({t.size(0), group, t.size(2) / group, t.size(3)},
+                        {t.stride(0), t.stride(2), group * t.stride(2), t.stride(3)}, t.storage_offset());
+}
+
+at::Tensor pack_gqa_lse(const at::Tensor& lse, int64_t group) {
+    if (group == 1) { return lse; }
+    return lse.view({lse.size(0), lse.size(1) / group, group});
+}
+
+}  // namespace flash

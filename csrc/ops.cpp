@@ -1,0 +1,37 @@
+// Op schemas and their registration. The CPU registrations exist to reject CPU tensors with a message that
+// names the argument. Autograd of fwd and varlen_fwd is in autograd.cpp.
+#include <torch/library.h>
+
+#include "kernel_registry.h"
+#include "ops.h"
+
+TORCH_LIBRARY(flash_attn2, m) {
+    m.def("fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal, bool deterministic=False, "
+          "int num_splits=0, str plan_override=\"\") -> (Tensor out, Tensor softmax_lse)");
+    m.def("bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, float softmax_scale, "
+          "bool causal, bool deterministic=False, str plan_override=\"\") -> (Tensor dq, Tensor dk, Tensor dv)");
+    m.def("varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, "
+          "int max_seqlen_k, float softmax_scale, bool causal, bool deterministic=False, str plan_override=\"\") -> "
+          "(Tensor out, Tensor softmax_lse)");
+    m.def("varlen_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, "
+          "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float softmax_scale, "
+          "bool causal, bool deterministic=False, str plan_override=\"\") -> (Tensor dq, Tensor dk, Tensor dv)");
+    m.def("plan(str pass_name, int batch, int seqlen_q, int seqlen_k, int nheads, int nheads_k, int head_dim, "
+          "bool causal=False, bool deterministic=False, bool varlen=False, int num_splits=0, "
+          "str plan_override=\"\", int arch=-1, int num_sms=-1, bool is_bf16=True) -> str",
+          &flash::plan_op);
+    m.def("compiled_kernels() -> str[]", [] { return flash::compiled_kernels(); });
+}
+
+TORCH_LIBRARY_IMPL(flash_attn2, CUDA, m) {
+    m.impl("fwd", &flash::fwd);
+    m.impl("bwd", &flash::bwd);
+    m.impl("varlen_fwd", &flash::varlen_fwd);
+    m.impl("varlen_bwd", &flash::varlen_bwd);
+}
+TORCH_LIBRARY_IMPL(flash_attn2, CPU, m) {
+    m.impl("fwd", &flash::fwd);
+    m.impl("bwd", &flash::bwd);
+    m.impl("varlen_fwd", &flash::varlen_fwd);
+    m.impl("varlen_bwd", &flash::varlen_bwd);
+}

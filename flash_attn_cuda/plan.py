@@ -1,0 +1,110 @@
+"""Launch plans: which kernel, tile and work split a call runs, and how tests force one.
+
+The host computes one plan per call from the shapes, the GPU and the build (``csrc/plan.h``); the same
+function answers ``torch.ops.flash_attn2.plan``, so a test that forces a path can assert that the call takes
+it. Overrides are op arguments, never environment variables: ``num_splits`` (the dense forward's key splits,
+as flash-attn's ``num_splits``) and ``plan_override``, a test-and-benchmark string of ``key=value`` pairs
+separated by ``;``:
+
+- ``kernel=mma_sync`` or ``kernel=wgmma``: the kernel family (wgmma only on sm_90 with an sm_90a build);
+- ``gqa_walk=0|1``: whether a Hopper GQA/MQA backward CTA walks every query head of its key/value head;
+- ``key_blocks=n``: key blocks per Hopper backward CTA (head dims up to 128);
+- ``short_keys=0|1``: the Hopper forward's short-key tile (head dim 128);
+- ``short_queries=0|1``: the Hopper backward's 16-row query tile (head dim 128).
+
+A key left out keeps the heuristic's choice. ``force_plan`` sets both for the public functions
+(``flash_attn_func`` and the others) called inside it, forward and backward.
+"""
+
+import contextlib
+import contextvars
+import dataclasses
+from typing import Optional
+
+import torch
+
+from . import _ops  # noqa: F401  (loads torch.ops.flash_attn2)
+
+# (num_splits, plan_override) that the public functions pass to the ops.
+_FORCED = contextvars.ContextVar("flash_attn_cuda_forced_plan", default=(0, ""))
+
+_OVERRIDE_KEYS = ("kernel", "gqa_walk", "key_blocks", "short_keys", "short_queries")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What one pass of a call runs (fields that do not apply to the pass keep their neutral value)."""
+
+    pass_: str  # "fwd" or "bwd"
+    kernel: str  # "wgmma" or "mma_sync"
+    kernel_head_dim: int  # the compiled head dim that runs
+    block_m: int  # query rows per block (per step of the backward)
+    block_n: int  # keys per block
+    causal: bool  # the mask that runs: a causal call with one query row runs unmasked
+    gqa_pack: int  # query heads packed as rows of their key/value head (1: none)
+    num_splits: int  # forward: key splits (1: none)
+    short_key_tile: bool  # forward: the Hopper short-key tile
+    short_query_tile: bool  # backward: the Hopper 16-row query tile
+    heads_per_cta: int  # backward: query heads one CTA walks (GQA walk when > 1)
+    key_blocks_per_cta: int  # backward: consecutive key blocks one CTA walks
+    dkv_fp32_slices: bool  # backward: per-query-head fp32 dK/dV slices summed afterwards (GQA without a walk)
+
+
+def override_string(kernel: Optional[str] = None, gqa_walk: Optional[bool] = None, key_blocks: Optional[int] = None,
+                    short_keys: Optional[bool] = None, short_queries: Optional[bool] = None) -> str:
+    """The ``plan_override`` op argument for these choices (None: the heuristic decides)."""
+    values = {"kernel": kernel, "gqa_walk": gqa_walk, "key_blocks": key_blocks, "short_keys": short_keys,
+              "short_queries": short_queries}
+    parts = []
+    for key in _OVERRIDE_KEYS:
+        value = values[key]
+        if value is None:
+            continue
+        parts.append(f"{key}={int(value) if isinstance(value, bool) else value}")
+    return ";".join(parts)
+
+
+@contextlib.contextmanager
+def force_plan(num_splits: int = 0, **choices):
+    """Runs the public functions inside the ``with`` block under these plan choices (keywords of
+    ``override_string``; ``num_splits`` > 0 forces the dense forward's key splits). Meant for tests and
+    benchmarks; the choices reach the ops as arguments, so torch.compile and CUDA graphs see them."""
+    token = _FORCED.set((int(num_splits), override_string(**choices)))
+    try:
+        yield
+    finally:
+        _FORCED.reset(token)
+
+
+def forced() -> tuple:
+    """(num_splits, plan_override) for the ops: what ``force_plan`` set, else (0, "")."""
+    return _FORCED.get()
+
+
+def _parse(text: str) -> Plan:
+    fields = dict(item.split("=", 1) for item in text.split(";"))
+    kwargs = {}
+    for field in dataclasses.fields(Plan):
+        raw = fields[field.name.rstrip("_")]
+        kwargs[field.name] = raw if field.type in ("str", str) else (raw == "1" if field.type in ("bool", bool)
+                                                                    else int(raw))
+    return Plan(**kwargs)
+
+
+def plan(pass_: str, *, batch: int, seqlen_q: int, seqlen_k: int, nheads: int, nheads_k: int, head_dim: int,
+         causal: bool = False, deterministic: bool = False, varlen: bool = False, num_splits: int = 0,
+         override: str = "", arch: Optional[int] = None, num_sms: Optional[int] = None,
+         dtype: torch.dtype = torch.bfloat16) -> Plan:
+    """The plan of one pass ("fwd" or "bwd") of a call with these sizes.
+
+    For varlen calls, ``batch`` is the number of sequences and the lengths are the maxima. ``override`` is a
+    ``plan_override`` string (see ``override_string``). ``arch`` (e.g. 80 or 90) and ``num_sms`` describe the
+    GPU; left as None they are the current CUDA device's, and the plan is that of this build. Given, the plan
+    is computed for that GPU and a build with every kernel family (no GPU needed). ``dtype`` matters only for
+    what the build holds (a causal call with one query row runs the non-causal kernel when it is built).
+    """
+    text = torch.ops.flash_attn2.plan(pass_, batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, bool(causal),
+                                      bool(deterministic), bool(varlen), int(num_splits), override,
+                                      -1 if arch is None else int(arch), -1 if num_sms is None else int(num_sms),
+                                      dtype == torch.bfloat16)
+    return _parse(text)

@@ -20,8 +20,8 @@ sys.path.append(os.path.dirname(HERE))  # repo root, last: an installed flash_at
 import common  # noqa: E402
 
 IMPLS = ["ours", "flash", "cudnn", "efficient"]
-# ours_det: deterministic=True (its backward differs); ours_mma: the mma.sync forward kernels on a Hopper GPU,
-# which otherwise runs the warpgroup-MMA ones.
+# ours_det: deterministic=True (its backward differs); ours_mma: the mma.sync kernels on a Hopper GPU, which
+# otherwise runs the warpgroup-MMA ones (force_plan(kernel="mma_sync"), forward and backward).
 OPTIONAL_IMPLS = ["ours_det", "ours_mma"]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 SANITY_REL_TOL = 0.05  # a loose "is it the same function" check against SDPA, not the correctness rule
@@ -43,9 +43,10 @@ def parse_args(argv=None):
     p.add_argument("--rep", type=int, default=None, help="timed calls per measurement, >= 20 (default 30, --quick 20)")
     p.add_argument("--rounds", type=int, default=3, help="turns each implementation takes per shape (median)")
     p.add_argument("--quick", action="store_true", help="fewer shapes and repetitions")
-    p.add_argument("--out-dir", default=os.path.join(HERE, "results"))
+    p.add_argument("--out-dir", default=None, help="default bench/results/<gpu>/, e.g. bench/results/h200/")
     p.add_argument("--mma-peak", default=None, help="mma_peak.json to use (default <out-dir>/mma_peak.json)")
     a = p.parse_args(argv)
+    a.out_dir = common.out_dir(a.out_dir)
     a.seqlens = a.seqlens or ([2048, 8192, 16384] if a.quick else [512, 1024, 2048, 4096, 8192, 16384])
     a.warmup = a.warmup if a.warmup is not None else (3 if a.quick else 5)
     a.rep = a.rep if a.rep is not None else (20 if a.quick else 30)
@@ -76,18 +77,14 @@ def timed_pass(fn, inputs, pass_):
     return (lambda: torch.autograd.grad(fn(), inputs, dout)), out
 
 
-@contextlib.contextmanager
-def disable_wgmma():
-    """The extension reads FLASH_ATTN2_DISABLE_WGMMA at every call."""
-    old = os.environ.get("FLASH_ATTN2_DISABLE_WGMMA")
-    os.environ["FLASH_ATTN2_DISABLE_WGMMA"] = "1"
+def mma_sync_plan():
+    """A context factory that forces the mma.sync kernels (forward and backward) on the calls made inside it,
+    or an error string when this flash_attn_cuda has no plans."""
     try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["FLASH_ATTN2_DISABLE_WGMMA"]
-        else:
-            os.environ["FLASH_ATTN2_DISABLE_WGMMA"] = old
+        from flash_attn_cuda.plan import force_plan
+    except Exception as exc:
+        return f"no force_plan: {type(exc).__name__}: {exc}"
+    return lambda: force_plan(kernel="mma_sync")
 
 
 def make_runners(lib, lib_err, q, k, v, qt, kt, vt, causal, impls):
@@ -105,9 +102,9 @@ def make_runners(lib, lib_err, q, k, v, qt, kt, vt, causal, impls):
             elif hasattr(lib, "kernel_available") and not lib.kernel_available(hdim, dtype, causal):
                 runners[name] = f"kernel not compiled (hdim {hdim}, {dtype}, causal={causal})"
             else:
-                runners[name] = (disable_wgmma if name == "ours_mma" else contextlib.nullcontext,
-                                 lambda det=det: lib.flash_attn_func(q, k, v, causal=causal, deterministic=det),
-                                 (q, k, v))
+                ctx = mma_sync_plan() if name == "ours_mma" else contextlib.nullcontext
+                runners[name] = ctx if isinstance(ctx, str) else (
+                    ctx, lambda det=det: lib.flash_attn_func(q, k, v, causal=causal, deterministic=det), (q, k, v))
         else:
             runners[name] = (lambda b=backends[name]: sdpa_kernel([b]),
                              lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal), (qt, kt, vt))

@@ -47,8 +47,9 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--rep", type=int, default=30)
     p.add_argument("--rounds", type=int, default=3, help="turns each implementation takes per shape (median)")
-    p.add_argument("--out-dir", default=os.path.join(HERE, "results"))
+    p.add_argument("--out-dir", default=None, help="default bench/results/<gpu>/, e.g. bench/results/h200/")
     a = p.parse_args(argv)
+    a.out_dir = common.out_dir(a.out_dir)
     import flash_attn_cuda
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

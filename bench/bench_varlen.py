@@ -3,7 +3,7 @@ FLASH_ATTENTION backend (and our dense kernel) on the same batch padded to its l
 TFLOP/s count useful work only: sum over sequences of the FA2 FLOPs of that sequence.
 
     python bench/bench_varlen.py                      # bf16, hdim 128, 16 heads, causal and not
-    python bench/bench_varlen.py --plot results/h200/varlen_nvidia-h200.json   # redraw the PNG
+    python bench/bench_varlen.py --plot bench/results/h200/varlen_nvidia-h200.json     # redraw a run's PNG
 """
 import argparse
 import json
@@ -31,12 +31,13 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--rep", type=int, default=30)
-    p.add_argument("--out-dir", default=os.path.join(HERE, "results"))
+    p.add_argument("--out-dir", default=None, help="default bench/results/<gpu>/, e.g. bench/results/h200/")
     return p.parse_args(argv)
 
 
 def main(argv=None):
     a = parse_args(argv)
+    a.out_dir = common.out_dir(a.out_dir)
     import flash_attn_cuda
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

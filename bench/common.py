@@ -68,6 +68,21 @@ def slug(text):
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown"
 
 
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def gpu_dir(gpu=None):
+    """The folder of a GPU's results under bench/results/: its name's slug without the vendor ("h200")."""
+    if gpu is None:
+        gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no-gpu"
+    return re.sub(r"^nvidia-", "", slug(gpu))
+
+
+def out_dir(given=None):
+    """--out-dir when given, else bench/results/<gpu>/ for this GPU."""
+    return given or os.path.join(RESULTS, gpu_dir())
+
+
 def git_commit():
     env = os.environ.get("FLASH_ATTN2_COMMIT")
     if env:

@@ -1,7 +1,7 @@
 """Measure the mma.sync m16n8k16 bf16->fp32 throughput ceiling of this GPU (bench/mma_peak.cu) and write
 <out-dir>/mma_peak.json = {gpu, tflops, date, commit, ...}, which bench_fwd.py reads to report fractions of it.
 
-    python bench/mma_peak.py [--out-dir bench/results] [--iters 8192] [--reps 20]
+    python bench/mma_peak.py [--out-dir bench/results/<gpu>] [--iters 8192] [--reps 20]
 """
 import argparse
 import json
@@ -29,10 +29,11 @@ def find_nvcc():
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out-dir", default=os.path.join(HERE, "results"))
+    p.add_argument("--out-dir", default=None, help="default bench/results/<gpu>/, e.g. bench/results/h200/")
     p.add_argument("--iters", type=int, default=8192)
     p.add_argument("--reps", type=int, default=20)
     args = p.parse_args()
+    args.out_dir = common.out_dir(args.out_dir)
     if not torch.cuda.is_available():
         sys.exit("mma_peak.py needs a CUDA GPU")
     major, minor = torch.cuda.get_device_capability()

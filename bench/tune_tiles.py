@@ -28,7 +28,7 @@ def parse_args(argv=None):
     p.add_argument("--tiles", default=None, help="';'-separated; fwd 'M,N,WARPS', bwd 'M,N'")
     p.add_argument("--seqlens", default="1024,4096,16384")
     p.add_argument("--work-dir", default="/tmp/flash_tune")
-    p.add_argument("--out-dir", default=os.path.join(HERE, "results"))
+    p.add_argument("--out-dir", default=None, help="default bench/results/<gpu>/, e.g. bench/results/h200/")
     p.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # internal: time one built copy
     a = p.parse_args(argv)
     if a.tiles is None:
@@ -162,6 +162,7 @@ def main(argv=None):
     lines.append("")
     lines += [f"best hdim {h} causal={c}: {t} ({g:.0f} TFLOP/s)" for (h, c), (g, t) in sorted(best.items())]
     meta = common.stamp()
+    args.out_dir = common.out_dir(args.out_dir)
     os.makedirs(args.out_dir, exist_ok=True)
     name = f"tune_{args.pass_}_{common.slug(meta['gpu'])}"
     with open(os.path.join(args.out_dir, name + ".json"), "w") as f:

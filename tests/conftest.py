@@ -4,10 +4,35 @@ Helpers live here (rather than in a package) so test modules can ``from conftest
 under pytest's default import mode.
 """
 
+import itertools
 import math
 
 import pytest
 import torch
+
+from flash_attn_cuda import _kernel_list
+from flash_attn_cuda.plan import override_string, plan
+from flash_attn_cuda.reference import attention_ref
+
+# ---------------------------------------------------------------- shared constants
+#
+# The kernel head dims and dtypes come from the generated kernel list (csrc/generate_kernels.py), so a head dim
+# or dtype added there reaches every test.
+
+KERNEL_HEAD_DIMS = list(_kernel_list.HEAD_DIMS)
+DTYPE_IDS = list(_kernel_list.DTYPES)
+_TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPES = [_TORCH_DTYPES[name] for name in DTYPE_IDS]
+DTYPE_NAMES = dict(zip(DTYPES, DTYPE_IDS))
+# Multiples of 8 that the op takes directly but that fill only part of a kernel head dim: 8 above each kernel
+# head dim but the largest, and 8 (the smallest).
+PARTIAL_HEAD_DIMS = [8] + [d + 8 for d in KERNEL_HEAD_DIMS[:-1]]
+
+
+def kernel_head_dim(head_dim):
+    """The kernel head dim that runs a call of this head dim (after the wrapper pads it to a multiple of 8)."""
+    return next(d for d in KERNEL_HEAD_DIMS if d >= head_dim)
+
 
 MARKERS = {
     "gpu": "needs a CUDA device; skipped when none is present",
@@ -204,3 +229,101 @@ def check_results(names, ours, ref, lowp, dtype, floors=None):
     for name, o, r, lp in zip(names, ours, ref, lowp):
         atol = max(1e-5, one_ulp(r, dtype) if o.dtype == dtype else 0.0) + floors.get(name, 0.0)
         check_close(name, o, r, lp, atol=atol)
+
+
+# ---------------------------------------------------------------- inputs
+
+
+def rand(*shape, dtype, device="cuda"):
+    """Standard-normal values of ``shape`` in ``dtype``."""
+    return torch.randn(shape, dtype=dtype, device=device)
+
+
+def cu_seqlens(lengths, device="cuda"):
+    """int32 (len(lengths) + 1,) sequence offsets: sequence i owns rows [cu[i], cu[i + 1])."""
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+
+
+def varlen_attention(q, k, v, lens_q, lens_k, causal, softmax_scale=None, upcast=True):
+    """The varlen reference: attention_ref on each sequence separately, packed again.
+
+    q (total_q, nheads, d), k and v (total_k, nheads_k, d); returns out (total_q, nheads, d) and
+    lse (nheads, total_q), as flash_attn_varlen_func does.
+    """
+    outs, lses = [], []
+    for (q0, q1), (k0, k1) in zip(itertools.pairwise([0, *itertools.accumulate(lens_q)]),
+                                  itertools.pairwise([0, *itertools.accumulate(lens_k)])):
+        out, lse = attention_ref(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], softmax_scale, causal, upcast=upcast)
+        outs.append(out[0])
+        lses.append(lse[0])
+    return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+# ---------------------------------------------------------------- plans
+#
+# A test that forces a path (flash_attn_cuda.plan.force_plan, or the ops' num_splits and plan_override
+# arguments) asserts through torch.ops.flash_attn2.plan that a call with its sizes takes that path on this GPU,
+# and that a choice the GPU or the head dim does not have is reported off.
+
+
+def _sizes(q, k, lens, max_seqlens):
+    """(batch, seqlen_q, seqlen_k) of a call, as the plan takes them."""
+    if lens is None:
+        return q.shape[0], q.shape[1], k.shape[1]
+    return len(lens[0]), *(max_seqlens or (max(lens[0], default=0), max(lens[1], default=0)))
+
+
+def device_plan(pass_, q, k, causal, *, deterministic=False, lens=None, max_seqlens=None, num_splits=0, **choices):
+    """The plan of one pass of a call with q and k on the current GPU and this build, under
+    ``force_plan(num_splits, **choices)``. Dense q (batch, seqlen_q, nheads, head_dim); varlen q
+    (total_q, nheads, head_dim) with ``lens`` = (lens_q, lens_k), and the call's (max_seqlen_q, max_seqlen_k)
+    if not the maxima of the lengths."""
+    head_dim = -(-q.shape[-1] // 8) * 8  # as padded by the wrapper
+    batch, seqlen_q, seqlen_k = _sizes(q, k, lens, max_seqlens)
+    return plan(pass_, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=q.shape[-2], nheads_k=k.shape[-2],
+                head_dim=head_dim, causal=causal, deterministic=deterministic, varlen=lens is not None,
+                num_splits=num_splits, override=override_string(**choices), dtype=q.dtype)
+
+
+def check_forced_plans(q, k, causal, force, *, deterministic=False, lens=None, max_seqlens=None,
+                       passes=("fwd", "bwd")):
+    """Asserts that calls with q and k (and ``lens``, ``max_seqlens`` as in device_plan) under
+    ``force_plan(**force)`` take each forced choice where it applies, and report it off where it does not
+    (another head dim, a GPU without the Hopper kernels, deterministic mode, varlen). Returns {pass: plan}, or
+    {} for a call with nothing to compute (no query or no key: no kernel runs)."""
+    force = dict(force)
+    if 0 in (*_sizes(q, k, lens, max_seqlens), q.shape[-2], k.shape[-2]):
+        return {}
+    num_splits = force.pop("num_splits", 0)
+    nheads, nheads_k = q.shape[-2], k.shape[-2]
+    kernel_dim = kernel_head_dim(q.shape[-1])
+    plans = {}
+    for pass_ in passes:
+        p = device_plan(pass_, q, k, causal, deterministic=deterministic and pass_ == "bwd", lens=lens,
+                        max_seqlens=max_seqlens, num_splits=num_splits, **force)
+        plans[pass_] = p
+        assert p.pass_ == pass_, p
+        if "kernel" in force:
+            assert p.kernel == force["kernel"], p
+        hopper = p.kernel == "wgmma"
+        if pass_ == "fwd":
+            if num_splits:
+                assert p.num_splits == (num_splits if lens is None else 1), p
+            if "short_keys" in force:
+                assert p.short_key_tile == bool(force["short_keys"] and hopper and kernel_dim == 128), p
+            continue
+        if deterministic:
+            assert p.kernel == "mma_sync", p
+        # A packed seqlen_q == 1 call has no GQA left.
+        grouped = nheads != nheads_k and p.gqa_pack == 1
+        if "gqa_walk" in force:
+            walk = bool(force["gqa_walk"]) and hopper and grouped
+            assert p.heads_per_cta == (nheads // nheads_k if walk else 1), p
+            assert p.dkv_fp32_slices == (grouped and not walk), p
+        if "key_blocks" in force:
+            assert p.key_blocks_per_cta == (force["key_blocks"] if hopper and kernel_dim <= 128 else 1), p
+        if "short_queries" in force:
+            assert p.short_query_tile == bool(force["short_queries"] and hopper and kernel_dim == 128), p
+            if p.short_query_tile:
+                assert p.block_m == 16, p
+    return plans

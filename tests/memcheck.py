@@ -5,21 +5,22 @@ or writes show up as memcheck errors.
 
     compute-sanitizer --tool memcheck python tests/memcheck.py [section ...]
 
-With section names (the functions below, e.g. `short_queries`), only those run.
+With section names (the functions below, e.g. `short_queries`), only those run. Paths are forced with
+flash_attn_cuda.plan.force_plan, and each forced call first asserts through its plan that it takes the path
+where this GPU has it (conftest.check_forced_plans).
 """
 import itertools
-import os
 import sys
 
 import torch
+from conftest import KERNEL_HEAD_DIMS, check_forced_plans
 
 import flash_attn_cuda
 from flash_attn_cuda import flash_attn_func, flash_attn_varlen_func
-
+from flash_attn_cuda.plan import force_plan
 
 # Variable-length batches: lengths with empty and one-token sequences, and every kernel head dim.
 LENS_Q, LENS_K = [0, 1, 17, 130, 64], [5, 0, 17, 77, 129]
-HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 
 
 def cu_seqlens():
@@ -53,7 +54,7 @@ def varlen():
     """Variable-length batches with empty and one-token sequences; returns the calls."""
     calls = 0
     cu_q, cu_k = cu_seqlens()
-    for head_dim, dtype, causal in itertools.product(HEAD_DIMS, (torch.float16, torch.bfloat16), (False, True)):
+    for head_dim, dtype, causal in itertools.product(KERNEL_HEAD_DIMS, (torch.float16, torch.bfloat16), (False, True)):
         if not flash_attn_cuda.kernel_available(head_dim, dtype, causal, backward=True):
             continue
         # Packed (total, 3, h, d) buffers: strided q, k, v of exactly total rows each.
@@ -70,14 +71,15 @@ def split_kv():
     """Split-KV forwards, forced (the heuristic leaves shapes this small unsplit); 7 splits of 203 keys leave
     some splits without a key block. Returns the calls."""
     calls = 0
-    for splits, head_dim, causal in itertools.product(("3", "7"), (32, 64, 96, 128, 256), (False, True)):
+    for splits, head_dim, causal in itertools.product((3, 7), (32, 64, 96, 128, 256), (False, True)):
         if not flash_attn_cuda.kernel_available(head_dim, torch.bfloat16, causal):
             continue
-        os.environ["FLASH_ATTN2_NUM_SPLITS"] = splits
         q = torch.randn(2, 17, 4, head_dim, device="cuda", dtype=torch.bfloat16)
         k, v = torch.randn(2, 2, 203, 2, head_dim, device="cuda", dtype=torch.bfloat16).unbind(0)
-        flash_attn_func(q, k, v, causal=causal)
-        del os.environ["FLASH_ATTN2_NUM_SPLITS"]
+        force = {"num_splits": splits}
+        check_forced_plans(q, k, causal, force, passes=("fwd",))
+        with force_plan(**force):
+            flash_attn_func(q, k, v, causal=causal)
         calls += 1
     return calls
 
@@ -87,20 +89,23 @@ def gqa_walk():
     returns the calls."""
     calls = 0
     cu_q, cu_k = cu_seqlens()
-    os.environ["FLASH_ATTN2_GQA_WALK"] = "1"
-    for head_dim, causal in itertools.product(HEAD_DIMS, (False, True)):
+    force = {"gqa_walk": True}
+    for head_dim, causal in itertools.product(KERNEL_HEAD_DIMS, (False, True)):
         if not flash_attn_cuda.kernel_available(head_dim, torch.bfloat16, causal, backward=True):
             continue
         q = torch.randn(2, 77, 6, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         kv = torch.randn(2, 203, 2, 2, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        out = flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], causal=causal)
-        out.backward(torch.randn_like(out))
+        check_forced_plans(q, kv[:, :, 0], causal, force)
+        with force_plan(**force):
+            out = flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], causal=causal)
+            out.backward(torch.randn_like(out))
         q = torch.randn(sum(LENS_Q), 6, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         kv = torch.randn(sum(LENS_K), 2, 2, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        out = flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_q, cu_k, max(LENS_Q), max(LENS_K), causal=causal)
-        out.backward(torch.randn_like(out))
+        check_forced_plans(q, kv[:, 0], causal, force, lens=(LENS_Q, LENS_K))
+        with force_plan(**force):
+            out = flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_q, cu_k, max(LENS_Q), max(LENS_K), causal=causal)
+            out.backward(torch.randn_like(out))
         calls += 2
-    del os.environ["FLASH_ATTN2_GQA_WALK"]
     return calls
 
 
@@ -109,21 +114,24 @@ def key_blocks():
     returns the calls."""
     calls = 0
     cu_q, cu_k = cu_seqlens()
-    os.environ["FLASH_ATTN2_BWD_KEY_BLOCKS"] = "3"
+    force = {"key_blocks": 3}
     for head_dim, causal in itertools.product((32, 64, 96, 128), (False, True)):
         if not flash_attn_cuda.kernel_available(head_dim, torch.bfloat16, causal, backward=True):
             continue
         for sq, sk in ((1, 700), (300, 200)):
             q = torch.randn(2, sq, 4, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
             kv = torch.randn(2, sk, 2, 4, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-            out = flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], causal=causal)
-            out.backward(torch.randn_like(out))
+            check_forced_plans(q, kv[:, :, 0], causal, force)
+            with force_plan(**force):
+                out = flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], causal=causal)
+                out.backward(torch.randn_like(out))
         q = torch.randn(sum(LENS_Q), 4, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         kv = torch.randn(sum(LENS_K), 2, 2, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        out = flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_q, cu_k, max(LENS_Q), max(LENS_K), causal=causal)
-        out.backward(torch.randn_like(out))
+        check_forced_plans(q, kv[:, 0], causal, force, lens=(LENS_Q, LENS_K))
+        with force_plan(**force):
+            out = flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_q, cu_k, max(LENS_Q), max(LENS_K), causal=causal)
+            out.backward(torch.randn_like(out))
         calls += 3
-    del os.environ["FLASH_ATTN2_BWD_KEY_BLOCKS"]
     return calls
 
 
@@ -133,23 +141,24 @@ def short_queries():
     and varlen; returns the calls."""
     calls = 0
     cu_q, cu_k = cu_seqlens()
-    for short, walk, causal in itertools.product(("1", "0"), ("1", "3"), (False, True)):
+    for short, walk, causal in itertools.product((True, False), (1, 3), (False, True)):
         if not flash_attn_cuda.kernel_available(128, torch.bfloat16, causal, backward=True):
             continue
-        os.environ["FLASH_ATTN2_BWD_SHORT_QUERIES"] = short
-        os.environ["FLASH_ATTN2_BWD_KEY_BLOCKS"] = walk
+        force = {"short_queries": short, "key_blocks": walk}
         for sq, sk in ((1, 700), (5, 200), (40, 300)):
             q = torch.randn(2, sq, 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
             kv = torch.randn(2, sk, 2, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-            out = flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], causal=causal)
-            out.backward(torch.randn_like(out))
+            check_forced_plans(q, kv[:, :, 0], causal, force)
+            with force_plan(**force):
+                out = flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], causal=causal)
+                out.backward(torch.randn_like(out))
         q = torch.randn(sum(LENS_Q), 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         kv = torch.randn(sum(LENS_K), 2, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        out = flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_q, cu_k, max(LENS_Q), max(LENS_K), causal=causal)
-        out.backward(torch.randn_like(out))
+        check_forced_plans(q, kv[:, 0], causal, force, lens=(LENS_Q, LENS_K))
+        with force_plan(**force):
+            out = flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_q, cu_k, max(LENS_Q), max(LENS_K), causal=causal)
+            out.backward(torch.randn_like(out))
         calls += 4
-    os.environ.pop("FLASH_ATTN2_BWD_SHORT_QUERIES", None)  # unset when the build has no head dim 128
-    os.environ.pop("FLASH_ATTN2_BWD_KEY_BLOCKS", None)
     return calls
 
 
@@ -157,16 +166,17 @@ def fwd_regular_tile():
     """Head dim 128 forwards on the regular Hopper tile at lengths that otherwise run the short-key tile;
     returns the calls."""
     calls = 0
-    os.environ["FLASH_ATTN2_FWD_SHORT_KEYS"] = "0"
+    force = {"short_keys": False}
     for dtype, causal in itertools.product((torch.float16, torch.bfloat16), (False, True)):
         if not flash_attn_cuda.kernel_available(128, dtype, causal):
             continue
         for sq, sk in ((1, 17), (113, 77), (77, 203)):
             q = torch.randn(2, sq, 4, 128, device="cuda", dtype=dtype)
             k, v = torch.randn(2, 2, sk, 2, 128, device="cuda", dtype=dtype).unbind(0)
-            flash_attn_func(q, k, v, causal=causal)
+            check_forced_plans(q, k, causal, force, passes=("fwd",))
+            with force_plan(**force):
+                flash_attn_func(q, k, v, causal=causal)
             calls += 1
-    del os.environ["FLASH_ATTN2_FWD_SHORT_KEYS"]
     return calls
 
 

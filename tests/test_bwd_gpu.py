@@ -1,4 +1,4 @@
-"""Backward pass against the float32 reference (rule in DEVELOPERS.md), on a CUDA device.
+"""Backward pass against the float32 reference (the correctness rule of conftest.check_close), on a CUDA device.
 
 dq, dk and dv of flash_attn_func are compared with autograd through attention_ref, in float32 on upcast
 inputs (ref) and in the input dtype (ref_lowp), with the atol of conftest.check_results (one ulp, and for dq
@@ -10,16 +10,25 @@ import itertools
 
 import pytest
 import torch
-from conftest import check_results, gradient_floors, poison_allocator, require_fwd_bwd_kernels, requires_gpu
+from conftest import (
+    DTYPE_IDS,
+    DTYPES,
+    KERNEL_HEAD_DIMS,
+    check_forced_plans,
+    check_results,
+    gradient_floors,
+    poison_allocator,
+    rand,
+    require_fwd_bwd_kernels,
+    requires_gpu,
+)
 
 from flash_attn_cuda import flash_attn_func
+from flash_attn_cuda.plan import force_plan
 from flash_attn_cuda.reference import attention_ref
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 
-DTYPES = [torch.float16, torch.bfloat16]
-DTYPE_IDS = ["fp16", "bf16"]
-KERNEL_HEAD_DIMS = [32, 64, 96, 128, 160, 192, 224, 256]
 SEQLENS = [1, 17, 113, 1023]
 
 
@@ -29,12 +38,17 @@ def reference_grads(q, k, v, dout, causal, softmax_scale, upcast):
     return torch.autograd.grad(out, leaves, dout.float() if upcast else dout)
 
 
-def check_grads(q, k, v, causal, softmax_scale=None, deterministic=False):
+def check_grads(q, k, v, causal, softmax_scale=None, deterministic=False, force=None):
+    """The rule on dq, dk and dv of flash_attn_func, forward and backward run under force_plan(**force), whose
+    choices the plans of both passes must take (conftest.check_forced_plans). Returns {pass: plan}."""
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    force = dict(force or {})
+    plans = check_forced_plans(q, k, causal, force, deterministic=deterministic)
     dout = torch.randn(q.shape, dtype=q.dtype, device=q.device)
     poison_allocator(q.device)
-    out = flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal, deterministic=deterministic)
-    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    with force_plan(**force):
+        out = flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal, deterministic=deterministic)
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
     ref = reference_grads(q, k, v, dout, causal, softmax_scale, upcast=True)
     lowp = reference_grads(q, k, v, dout, causal, softmax_scale, upcast=False)
@@ -46,10 +60,7 @@ def check_grads(q, k, v, causal, softmax_scale=None, deterministic=False):
 
     floors = gradient_floors(attend, q, k, v, dout, out, scale, rows)
     check_results(("dq", "dk", "dv"), (dq, dk, dv), ref, lowp, q.dtype, floors)
-
-
-def rand(*shape, dtype):
-    return torch.randn(shape, dtype=dtype, device="cuda")
+    return plans
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -65,15 +76,14 @@ def test_head_dims(b, sq, sk, h, hk, head_dim, causal, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [40, 72, 104, 136, 200])
-@pytest.mark.parametrize("h, hk, walk", [(4, 4, "0"), (6, 2, "0"), (6, 2, "1")], ids=["mha", "gqa", "gqa-walk"])
-def test_head_dim_below_kernel_dim(h, hk, walk, head_dim, causal, dtype, monkeypatch):
+@pytest.mark.parametrize("h, hk, walk", [(4, 4, False), (6, 2, False), (6, 2, True)], ids=["mha", "gqa", "gqa-walk"])
+def test_head_dim_below_kernel_dim(h, hk, walk, head_dim, causal, dtype):
     # Multiples of 8 that fill only part of the kernel's head dim. On Hopper, element-typed dK and dV (MHA, or a
     # GQA group walked per CTA) leave the kernel in 16 B chunks of a (keys, kernel head dim) tile, and a chunk
     # past head_dim would land on the next key's row; GQA without a walk writes fp32 slices instead.
     require_fwd_bwd_kernels(head_dim, dtype, causal)
-    monkeypatch.setenv("FLASH_ATTN2_GQA_WALK", walk)
     check_grads(rand(2, 113, h, head_dim, dtype=dtype), rand(2, 301, hk, head_dim, dtype=dtype),
-                rand(2, 301, hk, head_dim, dtype=dtype), causal)
+                rand(2, 301, hk, head_dim, dtype=dtype), causal, force={"gqa_walk": walk})
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -91,101 +101,97 @@ def test_seqlens(seqlens, head_dim, causal, dtype):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", KERNEL_HEAD_DIMS)
 @pytest.mark.parametrize("sq, sk", [(17, 1023), (1023, 113), (257, 257)], ids=lambda v: str(v))
-def test_mma_sync_backward_with_wgmma_disabled(sq, sk, head_dim, causal, dtype, monkeypatch):
+def test_mma_sync_backward_forced(sq, sk, head_dim, causal, dtype):
     # Hopper runs the warpgroup-MMA backward for these head dims; the mma.sync one (what Ampere runs) must
     # stay correct there too.
     require_fwd_bwd_kernels(head_dim, dtype, causal)
-    monkeypatch.setenv("FLASH_ATTN2_DISABLE_WGMMA", "1")
     check_grads(rand(2, sq, 6, head_dim, dtype=dtype), rand(2, sk, 2, head_dim, dtype=dtype),
-                rand(2, sk, 2, head_dim, dtype=dtype), causal)
+                rand(2, sk, 2, head_dim, dtype=dtype), causal, force={"kernel": "mma_sync"})
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", KERNEL_HEAD_DIMS)
 @pytest.mark.parametrize("b, sq, sk, h, hk", [(2, 113, 1023, 8, 2), (2, 257, 17, 6, 1)], ids=["gqa-sq<sk", "mqa-sq>sk"])
-def test_gqa_group_walk(b, sq, sk, h, hk, head_dim, causal, dtype, monkeypatch):
-    # FLASH_ATTN2_GQA_WALK=1: on Hopper every backward CTA walks all query heads of its key/value head and sums
-    # dK and dV in registers, whatever the grid size (elsewhere the variable changes nothing).
+def test_gqa_group_walk(b, sq, sk, h, hk, head_dim, causal, dtype):
+    # gqa_walk=True: on Hopper every backward CTA walks all query heads of its key/value head and sums dK and dV
+    # in registers, whatever the grid size (elsewhere the plan has no walk).
     require_fwd_bwd_kernels(head_dim, dtype, causal)
-    monkeypatch.setenv("FLASH_ATTN2_GQA_WALK", "1")
     check_grads(rand(b, sq, h, head_dim, dtype=dtype), rand(b, sk, hk, head_dim, dtype=dtype),
-                rand(b, sk, hk, head_dim, dtype=dtype), causal)
+                rand(b, sk, hk, head_dim, dtype=dtype), causal, force={"gqa_walk": True})
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("walk", ["0", "auto"])
-def test_gqa_group_walk_by_grid_size(walk, causal, monkeypatch):
+def test_gqa_group_walk_by_grid_size(walk, causal):
     # 2 sequences x 2 key/value heads x 33 key blocks of 128 keys fill the 132 SMs of an H200, so the grid-size
     # rule walks groups there; "0" keeps one CTA per query head with fp32 dK/dV slices.
     require_fwd_bwd_kernels(128, torch.bfloat16, causal)
-    if walk == "0":
-        monkeypatch.setenv("FLASH_ATTN2_GQA_WALK", "0")
-    else:
-        monkeypatch.delenv("FLASH_ATTN2_GQA_WALK", raising=False)
-    check_grads(rand(2, 200, 8, 128, dtype=torch.bfloat16), rand(2, 4100, 2, 128, dtype=torch.bfloat16),
-                rand(2, 4100, 2, 128, dtype=torch.bfloat16), causal)
+    force = {"gqa_walk": False} if walk == "0" else {}
+    plans = check_grads(rand(2, 200, 8, 128, dtype=torch.bfloat16), rand(2, 4100, 2, 128, dtype=torch.bfloat16),
+                        rand(2, 4100, 2, 128, dtype=torch.bfloat16), causal, force=force)
+    p = plans["bwd"]
+    fills = torch.cuda.get_device_properties(0).multi_processor_count <= 2 * 2 * 33
+    walks = walk == "auto" and p.kernel == "wgmma" and fills
+    assert p.heads_per_cta == (4 if walks else 1) and p.dkv_fp32_slices is not walks, p
 
 
-@pytest.mark.parametrize("key_blocks", ["2", "3"])
+@pytest.mark.parametrize("key_blocks", [2, 3])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [32, 64, 96, 128])
 @pytest.mark.parametrize("b, sq, sk, h, hk", [(2, 1, 1023, 4, 4), (2, 113, 777, 6, 2), (1, 300, 200, 3, 3)],
                          ids=["decode", "gqa-sq<sk", "sq>sk"])
-def test_key_blocks_per_cta(b, sq, sk, h, hk, head_dim, causal, key_blocks, monkeypatch):
-    # FLASH_ATTN2_BWD_KEY_BLOCKS=n: every Hopper backward CTA of head dims <= 128 walks n consecutive key blocks,
-    # loading the next one's K and V during the current one (elsewhere the variable changes nothing). The
-    # shapes give one and several query blocks per key block, causal key blocks whose first query blocks see
-    # none of their keys, a CTA whose key blocks run past the sequence end, and GQA groups walked per CTA.
+def test_key_blocks_per_cta(b, sq, sk, h, hk, head_dim, causal, key_blocks):
+    # key_blocks=n: every Hopper backward CTA of head dims <= 128 walks n consecutive key blocks, loading the
+    # next one's K and V during the current one (elsewhere the plan keeps one). The shapes give one and several
+    # query blocks per key block, causal key blocks whose first query blocks see none of their keys, a CTA whose
+    # key blocks run past the sequence end, and GQA groups walked per CTA.
     require_fwd_bwd_kernels(head_dim, torch.bfloat16, causal)
-    monkeypatch.setenv("FLASH_ATTN2_BWD_KEY_BLOCKS", key_blocks)
-    monkeypatch.setenv("FLASH_ATTN2_GQA_WALK", "1")
     check_grads(rand(b, sq, h, head_dim, dtype=torch.bfloat16), rand(b, sk, hk, head_dim, dtype=torch.bfloat16),
-                rand(b, sk, hk, head_dim, dtype=torch.bfloat16), causal)
+                rand(b, sk, hk, head_dim, dtype=torch.bfloat16), causal,
+                force={"key_blocks": key_blocks, "gqa_walk": True})
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("sq", [1, 100])
-def test_short_queries_long_keys(sq, dtype, monkeypatch):
-    # Grids large enough that the heuristic walks several key blocks per backward CTA on an H200 (8 here).
+def test_short_queries_long_keys(sq, dtype):
+    # Grids large enough that the heuristic walks several key blocks per backward CTA on Hopper (8 on an H200).
     require_fwd_bwd_kernels(128, dtype, False)
-    monkeypatch.delenv("FLASH_ATTN2_BWD_KEY_BLOCKS", raising=False)
-    check_grads(rand(8, sq, 16, 128, dtype=dtype), rand(8, 4096, 16, 128, dtype=dtype),
-                rand(8, 4096, 16, 128, dtype=dtype), False)
+    p = check_grads(rand(8, sq, 16, 128, dtype=dtype), rand(8, 4096, 16, 128, dtype=dtype),
+                    rand(8, 4096, 16, 128, dtype=dtype), False)["bwd"]
+    assert p.key_blocks_per_cta > 1 if p.kernel == "wgmma" else p.key_blocks_per_cta == 1, p
 
 
-@pytest.mark.parametrize("force", ["1", "0"], ids=["short-tile", "regular-tile"])
+@pytest.mark.parametrize("short_queries", [True, False], ids=["short-tile", "regular-tile"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize(
     "b, sq, sk, h, hk, key_blocks",
     [(3, 1, 1023, 4, 4, "auto"), (2, 5, 777, 6, 2, "auto"), (2, 16, 4097, 2, 2, "auto"),
-     (2, 16, 300, 4, 4, "3"), (1, 113, 300, 3, 1, "auto"), (1, 300, 113, 2, 2, "2")],
+     (2, 16, 300, 4, 4, 3), (1, 113, 300, 3, 1, "auto"), (1, 300, 113, 2, 2, 2)],
     ids=["decode", "gqa-sq5", "sq16-long", "sq16-walk3", "sq113-mqa", "sq300-walk2"],
 )
-@pytest.mark.parametrize("walk_groups", ["0", "1"], ids=["per-head", "group-walk"])
-def test_short_query_tile_forced(b, sq, sk, h, hk, key_blocks, dtype, causal, force, walk_groups, monkeypatch):
+@pytest.mark.parametrize("walk_groups", [False, True], ids=["per-head", "group-walk"])
+def test_short_query_tile_forced(b, sq, sk, h, hk, key_blocks, dtype, causal, short_queries, walk_groups):
     # On Hopper, head dim 128 with seqlen_q <= 16 runs 16-row query blocks in the backward (dQ^T = K^T dS^T).
-    # FLASH_ATTN2_BWD_SHORT_QUERIES=1 forces them at every length (several query blocks per key block, causal
-    # diagonals), =0 never, so both tiles are checked on both sides of the threshold.
+    # short_queries=True forces them at every length (several query blocks per key block, causal diagonals),
+    # False never, so both tiles are checked on both sides of the threshold.
     require_fwd_bwd_kernels(128, dtype, causal)
-    monkeypatch.setenv("FLASH_ATTN2_BWD_SHORT_QUERIES", force)
-    monkeypatch.setenv("FLASH_ATTN2_GQA_WALK", walk_groups)
-    if key_blocks == "auto":
-        monkeypatch.delenv("FLASH_ATTN2_BWD_KEY_BLOCKS", raising=False)
-    else:
-        monkeypatch.setenv("FLASH_ATTN2_BWD_KEY_BLOCKS", key_blocks)
+    force = {"short_queries": short_queries, "gqa_walk": walk_groups}
+    if key_blocks != "auto":
+        force["key_blocks"] = key_blocks
     check_grads(rand(b, sq, h, 128, dtype=dtype), rand(b, sk, hk, 128, dtype=dtype),
-                rand(b, sk, hk, 128, dtype=dtype), causal)
+                rand(b, sk, hk, 128, dtype=dtype), causal, force=force)
 
 
-def test_key_blocks_rejects_bad_env(monkeypatch):
+@pytest.mark.parametrize("plan_override", ["key_blocks=two", "gqa_walk=yes", "kernel"])
+def test_bwd_op_rejects_malformed_plan_override(plan_override):
+    # The message names the argument (test_plan_cpu.py checks the plan op alike).
     require_fwd_bwd_kernels(64, torch.bfloat16, False)
-    monkeypatch.setenv("FLASH_ATTN2_BWD_KEY_BLOCKS", "two")
-    q, k, v = (rand(1, 65, 2, 64, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
-    out = flash_attn_func(q, k, v)
-    with pytest.raises((RuntimeError, ValueError), match="FLASH_ATTN2_BWD_KEY_BLOCKS"):
-        out.backward(torch.randn_like(out))
+    q, k, v = (rand(1, 65, 2, 64, dtype=torch.bfloat16) for _ in range(3))
+    out, lse = torch.ops.flash_attn2.fwd(q, k, v, 0.125, False)
+    with pytest.raises((RuntimeError, ValueError), match="plan_override"):
+        torch.ops.flash_attn2.bwd(torch.randn_like(out), q, k, v, out, lse, 0.125, False, plan_override=plan_override)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -207,7 +213,8 @@ def test_decode_gqa_packing(head_dim, dtype, h, hk, sk, causal, deterministic):
     require_fwd_bwd_kernels(head_dim, dtype, causal)
     q = rand(3, h, 1, head_dim, dtype=dtype).transpose(1, 2)
     k, v = (rand(3, sk, hk, head_dim, dtype=dtype) for _ in range(2))
-    check_grads(q, k, v, causal, deterministic=deterministic)
+    for pass_, p in check_grads(q, k, v, causal, deterministic=deterministic).items():
+        assert p.gqa_pack == h // hk and not p.causal and not p.dkv_fp32_slices, (pass_, p)
     dout = rand(3, 1, h, head_dim, dtype=dtype)
     out, lse = torch.ops.flash_attn2.fwd(q, k, v, head_dim**-0.5, causal)
     assert out.is_contiguous() and lse.shape == (3, h, 1) and lse.is_contiguous()

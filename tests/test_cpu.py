@@ -1,27 +1,31 @@
 """Tests that need the built extension but no GPU: op registration, shape inference, TorchScript,
-the pure-PyTorch reference, and argument validation (which runs before the device check)."""
+the pure-PyTorch reference, and argument validation (which runs before the device check). The launch plans
+have their own CPU tests in test_plan_cpu.py."""
 
 import itertools
 import math
+from pathlib import Path
 
 import pytest
 import torch
+from conftest import DTYPES, KERNEL_HEAD_DIMS, rand
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import flash_attn_cuda
-from flash_attn_cuda import flash_attn_func
+from flash_attn_cuda import _kernel_list, flash_attn_func
 from flash_attn_cuda.reference import attention_ref
 
 fwd = torch.ops.flash_attn2.fwd
-KERNEL_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 # Validation errors may be any of these; what matters is that the message names the argument.
 BAD_INPUT = (RuntimeError, ValueError, TypeError)
+INSTANTIATIONS = Path(__file__).resolve().parent.parent / "csrc" / "instantiations"
+TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def qkv(b=2, sq=16, sk=16, h=4, hk=4, d=64, dtype=torch.float16, device="cpu", **dtypes):
     """Random q, k, v in the (batch, seqlen, heads, head_dim) layout; dtypes= overrides one."""
     shapes = {"q": (b, sq, h, d), "k": (b, sk, hk, d), "v": (b, sk, hk, d)}
-    return [torch.randn(shapes[n], dtype=dtypes.get(n, dtype), device=device) for n in "qkv"]
+    return [rand(*shapes[n], dtype=dtypes.get(n, dtype), device=device) for n in "qkv"]
 
 
 def compiled_config(causal=False):
@@ -30,7 +34,7 @@ def compiled_config(causal=False):
     for name in sorted(torch.ops.flash_attn2.compiled_kernels()):
         _, hdim, dtype, mask = name.split("_")
         if mask == ("causal" if causal else "noncausal"):
-            return int(hdim[len("hdim") :]), torch.bfloat16 if dtype == "bf16" else torch.float16
+            return int(hdim[len("hdim") :]), TORCH_DTYPES[dtype]
     pytest.skip("no compiled kernel")
 
 
@@ -45,33 +49,64 @@ def test_fwd_schema():
     assert "-> (Tensor out, Tensor softmax_lse)" in schema, schema
 
 
-def test_compiled_kernels_names():
+def test_compiled_kernels_are_generated_files():
+    # Every kernel the registry reports is one of the generated instantiations, reported once.
     names = torch.ops.flash_attn2.compiled_kernels()
-    assert isinstance(names, list) and names
-    valid = {
-        f"{p}_hdim{d}_{t}_{c}"
-        for p in ("fwd", "bwd")
-        for d in KERNEL_HEAD_DIMS
-        for t in ("fp16", "bf16")
-        for c in ("causal", "noncausal")
-    }
-    assert all(isinstance(n, str) for n in names)
-    assert set(names) <= valid, sorted(set(names) - valid)
+    assert isinstance(names, list) and names and all(isinstance(n, str) for n in names)
+    assert len(names) == len(set(names)), sorted(names)
+    if not INSTANTIATIONS.is_dir():
+        pytest.skip("no csrc/instantiations next to the tests")
+    files = {path.stem for path in INSTANTIATIONS.glob("*.cu")}
+    assert set(names) <= files, sorted(set(names) - files)
 
 
-@pytest.mark.parametrize("head_dim", [8, 32, 40, 64, 100, 128, 200, 256])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_compiled_kernels_come_in_whole_groups():
+    # setup.py compiles whole (head dim, dtype) groups (FLASH_ATTN2_HDIMS x FLASH_ATTN2_DTYPES): both passes and
+    # both masks of each, so a kernel missing from the registry shows as a hole in its group.
+    names = set(torch.ops.flash_attn2.compiled_kernels())
+    groups = set()
+    for name in names:
+        pass_, hdim, dtype, mask = name.split("_")
+        assert pass_ in ("fwd", "bwd") and mask in ("causal", "noncausal") and dtype in TORCH_DTYPES, name
+        groups.add((int(hdim[len("hdim"):]), dtype))
+    expected = {f"{p}_hdim{d}_{t}_{m}" for d, t in groups for p in ("fwd", "bwd") for m in ("causal", "noncausal")}
+    assert names == expected, sorted(expected ^ names)
+    # The generated list names them the same way.
+    assert {_kernel_list.kernel_name(p, d, t, c) for d, t in groups for p in ("fwd", "bwd")
+            for c in (False, True)} == expected
+
+
+def test_kernel_available_on_a_known_build(monkeypatch):
+    # A made-up build, so that the answers are known whatever this build holds: head dim 64 bf16 causal in both
+    # passes, head dim 128 fp16 non-causal forward only. A head dim runs on the smallest kernel head dim that
+    # holds it: 33..64 on 64, 97..128 on 128.
+    names = frozenset({"fwd_hdim64_bf16_causal", "bwd_hdim64_bf16_causal", "fwd_hdim128_fp16_noncausal"})
+    monkeypatch.setattr(flash_attn_cuda._ops, "compiled_kernels", lambda: names)
+    bf16, fp16 = torch.bfloat16, torch.float16
+    available = [(64, bf16, True, False), (33, bf16, True, False), (40, bf16, True, True), (64, bf16, True, True),
+                 (128, fp16, False, False), (97, fp16, False, False), (120, fp16, False, False)]
+    missing = [(32, bf16, True, False), (65, bf16, True, False), (64, fp16, True, False), (64, bf16, False, False),
+               (128, fp16, False, True), (96, fp16, False, False), (129, fp16, False, False),
+               (128, fp16, True, False), (64, torch.float32, True, False), (128, bf16, False, False)]
+    for head_dim, dtype, causal, backward in available:
+        assert flash_attn_cuda.kernel_available(head_dim, dtype, causal, backward=backward), (head_dim, dtype, causal)
+    for head_dim, dtype, causal, backward in missing:
+        assert not flash_attn_cuda.kernel_available(head_dim, dtype, causal, backward=backward), (head_dim, dtype,
+                                                                                                  causal, backward)
+
+
 @pytest.mark.parametrize("causal", [False, True])
-def test_kernel_available_matches_compiled_kernels(head_dim, dtype, causal):
-    # A head dim uses the smallest compiled kernel head dim that holds it.
-    kernel_dim = next(d for d in KERNEL_HEAD_DIMS if d >= head_dim)
-    name = "fwd_hdim{}_{}_{}".format(
-        kernel_dim,
-        "bf16" if dtype == torch.bfloat16 else "fp16",
-        "causal" if causal else "noncausal",
-    )
-    expected = name in torch.ops.flash_attn2.compiled_kernels()
-    assert flash_attn_cuda.kernel_available(head_dim, dtype, causal) is expected
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kernel_available_on_this_build(dtype, causal):
+    # Each compiled kernel head dim serves every head dim from just above the previous kernel head dim to its own;
+    # a kernel head dim not compiled serves none.
+    names = set(torch.ops.flash_attn2.compiled_kernels())
+    suffix = f"{'bf16' if dtype == torch.bfloat16 else 'fp16'}_{'causal' if causal else 'noncausal'}"
+    for lower, kernel_dim in zip([0, *KERNEL_HEAD_DIMS], KERNEL_HEAD_DIMS):
+        built = f"fwd_hdim{kernel_dim}_{suffix}" in names and f"bwd_hdim{kernel_dim}_{suffix}" in names
+        for head_dim in (lower + 1, (lower + kernel_dim) // 2, kernel_dim):
+            assert flash_attn_cuda.kernel_available(head_dim, dtype, causal) is built, (head_dim, kernel_dim)
+            assert flash_attn_cuda.kernel_available(head_dim, dtype, causal, backward=True) is built, head_dim
 
 
 # ---------------------------------------------------------------- shape inference
@@ -90,7 +125,7 @@ def check_fake_outputs(out, lse, q):
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", [False, True])
 def test_fake_tensor_mode(shape, dtype, causal):
     b, sq, sk, h, hk, d = shape
@@ -300,7 +335,7 @@ def test_reference_no_keys(causal):
     assert lse.shape == (2, 2, 5) and torch.all(torch.isposinf(lse))
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_reference_lowp(dtype):
     q, k, v = qkv(1, 9, 12, 4, 2, 16, dtype)
     out, lse = attention_ref(q, k, v, causal=True, upcast=False)

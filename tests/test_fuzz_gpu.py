@@ -4,9 +4,10 @@ Hypothesis draws whole configurations: batch, seqlen_q and seqlen_k (biased to s
 the 16/64/128-row blocks), GQA (nheads_k and the group size), any head dim up to 256 (also ones the wrapper has to
 pad), fp16 or bf16, causal, softmax_scale, the layout of each of q, k and v (packed qkv slots, (b, h, s, d) and
 (s, b, h, d) storage, rows wider than head_dim, views that start off 16-byte alignment), separate magnitudes for
-q, k and v from 1e-3 to 30, deterministic mode, and some of the FLASH_ATTN2_* switches that force a code path
-(split-KV, mma.sync instead of wgmma, GQA group walks, key blocks per CTA, short-key and short-query tiles). The
-varlen test draws lists of sequence lengths, zeros included.
+q, k and v from 1e-3 to 30, deterministic mode, and some of the plan choices that force a code path
+(flash_attn_cuda.plan.force_plan: split-KV, mma.sync instead of wgmma, GQA group walks, key blocks per CTA,
+short-key and short-query tiles), each asserted through the plan of the example's sizes. The varlen test draws
+lists of sequence lengths, zeros included.
 
 Every example runs the forward (out and LSE) and the backward (dq, dk, dv) on NaN-poisoned memory and applies
 the correctness rule to all five against attention_ref in float32 (ref) and in the input dtype (ref_lowp), with
@@ -24,7 +25,6 @@ exhaustive draw FLASH_ATTN2_FUZZ_EXAMPLES examples each (default 500):
 git-ignores itself) and replays it first on the next run; keep it as an explicit example all the same.
 """
 
-import contextlib
 import dataclasses
 import functools
 import itertools
@@ -33,29 +33,32 @@ import os
 
 import pytest
 import torch
-from conftest import amax, check_results, gradient_floors, poison_allocator, requires_gpu
+from conftest import (
+    DTYPE_NAMES,
+    DTYPES,
+    KERNEL_HEAD_DIMS,
+    amax,
+    check_forced_plans,
+    check_results,
+    cu_seqlens,
+    gradient_floors,
+    poison_allocator,
+    requires_gpu,
+    varlen_attention,
+)
 
 # hypothesis is a test-only dependency: a checkout without it skips this module rather than failing to collect.
 pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, assume, event, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-try:
-    import flash_attn_cuda
-except ImportError:
-    # Without CUDA every test here is skipped anyway, so a checkout whose extension is not built yet can still
-    # collect this module. With a device, a missing or broken extension is an error.
-    if torch.cuda.is_available():
-        raise
-    pytest.skip("flash_attn_cuda._C is not built and there is no CUDA device", allow_module_level=True)
-
+import flash_attn_cuda  # noqa: E402
 from flash_attn_cuda import flash_attn_func, flash_attn_varlen_func  # noqa: E402
+from flash_attn_cuda.plan import force_plan  # noqa: E402
 from flash_attn_cuda.reference import attention_ref  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 
-KERNEL_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
-DTYPES = (torch.float16, torch.bfloat16)
 # Block edges of the forward and backward tiles (16, 64 and 128 rows) and a few short odd lengths.
 EDGE_SEQLENS = (1, 2, 3, 5, 7, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 256, 257, 511, 512, 513)
 # The fp32 reference materializes (batch, heads, seqlen_q, seqlen_k) scores, and the backward a few more such
@@ -64,16 +67,17 @@ MAX_SEQLEN = 600
 MAX_VARLEN_SEQS = 5
 DENSE_LAYOUTS = ("contiguous", "packed", "heads_major", "seq_major", "wide_rows", "misaligned")
 VARLEN_LAYOUTS = ("contiguous", "packed", "heads_major", "wide_rows", "misaligned")
-# Switches read by the op at every call (csrc/flash_api.cpp) that force a path the small fuzz shapes would not
-# take by themselves: split-KV starts at 1024 keys, and the group walks and key blocks per CTA depend on the
-# grid size. Each is a no-op where it does not apply (another head dim, an Ampere GPU).
-KNOBS = {
-    "FLASH_ATTN2_DISABLE_WGMMA": ("1",),
-    "FLASH_ATTN2_NUM_SPLITS": ("1", "2", "3", "7"),
-    "FLASH_ATTN2_GQA_WALK": ("0", "1"),
-    "FLASH_ATTN2_BWD_KEY_BLOCKS": ("1", "2", "3"),
-    "FLASH_ATTN2_FWD_SHORT_KEYS": ("0", "1"),
-    "FLASH_ATTN2_BWD_SHORT_QUERIES": ("0", "1"),
+# force_plan keywords that force a path the small fuzz shapes would not take by themselves: split-KV starts at
+# 1024 keys, and the group walks and key blocks per CTA depend on the grid size. Where one does not apply
+# (another head dim, a GPU without the Hopper kernels, deterministic mode, varlen splits), the plan says it is
+# off (conftest.check_forced_plans).
+FORCE = {
+    "kernel": ("mma_sync",),
+    "num_splits": (1, 2, 3, 7),
+    "gqa_walk": (False, True),
+    "key_blocks": (1, 2, 3),
+    "short_keys": (False, True),
+    "short_queries": (False, True),
 }
 NAMES = ("out", "lse", "dq", "dk", "dv")
 
@@ -110,7 +114,7 @@ class Dense:
     layouts: tuple  # of q, k, v
     magnitudes: tuple  # of q, k, v
     deterministic: bool = False
-    knobs: tuple = ()  # (FLASH_ATTN2_* variable, value) pairs
+    force: tuple = ()  # (force_plan keyword, value) pairs
     seed: int = 0
 
 
@@ -130,7 +134,7 @@ class Varlen:
     layouts: tuple
     magnitudes: tuple
     deterministic: bool = False
-    knobs: tuple = ()
+    force: tuple = ()
     seed: int = 0
 
 
@@ -142,18 +146,18 @@ def _nan_dq_hopper(seqlen, causal):
                  causal=causal, softmax_scale=None, layouts=("contiguous",) * 3, magnitudes=(5.0, 3.0, 3.0))
 
 
-def _one_key_dominates(knobs):
-    # Found by the fuzz at de60a04 on an H200: with wgmma the NaN in dq above; with FLASH_ATTN2_DISABLE_WGMMA=1
-    # a dq error 2.3 x the rule's bound, from D read from the fp16 output (see rounded_output_floors).
+def _one_key_dominates(force):
+    # Found by the fuzz at de60a04 on an H200: with wgmma the NaN in dq above; on the mma.sync kernels a dq error
+    # 2.3 x the rule's bound, from D read from the fp16 output (see rounded_output_floors).
     return Dense(batch=1, seqlen_q=1, seqlen_k=2, nheads_k=3, group=1, head_dim=32, dtype=torch.float16,
                  causal=False, softmax_scale=None, layouts=("contiguous",) * 3, magnitudes=(8.66, 8.66, 1.0),
-                 knobs=knobs)
+                 force=force)
 
 
 DENSE_REGRESSIONS = [
     *(_nan_dq_hopper(s, c) for s in (1, 2, 5) for c in (False, True)),
     _one_key_dominates(()),
-    _one_key_dominates((("FLASH_ATTN2_DISABLE_WGMMA", "1"),)),
+    _one_key_dominates((("kernel", "mma_sync"),)),
 ]
 VARLEN_REGRESSIONS = [
     # Found by the fuzz at de60a04 on an H200: the same NaN in dq, through varlen, at head dim 32.
@@ -224,9 +228,9 @@ def kernel_config(draw):
 
 
 @st.composite
-def knob_settings(draw):
-    names = draw(st.lists(st.sampled_from(sorted(KNOBS)), unique=True, max_size=3))
-    return tuple((name, draw(st.sampled_from(KNOBS[name]))) for name in sorted(names))
+def forced_choices(draw):
+    names = draw(st.lists(st.sampled_from(sorted(FORCE)), unique=True, max_size=3))
+    return tuple((name, draw(st.sampled_from(FORCE[name]))) for name in sorted(names))
 
 
 @st.composite
@@ -243,7 +247,7 @@ def common(draw, layouts):
         layouts=tuple(draw(st.sampled_from(layouts)) for _ in "qkv"),
         magnitudes=tuple(draw(magnitudes()) for _ in "qkv"),
         deterministic=draw(st.booleans()),
-        knobs=draw(knob_settings()),
+        force=draw(forced_choices()),
         seed=draw(st.integers(0, 2**31 - 1)),
     )
 
@@ -314,36 +318,19 @@ def make_qkv(case, q_shape, kv_shape, gen):
                  for shape, layout, magnitude in zip((q_shape, kv_shape, kv_shape), case.layouts, case.magnitudes))
 
 
-def cu_seqlens(lengths):
-    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device="cuda")
-
-
-@contextlib.contextmanager
-def knobs_set(knobs):
-    """Sets the drawn FLASH_ATTN2_* switches for the duration of one example; the others stay as they are."""
-    saved = {name: os.environ.get(name) for name, _ in knobs}
-    os.environ.update(dict(knobs))
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
 # ---------------------------------------------------------------- running and checking
 
 
-def run_ours(call, q, k, v, dout):
-    """(out, lse, dq, dk, dv) of call(q, k, v) -> (out, lse, None), each pass on NaN-poisoned memory."""
+def run_ours(call, q, k, v, dout, force):
+    """(out, lse, dq, dk, dv) of call(q, k, v) -> (out, lse, None) under force_plan(**force), each pass on
+    NaN-poisoned memory."""
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    poison_allocator(q.device)
-    out, lse, _ = call(q, k, v)
-    # Again before the backward: its outputs and workspaces are allocated after the forward's.
-    poison_allocator(q.device)
-    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    with force_plan(**force):
+        poison_allocator(q.device)
+        out, lse, _ = call(q, k, v)
+        # Again before the backward: its outputs and workspaces are allocated after the forward's.
+        poison_allocator(q.device)
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
     return out.detach(), lse.detach(), dq, dk, dv
 
@@ -386,12 +373,12 @@ def check(ours, ref, lowp, dtype, floors):
 
 def record(case):
     """Labels for --hypothesis-show-statistics, to see what a run covered."""
-    event(f"{'fp16' if case.dtype == torch.float16 else 'bf16'} {'causal' if case.causal else 'full'}")
+    event(f"{DTYPE_NAMES[case.dtype]} {'causal' if case.causal else 'full'}")
     event("head_dim padded by the wrapper" if case.head_dim % 8 else "head_dim % 8 == 0")
     event("GQA" if case.group > 1 else "MHA")
     for layout in set(case.layouts):
         event(f"layout {layout}")
-    for name, value in case.knobs:
+    for name, value in case.force:
         event(f"{name}={value}")
 
 
@@ -414,8 +401,8 @@ def dense_results(case):
     def attend(q, k, v, upcast):
         return attention_ref(q, k, v, case.softmax_scale, case.causal, upcast=upcast)
 
-    with knobs_set(case.knobs):
-        ours = run_ours(call, q, k, v, dout)
+    check_forced_plans(q, k, case.causal, dict(case.force), deterministic=case.deterministic)
+    ours = run_ours(call, q, k, v, dout, dict(case.force))
     ref = run_reference(attend, q, k, v, dout, upcast=True)
     lowp = run_reference(attend, q, k, v, dout, upcast=False)
     rows = case.seqlen_q * case.group  # the query rows that add into one key's dk
@@ -432,25 +419,17 @@ def varlen_results(case):
     max_q = min(max(case.lens_q) + case.max_seqlen_slack, total_q)
     max_k = min(max(case.lens_k) + case.max_seqlen_slack, total_k)
     cu_q, cu_k = cu_seqlens(case.lens_q), cu_seqlens(case.lens_k)
-    spans_q = list(itertools.pairwise([0, *itertools.accumulate(case.lens_q)]))
-    spans_k = list(itertools.pairwise([0, *itertools.accumulate(case.lens_k)]))
 
     def call(q, k, v):
         return flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=case.softmax_scale,
                                       causal=case.causal, deterministic=case.deterministic, return_attn_probs=True)
 
     def attend(q, k, v, upcast):
-        # The dense reference on each sequence, packed again: out (total_q, h, d), lse (h, total_q).
-        outs, lses = [], []
-        for (q0, q1), (k0, k1) in zip(spans_q, spans_k):
-            out, lse = attention_ref(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], case.softmax_scale,
-                                     case.causal, upcast=upcast)
-            outs.append(out[0])
-            lses.append(lse[0])
-        return torch.cat(outs), torch.cat(lses, dim=1)
+        return varlen_attention(q, k, v, case.lens_q, case.lens_k, case.causal, case.softmax_scale, upcast)
 
-    with knobs_set(case.knobs):
-        ours = run_ours(call, q, k, v, dout)
+    check_forced_plans(q, k, case.causal, dict(case.force), deterministic=case.deterministic,
+                       lens=(case.lens_q, case.lens_k), max_seqlens=(max_q, max_k))
+    ours = run_ours(call, q, k, v, dout, dict(case.force))
     ref = run_reference(attend, q, k, v, dout, upcast=True)
     lowp = run_reference(attend, q, k, v, dout, upcast=False)
     rows = max(case.lens_q) * case.group

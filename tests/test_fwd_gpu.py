@@ -1,4 +1,4 @@
-"""Forward kernel against the float32 reference (rule in DEVELOPERS.md), on a CUDA device.
+"""Forward kernel against the float32 reference (the correctness rule of conftest.check_close), on a CUDA device.
 
 The default matrix is a representative slice meant to finish in a few minutes on an H200;
 ``--exhaustive`` adds the full cross product. Configurations whose kernel was not compiled
@@ -7,21 +7,30 @@ The default matrix is a representative slice meant to finish in a few minutes on
 
 import itertools
 import math
+import os
 
 import pytest
 import torch
-from conftest import check_close, poison_allocator, requires_gpu
+from conftest import (
+    DTYPE_IDS,
+    DTYPES,
+    KERNEL_HEAD_DIMS,
+    PARTIAL_HEAD_DIMS,
+    check_close,
+    check_forced_plans,
+    device_plan,
+    poison_allocator,
+    requires_gpu,
+)
 
 import flash_attn_cuda
 from flash_attn_cuda import flash_attn_func
+from flash_attn_cuda.plan import force_plan, override_string, plan
 from flash_attn_cuda.reference import attention_ref
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 
 fwd = torch.ops.flash_attn2.fwd
-DTYPES = [torch.float16, torch.bfloat16]
-DTYPE_IDS = ["fp16", "bf16"]
-KERNEL_HEAD_DIMS = [32, 64, 96, 128, 160, 192, 224, 256]
 SEQLENS = [1, 17, 113, 1023, 2049]
 LAYOUTS = ["contiguous", "packed", "seq_major", "heads_major", "guard_bands"]
 
@@ -92,18 +101,26 @@ def make_qkv(b, sq, sk, h, hk, d, dtype, layout="contiguous", device="cuda"):
     raise ValueError(layout)
 
 
-def run_and_check(q, k, v, causal, softmax_scale=None, via="op"):
-    """Run the kernel on poisoned output memory and apply the correctness rule to out and lse."""
+def run_and_check(q, k, v, causal, softmax_scale=None, via="op", force=None):
+    """Run the kernel on poisoned output memory and apply the correctness rule to out and lse.
+
+    ``force``: force_plan keywords; the op gets them as its num_splits and plan_override arguments, and
+    flash_attn_func runs under force_plan. The plan of a call with these sizes must take what they force
+    (conftest.check_forced_plans); returns that plan.
+    """
     b, sq, h, d = q.shape
+    force = dict(force or {})
+    forward_plan = check_forced_plans(q, k, causal, force, passes=("fwd",))["fwd"]
     poison_allocator(q.device)
     if via == "op":
         scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
-        out, lse = fwd(q, k, v, scale, causal)
+        choices = {name: value for name, value in force.items() if name != "num_splits"}
+        out, lse = fwd(q, k, v, scale, causal, num_splits=force.get("num_splits", 0),
+                       plan_override=override_string(**choices))
         assert out.is_contiguous()
     else:
-        result = flash_attn_func(
-            q, k, v, softmax_scale=softmax_scale, causal=causal, return_attn_probs=True
-        )
+        with force_plan(**force):
+            result = flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal, return_attn_probs=True)
         assert isinstance(result, tuple) and len(result) == 3 and result[2] is None
         out, lse, _ = result
     assert out.shape == q.shape and out.dtype == q.dtype and out.device == q.device
@@ -113,6 +130,7 @@ def run_and_check(q, k, v, causal, softmax_scale=None, via="op"):
     lowp_out, lowp_lse = attention_ref(q, k, v, softmax_scale, causal, upcast=False)
     check_close("out", out, ref_out, lowp_out)
     check_close("lse", lse, ref_lse, lowp_lse)
+    return forward_plan
 
 
 def seqlen_id(pair):
@@ -155,12 +173,12 @@ def test_head_dims(b, sq, sk, h, hk, head_dim, causal, dtype):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", KERNEL_HEAD_DIMS)
 @pytest.mark.parametrize("seqlens", [(113, 1023), (1023, 113), (17, 17)], ids=seqlen_id)
-def test_mma_sync_kernels_with_wgmma_disabled(seqlens, head_dim, causal, dtype, monkeypatch):
+def test_mma_sync_kernels_forced(seqlens, head_dim, causal, dtype):
     # Hopper GPUs run the warpgroup-MMA kernels; the mma.sync ones (what Ampere runs) must stay correct there too.
     require_kernel(head_dim, dtype, causal)
-    monkeypatch.setenv("FLASH_ATTN2_DISABLE_WGMMA", "1")
     sq, sk = seqlens
-    run_and_check(*make_qkv(2, sq, sk, 6, 2, head_dim, dtype, layout="seq_major"), causal)
+    run_and_check(*make_qkv(2, sq, sk, 6, 2, head_dim, dtype, layout="seq_major"), causal,
+                  force={"kernel": "mma_sync"})
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -205,7 +223,7 @@ def test_strided_layouts(shape, layout, head_dim, causal, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("head_dim", [8, 40, 72, 104, 136, 168, 200, 248])
+@pytest.mark.parametrize("head_dim", PARTIAL_HEAD_DIMS)
 def test_head_dim_below_kernel_dim(head_dim, causal, dtype):
     # Multiples of 8 that the op takes directly but that fill only part of the kernel's head dim.
     # NaN right after head_dim catches loads of the unused part that are not zero-filled.
@@ -355,6 +373,23 @@ def test_inputs_on_second_device():
     run_and_check(q, k, v, causal=True)
 
 
+@pytest.mark.skipif(os.environ.get("FLASH_ATTN2_DISABLE_WGMMA") == "1",
+                    reason="the process-wide switch to the mma.sync kernels is set")
+def test_plan_matches_the_gpu():
+    # The path-forcing tests tell from a plan's kernel family which choices apply on this GPU: the Hopper kernels
+    # run exactly on sm_90 (with a build for the default FLASH_ATTN2_CUDA_ARCHS, which include 90), and the plan
+    # for the current GPU is the one for its arch and SM count.
+    d, dtype = first_available()
+    q, k, _ = make_qkv(2, 300, 1000, 8, 2, d, dtype)
+    major, minor = torch.cuda.get_device_capability()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for pass_ in ("fwd", "bwd"):
+        p = device_plan(pass_, q, k, False)
+        assert p.kernel == ("wgmma" if (major, minor) == (9, 0) else "mma_sync"), p
+        assert p == plan(pass_, batch=2, seqlen_q=300, seqlen_k=1000, nheads=8, nheads_k=2, head_dim=d,
+                         arch=10 * major + minor, num_sms=sms, dtype=dtype)
+
+
 def test_mixed_devices_rejected():
     d, dtype = first_available()
     q, k, v = make_qkv(1, 16, 16, 2, 2, d, dtype)
@@ -389,13 +424,13 @@ def test_opcheck(causal):
 # ---------------------------------------------------------------- short-key Hopper tile
 #
 # On Hopper, head dim 128 with seqlen_k <= 1024 (causal) or <= 512 runs one-warpgroup 64x64 tiles, two CTAs per SM
-# (FwdSm90ShortKeysTileConfig). FLASH_ATTN2_FWD_SHORT_KEYS=1 forces that tile at every length, =0 never, so
-# both tiles are checked on both sides of the threshold (elsewhere only one of them runs).
+# (FwdSm90ShortKeysTileConfig). short_keys=True forces that tile at every length, False never, so both tiles are
+# checked on both sides of the threshold (elsewhere only one of them runs; on other GPUs the plan has neither).
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("force", ["1", "0"], ids=["short-tile", "regular-tile"])
+@pytest.mark.parametrize("short_keys", [True, False], ids=["short-tile", "regular-tile"])
 @pytest.mark.parametrize(
     "b, sq, sk, h, hk, layout",
     [
@@ -407,26 +442,26 @@ def test_opcheck(causal):
     ],
     ids=["sq113-sk1023", "sq1023-sk113-gqa", "sq2049", "decode-split", "sq17"],
 )
-def test_short_key_tile_forced(b, sq, sk, h, hk, layout, force, dtype, causal, monkeypatch):
+def test_short_key_tile_forced(b, sq, sk, h, hk, layout, short_keys, dtype, causal):
     require_kernel(128, dtype, causal)
-    monkeypatch.setenv("FLASH_ATTN2_FWD_SHORT_KEYS", force)
-    run_and_check(*make_qkv(b, sq, sk, h, hk, 128, dtype, layout), causal)
+    run_and_check(*make_qkv(b, sq, sk, h, hk, 128, dtype, layout), causal, force={"short_keys": short_keys})
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("splits", [3, "auto"])
-def test_short_key_tile_split_kv(splits, causal, monkeypatch):
+def test_short_key_tile_split_kv(splits, causal):
+    # One query block of 4 heads: the heuristic splits 4097 keys too.
     require_kernel(128, torch.bfloat16, causal)
-    monkeypatch.setenv("FLASH_ATTN2_FWD_SHORT_KEYS", "1")
-    set_num_splits(monkeypatch, splits)
-    run_and_check(*make_qkv(1, 17, 4097, 4, 1, 128, torch.bfloat16), causal)
+    force = {"short_keys": True, **num_splits_force(splits)}
+    p = run_and_check(*make_qkv(1, 17, 4097, 4, 1, 128, torch.bfloat16), causal, via="func", force=force)
+    assert p.num_splits > 1, p
 
 
 # ---------------------------------------------------------------- split-KV and seqlen_q == 1 GQA packing
 #
-# FLASH_ATTN2_NUM_SPLITS=n forces n key splits on the dense forward (unset: the heuristic decides). A split
-# may get no key at all (n above the number of key blocks, causal rows before the diagonal): its partial
-# must still combine exactly.
+# num_splits=n (the op argument, or force_plan(num_splits=n)) forces n key splits on the dense forward (0: the
+# heuristic decides). A split may get no key at all (n above the number of key blocks, causal rows before the
+# diagonal): its partial must still combine exactly.
 
 SPLITS = [2, 3, 7]
 # (head dim, dtype): 128 B shared-memory rows at 64, 128 and 256; 64 B rows on the Hopper kernel at 96.
@@ -436,93 +471,93 @@ SPLIT_SQ = [1, 17, 113]
 SPLIT_SK = [1, 17, 1023, 4097]
 
 
-def set_num_splits(monkeypatch, splits):
-    if splits == "auto":
-        monkeypatch.delenv("FLASH_ATTN2_NUM_SPLITS", raising=False)
-    else:
-        monkeypatch.setenv("FLASH_ATTN2_NUM_SPLITS", str(splits))
+def num_splits_force(splits):
+    """force_plan keywords for a number of splits, or for the heuristic's ("auto")."""
+    return {} if splits == "auto" else {"num_splits": splits}
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim, dtype", SPLIT_HEAD_DIMS, ids=SPLIT_HEAD_DIM_IDS)
 @pytest.mark.parametrize("splits", SPLITS)
-def test_split_kv_forced(splits, head_dim, dtype, causal, monkeypatch):
+def test_split_kv_forced(splits, head_dim, dtype, causal):
     require_kernel(head_dim, dtype, causal)
-    set_num_splits(monkeypatch, splits)
-    run_and_check(*make_qkv(2, 113, 1023, 6, 2, head_dim, dtype), causal)
+    run_and_check(*make_qkv(2, 113, 1023, 6, 2, head_dim, dtype), causal, force={"num_splits": splits})
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("splits", [1, 3, "auto"])
 @pytest.mark.parametrize("seqlens", [(1, 4097), (17, 1), (113, 17), (17, 1023)], ids=seqlen_id)
-def test_split_kv_seqlens(seqlens, splits, causal, monkeypatch):
+def test_split_kv_seqlens(seqlens, splits, causal):
     sq, sk = seqlens
     require_kernel(128, torch.bfloat16, causal)
-    set_num_splits(monkeypatch, splits)
-    run_and_check(*make_qkv(2, sq, sk, 4, 1, 128, torch.bfloat16, "guard_bands"), causal)
+    run_and_check(*make_qkv(2, sq, sk, 4, 1, 128, torch.bfloat16, "guard_bands"), causal, via="func",
+                  force=num_splits_force(splits))
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim, dtype", SPLIT_HEAD_DIMS[1::2], ids=SPLIT_HEAD_DIM_IDS[1::2])
 @pytest.mark.parametrize(
     "b, sq, sk, h, hk",
-    [(2, 1, 4097, 32, 4), (1, 1, 16384, 8, 1), (1, 17, 4097, 4, 4), (1, 1023, 1023, 1, 1)],
+    [(2, 1, 4097, 32, 4), (1, 1, 16384, 8, 1), (1, 17, 4097, 4, 4), (1, 1023, 1024, 1, 1)],
     ids=["decode-gqa", "decode-mqa", "short-q", "one-head"],
 )
-def test_split_kv_auto_shapes(b, sq, sk, h, hk, head_dim, dtype, causal, monkeypatch):
-    # Shapes whose grid is small next to the SM count, so the heuristic splits them.
+def test_split_kv_auto_shapes(b, sq, sk, h, hk, head_dim, dtype, causal):
+    # Shapes whose grid is small next to the SM count (at least 1024 keys, below which the heuristic never
+    # splits), so the heuristic splits them on GPUs of 100 SMs or more.
     require_kernel(head_dim, dtype, causal)
-    set_num_splits(monkeypatch, "auto")
-    run_and_check(*make_qkv(b, sq, sk, h, hk, head_dim, dtype), causal)
+    p = run_and_check(*make_qkv(b, sq, sk, h, hk, head_dim, dtype), causal)
+    if torch.cuda.get_device_properties(0).multi_processor_count >= 100:
+        assert p.num_splits > 1, p
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_split_kv_mma_sync_with_wgmma_disabled(head_dim, causal, monkeypatch):
+def test_split_kv_mma_sync_forced(head_dim, causal):
     require_kernel(head_dim, torch.bfloat16, causal)
-    monkeypatch.setenv("FLASH_ATTN2_DISABLE_WGMMA", "1")
-    set_num_splits(monkeypatch, 3)
-    run_and_check(*make_qkv(2, 113, 1023, 6, 2, head_dim, torch.bfloat16, "seq_major"), causal)
+    run_and_check(*make_qkv(2, 113, 1023, 6, 2, head_dim, torch.bfloat16, "seq_major"), causal,
+                  force={"kernel": "mma_sync", "num_splits": 3})
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_split_kv_deterministic_and_close_to_unsplit(causal, monkeypatch):
+def test_split_kv_deterministic_and_close_to_unsplit(causal):
     d, dtype = first_available(causal=causal)
     q, k, v = make_qkv(1, 17, 4097, 8, 2, d, dtype)
     scale = 1 / math.sqrt(d)
-    set_num_splits(monkeypatch, 7)
-    out1, lse1 = fwd(q, k, v, scale, causal)
+    check_forced_plans(q, k, causal, {"num_splits": 7}, passes=("fwd",))
+    check_forced_plans(q, k, causal, {"num_splits": 1}, passes=("fwd",))
+    out1, lse1 = fwd(q, k, v, scale, causal, num_splits=7)
     poison_allocator("cuda")
-    out2, lse2 = fwd(q, k, v, scale, causal)
+    out2, lse2 = fwd(q, k, v, scale, causal, num_splits=7)
     assert torch.equal(out1, out2) and torch.equal(lse1, lse2)
-    set_num_splits(monkeypatch, 1)
-    out_ref, lse_ref = fwd(q, k, v, scale, causal)
+    out_ref, lse_ref = fwd(q, k, v, scale, causal, num_splits=1)
     torch.testing.assert_close(lse1, lse_ref, rtol=0, atol=1e-4)
     torch.testing.assert_close(out1.float(), out_ref.float(), rtol=0, atol=2e-2)
 
 
-def test_split_kv_rejects_bad_env(monkeypatch):
+@pytest.mark.parametrize("num_splits, plan_override", [(129, ""), (-1, ""), (0, "key_blocks=two"), (0, "splits=2")])
+def test_op_rejects_bad_plan_arguments(num_splits, plan_override):
+    # The message names the argument (test_plan_cpu.py checks the plan op alike).
     d, dtype = first_available()
-    monkeypatch.setenv("FLASH_ATTN2_NUM_SPLITS", "two")
-    with pytest.raises((RuntimeError, ValueError), match="FLASH_ATTN2_NUM_SPLITS"):
-        fwd(*make_qkv(1, 1, 64, 2, 2, d, dtype), 0.1, False)
+    name = "plan_override" if plan_override else "num_splits"
+    with pytest.raises((RuntimeError, ValueError), match=name):
+        fwd(*make_qkv(1, 1, 64, 2, 2, d, dtype), 0.1, False, num_splits=num_splits, plan_override=plan_override)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_split_kv_cuda_graph_capture(causal, monkeypatch):
+def test_split_kv_cuda_graph_capture(causal):
     # The split workspace comes from the caching allocator, so capture and replay work as unsplit.
     d, dtype = first_available(causal=causal)
-    set_num_splits(monkeypatch, 3)
     q, k, v = make_qkv(2, 5, 1500, 8, 2, d, dtype)
+    check_forced_plans(q, k, causal, {"num_splits": 3}, passes=("fwd",))
     scale = 1 / math.sqrt(d)
     warmup = torch.cuda.Stream()
     warmup.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(warmup):
-        fwd(q, k, v, scale, causal)
+        fwd(q, k, v, scale, causal, num_splits=3)
     torch.cuda.current_stream().wait_stream(warmup)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out, lse = fwd(q, k, v, scale, causal)
+        out, lse = fwd(q, k, v, scale, causal, num_splits=3)
     fresh = make_qkv(2, 5, 1500, 8, 2, d, dtype)
     for dst, src in zip((q, k, v), fresh):
         dst.copy_(src)
@@ -538,16 +573,16 @@ def test_split_kv_cuda_graph_capture(causal, monkeypatch):
 @pytest.mark.parametrize("layout", ["heads_major", "guard_bands"])
 @pytest.mark.parametrize("h, hk", [(12, 3), (8, 1), (4, 4)], ids=["gqa", "mqa", "mha"])
 @pytest.mark.parametrize("head_dim, dtype", [(64, torch.bfloat16), (128, torch.float16)], ids=["d64-bf16", "d128-fp16"])
-def test_decode_gqa_packing(head_dim, dtype, h, hk, layout, causal, monkeypatch):
+def test_decode_gqa_packing(head_dim, dtype, h, hk, layout, causal):
     # seqlen_q == 1: the query heads of a group run as rows of one head (strided views of q, out and lse),
     # and causal is a no-op. Outputs must keep the user-facing shapes and be contiguous. Unsplit, then split
-    # as the heuristic likes (3 batches x hk heads of one query block leave most SMs idle).
+    # as the heuristic likes (3 batches x hk heads of one query block over 1025 keys leave most SMs idle).
     require_kernel(head_dim, dtype, causal)
-    q, k, v = make_qkv(3, 1, 1023, h, hk, head_dim, dtype, layout)
-    set_num_splits(monkeypatch, 1)
-    run_and_check(q, k, v, causal)
-    set_num_splits(monkeypatch, "auto")
-    run_and_check(q, k, v, causal)
+    q, k, v = make_qkv(3, 1, 1025, h, hk, head_dim, dtype, layout)
+    for force in ({"num_splits": 1}, {}):
+        p = run_and_check(q, k, v, causal, force=force)
+        assert p.gqa_pack == h // hk and not p.causal, p
+    assert p.num_splits > 1, p
 
 
 # ---------------------------------------------------------------- 64-bit offsets
@@ -609,7 +644,7 @@ def test_large_row_offsets(causal):
 @pytest.mark.exhaustive
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("head_dim", KERNEL_HEAD_DIMS + [8, 40, 72, 104, 136, 168, 200, 248])
+@pytest.mark.parametrize("head_dim", KERNEL_HEAD_DIMS + PARTIAL_HEAD_DIMS)
 @pytest.mark.parametrize("h, hk", [(4, 4), (6, 2), (4, 1)])
 @pytest.mark.parametrize("seqlens", list(itertools.product(SEQLENS, SEQLENS)), ids=seqlen_id)
 def test_exhaustive_op(seqlens, h, hk, head_dim, causal, dtype):
@@ -636,11 +671,10 @@ def test_exhaustive_layouts(seqlens, layout, head_dim, causal, dtype):
 @pytest.mark.parametrize("splits", [1, 2, 3, 7, "auto"])
 @pytest.mark.parametrize("h, hk", [(4, 4), (8, 2), (8, 1)], ids=["mha", "gqa", "mqa"])
 @pytest.mark.parametrize("seqlens", list(itertools.product(SPLIT_SQ, SPLIT_SK)), ids=seqlen_id)
-def test_exhaustive_split_kv(seqlens, h, hk, splits, head_dim, dtype, causal, monkeypatch):
+def test_exhaustive_split_kv(seqlens, h, hk, splits, head_dim, dtype, causal):
     sq, sk = seqlens
     require_kernel(head_dim, dtype, causal)
-    set_num_splits(monkeypatch, splits)
-    run_and_check(*make_qkv(2, sq, sk, h, hk, head_dim, dtype), causal)
+    run_and_check(*make_qkv(2, sq, sk, h, hk, head_dim, dtype), causal, force=num_splits_force(splits))
 
 
 @pytest.mark.exhaustive

@@ -12,36 +12,41 @@ import itertools
 import pytest
 import torch
 from conftest import (
+    DTYPE_IDS,
+    DTYPES,
+    KERNEL_HEAD_DIMS,
     check_close,
+    check_forced_plans,
     check_results,
+    cu_seqlens,
     gradient_floors,
     poison_allocator,
     require_fwd_bwd_kernels,
     requires_gpu,
+    varlen_attention,
 )
 
 from flash_attn_cuda import flash_attn_func, flash_attn_varlen_func
+from flash_attn_cuda.plan import force_plan
 from flash_attn_cuda.reference import attention_ref
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 
-DTYPES = [torch.float16, torch.bfloat16]
-DTYPE_IDS = ["fp16", "bf16"]
-KERNEL_HEAD_DIMS = [32, 64, 96, 128, 160, 192, 224, 256]
 # Every length up to 17, then both sides of the 64- and 128-row/key block edges.
 SHORT_LENS = list(range(1, 18)) + [63, 64, 65, 127, 128, 129]
 # The gains of the issue's reproduction: q * 5, k and v * 3.
 GAINS = (5.0, 3.0, 3.0)
-# The backward kernels: the default one (on Hopper the wgmma kernels) and the mma.sync one.
-BACKWARDS = {"default": {}, "mma_sync": {"FLASH_ATTN2_DISABLE_WGMMA": "1"}}
-# Paths that handle rows or keys past a sequence's end on their own (README "Use"): key splits in the forward,
-# the 16-row query tile and several key blocks per CTA in the Hopper backward, and GQA groups walked per CTA.
+# The kernels, as force_plan keywords: the default ones (on Hopper the wgmma kernels) and the mma.sync ones.
+BACKWARDS = {"default": {}, "mma_sync": {"kernel": "mma_sync"}}
+# Paths that handle rows or keys past a sequence's end on their own (README "Use"), as force_plan keywords: key
+# splits in the forward, the 16-row query tile and several key blocks per CTA in the Hopper backward, and GQA
+# groups walked per CTA.
 PATHS = {
-    "split_kv": {"FLASH_ATTN2_NUM_SPLITS": "3"},
-    "short_query_tile": {"FLASH_ATTN2_BWD_SHORT_QUERIES": "1"},
-    "key_blocks": {"FLASH_ATTN2_BWD_KEY_BLOCKS": "2"},
-    "gqa_walk": {"FLASH_ATTN2_GQA_WALK": "1"},
-    "gqa_per_head": {"FLASH_ATTN2_GQA_WALK": "0"},
+    "split_kv": {"num_splits": 3},
+    "short_query_tile": {"short_queries": True},
+    "key_blocks": {"key_blocks": 2},
+    "gqa_walk": {"gqa_walk": True},
+    "gqa_per_head": {"gqa_walk": False},
 }
 
 
@@ -74,41 +79,37 @@ def check_dense_results(q, k, v, dout, ours, causal, label=""):
                   {f"{name}{label}": value for name, value in floors.items()})
 
 
-def check_dense(b, sq, sk, h, hk, head_dim, dtype, causal, gains=GAINS):
+def check_dense(b, sq, sk, h, hk, head_dim, dtype, causal, gains=GAINS, force=None):
+    """The rule on a dense call run under force_plan(**force), whose choices its plans must take."""
     q = scaled((b, sq, h, head_dim), gains[0], dtype).requires_grad_()
     k = scaled((b, sk, hk, head_dim), gains[1], dtype).requires_grad_()
     v = scaled((b, sk, hk, head_dim), gains[2], dtype).requires_grad_()
+    force = dict(force or {})
+    check_forced_plans(q, k, causal, force)
     dout = torch.randn(q.shape, device="cuda", dtype=dtype)
     poison_allocator(q.device)
-    out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
-    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    with force_plan(**force):
+        out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
     check_dense_results(q, k, v, dout, (out, lse, dq, dk, dv), causal, f" (sq={sq}, sk={sk})")
 
 
-def cu_seqlens(lengths):
-    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device="cuda")
-
-
-def check_varlen(lens_q, lens_k, h, hk, head_dim, dtype, causal):
+def check_varlen(lens_q, lens_k, h, hk, head_dim, dtype, causal, force=None):
+    """The rule on a varlen call run under force_plan(**force), whose choices its plans must take."""
     q = scaled((sum(lens_q), h, head_dim), GAINS[0], dtype).requires_grad_()
     k = scaled((sum(lens_k), hk, head_dim), GAINS[1], dtype).requires_grad_()
     v = scaled((sum(lens_k), hk, head_dim), GAINS[2], dtype).requires_grad_()
+    force = dict(force or {})
+    check_forced_plans(q, k, causal, force, lens=(lens_q, lens_k))
     dout = torch.randn(q.shape, device="cuda", dtype=dtype)
     poison_allocator(q.device)
-    out, lse, _ = flash_attn_varlen_func(q, k, v, cu_seqlens(lens_q), cu_seqlens(lens_k), max(lens_q), max(lens_k),
-                                         causal=causal, return_attn_probs=True)
-    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
-    bounds_q = list(itertools.pairwise([0, *itertools.accumulate(lens_q)]))
-    bounds_k = list(itertools.pairwise([0, *itertools.accumulate(lens_k)]))
+    with force_plan(**force):
+        out, lse, _ = flash_attn_varlen_func(q, k, v, cu_seqlens(lens_q), cu_seqlens(lens_k), max(lens_q),
+                                             max(lens_k), causal=causal, return_attn_probs=True)
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
 
     def attend(q, k, v, upcast):
-        # The dense reference on each sequence, packed again: out (total_q, h, d), lse (h, total_q).
-        outs, lses = [], []
-        for (q0, q1), (k0, k1) in zip(bounds_q, bounds_k):
-            o, lse_seq = attention_ref(q[q0:q1][None], k[k0:k1][None], v[k0:k1][None], None, causal, upcast=upcast)
-            outs.append(o[0])
-            lses.append(lse_seq[0])
-        return torch.cat(outs), torch.cat(lses, dim=1)
+        return varlen_attention(q, k, v, lens_q, lens_k, causal, None, upcast)
 
     def packed_reference(upcast):
         leaves = [(t.detach().float() if upcast else t.detach()).requires_grad_() for t in (q, k, v)]
@@ -119,11 +120,6 @@ def check_varlen(lens_q, lens_k, h, hk, head_dim, dtype, causal):
     check_results(NAMES, (out, lse, dq, dk, dv), packed_reference(True), packed_reference(False), dtype, floors)
 
 
-def set_env(monkeypatch, env):
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-
-
 # ---------------------------------------------------------------- large magnitudes
 
 
@@ -131,26 +127,24 @@ def set_env(monkeypatch, env):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", KERNEL_HEAD_DIMS)
-def test_large_magnitude_short_lengths_varlen(head_dim, causal, dtype, backward, monkeypatch):
+def test_large_magnitude_short_lengths_varlen(head_dim, causal, dtype, backward):
     # One varlen batch holds every short length with seqlen_q == seqlen_k, then the same lengths against other
     # key lengths (seqlen_q > seqlen_k and the reverse), so every block edge is crossed in one call.
     require_fwd_bwd_kernels(head_dim, dtype, causal)
-    set_env(monkeypatch, BACKWARDS[backward])
     lens_k_other = SHORT_LENS[5:] + SHORT_LENS[:5]
-    check_varlen(SHORT_LENS * 2, SHORT_LENS + lens_k_other, 5, 5, head_dim, dtype, causal)
+    check_varlen(SHORT_LENS * 2, SHORT_LENS + lens_k_other, 5, 5, head_dim, dtype, causal, BACKWARDS[backward])
 
 
 @pytest.mark.parametrize("backward", list(BACKWARDS))
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [16, 32, 64, 128, 256])
-def test_large_magnitude_issue_reproduction(head_dim, causal, dtype, backward, monkeypatch):
+def test_large_magnitude_issue_reproduction(head_dim, causal, dtype, backward):
     # The reported case: dense (2, s, 5, d) with q * 5, k and v * 3 gave NaN in dq for s in {1, 2, 5} and
     # d in {16, 32, 64} on the Hopper backward.
     require_fwd_bwd_kernels(head_dim, dtype, causal)
-    set_env(monkeypatch, BACKWARDS[backward])
     for s in (1, 2, 5, 17, 128):
-        check_dense(2, s, s, 5, 5, head_dim, dtype, causal)
+        check_dense(2, s, s, 5, 5, head_dim, dtype, causal, force=BACKWARDS[backward])
 
 
 @pytest.mark.exhaustive
@@ -158,25 +152,24 @@ def test_large_magnitude_issue_reproduction(head_dim, causal, dtype, backward, m
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", KERNEL_HEAD_DIMS)
-def test_large_magnitude_short_lengths_dense(head_dim, causal, dtype, backward, monkeypatch):
+def test_large_magnitude_short_lengths_dense(head_dim, causal, dtype, backward):
     require_fwd_bwd_kernels(head_dim, dtype, causal)
-    set_env(monkeypatch, BACKWARDS[backward])
+    force = BACKWARDS[backward]
     for s in SHORT_LENS:
-        check_dense(2, s, s, 5, 5, head_dim, dtype, causal)
-        check_dense(2, s, s + 7, 5, 5, head_dim, dtype, causal)
-        check_dense(2, s + 7, s, 5, 5, head_dim, dtype, causal)
+        check_dense(2, s, s, 5, 5, head_dim, dtype, causal, force=force)
+        check_dense(2, s, s + 7, 5, 5, head_dim, dtype, causal, force=force)
+        check_dense(2, s + 7, s, 5, 5, head_dim, dtype, causal, force=force)
 
 
 @pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_large_magnitude_other_paths(path, causal, dtype, monkeypatch):
+def test_large_magnitude_other_paths(path, causal, dtype):
     # Head dim 128 has the 16-row query tile and walks several key blocks per CTA on Hopper; 6 query heads on 2
-    # key/value heads give the GQA paths something to walk. Elsewhere a variable changes nothing.
+    # key/value heads give the GQA paths something to walk. Elsewhere the plan has none of these.
     require_fwd_bwd_kernels(128, dtype, causal)
-    set_env(monkeypatch, PATHS[path])
     for sq, sk in [(1, 1), (2, 2), (5, 5), (5, 17), (17, 5), (16, 129), (65, 300)]:
-        check_dense(2, sq, sk, 6, 2, 128, dtype, causal)
+        check_dense(2, sq, sk, 6, 2, 128, dtype, causal, force=PATHS[path])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -201,31 +194,33 @@ def check_sampled(q, k, v, dout, out, lse, grads, causal, idx):
     check_dense_results(q[idx], k[idx], v[idx], dout[idx], ours, causal)
 
 
-def run_big_batch(b, sq, sk, h, hk, head_dim, causal, deterministic=False):
+def run_big_batch(b, sq, sk, h, hk, head_dim, causal, deterministic=False, force=None):
     q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16).requires_grad_()
                for shape in ((b, sq, h, head_dim), (b, sk, hk, head_dim), (b, sk, hk, head_dim)))
+    force = dict(force or {})
+    check_forced_plans(q, k, causal, force, deterministic=deterministic)
     dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16)
     # The poisoned block must cover every output larger than 1 MiB: out, dq, dk, dv and the fp32 dQ accumulator
     # (whole 128-row blocks of a 32-column kernel head dim at least).
     outputs = 2 * (2 * q.numel() + 2 * k.numel()) + 4 * b * h * (sq + 127) // 128 * 128 * max(head_dim, 32)
     poison_allocator(q.device, nbytes=outputs + (64 << 20))
-    out, lse, _ = flash_attn_func(q, k, v, causal=causal, deterministic=deterministic, return_attn_probs=True)
-    grads = torch.autograd.grad(out, (q, k, v), dout)
+    with force_plan(**force):
+        out, lse, _ = flash_attn_func(q, k, v, causal=causal, deterministic=deterministic, return_attn_probs=True)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
     # Every sequence is written: the poisoned memory would leave NaN anywhere a CTA was missing.
     for name, t in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads)):
         assert not t.isnan().any(), f"{name}: NaN, so some sequence was not computed"
     check_sampled(q, k, v, dout, out, lse, grads, causal, sampled_sequences(b))
 
 
-@pytest.mark.parametrize("env", [{}, {"FLASH_ATTN2_DISABLE_WGMMA": "1"}, {"FLASH_ATTN2_NUM_SPLITS": "2"}],
+@pytest.mark.parametrize("force", [{}, {"kernel": "mma_sync"}, {"num_splits": 2}],
                          ids=["default", "mma_sync", "split_kv"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_batch_above_65535(causal, env, monkeypatch):
+def test_batch_above_65535(causal, force):
     # The reported shape, (70000, 16, 1, 32): batch indexes the grid's y, which stops at 65535, so such a batch
     # runs as two launches of each kernel.
     require_fwd_bwd_kernels(32, torch.bfloat16, causal)
-    set_env(monkeypatch, env)
-    run_big_batch(70000, 16, 16, 1, 1, 32, causal)
+    run_big_batch(70000, 16, 16, 1, 1, 32, causal, force=force)
 
 
 def test_batch_above_65535_deterministic_and_decode():
@@ -286,10 +281,9 @@ def test_more_than_2pow21_ctas_forward():
     check_close("lse", lse[idx], ref_lse, lowp_lse)
 
 
-def test_more_than_2pow21_ctas_backward(monkeypatch):
+def test_more_than_2pow21_ctas_backward():
     # 65535 sequences x 33 key blocks of at most 128 keys in the first launch: 2.16M backward CTAs (one key
     # block per CTA).
     require_fwd_bwd_kernels(32, torch.bfloat16, False)
     require_free_gib(48)
-    monkeypatch.setenv("FLASH_ATTN2_BWD_KEY_BLOCKS", "1")
-    run_big_batch(70000, 2, 33 * 128, 1, 1, 8, False)
+    run_big_batch(70000, 2, 33 * 128, 1, 1, 8, False, force={"key_blocks": 1})

@@ -1,14 +1,26 @@
 """Variable-length batches and packed layouts on a CUDA device.
 
 Varlen outputs, LSE and gradients are compared with the dense reference run on each sequence separately
-(rule in DEVELOPERS.md, over all sequences at once). Configurations whose kernels were not compiled are skipped.
+(conftest.varlen_attention; the correctness rule of conftest.check_close, over all sequences at once).
+Configurations whose kernels were not compiled are skipped.
 """
-
-import itertools
 
 import pytest
 import torch
-from conftest import check_results, gradient_floors, poison_allocator, require_fwd_bwd_kernels, requires_gpu
+from conftest import (
+    DTYPE_IDS,
+    DTYPES,
+    KERNEL_HEAD_DIMS,
+    check_forced_plans,
+    check_results,
+    cu_seqlens,
+    gradient_floors,
+    poison_allocator,
+    rand,
+    require_fwd_bwd_kernels,
+    requires_gpu,
+    varlen_attention,
+)
 
 from flash_attn_cuda import (
     flash_attn_func,
@@ -18,33 +30,13 @@ from flash_attn_cuda import (
     flash_attn_varlen_kvpacked_func,
     flash_attn_varlen_qkvpacked_func,
 )
-from flash_attn_cuda.reference import attention_ref
+from flash_attn_cuda.plan import force_plan
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 
-KERNEL_HEAD_DIMS = [32, 64, 96, 128, 160, 192, 224, 256]
 # Lengths with empty, single-token and odd sequences, and both seqlen_q > seqlen_k and the reverse.
 LENS_Q = [0, 1, 17, 113, 64, 300, 5]
 LENS_K = [7, 0, 17, 200, 64, 129, 1]
-
-
-def cu_seqlens(lengths):
-    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device="cuda")
-
-
-def rand(*shape, dtype):
-    return torch.randn(shape, dtype=dtype, device="cuda")
-
-
-def varlen_attention(q, k, v, lens_q, lens_k, causal, softmax_scale, upcast):
-    """(out (total_q, nheads, d), lse (nheads, total_q)): the dense reference on each sequence, packed again."""
-    outs, lses = [], []
-    for (q0, q1), (k0, k1) in zip(itertools.pairwise([0, *itertools.accumulate(lens_q)]),
-                                  itertools.pairwise([0, *itertools.accumulate(lens_k)])):
-        out, lse = attention_ref(q[q0:q1][None], k[k0:k1][None], v[k0:k1][None], softmax_scale, causal, upcast=upcast)
-        outs.append(out[0])
-        lses.append(lse[0])
-    return torch.cat(outs), torch.cat(lses, dim=1)
 
 
 def varlen_reference(q, k, v, lens_q, lens_k, dout, causal, softmax_scale, upcast):
@@ -55,15 +47,21 @@ def varlen_reference(q, k, v, lens_q, lens_k, dout, causal, softmax_scale, upcas
     return (out.detach(), lse, *grads)
 
 
-def check_varlen(lens_q, lens_k, h, hk, head_dim, dtype, causal, deterministic=False):
+def check_varlen(lens_q, lens_k, h, hk, head_dim, dtype, causal, deterministic=False, force=None):
+    """The rule on out, lse, dq, dk and dv of flash_attn_varlen_func run under force_plan(**force), whose choices
+    the plans of both passes must take (conftest.check_forced_plans). Returns (dq, dk, dv)."""
     q = rand(sum(lens_q), h, head_dim, dtype=dtype).requires_grad_()
     k = rand(sum(lens_k), hk, head_dim, dtype=dtype).requires_grad_()
     v = rand(sum(lens_k), hk, head_dim, dtype=dtype).requires_grad_()
+    force = dict(force or {})
+    check_forced_plans(q, k, causal, force, deterministic=deterministic, lens=(lens_q, lens_k))
     dout = torch.randn_like(q)
     poison_allocator(q.device)
-    out, lse, _ = flash_attn_varlen_func(q, k, v, cu_seqlens(lens_q), cu_seqlens(lens_k), max(lens_q), max(lens_k),
-                                         causal=causal, deterministic=deterministic, return_attn_probs=True)
-    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    with force_plan(**force):
+        out, lse, _ = flash_attn_varlen_func(q, k, v, cu_seqlens(lens_q), cu_seqlens(lens_k), max(lens_q),
+                                             max(lens_k), causal=causal, deterministic=deterministic,
+                                             return_attn_probs=True)
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
     scale = head_dim ** -0.5
     ref = varlen_reference(q, k, v, lens_q, lens_k, dout, causal, scale, upcast=True)
     lowp = varlen_reference(q, k, v, lens_q, lens_k, dout, causal, scale, upcast=False)
@@ -76,7 +74,7 @@ def check_varlen(lens_q, lens_k, h, hk, head_dim, dtype, causal, deterministic=F
     return dq, dk, dv
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", KERNEL_HEAD_DIMS)
 def test_varlen_head_dims(head_dim, causal, dtype):
@@ -86,32 +84,42 @@ def test_varlen_head_dims(head_dim, causal, dtype):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128, 192, 256])
-def test_varlen_gqa_group_walk(head_dim, causal, monkeypatch):
+def test_varlen_gqa_group_walk(head_dim, causal):
     # Hopper backward CTAs walking every query head of their key/value head (forced; see test_bwd_gpu.py).
     require_fwd_bwd_kernels(head_dim, torch.bfloat16, causal)
-    monkeypatch.setenv("FLASH_ATTN2_GQA_WALK", "1")
-    check_varlen(LENS_Q, LENS_K, 6, 2, head_dim, torch.bfloat16, causal)
+    check_varlen(LENS_Q, LENS_K, 6, 2, head_dim, torch.bfloat16, causal, force={"gqa_walk": True})
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_varlen_key_blocks_per_cta(head_dim, causal, monkeypatch):
+def test_varlen_key_blocks_per_cta(head_dim, causal):
     # Hopper backward CTAs walking 3 key blocks each (forced; see test_bwd_gpu.py), across sequences whose key
     # blocks end at different places.
     require_fwd_bwd_kernels(head_dim, torch.bfloat16, causal)
-    monkeypatch.setenv("FLASH_ATTN2_BWD_KEY_BLOCKS", "3")
-    check_varlen(LENS_Q, LENS_K, 6, 2, head_dim, torch.bfloat16, causal)
+    check_varlen(LENS_Q, LENS_K, 6, 2, head_dim, torch.bfloat16, causal, force={"key_blocks": 3})
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("lens", [(LENS_Q, LENS_K), ([1, 16, 0, 5], [700, 3, 129, 0])], ids=["mixed", "short-q"])
-def test_varlen_short_query_tile(lens, causal, monkeypatch):
+def test_varlen_short_query_tile(lens, causal):
     # Hopper backward with 16-row query blocks at head dim 128 (forced; see test_bwd_gpu.py), walking 3 key
     # blocks per CTA.
     require_fwd_bwd_kernels(128, torch.bfloat16, causal)
-    monkeypatch.setenv("FLASH_ATTN2_BWD_SHORT_QUERIES", "1")
-    monkeypatch.setenv("FLASH_ATTN2_BWD_KEY_BLOCKS", "3")
-    check_varlen(*lens, 6, 2, 128, torch.bfloat16, causal)
+    check_varlen(*lens, 6, 2, 128, torch.bfloat16, causal, force={"short_queries": True, "key_blocks": 3})
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_varlen_mma_sync_forced(causal):
+    # The mma.sync kernels (what Ampere runs) on varlen batches, also on Hopper.
+    require_fwd_bwd_kernels(64, torch.bfloat16, causal)
+    check_varlen(LENS_Q, LENS_K, 6, 2, 64, torch.bfloat16, causal, force={"kernel": "mma_sync"})
+
+
+def test_varlen_forward_is_never_split():
+    # num_splits is for dense forwards: a varlen batch of one query row per sequence against long keys (which a
+    # dense call would split) runs unsplit under it.
+    require_fwd_bwd_kernels(128, torch.bfloat16, False)
+    check_varlen([1, 1], [4097, 3000], 8, 8, 128, torch.bfloat16, False, force={"num_splits": 3})
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

@@ -1,0 +1,395 @@
+"""Launch plans on the CPU: the heuristics and overrides of torch.ops.flash_attn2.plan for a given GPU.
+
+With ``arch`` and ``num_sms`` given, the plan is computed for that GPU and a build with every kernel family, so
+these tests need the built extension but no GPU and no kernel (CI builds head dim 64 bf16 for sm_80 only).
+H200 is (90, 132 SMs), A100 (80, 108). Tile sizes are asserted only where csrc/fwd_tile_config.h and
+csrc/flash_params.h define them for the host.
+"""
+
+import pytest
+import torch
+
+from flash_attn_cuda import flash_attn_func, flash_attn_varlen_func
+from flash_attn_cuda.plan import Plan, force_plan, forced, override_string, plan
+
+H200 = {"arch": 90, "num_sms": 132}
+A100 = {"arch": 80, "num_sms": 108}
+# Errors for a malformed plan_override or num_splits; what matters is that the message names the argument.
+BAD_ARGUMENT = (ValueError, RuntimeError)
+
+
+def make(pass_="fwd", gpu=H200, *, batch=2, seqlen_q=512, seqlen_k=512, nheads=8, nheads_k=8, head_dim=128,
+         causal=False, deterministic=False, varlen=False, num_splits=0, override=None, **choices) -> Plan:
+    """The plan on ``gpu`` (H200 unless told), the override given as a string or as override_string keywords."""
+    if override is None:
+        override = override_string(**choices)
+    p = plan(pass_, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=nheads, nheads_k=nheads_k,
+             head_dim=head_dim, causal=causal, deterministic=deterministic, varlen=varlen, num_splits=num_splits,
+             override=override, **gpu)
+    assert isinstance(p, Plan) and p.pass_ == pass_, p
+    return p
+
+
+# ---------------------------------------------------------------- kernel family
+
+
+@pytest.mark.parametrize("pass_", ["fwd", "bwd"])
+@pytest.mark.parametrize("arch, kernel", [(80, "mma_sync"), (86, "mma_sync"), (89, "mma_sync"), (90, "wgmma")])
+def test_kernel_family_per_arch(pass_, arch, kernel):
+    assert make(pass_, {"arch": arch, "num_sms": 100}).kernel == kernel
+
+
+@pytest.mark.parametrize("pass_", ["fwd", "bwd"])
+def test_kernel_override(pass_):
+    assert make(pass_, kernel="mma_sync").kernel == "mma_sync"
+    assert make(pass_, kernel="wgmma").kernel == "wgmma"
+    assert make(pass_, override="kernel=mma_sync").kernel == "mma_sync"
+
+
+@pytest.mark.parametrize("pass_", ["fwd", "bwd"])
+def test_wgmma_override_off_hopper(pass_):
+    # The Hopper kernels exist for sm_90 only: forcing them elsewhere is refused or not taken.
+    try:
+        p = make(pass_, A100, kernel="wgmma")
+    except BAD_ARGUMENT as error:
+        assert "plan_override" in str(error)
+    else:
+        assert p.kernel == "mma_sync"
+
+
+def test_deterministic_backward_runs_mma_sync():
+    assert make("bwd", deterministic=True).kernel == "mma_sync"
+    assert make("bwd", deterministic=True, kernel="wgmma").kernel == "mma_sync"
+    assert make("bwd", deterministic=False).kernel == "wgmma"
+    # Deterministic mode is a backward matter.
+    assert make("fwd", deterministic=True).kernel == "wgmma"
+
+
+# ---------------------------------------------------------------- one query row: causal dropped, GQA packed
+
+
+@pytest.mark.parametrize("pass_", ["fwd", "bwd"])
+@pytest.mark.parametrize("gpu", [H200, A100], ids=["h200", "a100"])
+def test_causal_is_noop_for_one_query_row(pass_, gpu):
+    assert make(pass_, gpu, seqlen_q=1, seqlen_k=300, causal=True).causal is False
+    assert make(pass_, gpu, seqlen_q=2, seqlen_k=300, causal=True).causal is True
+    assert make(pass_, gpu, seqlen_q=300, seqlen_k=300, causal=True).causal is True
+    assert make(pass_, gpu, seqlen_q=1, seqlen_k=300, causal=False).causal is False
+    # Varlen: the maximum is 1, but the rule is for dense calls.
+    assert make(pass_, gpu, seqlen_q=1, seqlen_k=300, causal=True, varlen=True).causal is True
+
+
+@pytest.mark.parametrize("pass_", ["fwd", "bwd"])
+@pytest.mark.parametrize("gpu", [H200, A100], ids=["h200", "a100"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gqa_packing_of_one_query_row(pass_, gpu, causal):
+    assert make(pass_, gpu, seqlen_q=1, nheads=32, nheads_k=4, causal=causal).gqa_pack == 8
+    assert make(pass_, gpu, seqlen_q=1, nheads=8, nheads_k=1, causal=causal).gqa_pack == 8
+    assert make(pass_, gpu, seqlen_q=1, nheads=8, nheads_k=8, causal=causal).gqa_pack == 1
+    assert make(pass_, gpu, seqlen_q=2, nheads=32, nheads_k=4, causal=causal).gqa_pack == 1
+    assert make(pass_, gpu, seqlen_q=1, nheads=32, nheads_k=4, causal=causal, varlen=True).gqa_pack == 1
+
+
+def test_packed_backward_has_no_gqa_left():
+    # Packed, dK and dV come out per key/value head: no group walk and no fp32 slices, whatever is forced.
+    for walk in (None, True, False):
+        p = make("bwd", seqlen_q=1, seqlen_k=4096, nheads=32, nheads_k=4, gqa_walk=walk)
+        assert p.gqa_pack == 8 and p.heads_per_cta == 1 and not p.dkv_fp32_slices, p
+
+
+# ---------------------------------------------------------------- split-KV
+
+
+DECODE = dict(batch=1, seqlen_q=1, seqlen_k=16384, nheads=16, nheads_k=16, head_dim=128)
+
+
+@pytest.mark.parametrize("gpu", [H200, A100], ids=["h200", "a100"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_split_heuristic_splits_small_grids(gpu, causal):
+    p = make("fwd", gpu, **DECODE, causal=causal)
+    assert 1 < p.num_splits <= 128, p
+    assert p.num_splits <= DECODE["seqlen_k"] // 256, p  # at least 256 keys per split
+    # Short queries against long keys, and GQA decoding (packed: 2 x 4 CTAs of one query block).
+    assert make("fwd", gpu, batch=1, seqlen_q=17, seqlen_k=4097, nheads=4, nheads_k=4, causal=causal).num_splits > 1
+    assert make("fwd", gpu, batch=2, seqlen_q=1, seqlen_k=4097, nheads=32, nheads_k=4, causal=causal).num_splits > 1
+
+
+@pytest.mark.parametrize("gpu", [H200, A100], ids=["h200", "a100"])
+def test_split_heuristic_leaves_large_grids(gpu):
+    assert make("fwd", gpu, batch=8, seqlen_q=4096, seqlen_k=4096, nheads=32, nheads_k=32).num_splits == 1
+    assert make("fwd", gpu, batch=8, seqlen_q=4096, seqlen_k=4096, nheads=32, nheads_k=32, causal=True).num_splits == 1
+    # Decoding over many sequences and heads fills the GPU by itself.
+    assert make("fwd", gpu, batch=64, seqlen_q=1, seqlen_k=16384, nheads=32, nheads_k=32).num_splits == 1
+
+
+def test_split_heuristic_needs_1024_keys():
+    below = dict(DECODE, seqlen_k=1023)
+    assert make("fwd", **below).num_splits == 1
+    assert make("fwd", **dict(DECODE, seqlen_k=1024)).num_splits > 1
+    assert make("fwd", **dict(DECODE, seqlen_k=64)).num_splits == 1
+
+
+def test_no_split_for_varlen_or_backward():
+    assert make("fwd", **DECODE, varlen=True).num_splits == 1
+    assert make("fwd", **DECODE, varlen=True, num_splits=3).num_splits == 1
+    assert make("bwd", **DECODE).num_splits == 1
+    assert make("bwd", **DECODE, num_splits=3).num_splits == 1
+
+
+@pytest.mark.parametrize("gpu", [H200, A100], ids=["h200", "a100"])
+@pytest.mark.parametrize("splits", [1, 2, 3, 7, 128])
+def test_forced_splits(gpu, splits):
+    assert make("fwd", gpu, **DECODE, num_splits=splits).num_splits == splits
+    # Also where the heuristic would not split, and with splits that get no key block at all.
+    assert make("fwd", gpu, batch=8, seqlen_q=2048, seqlen_k=64, num_splits=splits).num_splits == splits
+
+
+def test_forced_splits_capped_so_the_grid_fits():
+    # The launch grid's x is query blocks times splits, at most 2^31 - 1.
+    seqlen_q = 2**31 - 1
+    p = make("fwd", batch=1, seqlen_q=seqlen_q, seqlen_k=64, nheads=1, nheads_k=1, num_splits=128)
+    assert 1 <= p.num_splits < 128, p
+    assert p.num_splits * -(-seqlen_q // p.block_m) <= 2**31 - 1, p
+
+
+@pytest.mark.parametrize("splits", [129, 1000, -1])
+def test_num_splits_out_of_range_rejected(splits):
+    with pytest.raises(BAD_ARGUMENT, match="num_splits"):
+        make("fwd", **DECODE, num_splits=splits)
+
+
+# ---------------------------------------------------------------- Hopper short-key forward tile
+
+
+@pytest.mark.parametrize(
+    "head_dim, causal, seqlen_k, short",
+    [(128, False, 512, True), (128, False, 513, False), (128, True, 1024, True), (128, True, 1025, False),
+     (104, False, 100, True), (128, True, 17, True), (96, False, 100, False), (64, False, 100, False),
+     (160, True, 100, False), (256, False, 100, False)],
+)
+def test_short_key_tile_heuristic(head_dim, causal, seqlen_k, short):
+    p = make("fwd", seqlen_q=128, seqlen_k=seqlen_k, head_dim=head_dim, causal=causal)
+    assert p.kernel == "wgmma" and p.short_key_tile is short, p
+    if short:  # FwdSm90ShortKeysTileConfig: 64 query rows, 64-key blocks
+        assert (p.block_m, p.block_n) == (64, 64), p
+    # Never in the backward, never on mma.sync.
+    assert not make("bwd", seqlen_q=128, seqlen_k=seqlen_k, head_dim=head_dim, causal=causal).short_key_tile
+    assert not make("fwd", A100, seqlen_q=128, seqlen_k=seqlen_k, head_dim=head_dim, causal=causal).short_key_tile
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_short_key_tile_forced(causal):
+    assert make("fwd", seqlen_k=16384, causal=causal, short_keys=True).short_key_tile
+    assert not make("fwd", seqlen_k=16384, causal=causal).short_key_tile
+    assert not make("fwd", seqlen_k=64, causal=causal, short_keys=False).short_key_tile
+    assert make("fwd", seqlen_k=64, causal=causal).short_key_tile
+    # Only head dim 128 has the tile; mma.sync has none.
+    assert not make("fwd", seqlen_k=64, head_dim=64, causal=causal, short_keys=True).short_key_tile
+    assert not make("fwd", seqlen_k=64, head_dim=256, causal=causal, short_keys=True).short_key_tile
+    assert not make("fwd", A100, seqlen_k=64, causal=causal, short_keys=True).short_key_tile
+    p = make("fwd", seqlen_k=64, causal=causal, short_keys=True, kernel="mma_sync")
+    assert p.kernel == "mma_sync" and not p.short_key_tile, p
+
+
+# ---------------------------------------------------------------- Hopper short-query backward tile
+
+
+@pytest.mark.parametrize(
+    "head_dim, seqlen_q, short",
+    [(128, 1, True), (128, 16, True), (128, 17, False), (128, 1000, False), (104, 5, True), (96, 1, False),
+     (64, 1, False), (160, 16, False), (256, 1, False)],
+)
+def test_short_query_tile_heuristic(head_dim, seqlen_q, short):
+    p = make("bwd", seqlen_q=seqlen_q, seqlen_k=4096, head_dim=head_dim)
+    assert p.kernel == "wgmma" and p.short_query_tile is short, p
+    if head_dim > 96 and head_dim <= 128:  # flash_params.h: 16 rows per step on the short tile, else 64
+        assert p.block_m == (16 if short else 64), p
+    assert not make("fwd", seqlen_q=seqlen_q, seqlen_k=4096, head_dim=head_dim).short_query_tile
+    assert not make("bwd", A100, seqlen_q=seqlen_q, seqlen_k=4096, head_dim=head_dim).short_query_tile
+
+
+def test_short_query_tile_forced():
+    assert make("bwd", seqlen_q=1000, short_queries=True).short_query_tile
+    assert not make("bwd", seqlen_q=1, short_queries=False).short_query_tile
+    assert not make("bwd", seqlen_q=1000, head_dim=64, short_queries=True).short_query_tile
+    assert not make("bwd", seqlen_q=1000, head_dim=256, short_queries=True).short_query_tile
+    assert not make("bwd", A100, seqlen_q=1000, short_queries=True).short_query_tile
+    assert not make("bwd", seqlen_q=1000, deterministic=True, short_queries=True).short_query_tile
+    assert not make("bwd", seqlen_q=1000, kernel="mma_sync", short_queries=True).short_query_tile
+
+
+# ---------------------------------------------------------------- Hopper GQA walks and fp32 dK/dV slices
+
+GQA = dict(batch=2, seqlen_q=200, nheads=8, nheads_k=2)
+
+
+@pytest.mark.parametrize(
+    "head_dim, seqlen_k, num_sms, walk",
+    [
+        (128, 4100, 132, True),  # 33 key blocks of 128 x 2 sequences x 2 key/value heads = 132 CTAs
+        (128, 4096, 132, False),  # 128 CTAs
+        (128, 4096, 128, True),
+        (64, 4100, 132, True),
+        (256, 2112, 132, True),  # 33 key blocks of 64 keys above head dim 128
+        (256, 2048, 132, False),
+    ],
+)
+def test_gqa_walk_by_grid_size(head_dim, seqlen_k, num_sms, walk):
+    p = make("bwd", {"arch": 90, "num_sms": num_sms}, **GQA, seqlen_k=seqlen_k, head_dim=head_dim)
+    assert p.heads_per_cta == (4 if walk else 1), p
+    assert p.dkv_fp32_slices is (not walk), p
+
+
+@pytest.mark.parametrize("head_dim", [32, 128, 192, 256])
+def test_gqa_walk_forced(head_dim):
+    p = make("bwd", **GQA, seqlen_k=300, head_dim=head_dim, gqa_walk=True)
+    assert p.heads_per_cta == 4 and not p.dkv_fp32_slices, p
+    p = make("bwd", **dict(GQA, nheads_k=1), seqlen_k=300, head_dim=head_dim, gqa_walk=True)
+    assert p.heads_per_cta == 8 and not p.dkv_fp32_slices, p
+    p = make("bwd", **GQA, seqlen_k=16384, head_dim=head_dim, gqa_walk=False)
+    assert p.heads_per_cta == 1 and p.dkv_fp32_slices, p
+
+
+def test_gqa_walk_only_on_hopper_gqa_nondeterministic():
+    # MHA: nothing to walk, nothing to sum.
+    p = make("bwd", **dict(GQA, nheads_k=8), seqlen_k=16384, gqa_walk=True)
+    assert p.heads_per_cta == 1 and not p.dkv_fp32_slices, p
+    # GQA without a walk: fp32 slices.
+    for p in (make("bwd", A100, **GQA, seqlen_k=16384, gqa_walk=True),
+              make("bwd", **GQA, seqlen_k=16384, deterministic=True, gqa_walk=True),
+              make("bwd", **GQA, seqlen_k=16384, kernel="mma_sync", gqa_walk=True)):
+        assert p.kernel == "mma_sync" and p.heads_per_cta == 1 and p.dkv_fp32_slices, p
+    # The forward has neither.
+    p = make("fwd", **GQA, seqlen_k=16384, gqa_walk=True)
+    assert p.heads_per_cta == 1 and not p.dkv_fp32_slices, p
+
+
+# ---------------------------------------------------------------- Hopper key blocks per backward CTA
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 160, 256])
+@pytest.mark.parametrize("key_blocks", [2, 3])
+def test_key_blocks_forced(head_dim, key_blocks):
+    # Also more key blocks per CTA than the keys have (200 keys: 2 blocks of 128, 4 of 64).
+    p = make("bwd", seqlen_q=300, seqlen_k=200, head_dim=head_dim, key_blocks=key_blocks)
+    assert p.key_blocks_per_cta == (key_blocks if head_dim <= 128 else 1), p
+    assert make("bwd", A100, head_dim=head_dim, key_blocks=key_blocks).key_blocks_per_cta == 1
+    assert make("bwd", head_dim=head_dim, deterministic=True, key_blocks=key_blocks).key_blocks_per_cta == 1
+    assert make("fwd", head_dim=head_dim, key_blocks=key_blocks).key_blocks_per_cta == 1
+
+
+@pytest.mark.parametrize("seqlen_q", [1, 100])
+def test_key_blocks_heuristic_short_queries_long_keys(seqlen_q):
+    long_keys = dict(batch=8, seqlen_q=seqlen_q, seqlen_k=4096, nheads=16, nheads_k=16, head_dim=128)
+    assert make("bwd", **long_keys).key_blocks_per_cta > 1
+    assert make("bwd", **long_keys, key_blocks=1).key_blocks_per_cta == 1
+    assert make("bwd", **long_keys, deterministic=True).key_blocks_per_cta == 1
+    assert make("bwd", **dict(long_keys, head_dim=256)).key_blocks_per_cta == 1
+
+
+def test_key_blocks_heuristic_leaves_long_queries():
+    assert make("bwd", batch=8, seqlen_q=4096, seqlen_k=4096, nheads=16, nheads_k=16).key_blocks_per_cta == 1
+    assert make("bwd", batch=1, seqlen_q=1, seqlen_k=100, nheads=1, nheads_k=1).key_blocks_per_cta == 1
+
+
+# ---------------------------------------------------------------- tiles the host documents
+
+
+@pytest.mark.parametrize("head_dim, block_n", [(32, 128), (128, 128), (160, 64), (256, 64)])
+def test_hopper_backward_tile(head_dim, block_n):
+    # flash_params.h: 64 query rows per step, 128 keys per CTA up to head dim 128 and 64 above.
+    p = make("bwd", seqlen_q=1000, seqlen_k=1000, head_dim=head_dim)
+    assert (p.block_m, p.block_n) == (64, block_n), p
+
+
+def test_hopper_forward_tile_head_dim_128():
+    # fwd_tile_config.h: FwdSm90TileConfig<128> is 128 x 128 (the regular tile, past the short-key lengths).
+    p = make("fwd", seqlen_q=4096, seqlen_k=4096, head_dim=128)
+    assert (p.block_m, p.block_n) == (128, 128), p
+
+
+# ---------------------------------------------------------------- plan_override
+
+
+@pytest.mark.parametrize("pass_", ["fwd", "bwd"])
+@pytest.mark.parametrize(
+    "text",
+    ["key_blocks=two", "gqa_walk=2", "short_keys=yes", "short_queries=-1", "kernel=tensor_cores", "key_blocks=-1",
+     "key_blocks=0", "window=1", "kernel", "kernel=mma_sync;gqa_walk", "=1"],
+)
+def test_malformed_override_rejected(pass_, text):
+    with pytest.raises(BAD_ARGUMENT, match="plan_override"):
+        make(pass_, override=text)
+
+
+def test_override_string():
+    assert override_string() == ""
+    assert override_string(kernel="mma_sync") == "kernel=mma_sync"
+    text = override_string(kernel="mma_sync", gqa_walk=True, key_blocks=2, short_keys=False, short_queries=True)
+    assert text == "kernel=mma_sync;gqa_walk=1;key_blocks=2;short_keys=0;short_queries=1"
+    # The op takes what override_string writes, and every choice in it reaches the plan.
+    p = make("bwd", seqlen_q=1000, seqlen_k=300, nheads=8, nheads_k=2, override=text.replace("kernel=mma_sync;", ""))
+    assert p.kernel == "wgmma" and p.heads_per_cta == 4 and p.key_blocks_per_cta == 2 and p.short_query_tile, p
+
+
+def test_force_plan_scopes():
+    assert forced() == (0, "")
+    with force_plan(num_splits=3, kernel="mma_sync"):
+        assert forced() == (3, "kernel=mma_sync")
+        with force_plan(gqa_walk=False):
+            assert forced() == (0, "gqa_walk=0")
+        assert forced() == (3, "kernel=mma_sync")
+    assert forced() == (0, "")
+    with pytest.raises(KeyError):
+        with force_plan(key_blocks=2):
+            raise KeyError("left by an exception")
+    assert forced() == (0, "")
+
+
+def _bound_args(op, args, kwargs):
+    """The op's arguments by schema name (kwargs and positionals alike)."""
+    names = [a.name for a in op.default._schema.arguments]
+    return {**dict(zip(names, args)), **kwargs}
+
+
+def test_force_plan_reaches_fwd_op(monkeypatch):
+    # flash_attn_func passes what force_plan holds to the op as its num_splits and plan_override arguments.
+    op = torch.ops.flash_attn2.fwd
+    seen = []
+
+    def fake_op(*args, **kwargs):
+        seen.append(_bound_args(op, args, kwargs))
+        return torch.empty_like(args[0]), torch.empty(1)
+
+    monkeypatch.setattr(torch.ops.flash_attn2, "fwd", fake_op)
+    q, k, v = (torch.randn(2, 9, 4, 64, dtype=torch.float16) for _ in range(3))
+    with force_plan(num_splits=3, kernel="mma_sync", short_keys=True):
+        flash_attn_func(q, k, v)
+    flash_attn_func(q, k, v)
+    assert seen[0]["num_splits"] == 3 and seen[0]["plan_override"] == "kernel=mma_sync;short_keys=1", seen[0]
+    assert seen[1].get("num_splits", 0) == 0 and seen[1].get("plan_override", "") == "", seen[1]
+
+
+def test_force_plan_reaches_varlen_fwd_op(monkeypatch):
+    op = torch.ops.flash_attn2.varlen_fwd
+    seen = []
+
+    def fake_op(*args, **kwargs):
+        seen.append(_bound_args(op, args, kwargs))
+        return torch.empty_like(args[0]), torch.empty(1)
+
+    monkeypatch.setattr(torch.ops.flash_attn2, "varlen_fwd", fake_op)
+    q, k, v = (torch.randn(9, 4, 64, dtype=torch.float16) for _ in range(3))
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    with force_plan(gqa_walk=True, key_blocks=2):
+        flash_attn_varlen_func(q, k, v, cu, cu, 5, 5)
+    assert seen[0]["plan_override"] == "gqa_walk=1;key_blocks=2", seen[0]
+    assert "num_splits" not in seen[0]  # varlen forwards are never split
+
+
+def test_schemas_take_plan_arguments():
+    fwd = str(torch.ops.flash_attn2.fwd.default._schema)
+    assert "int num_splits=0" in fwd and 'str plan_override=""' in fwd, fwd
+    for name in ("bwd", "varlen_fwd", "varlen_bwd"):
+        schema = str(getattr(torch.ops.flash_attn2, name).default._schema)
+        assert 'str plan_override=""' in schema and "num_splits" not in schema, schema

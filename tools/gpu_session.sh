@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# Everything one call on our own GPU machine does, in stages, so a single call can build, test, check memory and
+# benchmark. It fits our own GPU access (no network, a carried CUTLASS wheel, at most 8 files back per call); to
+# benchmark on your own GPU, run the bench/ scripts directly (bench/README.md).
+# Run from the repository root:  bash tools/gpu_session.sh build test memcheck bench
+# Stages: build (setup.py build_ext --inplace, all kernels unless FLASH_ATTN2_HDIMS/DTYPES say otherwise; also
+# leaves the stripped extension in $OUT/so_part_* so a later call can carry it in .devbuild/ and skip the build),
+# prebuilt (installs .devbuild/_C*.so instead of building), test (pytest), memcheck (compute-sanitizer over
+# tests/memcheck.py; $MEMCHECK_SECTIONS picks sections), bench (mma peak + forward grid), bench_bwd (backward
+# and forward+backward, seqlen 2k/8k/16k, with cuDNN and deterministic mode), bench_varlen, bench_skinny, tune
+# (bench/tune_tiles.py with $TUNE_ARGS), profile (Nsight Compute over bench/profile_call.py with $PROFILE_ARGS, ncu
+# options $NCU_ARGS, report in $OUT/ncu_profile.txt), grad_error_ratio (tools/grad_error_ratio.py with
+# $GRAD_ERROR_ARGS), pack (everything in $OUT into one results.tar, since a device call returns at most 8 files).
+# Results go to $OUT (default /tmp/flash_out).
+set -uo pipefail
+OUT=${OUT:-/tmp/flash_out}
+mkdir -p "$OUT"
+# The GPU machine has no network: CUTLASS headers come from a carried nvidia-cutlass wheel in .whl/.
+if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1
+
+status=0
+for stage in "$@"; do
+    echo "=== $stage ($(date -u +%H:%M:%S))"
+    case $stage in
+    build)
+        start=$SECONDS
+        FLASH_ATTN2_CUDA_ARCHS=${FLASH_ATTN2_CUDA_ARCHS:-90} MAX_JOBS=${MAX_JOBS:-16} FLASH_ATTN2_PTXAS_VERBOSE=1 \
+            python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+        echo "build: $((SECONDS - start)) s wall"
+        find build -name .ninja_log -exec cp {} "$OUT/ninja_log.txt" \;
+        grep -E "spill stores" "$OUT/build.log" | sort | uniq -c
+        so=$(ls flash_attn_cuda/_C*.so) && strip --strip-debug -o /tmp/_C.so "$so" && split -b 15M /tmp/_C.so "$OUT/so_part_"
+        ;;
+    prebuilt)
+        # .devbuild/ holds the extension from an earlier build stage (cat so_part_* > .devbuild/<its name>).
+        cp .devbuild/_C*.so flash_attn_cuda/ || exit 1
+        ;;
+    test)
+        timeout 480 python3 -m pytest -q -p no:cacheprovider tests ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/test.log" | tail -40
+        [ "${PIPESTATUS[0]}" = 0 ] || status=1
+        ;;
+    memcheck)
+        timeout 240 compute-sanitizer --tool memcheck --error-exitcode 1 --print-limit 10 \
+            python3 tests/memcheck.py ${MEMCHECK_SECTIONS:-} 2>&1 | tail -15 || status=1
+        ;;
+    bench)
+        python3 bench/mma_peak.py --out-dir "$OUT"
+        python3 bench/bench_fwd.py --out-dir "$OUT" ${BENCH_ARGS:-} 2>&1 | tail -60
+        ;;
+    bench_bwd)
+        python3 bench/bench_fwd.py --out-dir "$OUT" --pass bwd --quick --impls ours,flash,cudnn,ours_det 2>&1 | tail -12
+        python3 bench/bench_fwd.py --out-dir "$OUT" --pass fwd_bwd --quick --impls ours,flash,cudnn 2>&1 | tail -12
+        ;;
+    bench_varlen)
+        python3 bench/bench_varlen.py --out-dir "$OUT" 2>&1 | tail -9
+        ;;
+    bench_skinny)
+        python3 bench/bench_skinny.py --out-dir "$OUT" 2>&1 | tail -32
+        ;;
+    pack)
+        # Only 8 files come back from a device call: bundle everything written so far into one tar.
+        tar -C "$OUT" -cf /tmp/flash_results.tar . && find "$OUT" -mindepth 1 -delete && mv /tmp/flash_results.tar "$OUT/results.tar"
+        ;;
+    tune)
+        python3 bench/tune_tiles.py --out-dir "$OUT" ${TUNE_ARGS:-} 2>&1 | tail -60
+        ;;
+    profile)
+        # e.g. PROFILE_ARGS="--pass bwd --shape 8,1,16384,16,128 --impls ours,flash"
+        #      NCU_ARGS='--nvtx --nvtx-include ours_bwd/ --nvtx-include flash_bwd/ --set full'
+        ncu ${NCU_ARGS:---nvtx --nvtx-include ours_fwd/ --nvtx-include ours_bwd/ --set full} \
+            python3 bench/profile_call.py ${PROFILE_ARGS:-} > "$OUT/ncu_profile.txt" 2>&1 || status=1
+        tail -40 "$OUT/ncu_profile.txt"
+        ;;
+    grad_error_ratio)
+        python3 tools/grad_error_ratio.py ${GRAD_ERROR_ARGS:-} 2>&1 | tail -20
+        ;;
+    *)
+        echo "unknown stage $stage"; exit 2
+        ;;
+    esac
+done
+exit $status

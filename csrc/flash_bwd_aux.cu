@@ -89,12 +89,4 @@ cudaError_t run_bwd_convert_dq(const BwdParams& params, bool is_bf16, cudaStream
                   stream);
 }
 
-bool has_sm90_bwd_kernels() {
-#if defined(FLASH_ATTN2_SM90A) && !defined(FLASH_BWD_TILE_M)
-    return true;
-#else
-    return false;
-#endif
-}
-
 }  // namespace flash

@@ -6,76 +6,22 @@
 #include <cmath>
 
 #include <cute/tensor.hpp>
-#include <cutlass/array.h>
-#include <cutlass/numeric_conversion.h>
-#include <cutlass/numeric_types.h>
 
+#include "block.h"
 #include "block_info.h"
-#include "flash_fwd_kernel.h"
+#include "bwd_p_ds.h"
 #include "flash_params.h"
-#include "kernel_traits.h"
+#include "global_ops.h"
+#include "kernel_traits_bwd.h"
 #include "mask.h"
+#include "score_mod.h"
 #include "utils.h"
 
 namespace flash {
 
 using namespace cute;
 
-// Writes an accumulator fragment (converted to Element, times scale) to global memory, skipping
-// positions at or past (max_row, max_col). coords are the fragment's (row, col) positions in the tile;
-// the two values of each MMA column pair are adjacent and go out as one 4-byte store.
-template <typename Element, class AccTensor, class CoordTensor, class GmemTensor>
-__forceinline__ __device__ void store_acc(const AccTensor& acc, const CoordTensor& coords, GmemTensor& gmem,
-                                          int max_row, int max_col, float scale) {
-    static_assert(decltype(size(acc))::value % 2 == 0);
-    CUTE_UNROLL
-    for (int i = 0; i < size(acc); i += 2) {
-        const int row = get<0>(coords(i));
-        const int col = get<1>(coords(i));
-        if (row < max_row && col < max_col) {
-            cutlass::Array<Element, 2> pair;
-            pair[0] = static_cast<Element>(acc(i) * scale);
-            pair[1] = static_cast<Element>(acc(i + 1) * scale);
-            *reinterpret_cast<cutlass::Array<Element, 2>*>(&gmem(row, col)) = pair;
-        }
-    }
-}
-
-// Adds two adjacent fp32 values into global memory without waiting for a reply: one vector reduction on
-// sm_90, two scalar ones before it.
-__forceinline__ __device__ void red_add_pair(float* dst, float a, float b) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(dst), "f"(a), "f"(b) : "memory");
-#else
-    atomicAdd(dst, a);
-    atomicAdd(dst + 1, b);
-#endif
-}
-
-// Copies one fp32 value global -> shared with cp.async, or writes 0 when !valid.
-__forceinline__ __device__ void cp_async_f32_zfill(float* smem_dst, const float* gmem_src, bool valid) {
-    const uint32_t dst = cute::cast_smem_ptr_to_uint(smem_dst);
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(gmem_src), "r"(valid ? 4 : 0));
-}
-
-__forceinline__ __device__ int load_acquire(const int* ptr) {
-    int value;
-    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(value) : "l"(ptr) : "memory");
-    return value;
-}
-
-__forceinline__ __device__ void store_release(int* ptr, int value) {
-    asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(ptr), "r"(value) : "memory");
-}
-
-// A view of the same tensor one pipeline stage further on in shared memory. Stages are whole
-// multiples of the swizzle period apart, so offsetting the pointer equals offsetting the layout.
-template <int kStageElems, class SmemTensor>
-__forceinline__ __device__ auto at_stage(const SmemTensor& t, int stage) {
-    return make_tensor(t.data() + stage * kStageElems, t.layout());
-}
-
-template <class Traits, bool kCausal>
+template <class Traits, bool kCausal, class ScoreMod = NoScoreMod>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const __grid_constant__ BwdParams params) {
     using Element = typename Traits::Element;
     constexpr int kBlockM = Traits::kBlockM;
@@ -84,7 +30,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
     constexpr int kStagesQ = Traits::kStagesQ;
     constexpr int kQElems = Traits::kSmemQElems;
     constexpr int kDqChunk = Traits::kDqChunk;
-    using Mask = CausalMask<kBlockM, kBlockN, kCausal>;
 
     // Deterministic causal runs key blocks from the last (fewest query blocks) to the first; see accumulate_dq.
     const bool reversed = kCausal && params.deterministic;
@@ -96,15 +41,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
     const BlockInfo binfo(params, batch_idx);
     // Varlen grids are sized for the longest sequence; this one may have no keys here.
     if (n_block * kBlockN >= binfo.seqlen_k) { return; }
-    const Mask mask(binfo.seqlen_q, binfo.seqlen_k);
-
-    const int m_block_end = (binfo.seqlen_q + kBlockM - 1) / kBlockM;
-    // The first query block with a row that sees a key of this block (causal: row >= key - (sk - sq)).
-    int m_block_begin = 0;
-    if constexpr (kCausal) {
-        const int first_row = n_block * kBlockN - (binfo.seqlen_k - binfo.seqlen_q);
-        m_block_begin = first_row <= 0 ? 0 : min(first_row / kBlockM, m_block_end);
-    }
+    const auto bounds = BlockBounds<kBlockM, kBlockN, kCausal>::of_sequence(params, binfo);
+    const ScoreMod score_mod{};
+    const int m_block_begin = bounds.m_block_begin(n_block);  // the query blocks that see this key block
+    const int m_block_end = bounds.m_block_end(n_block);
 
     const index_t lse_offset = binfo.lse_offset(params, batch_idx, head_idx);
     const float* lse_row = params.lse_ptr + lse_offset;
@@ -252,7 +192,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
 
     const int m_blocks_max = (params.seqlen_q + kBlockM - 1) / kBlockM;
     int* dq_semaphore = params.dq_semaphore_ptr + (index_t(batch_idx) * params.num_heads + head_idx) * m_blocks_max;
-    constexpr int kRows = decltype(size<0>(tScS_rc))::value;
     for (int m_block = m_block_begin; m_block < m_block_end; ++m_block) {
         const int stage = kStagesQ == 2 ? (m_block - m_block_begin) & 1 : 0;
         const int q_rows_left = binfo.seqlen_q - m_block * kBlockM;
@@ -275,20 +214,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
 
         Tensor scores = as_rowcol(acc_s);  // (rows, cols)
         Tensor dp = as_rowcol(acc_dp);     // (rows, cols)
-        if (mask.tile_needs_mask(m_block, n_block)) { mask.apply(scores, tScS_rc, m_block, n_block); }
-        CUTE_UNROLL
-        for (int r = 0; r < kRows; ++r) {
-            const int row = get<0>(tScS_rc(r, 0));
-            // P = exp(s * scale - lse) in base 2; rows past seqlen_q get lse = +inf, so P = 0 there.
-            const float lse_log2 = row < q_rows_left ? s_lse[stage * kBlockM + row] * float(M_LOG2E) : INFINITY;
-            const float dsum = s_dsum[stage * kBlockM + row];
-            CUTE_UNROLL
-            for (int c = 0; c < size<1>(scores); ++c) {
-                const float p = exp2f(scores(r, c) * params.softmax_scale_log2 - lse_log2);
-                scores(r, c) = p;
-                dp(r, c) = p * (dp(r, c) - dsum);  // dS, the gradient of the scaled scores
-            }
-        }
+        // P = exp(s * scale - lse) in base 2; rows past seqlen_q get lse = +inf, so P = 0 there. Then dS.
+        const float* lse_stage = s_lse + stage * kBlockM;
+        const float* dsum_stage = s_dsum + stage * kBlockM;
+        compute_p</*kQueryIsRow=*/true, HideP::kBeforeExp>(
+            scores, tScS_rc, TileMask<kBlockM, kBlockN, kCausal>(bounds, m_block, n_block), score_mod,
+            ScorePos{m_block * kBlockM, n_block * kBlockN, head_idx}, params.softmax_scale_log2,
+            [&](int row) { return row < q_rows_left ? lse_stage[row] * float(M_LOG2E) : INFINITY; });
+        compute_ds</*kQueryIsRow=*/true>(dp, scores, tScS_rc, [&](int row) { return dsum_stage[row]; });
         Tensor rP = convert_fragment<Element>(acc_s);
         Tensor rdS = convert_fragment<Element>(acc_dp);
         copy(copy_store_sdp, thr_copy_store_sdp.retile_S(rP), tPsP);
@@ -300,7 +233,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
         // scheduled first. Non-causal: ascending key blocks. Causal: descending, so each key block starts at
         // its first query block while the later key blocks (which start further down) are already ahead of
         // it; ascending order would make the long first key block hold back every other one.
-        const int dq_turn = reversed ? mask.n_block_end(m_block) - 1 - n_block : n_block;
+        const int dq_turn = reversed ? bounds.n_block_end(m_block) - 1 - n_block : n_block;
         auto accumulate_dq = [&] {
             if (params.deterministic) {
                 if (tidx == 0) {

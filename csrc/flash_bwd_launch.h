@@ -1,5 +1,5 @@
-// Per-head-dim tile choice and the host-side launcher of the backward kernel. Included only by the
-// generated backward instantiation files.
+// The host-side launcher of the backward kernel (tile shapes per head dim in tile_size.h). Included only by
+// the generated backward instantiation files.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -8,16 +8,15 @@
 #include "flash_bwd_sm90_kernel.h"
 #include "kernel_registry.h"
 #include "launch.h"
+#include "tile_size.h"
 
 namespace flash {
 
-// (kBlockM, kBlockN) per head dim: dK and dV of kBlockN keys stay in registers, so wide heads take
-// fewer keys per CTA. At head dim 64 the registers leave room for 128-row query blocks, which halve the
-// steps (and barriers) per key block: 6% faster on an H200 (bench/results/h200/tune_bwd_nvidia-h200.md).
+// The mma.sync backward's tile per head dim (bwd_block_m, bwd_block_n in tile_size.h).
 template <int kHeadDim>
 struct BwdTileConfig {
-    static constexpr int kBlockM = kHeadDim == 64 ? 128 : 64;
-    static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;
+    static constexpr int kBlockM = bwd_block_m(kHeadDim);
+    static constexpr int kBlockN = bwd_block_n(kHeadDim);
 };
 
 // Tile-tuning builds (bench/tune_tiles.py --pass bwd) force one tile shape on every backward kernel.
@@ -73,8 +72,8 @@ cudaError_t run_bwd(const BwdParams& params, cudaStream_t stream) {
         }
     }
 #endif
-    // Only the Hopper kernels walk several query heads or key blocks per CTA; the host asks
-    // has_sm90_bwd_kernels() first.
+    // Only the Hopper kernels walk several query heads or key blocks per CTA; the plan sets them only for
+    // those (wgmma_bwd_built()).
     if (params.heads_per_cta != 1 || params.key_blocks_per_cta != 1) { return cudaErrorNotSupported; }
     using Config = SelectedBwdTileConfig<kHeadDim>;
     static_assert(Config::kBlockM >= kBwdMinBlockM && Config::kBlockM <= kBwdMaxBlockM);

@@ -17,10 +17,14 @@
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 
+#include "block.h"
 #include "block_info.h"
-#include "flash_bwd_kernel.h"
+#include "bwd_p_ds.h"
 #include "flash_params.h"
-#include "kernel_traits_sm90.h"
+#include "global_ops.h"
+#include "kernel_traits_bwd_sm90.h"
+#include "mask.h"
+#include "score_mod.h"
 #include "utils.h"
 #include "utils_sm90.h"
 
@@ -60,15 +64,15 @@ struct BwdSm90Block {
     int head_idx_k;
     int dkv_head;    // the dK/dV slice it writes: its query head, or its key/value head when it walks a group
     BlockInfo binfo;
+    BlockBounds<kBlockM, kBlockN, kCausal> bounds;  // the sequence's block ranges and tile masks
     int m_block_begin;       // the first query block with a row that sees a key of the current block
     int m_block_begin_next;  // the same for the next key block (its first step loads during the current's last)
-    int m_block_end;
+    int m_block_end;         // one past the last; the same for every key block (no window bounds it from above)
     // Steps [step_begin, step_end) are the current key block's (query head, query block) pairs, heads outer,
     // query blocks inner. Every key block of a CTA has steps unless seqlen_q is 0: causal, the last query row
     // sees every key.
     int step_begin;
     int step_end;
-    int causal_offset;  // query row i sees key j iff j <= i + causal_offset
     Element* q_base;    // stage s at q_base + s * kQElems
     Element* do_base;   // likewise
     Element* k_base;    // K of K/V stage 0; stage 1's at k_base + kKV1Offset; V right after K in each
@@ -84,13 +88,13 @@ struct BwdSm90Block {
           heads_per_cta(params.heads_per_cta),
           head_idx_k(first_head / (params.num_heads / params.num_heads_k)),
           dkv_head(blockIdx.z),
-          binfo(params, batch_idx) {
-        const int n_blocks = (binfo.seqlen_k + kBlockN - 1) / kBlockN;
-        n_block_stop = Traits::kStagesKV > 1 ? min(n_block + params.key_blocks_per_cta, n_blocks) : n_block + 1;
-        m_block_end = (binfo.seqlen_q + kBlockM - 1) / kBlockM;
-        causal_offset = binfo.seqlen_k - binfo.seqlen_q;
-        m_block_begin = m_block_begin_of(n_block);
-        m_block_begin_next = m_block_begin_of(n_block + 1);
+          binfo(params, batch_idx),
+          bounds(BlockBounds<kBlockM, kBlockN, kCausal>::of_sequence(params, binfo)) {
+        n_block_stop =
+            Traits::kStagesKV > 1 ? min(n_block + params.key_blocks_per_cta, bounds.n_blocks()) : n_block + 1;
+        m_block_end = bounds.m_block_end(n_block);
+        m_block_begin = bounds.m_block_begin(n_block);
+        m_block_begin_next = bounds.m_block_begin(n_block + 1);
         step_begin = 0;
         step_end = steps_of(m_block_begin);
         q_base = reinterpret_cast<Element*>(smem_raw);
@@ -101,15 +105,6 @@ struct BwdSm90Block {
         s_dsum = s_lse + Traits::kStagesQ * kBlockM;
     }
 
-    // The first query block with a row that sees a key of block n.
-    __forceinline__ __device__ int m_block_begin_of(int n) const {
-        if constexpr (kCausal) {
-            const int first_row = n * kBlockN - causal_offset;
-            return first_row <= 0 ? 0 : min(first_row / kBlockM, m_block_end);
-        } else {
-            return 0;
-        }
-    }
     // Steps of a key block whose first query block is first_m_block.
     __forceinline__ __device__ int steps_of(int first_m_block) const { return heads_per_cta * (m_block_end - first_m_block); }
 
@@ -122,26 +117,11 @@ struct BwdSm90Block {
         ++n_block;
         kv_stage ^= 1;
         m_block_begin = m_block_begin_next;
-        m_block_begin_next = m_block_begin_of(n_block + 1);
+        m_block_begin_next = bounds.m_block_begin(n_block + 1);
         step_begin = step_end;
         step_end += steps_of(m_block_begin);
         return true;
     }
-    // Keys past seqlen_k read as zeros, which gives them P = exp(-lse) where the causal mask leaves them
-    // visible. For a row whose LSE is far below zero (a few large-magnitude keys) that overflows, to inf in fp16
-    // or even fp32, and dQ = dS K then computes inf * 0 = NaN. This sets their P to 0. p: the accumulator
-    // values of P; keys_of(i): the tile key of value i. Only the key block that holds the sequence end has
-    // such keys, and only there does this loop run, after the exp: the exp loops keep their registers.
-    template <class PTensor, class KeyOf>
-    __forceinline__ __device__ void hide_keys_past_end(PTensor& p, KeyOf keys_of) const {
-        const int key_end = k_rows_left();
-        if (key_end >= kBlockN) { return; }
-        CUTE_UNROLL
-        for (int i = 0; i < size(p); ++i) {
-            if (keys_of(i) >= key_end) { p(i) = 0.f; }
-        }
-    }
-
     // Steps advance by a compare and a select: a division per step cost the backward 2-4% (perf log 21).
     __forceinline__ __device__ BwdStep first_step() const { return {step_begin, first_head, m_block_begin}; }
     __forceinline__ __device__ BwdStep next_step(const BwdStep& step) const {
@@ -343,7 +323,7 @@ struct BwdSm90Block {
 // recomputed each step (a few integer ops) instead of being hoisted out of the loop, where, next to the dK
 // and dV accumulators, they would spill.
 
-template <class Traits, bool kCausal>
+template <class Traits, bool kCausal, class ScoreMod = NoScoreMod>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_bwd_sm90_kernel(const __grid_constant__ BwdParams params) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -356,6 +336,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     BwdSm90Block<Traits, kCausal> blk(params, smem_bwd_sm90);
     if (!blk.has_keys()) { return; }
     const int tidx = threadIdx.x;
+    const ScoreMod score_mod{};
 
     Tensor sdSt = blk.smem(blk.scratch_base, typename Traits::SmemLayoutdSt{});  // (kBlockN, kBlockM)
     Tensor sdS = blk.smem(blk.scratch_base, typename Traits::SmemLayoutdS{});    // (kBlockM, kBlockN)
@@ -401,26 +382,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             // (key row, query column) of each accumulator value.
             Tensor tStcSt = thr_mma_sdp.partition_C(cSt);                                            // (MMA, MMA_N, MMA_M)
             Tensor tStcSt_rc = make_tensor(tStcSt.data(), gmma_acc_rowcol_layout(tStcSt.layout()));  // (key rows, query cols)
-            // Causal: key n_block * kBlockN + row is hidden from query m_block * kBlockM + col iff row - col > diag.
-            const int diag = m_block * kBlockM + blk.causal_offset - blk.n_block * kBlockN;
-            const bool causal_tile = kCausal && kBlockN - 1 > diag;
+            const TileMask<kBlockM, kBlockN, kCausal> mask(blk.bounds, m_block, blk.n_block);
             const float* lse_stage = blk.s_lse + stage * kBlockM;
             const float* dsum_stage = blk.s_dsum + stage * kBlockM;
 
             // P^T = exp2(s * scale * log2(e) - lse * log2(e)).
             warpgroup_wait_for<1>(acc_st);
             Tensor st = gmma_as_rowcol(acc_st);  // (key rows, query cols)
-            CUTE_UNROLL
-            for (int c = 0; c < size<1>(st); ++c) {
-                const int col = get<1>(tStcSt_rc(0, c));
-                const float lse_log2 = lse_stage[col] * float(M_LOG2E);
-                CUTE_UNROLL
-                for (int r = 0; r < size<0>(st); ++r) {
-                    const bool hidden = causal_tile && get<0>(tStcSt_rc(r, c)) - col > diag;
-                    st(r, c) = hidden ? 0.f : exp2f(st(r, c) * params.softmax_scale_log2 - lse_log2);
-                }
-            }
-            blk.hide_keys_past_end(acc_st, [&](int i) { return get<0>(tStcSt(i)); });
+            compute_p</*kQueryIsRow=*/false, HideP::kInExp>(
+                st, tStcSt_rc, mask, score_mod, ScorePos{m_block * kBlockM, blk.n_block * kBlockN, step.head},
+                params.softmax_scale_log2, [&](int col) { return lse_stage[col] * float(M_LOG2E); });
             Tensor rPt = convert_fragment<Element>(acc_st);
             Tensor tKVrPt = make_tensor(rPt.data(), gmma_acc_as_a_operand_layout(rPt.layout()));  // (MMA, MMA_N, MMA_K)
             auto thr_mma_dkv = mma_dkv.get_thread_slice(loop_tidx);
@@ -430,12 +401,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             // dS^T = P^T (dP^T - D), the gradient of the scaled scores.
             warpgroup_wait_for<1>(acc_dpt);
             Tensor dpt = gmma_as_rowcol(acc_dpt);  // (key rows, query cols)
-            CUTE_UNROLL
-            for (int c = 0; c < size<1>(dpt); ++c) {
-                const float dsum = dsum_stage[get<1>(tStcSt_rc(0, c))];
-                CUTE_UNROLL
-                for (int r = 0; r < size<0>(dpt); ++r) { dpt(r, c) = st(r, c) * (dpt(r, c) - dsum); }
-            }
+            compute_ds</*kQueryIsRow=*/false>(dpt, st, tStcSt_rc, [&](int col) { return dsum_stage[col]; });
             Tensor rdSt = convert_fragment<Element>(acc_dpt);
             Tensor tKVrdSt = make_tensor(rdSt.data(), gmma_acc_as_a_operand_layout(rdSt.layout()));  // (MMA, MMA_N, MMA_K)
 
@@ -484,7 +450,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 #endif
 }
 
-template <class Traits, bool kCausal>
+template <class Traits, bool kCausal, class ScoreMod = NoScoreMod>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdParams params) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -498,6 +464,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     static_assert(Traits::kStagesKV == 1, "one key block per CTA");
     if (!blk.has_keys()) { return; }
     const int tidx = threadIdx.x;
+    const ScoreMod score_mod{};
 
     Element* p_base = blk.scratch_base;
     Element* ds_base = blk.scratch_base + Traits::kSmemPElems;
@@ -540,32 +507,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         // (query row, key column) of each accumulator value.
         Tensor tScS = thr_mma_sdp.partition_C(cS);                                          // (MMA, MMA_M, MMA_N)
         Tensor tScS_rc = make_tensor(tScS.data(), gmma_acc_rowcol_layout(tScS.layout()));  // (query rows, key cols)
-        // Causal: key n_block * kBlockN + col is hidden from query m_block * kBlockM + row iff col - row > diag.
-        const int diag = m_block * kBlockM + blk.causal_offset - blk.n_block * kBlockN;
-        const bool causal_tile = kCausal && kBlockN - 1 > diag;
+        const TileMask<kBlockM, kBlockN, kCausal> mask(blk.bounds, m_block, blk.n_block);
 
         // P = exp2(s * scale * log2(e) - lse * log2(e)), then dS = P (dP - D).
         warpgroup_wait_for<1>(acc_s);
         Tensor s = gmma_as_rowcol(acc_s);  // (query rows, key cols)
-        CUTE_UNROLL
-        for (int r = 0; r < size<0>(s); ++r) {
-            const int row = get<0>(tScS_rc(r, 0));
-            const float lse_log2 = blk.s_lse[stage * kBlockM + row] * float(M_LOG2E);
-            CUTE_UNROLL
-            for (int c = 0; c < size<1>(s); ++c) {
-                const bool hidden = causal_tile && get<1>(tScS_rc(r, c)) - row > diag;
-                s(r, c) = hidden ? 0.f : exp2f(s(r, c) * params.softmax_scale_log2 - lse_log2);
-            }
-        }
-        blk.hide_keys_past_end(acc_s, [&](int i) { return get<1>(tScS(i)); });
+        compute_p</*kQueryIsRow=*/true, HideP::kInExp>(
+            s, tScS_rc, mask, score_mod, ScorePos{m_block * kBlockM, blk.n_block * kBlockN, step.head},
+            params.softmax_scale_log2, [&](int row) { return blk.s_lse[stage * kBlockM + row] * float(M_LOG2E); });
         warpgroup_wait_for<0>(acc_dp);
         Tensor dp = gmma_as_rowcol(acc_dp);  // (query rows, key cols)
-        CUTE_UNROLL
-        for (int r = 0; r < size<0>(dp); ++r) {
-            const float dsum = blk.s_dsum[stage * kBlockM + get<0>(tScS_rc(r, 0))];
-            CUTE_UNROLL
-            for (int c = 0; c < size<1>(dp); ++c) { dp(r, c) = s(r, c) * (dp(r, c) - dsum); }
-        }
+        compute_ds</*kQueryIsRow=*/true>(dp, s, tScS_rc, [&](int row) { return blk.s_dsum[stage * kBlockM + row]; });
 
         // P and dS to shared memory: the next three GEMMs read them across both warpgroups' keys.
         auto smem_thr_copy_pds = smem_tiled_copy_pds.get_thread_slice(loop_tidx);

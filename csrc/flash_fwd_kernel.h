@@ -6,13 +6,12 @@
 #include <cmath>
 
 #include <cute/tensor.hpp>
-#include <cutlass/array.h>
-#include <cutlass/numeric_conversion.h>
-#include <cutlass/numeric_types.h>
 
 #include "flash_params.h"
 #include "fwd_tile.h"
-#include "kernel_traits.h"
+#include "kernel_traits_fwd.h"
+#include "mask.h"
+#include "score_mod.h"
 #include "softmax.h"
 #include "utils.h"
 
@@ -20,7 +19,7 @@ namespace flash {
 
 using namespace cute;
 
-template <class Traits, bool kCausal>
+template <class Traits, bool kCausal, class ScoreMod = NoScoreMod>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const __grid_constant__ FwdParams params) {
     using Element = typename Traits::Element;
     constexpr int kBlockM = Traits::kBlockM;
@@ -32,7 +31,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const _
     if (!tile.has_rows()) { return; }
     const int m_block = tile.m_block;
     const BlockInfo& binfo = tile.binfo;
-    const auto& mask = tile.mask;
+    const auto& bounds = tile.bounds;
+    const ScoreMod score_mod{};
 
     // Global memory views. Tiles may run past seqlen or head_dim; those positions are predicated.
     Tensor mQ = binfo.q_view<Element>(params, tile.batch_idx, tile.head_idx);    // (seqlen_q, head_dim)
@@ -97,15 +97,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const _
     // Key blocks run from the last to the first, so the tiles that need masking (the sequence end
     // and the causal diagonal) come first. K for the next step loads during the P V product, and V
     // loads during the Q K^T product.
+    const int n_block_begin = tile.n_block_begin();
     int n_block = tile.n_block_end() - 1;
     copy_zfill(gmem_tiled_copy, tQgQ, tQsQ, tQcQ, q_rows_left, params.head_dim);
-    if (n_block >= 0) { load_kv(tKgK, tKsK, n_block); }
+    if (n_block >= n_block_begin) { load_kv(tKgK, tKsK, n_block); }
     cp_async_fence();
 
     Tensor acc_o_rc = as_rowcol(acc_o);  // (rows, kHeadDim cols)
     OnlineSoftmax<decltype(size<0>(acc_o_rc))::value> softmax(params.softmax_scale_log2);
 
-    for (; n_block >= 0; --n_block) {
+    for (; n_block >= n_block_begin; --n_block) {
         Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA, MMA_M, MMA_N)
         clear(acc_s);
         cp_async_wait<0>();
@@ -116,11 +117,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const _
         gemm_smem_smem(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK, smem_tiled_copy_Q, smem_tiled_copy_K, tSrQ_view,
                        tSrK_view);
         Tensor scores = as_rowcol(acc_s);  // (rows, kBlockN cols)
-        if (mask.tile_needs_mask(m_block, n_block)) { mask.apply(scores, tScS_rc, m_block, n_block); }
+        apply_score_mod</*kQueryIsRow=*/true>(score_mod, scores, tScS_rc,
+                                               {m_block * kBlockM, n_block * kBlockN, tile.head_idx});
+        const TileMask<kBlockM, kBlockN, kCausal> mask(bounds, m_block, n_block);
+        if (mask.needs_mask()) { mask.template apply</*kQueryIsRow=*/true>(scores, tScS_rc); }
 
         cp_async_wait<0>();
         __syncthreads();  // V is in smem, and every warp has finished reading K.
-        if (n_block > 0) {
+        if (n_block > n_block_begin) {
             load_kv(tKgK, tKsK, n_block - 1);
             cp_async_fence();
         }

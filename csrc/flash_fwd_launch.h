@@ -1,4 +1,4 @@
-// The host-side launcher of the forward kernel (tile shapes per head dim in fwd_tile_config.h). Included
+// The host-side launcher of the forward kernel (tile shapes per head dim in tile_size.h). Included
 // only by the generated instantiation files, one (dtype, head dim, causal) each.
 #pragma once
 
@@ -6,7 +6,7 @@
 
 #include "flash_fwd_kernel.h"
 #include "flash_fwd_sm90_kernel.h"
-#include "fwd_tile_config.h"
+#include "tile_size.h"
 #include "kernel_registry.h"
 #include "launch.h"
 

@@ -12,7 +12,9 @@
 
 #include "flash_params.h"
 #include "fwd_tile.h"
-#include "kernel_traits_sm90.h"
+#include "kernel_traits_fwd_sm90.h"
+#include "mask.h"
+#include "score_mod.h"
 #include "softmax.h"
 #include "utils.h"
 #include "utils_sm90.h"
@@ -21,7 +23,7 @@ namespace flash {
 
 using namespace cute;
 
-template <class Traits, bool kCausal>
+template <class Traits, bool kCausal, class ScoreMod = NoScoreMod>
 __global__ void __launch_bounds__(Traits::kNThreads, Traits::kCtasPerSm)
     flash_fwd_sm90_kernel(const __grid_constant__ FwdParams params) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -35,7 +37,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kCtasPerSm)
     if (!tile.has_rows()) { return; }
     const int m_block = tile.m_block;
     const BlockInfo& binfo = tile.binfo;
-    const auto& mask = tile.mask;
+    const auto& bounds = tile.bounds;
+    const ScoreMod score_mod{};
+    const int n_block_begin = tile.n_block_begin();
     const int n_block_end = tile.n_block_end();
 
     Tensor mQ = binfo.q_view<Element>(params, tile.batch_idx, tile.head_idx);    // (seqlen_q, head_dim)
@@ -104,7 +108,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kCtasPerSm)
     copy_zfill(gmem_tiled_copy, tQgQ, tQsQ, tQcQ, q_rows_left, params.head_dim);
     CUTE_UNROLL
     for (int s = 0; s < kStagesKV - 1; ++s) {
-        if (n_block_end - 1 - s >= 0) { load_kv(n_block_end - 1 - s, s); }
+        if (n_block_end - 1 - s >= n_block_begin) { load_kv(n_block_end - 1 - s, s); }
         cp_async_fence();
     }
 
@@ -119,7 +123,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kCtasPerSm)
         cutlass::arch::fence_view_async_shared();
         __syncthreads();  // this step's K and V have landed, and every warpgroup is done with the stage refilled next
         const int refill_stage = stage == 0 ? kStagesKV - 1 : stage - 1;
-        if (n_block - (kStagesKV - 1) >= 0) { load_kv(n_block - (kStagesKV - 1), refill_stage); }
+        if (n_block - (kStagesKV - 1) >= n_block_begin) { load_kv(n_block - (kStagesKV - 1), refill_stage); }
         cp_async_fence();
     };
     auto next_stage = [](int stage) { return stage + 1 == kStagesKV ? 0 : stage + 1; };
@@ -131,11 +135,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kCtasPerSm)
     // the main loop cost the anchor shapes 3-6% (perf log 26).
     const int wg_row0 = tidx / 128 * 64;
     const int n_block_end_wg =
-        wg_row0 >= q_rows_left ? 0 : min(n_block_end, mask.n_block_end_for_rows(m_block * kBlockM + wg_row0 + 63));
+        wg_row0 >= q_rows_left ? n_block_begin
+                               : min(n_block_end, bounds.n_block_end_for_rows(m_block * kBlockM + wg_row0 + 63));
     int n_block = n_block_end - 1;
     int stage = 0;
     for (; n_block >= n_block_end_wg; --n_block, stage = next_stage(stage)) { advance_pipeline(n_block, stage); }
-    for (; n_block >= 0; --n_block, stage = next_stage(stage)) {
+    for (; n_block >= n_block_begin; --n_block, stage = next_stage(stage)) {
         advance_pipeline(n_block, stage);
 
         Tensor tSrK = thr_mma_s.make_fragment_B(thr_mma_s.partition_B(sK_stage(stage)));  // (MMA, MMA_N, MMA_K)
@@ -143,7 +148,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kCtasPerSm)
         warpgroup_gemm</*kZeroInit=*/true>(mma_s, tSrQ, tSrK, acc_s);
 
         Tensor scores = gmma_as_rowcol(acc_s);  // (rows, kBlockN cols)
-        if (mask.tile_needs_mask(m_block, n_block)) { mask.apply(scores, tScS_rc, m_block, n_block); }
+        apply_score_mod</*kQueryIsRow=*/true>(score_mod, scores, tScS_rc,
+                                               {m_block * kBlockM, n_block * kBlockN, tile.head_idx});
+        const TileMask<kBlockM, kBlockN, kCausal> mask(bounds, m_block, n_block);
+        if (mask.needs_mask()) { mask.template apply</*kQueryIsRow=*/true>(scores, tScS_rc); }
         softmax.update(scores, acc_o_rc);
 
         Tensor rP = convert_fragment<Element>(acc_s);

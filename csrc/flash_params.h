@@ -68,21 +68,6 @@ struct FwdParams {
 constexpr int kBwdMinBlockM = 64;
 constexpr int kBwdMaxBlockM = 128;
 
-// Query rows per step and keys per CTA of the Hopper backward kernels (flash_bwd_launch.h), for the host's
-// choice of grid.
-constexpr int kBwdSm90BlockM = 64;
-constexpr int bwd_sm90_block_n(int head_dim) { return head_dim <= 128 ? 128 : 64; }
-// Query rows per step of the Hopper backward's short-query tile (BwdParams::short_query_tiles), and the head
-// dims that have one.
-constexpr int kBwdSm90ShortBlockM = 16;
-constexpr bool bwd_sm90_has_short_query_tile(int head_dim) { return head_dim == 128; }
-// Query rows per step of the Hopper backward that a launch runs.
-constexpr int bwd_sm90_block_m(int head_dim, bool short_query_tiles) {
-    return short_query_tiles && bwd_sm90_has_short_query_tile(head_dim) ? kBwdSm90ShortBlockM : kBwdSm90BlockM;
-}
-// Whether that kernel can walk several key blocks per CTA (BwdParams::key_blocks_per_cta).
-constexpr bool bwd_sm90_walks_key_blocks(int head_dim) { return head_dim <= 128; }
-
 // The backward reads everything the forward read (q, k, v, out, lse) plus these.
 struct BwdParams : FwdParams {
     const void* __restrict__ do_ptr;   // (batch, seqlen_q, num_heads, head_dim), gradient of out
@@ -117,7 +102,7 @@ struct BwdParams : FwdParams {
     int dq_accum_head_dim;  // the kernel's compile-time head dim (>= head_dim)
 
     bool deterministic;  // key blocks add into dQ in a fixed order (dq_semaphore_ptr)
-    bool short_query_tiles;  // the Hopper kernel runs kBwdSm90ShortBlockM-row query blocks where the head dim has them
+    bool short_query_tiles;  // the Hopper kernel runs 16-row query blocks (tile_size.h)
 };
 
 }  // namespace flash

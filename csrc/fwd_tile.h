@@ -6,10 +6,10 @@
 
 #include <cute/tensor.hpp>
 
+#include "block.h"
 #include "block_info.h"
 #include "flash_params.h"
-#include "mask.h"
-#include "utils.h"
+#include "utils.h"  // copy_to_gmem
 
 namespace flash {
 
@@ -22,40 +22,32 @@ struct FwdTile {
     int head_idx;     // query head
     int head_idx_k;   // its key/value head (MQA/GQA)
     BlockInfo binfo;  // with a split's keys only (see the constructor)
-    CausalMask<kBlockM, kBlockN, kCausal> mask;
-    int n_block_end_;  // key blocks [0, n_block_end_) of binfo's keys are this CTA's (none when <= 0)
+    BlockBounds<kBlockM, kBlockN, kCausal> bounds;  // likewise
+    BlockRange n_blocks_;  // key blocks [begin, end) of binfo's keys are this CTA's (none when end <= begin)
 
     // blockIdx.x = split index * (query blocks) + query block index, so the CTAs that share a key range
     // are adjacent and read it from L2 together. Causal query blocks near the end of the sequence visit
     // the most key blocks: they get the lowest indices, so they launch first and the short ones fill
     // the tail of the wave.
     //
-    // Split-KV: each split takes an equal share of the key blocks this query block sees (under a causal
-    // mask, only those), and binfo and the mask then present that share as the whole key sequence: its
-    // first key becomes key 0 and seqlen_k shrinks by as much. The bottom-right aligned causal mask is
-    // unchanged by this (key j + offset <= i + seqlen_k - seqlen_q iff key j <= i + (seqlen_k - offset) -
-    // seqlen_q), so the main loops run over blocks [0, n_block_end()) as without splits, and keep no
-    // split offset in a register.
+    // Split-KV: each split takes an equal share of the key blocks this query block sees, and binfo and
+    // bounds then present that share as the whole key sequence (BlockBounds::split_keys).
     __forceinline__ __device__ explicit FwdTile(const FwdParams& params)
         : batch_idx(sequence_of_cta(params)),
           head_idx(blockIdx.z),
           head_idx_k(head_idx / (params.num_heads / params.num_heads_k)),
           binfo(params, batch_idx),
-          mask(binfo.seqlen_q, binfo.seqlen_k) {
+          bounds(BlockBounds<kBlockM, kBlockN, kCausal>::of_sequence(params, binfo)) {
         const int num_m_blocks = int(gridDim.x) / params.num_splits;
         const int split = int(blockIdx.x) / num_m_blocks;
         const int m = int(blockIdx.x) - split * num_m_blocks;
         m_block = kCausal ? num_m_blocks - 1 - m : m;
-        n_block_end_ = mask.n_block_end(m_block);
+        n_blocks_ = {bounds.n_block_begin(m_block), bounds.n_block_end(m_block)};
         if (params.num_splits > 1) {
-            const int per_split = (max(n_block_end_, 0) + params.num_splits - 1) / params.num_splits;
-            const int begin = split * per_split;
-            n_block_end_ = min(n_block_end_ - begin, per_split);
-            if (n_block_end_ > 0) {
-                binfo.k_start += begin * kBlockN;
-                binfo.seqlen_k -= begin * kBlockN;
-                mask = CausalMask<kBlockM, kBlockN, kCausal>(binfo.seqlen_q, binfo.seqlen_k);
-            }
+            int first_key;
+            n_blocks_ = bounds.split_keys(n_blocks_, split, params.num_splits, first_key);
+            binfo.k_start += first_key;
+            binfo.seqlen_k -= first_key;
         }
     }
 
@@ -68,8 +60,9 @@ struct FwdTile {
     // False when the query block starts past this sequence's end (varlen grids are sized by the longest).
     __forceinline__ __device__ bool has_rows() const { return m_block * kBlockM < binfo.seqlen_q; }
     __forceinline__ __device__ int q_rows_left() const { return binfo.seqlen_q - m_block * kBlockM; }
-    // One past the last key block of binfo's keys that this CTA visits (<= 0: none).
-    __forceinline__ __device__ int n_block_end() const { return n_block_end_; }
+    // The key blocks of binfo's keys that this CTA visits, [n_block_begin(), n_block_end()).
+    __forceinline__ __device__ int n_block_begin() const { return n_blocks_.begin; }
+    __forceinline__ __device__ int n_block_end() const { return n_blocks_.end; }
     // True for a split-KV launch: the epilogue writes partials (write_partial) instead of out and lse.
     __forceinline__ __device__ static bool is_split(const FwdParams& params) { return params.num_splits > 1; }
 

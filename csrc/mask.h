@@ -1,64 +1,97 @@
-// Which (query, key) pairs are visible. The kernel asks the mask for the key-block range of a
-// query block, whether a tile needs element-wise masking, and to apply it; new variants (a sliding
-// window, ALiBi or softcap score modifiers) are new functors with the same three members, so the
-// main loop does not branch on them.
+// Which elements of one (query block, key block) tile are hidden, and hiding them. Every kernel builds a
+// TileMask from its BlockBounds (block.h, the one place the visibility rule lives) and hands it the
+// accumulator as a (rows, cols) view with the matching coordinate view. kQueryIsRow says which coordinate
+// is the query: true for S = Q K^T tiles, false for the Hopper backward's transposed S^T = K Q^T tiles.
+// Coordinates are tile-relative; the mask adds the tile's origin where a test needs absolute positions. A
+// new visibility variant (a sliding window) changes BlockBounds and the predicates below, not the kernels.
 #pragma once
 
 #include <cmath>
 
 #include <cute/tensor.hpp>
 
+#include "block.h"
+
 namespace flash {
 
 using namespace cute;
 
-// Key bound plus, when kCausal, a bottom-right aligned causal mask: query row i sees key j iff
-// j <= i + seqlen_k - seqlen_q (the flash-attn 2.x convention for seqlen_q != seqlen_k).
+// (query, key) tile position of value (i, j) of a (rows, cols) coordinate view.
+template <bool kQueryIsRow, class CoordTensor>
+__forceinline__ __device__ int query_of(const CoordTensor& coords, int i, int j) {
+    return kQueryIsRow ? get<0>(coords(i, j)) : get<1>(coords(i, j));
+}
+template <bool kQueryIsRow, class CoordTensor>
+__forceinline__ __device__ int key_of(const CoordTensor& coords, int i, int j) {
+    return kQueryIsRow ? get<1>(coords(i, j)) : get<0>(coords(i, j));
+}
+template <bool kQueryIsRow, class T>
+__forceinline__ __device__ constexpr int query_extent(const T& t) {
+    return kQueryIsRow ? int(size<0>(t)) : int(size<1>(t));
+}
+template <bool kQueryIsRow, class T>
+__forceinline__ __device__ constexpr int key_extent(const T& t) {
+    return kQueryIsRow ? int(size<1>(t)) : int(size<0>(t));
+}
+
 template <int kBlockM, int kBlockN, bool kCausal>
-struct CausalMask {
-    int seqlen_q;
-    int seqlen_k;
+struct TileMask {
+    BlockBounds<kBlockM, kBlockN, kCausal> bounds;
+    int m_block;
+    int n_block;
 
-    __forceinline__ __device__ CausalMask(int seqlen_q_, int seqlen_k_) : seqlen_q(seqlen_q_), seqlen_k(seqlen_k_) {}
+    __forceinline__ __device__ TileMask(const BlockBounds<kBlockM, kBlockN, kCausal>& bounds_, int m_block_,
+                                        int n_block_)
+        : bounds(bounds_), m_block(m_block_), n_block(n_block_) {}
 
-    // Last key column visible to query row `row` (may be negative: no key visible).
-    __forceinline__ __device__ int last_visible_col(int row) const { return row + seqlen_k - seqlen_q; }
+    // Whether the tile hides anything at all; tiles that do not skip the element tests.
+    __forceinline__ __device__ bool needs_mask() const { return bounds.tile_needs_mask(m_block, n_block); }
 
-    // One past the last key block that query rows up to `last_row` must visit (<= 0: they see no key).
-    __forceinline__ __device__ int n_block_end_for_rows(int last_row) const {
-        const int n_blocks = (seqlen_k + kBlockN - 1) / kBlockN;
-        if constexpr (!kCausal) {
-            return n_blocks;
-        } else {
-            const int last_col = last_visible_col(last_row);
-            return last_col < 0 ? 0 : min(n_blocks, last_col / kBlockN + 1);
+    // Key k is hidden from query q by the diagonal (k - q > BlockBounds::diag): the test of kernels that
+    // handle the sequence end apart (hide_keys_past_end). The first term, BlockBounds::crosses_diagonal in
+    // tile-relative form, is tile-uniform, so the per-element test is skipped for tiles below the diagonal.
+    __forceinline__ __device__ bool hides_past_diagonal(int q, int k) const {
+        const int diag = bounds.diag(m_block, n_block);
+        return kCausal && kBlockN - 1 > diag && k - q > diag;
+    }
+
+    // Sets every hidden score of the tile (past the diagonal or the sequence end) to -inf, so the softmax
+    // gives it weight 0. scores: (rows, cols) view of the accumulator; coords: the matching tile positions.
+    // Each query's limit is formed from its absolute row (one past its last visible key, capped at seqlen_k)
+    // and compared with absolute keys: in the mma.sync backward the same test in tile-relative positions
+    // (against diag) cost a spill.
+    template <bool kQueryIsRow, class ScoreTensor, class CoordTensor>
+    __forceinline__ __device__ void apply(ScoreTensor& scores, const CoordTensor& coords) const {
+        static_assert(decltype(size(scores))::value == decltype(size(coords))::value, "one coordinate per score");
+        const int q0 = m_block * kBlockM;
+        const int k0 = n_block * kBlockN;
+        CUTE_UNROLL
+        for (int qi = 0; qi < query_extent<kQueryIsRow>(scores); ++qi) {
+            const int q = q0 + query_of<kQueryIsRow>(coords, kQueryIsRow ? qi : 0, kQueryIsRow ? 0 : qi);
+            const int key_limit = kCausal ? min(bounds.seqlen_k, bounds.last_visible_key(q) + 1) : bounds.seqlen_k;
+            CUTE_UNROLL
+            for (int ki = 0; ki < key_extent<kQueryIsRow>(scores); ++ki) {
+                const int i = kQueryIsRow ? qi : ki;
+                const int j = kQueryIsRow ? ki : qi;
+                if (k0 + key_of<kQueryIsRow>(coords, i, j) >= key_limit) { scores(i, j) = -INFINITY; }
+            }
         }
     }
-    // The same for query block m_block.
-    __forceinline__ __device__ int n_block_end(int m_block) const { return n_block_end_for_rows((m_block + 1) * kBlockM - 1); }
 
-    // True when tile (m_block, n_block) has any invisible element; other tiles skip apply().
-    __forceinline__ __device__ bool tile_needs_mask(int m_block, int n_block) const {
-        const int col_end = (n_block + 1) * kBlockN;
-        if (col_end > seqlen_k) { return true; }
-        return kCausal && col_end - 1 > last_visible_col(m_block * kBlockM);
-    }
-
-    // scores: (rows, cols) view of the accumulator; coords: the matching (row, col) positions
-    // inside the tile.
-    template <class ScoreTensor, class CoordTensor>
-    __forceinline__ __device__ void apply(ScoreTensor& scores, const CoordTensor& coords, int m_block,
-                                          int n_block) const {
-        const int row0 = m_block * kBlockM;
-        const int col0 = n_block * kBlockN;
+    // Sets p to 0 for keys past the sequence end: a fix-up after the exp for kernels that test only the
+    // diagonal inside it (hides_past_diagonal). Such keys read as zeros, which gives them P = exp(-lse); for a
+    // row whose LSE is far below zero (a few large-magnitude keys) that overflows, to inf in fp16 or even fp32,
+    // and dQ = dS K then computes inf * 0 = NaN. p and coords: (rows, cols) views, walked in the same order.
+    // Only the key block that holds the sequence end runs the loop, after the exp, so the exp loops keep their
+    // registers (perf log 36).
+    template <bool kQueryIsRow, class PTensor, class CoordTensor>
+    __forceinline__ __device__ void hide_keys_past_end(PTensor& p, const CoordTensor& coords) const {
+        static_assert(decltype(size(p))::value == decltype(size(coords))::value, "one coordinate per value");
+        const int key_end = bounds.key_end(n_block);
+        if (key_end >= kBlockN) { return; }
         CUTE_UNROLL
-        for (int r = 0; r < size<0>(scores); ++r) {
-            const int row = row0 + get<0>(coords(r, 0));
-            const int col_limit = kCausal ? min(seqlen_k, last_visible_col(row) + 1) : seqlen_k;
-            CUTE_UNROLL
-            for (int c = 0; c < size<1>(scores); ++c) {
-                if (col0 + get<1>(coords(r, c)) >= col_limit) { scores(r, c) = -INFINITY; }
-            }
+        for (int i = 0; i < size(p); ++i) {
+            if ((kQueryIsRow ? get<1>(coords(i)) : get<0>(coords(i))) >= key_end) { p(i) = 0.f; }
         }
     }
 };

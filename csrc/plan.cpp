@@ -5,7 +5,7 @@
 #include <cstdlib>
 
 #include "flash_params.h"
-#include "fwd_tile_config.h"
+#include "tile_size.h"
 
 namespace flash {
 namespace {

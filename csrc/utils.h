@@ -1,9 +1,12 @@
-// Small device helpers: register-layout views of MMA accumulators, warp-quad reductions,
-// the two GEMM shapes the forward needs (both operands in smem, or A in registers), a zero-filling
-// global -> shared copy and its predicated shared -> global counterpart.
+// Small device helpers of the mma.sync kernels (and tile copies the Hopper kernels share): register-layout
+// views of MMA accumulators, fragment conversion, warp-quad reductions, the two GEMM shapes (both operands
+// in smem, or A in registers), a zero-filling global -> shared tile copy, its predicated shared -> global
+// counterpart, and views of pipeline stages.
 #pragma once
 
 #include <cute/tensor.hpp>
+#include <cutlass/array.h>
+#include <cutlass/numeric_conversion.h>
 
 namespace flash {
 
@@ -116,6 +119,13 @@ __forceinline__ __device__ void copy_to_gmem(const TiledCopy& tiled_copy, const 
             if (get<1>(coords(0, m, k)) < max_col) { copy(tiled_copy, reg(_, m, k), dst(_, m, k)); }
         }
     }
+}
+
+// A view of the same tensor one pipeline stage further on in shared memory. Stages are whole
+// multiples of the swizzle period apart, so offsetting the pointer equals offsetting the layout.
+template <int kStageElems, class SmemTensor>
+__forceinline__ __device__ auto at_stage(const SmemTensor& t, int stage) {
+    return make_tensor(t.data() + stage * kStageElems, t.layout());
 }
 
 }  // namespace flash

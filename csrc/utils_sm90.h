@@ -1,4 +1,5 @@
-// Register-layout views of warpgroup-MMA (wgmma) accumulators, and one warpgroup GEMM call.
+// Register-layout views of warpgroup-MMA (wgmma) accumulators, the warpgroup GEMM calls, and opaque_int,
+// which keeps per-thread addresses from being hoisted out of the Hopper main loops.
 #pragma once
 
 #include <cute/arch/mma_sm90_gmma.hpp>
@@ -74,42 +75,6 @@ __forceinline__ __device__ void warpgroup_gemm(TiledMma& tiled_mma, TensorA& tCr
     if constexpr (!is_same_v<typename TensorA::value_type, GMMA::DescriptorIterator::value_type>) {
         warpgroup_fence_operand(tCrA);
     }
-}
-
-// Adds two adjacent fp32 values into global memory when `add`, the predicate inside the asm: with an `if`
-// around red_add_pair instead, ptxas spilled 4 bytes in the hdim 128 causal backward.
-__forceinline__ __device__ void red_add_pair_if(bool add, float* dst, float a, float b) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "setp.ne.b32 p, %3, 0;\n"
-        "@p red.global.add.v2.f32 [%0], {%1, %2};\n"
-        "}\n" ::"l"(dst),
-        "f"(a), "f"(b), "r"(int(add))
-        : "memory");
-#else
-    if (add) {
-        atomicAdd(dst, a);
-        atomicAdd(dst + 1, b);
-    }
-#endif
-}
-
-// Adds one fp32 value into global memory when `add` (predicated inside the asm, as red_add_pair_if).
-__forceinline__ __device__ void red_add_if(bool add, float* dst, float a) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "setp.ne.b32 p, %2, 0;\n"
-        "@p red.global.add.f32 [%0], %1;\n"
-        "}\n" ::"l"(dst),
-        "f"(a), "r"(int(add))
-        : "memory");
-#else
-    if (add) { atomicAdd(dst, a); }
-#endif
 }
 
 // Returns x unchanged, but the compiler can no longer see where it came from: values computed from the

@@ -2,8 +2,7 @@
 
 With ``arch`` and ``num_sms`` given, the plan is computed for that GPU and a build with every kernel family, so
 these tests need the built extension but no GPU and no kernel (CI builds head dim 64 bf16 for sm_80 only).
-H200 is (90, 132 SMs), A100 (80, 108). Tile sizes are asserted only where csrc/fwd_tile_config.h and
-csrc/flash_params.h define them for the host.
+H200 is (90, 132 SMs), A100 (80, 108). Tile sizes are asserted only where csrc/tile_size.h defines them for the host.
 """
 
 import pytest
@@ -202,7 +201,7 @@ def test_short_key_tile_forced(causal):
 def test_short_query_tile_heuristic(head_dim, seqlen_q, short):
     p = make("bwd", seqlen_q=seqlen_q, seqlen_k=4096, head_dim=head_dim)
     assert p.kernel == "wgmma" and p.short_query_tile is short, p
-    if head_dim > 96 and head_dim <= 128:  # flash_params.h: 16 rows per step on the short tile, else 64
+    if head_dim > 96 and head_dim <= 128:  # tile_size.h: 16 rows per step on the short tile, else 64
         assert p.block_m == (16 if short else 64), p
     assert not make("fwd", seqlen_q=seqlen_q, seqlen_k=4096, head_dim=head_dim).short_query_tile
     assert not make("bwd", A100, seqlen_q=seqlen_q, seqlen_k=4096, head_dim=head_dim).short_query_tile
@@ -297,13 +296,13 @@ def test_key_blocks_heuristic_leaves_long_queries():
 
 @pytest.mark.parametrize("head_dim, block_n", [(32, 128), (128, 128), (160, 64), (256, 64)])
 def test_hopper_backward_tile(head_dim, block_n):
-    # flash_params.h: 64 query rows per step, 128 keys per CTA up to head dim 128 and 64 above.
+    # tile_size.h: 64 query rows per step, 128 keys per CTA up to head dim 128 and 64 above.
     p = make("bwd", seqlen_q=1000, seqlen_k=1000, head_dim=head_dim)
     assert (p.block_m, p.block_n) == (64, block_n), p
 
 
 def test_hopper_forward_tile_head_dim_128():
-    # fwd_tile_config.h: FwdSm90TileConfig<128> is 128 x 128 (the regular tile, past the short-key lengths).
+    # tile_size.h: FwdSm90TileConfig<128> is 128 x 128 (the regular tile, past the short-key lengths).
     p = make("fwd", seqlen_q=4096, seqlen_k=4096, head_dim=128)
     assert (p.block_m, p.block_n) == (128, 128), p
 

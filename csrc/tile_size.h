@@ -1,5 +1,6 @@
-// Forward tile shapes per head dim, shared by the kernel launcher and the host (whose split-KV heuristic
-// needs the query and key block sizes). Plain constants: this header is also compiled by the host compiler.
+// The tile shape of every kernel, per head dim: read by the launchers, which instantiate them, and by the host's
+// plans (plan.cpp), whose heuristics need the block sizes. Plain constants: this header is also compiled by the
+// host compiler.
 #pragma once
 
 #include <cstddef>
@@ -118,8 +119,23 @@ constexpr bool fwd_has_short_key_tile(int kernel_head_dim) {
 // The mma.sync backward's (query rows, keys) per block: dK and dV of kBlockN keys stay in registers, so wide
 // heads take fewer keys per CTA. At head dim 64 the registers leave room for 128-row query blocks, which halve
 // the steps (and barriers) per key block: 6% faster on an H200 (bench/results/h200/tune_bwd_nvidia-h200.md).
-// BwdTileConfig (flash_bwd_launch.h) is this rule.
+// BwdTileConfig (flash_bwd_launch.h) instantiates this rule.
 constexpr int bwd_block_m(int kernel_head_dim) { return kernel_head_dim == 64 ? 128 : 64; }
 constexpr int bwd_block_n(int kernel_head_dim) { return kernel_head_dim <= 128 ? 128 : 64; }
+
+// Query rows per step and keys per CTA of the Hopper backward kernels (flash_bwd_launch.h), for the plans'
+// choice of grid (flash_bwd_launch.h asserts its kernels match).
+constexpr int kBwdSm90BlockM = 64;
+constexpr int bwd_sm90_block_n(int head_dim) { return head_dim <= 128 ? 128 : 64; }
+// Query rows per step of the Hopper backward's short-query tile (BwdParams::short_query_tiles), and the head
+// dims that have one.
+constexpr int kBwdSm90ShortBlockM = 16;
+constexpr bool bwd_sm90_has_short_query_tile(int head_dim) { return head_dim == 128; }
+// Query rows per step of the Hopper backward that a launch runs.
+constexpr int bwd_sm90_block_m(int head_dim, bool short_query_tiles) {
+    return short_query_tiles && bwd_sm90_has_short_query_tile(head_dim) ? kBwdSm90ShortBlockM : kBwdSm90BlockM;
+}
+// Whether that kernel can walk several key blocks per CTA (BwdParams::key_blocks_per_cta).
+constexpr bool bwd_sm90_walks_key_blocks(int head_dim) { return head_dim <= 128; }
 
 }  // namespace flash

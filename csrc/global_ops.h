@@ -1,0 +1,99 @@
+// Global-memory accesses that CuTe's copy atoms do not cover: a one-value zero-filling cp.async, fp32
+// reductions that do not wait for a reply (plain or predicated), acquire/release flags, and a predicated
+// store of an accumulator fragment.
+#pragma once
+
+#include <cstdint>
+
+#include <cute/tensor.hpp>
+#include <cutlass/array.h>
+
+namespace flash {
+
+using namespace cute;
+
+// Copies one fp32 value global -> shared with cp.async, or writes 0 when !valid.
+__forceinline__ __device__ void cp_async_f32_zfill(float* smem_dst, const float* gmem_src, bool valid) {
+    const uint32_t dst = cute::cast_smem_ptr_to_uint(smem_dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(gmem_src), "r"(valid ? 4 : 0));
+}
+
+// Adds two adjacent fp32 values into global memory without waiting for a reply: one vector reduction on
+// sm_90, two scalar ones before it.
+__forceinline__ __device__ void red_add_pair(float* dst, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(dst), "f"(a), "f"(b) : "memory");
+#else
+    atomicAdd(dst, a);
+    atomicAdd(dst + 1, b);
+#endif
+}
+
+// red_add_pair when `add`, the predicate inside the asm: with an `if` around red_add_pair instead, ptxas
+// spilled 4 bytes in the hdim 128 causal Hopper backward.
+__forceinline__ __device__ void red_add_pair_if(bool add, float* dst, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %3, 0;\n"
+        "@p red.global.add.v2.f32 [%0], {%1, %2};\n"
+        "}\n" ::"l"(dst),
+        "f"(a), "f"(b), "r"(int(add))
+        : "memory");
+#else
+    if (add) {
+        atomicAdd(dst, a);
+        atomicAdd(dst + 1, b);
+    }
+#endif
+}
+
+// Adds one fp32 value into global memory when `add` (predicated inside the asm, as red_add_pair_if).
+__forceinline__ __device__ void red_add_if(bool add, float* dst, float a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %2, 0;\n"
+        "@p red.global.add.f32 [%0], %1;\n"
+        "}\n" ::"l"(dst),
+        "f"(a), "r"(int(add))
+        : "memory");
+#else
+    if (add) { atomicAdd(dst, a); }
+#endif
+}
+
+// A flag read and write that order the accesses around them across the GPU (deterministic dQ turns).
+__forceinline__ __device__ int load_acquire(const int* ptr) {
+    int value;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(value) : "l"(ptr) : "memory");
+    return value;
+}
+
+__forceinline__ __device__ void store_release(int* ptr, int value) {
+    asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(ptr), "r"(value) : "memory");
+}
+
+// Writes an accumulator fragment (converted to Element, times scale) to global memory, skipping
+// positions at or past (max_row, max_col). coords are the fragment's (row, col) positions in the tile;
+// the two values of each MMA column pair are adjacent and go out as one store.
+template <typename Element, class AccTensor, class CoordTensor, class GmemTensor>
+__forceinline__ __device__ void store_acc(const AccTensor& acc, const CoordTensor& coords, GmemTensor& gmem,
+                                          int max_row, int max_col, float scale) {
+    static_assert(decltype(size(acc))::value % 2 == 0);
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc); i += 2) {
+        const int row = get<0>(coords(i));
+        const int col = get<1>(coords(i));
+        if (row < max_row && col < max_col) {
+            cutlass::Array<Element, 2> pair;
+            pair[0] = static_cast<Element>(acc(i) * scale);
+            pair[1] = static_cast<Element>(acc(i + 1) * scale);
+            *reinterpret_cast<cutlass::Array<Element, 2>*>(&gmem(row, col)) = pair;
+        }
+    }
+}
+
+}  // namespace flash

@@ -17,7 +17,6 @@ A key left out keeps the heuristic's choice. ``force_plan`` sets both for the pu
 """
 
 import contextlib
-import contextvars
 import dataclasses
 from typing import Optional
 
@@ -25,8 +24,10 @@ import torch
 
 from . import _ops  # noqa: F401  (loads torch.ops.flash_attn2)
 
-# (num_splits, plan_override) that the public functions pass to the ops.
-_FORCED = contextvars.ContextVar("flash_attn_cuda_forced_plan", default=(0, ""))
+# (num_splits, plan_override) that the public functions pass to the ops. A plain module global rather than a
+# contextvars.ContextVar: torch.compile (Dynamo) reads a global, guarding on its value, but cannot trace a
+# ContextVar's get().
+_forced = (0, "")
 
 _OVERRIDE_KEYS = ("kernel", "gqa_walk", "key_blocks", "short_keys", "short_queries")
 
@@ -69,16 +70,18 @@ def force_plan(num_splits: int = 0, **choices):
     """Runs the public functions inside the ``with`` block under these plan choices (keywords of
     ``override_string``; ``num_splits`` > 0 forces the dense forward's key splits). Meant for tests and
     benchmarks; the choices reach the ops as arguments, so torch.compile and CUDA graphs see them."""
-    token = _FORCED.set((int(num_splits), override_string(**choices)))
+    global _forced
+    previous = _forced
+    _forced = (int(num_splits), override_string(**choices))
     try:
         yield
     finally:
-        _FORCED.reset(token)
+        _forced = previous
 
 
 def forced() -> tuple:
     """(num_splits, plan_override) for the ops: what ``force_plan`` set, else (0, "")."""
-    return _FORCED.get()
+    return _forced
 
 
 def _parse(text: str) -> Plan:

@@ -143,20 +143,28 @@ struct BwdSm90Block {
     __forceinline__ __device__ auto sV(int s) const { return smem(k_stage(s) + Traits::kSmemKVElems, typename Traits::SmemLayoutKV{}); }  // (kBlockN, kHeadDim)
     __forceinline__ __device__ auto sKt(int s) const { return smem(k_stage(s), typename Traits::SmemLayoutKt{}); }   // (kHeadDim, kBlockN)
 
-    // K and V of key block n into K/V stage s; rows past seqlen_k and columns past head_dim read as 0.
-    __forceinline__ __device__ void load_kv(const BwdParams& params, int n, int s, int thread) const {
-        typename Traits::GmemTiledCopyLoad gmem_tiled_copy;
+    // Block `block` of kRows rows of two (seqlen, head_dim) views, mA and mB, into the shared-memory tiles sA and
+    // sB with GmemTiledCopy; rows past seqlen and columns past head_dim read as 0.
+    template <class GmemTiledCopy, int kRows, class ViewA, class ViewB, class SmemA, class SmemB>
+    __forceinline__ __device__ static void load_pair(const ViewA& mA, const ViewB& mB, int block, const SmemA& sA,
+                                                     const SmemB& sB, int seqlen, int head_dim, int thread) {
+        GmemTiledCopy gmem_tiled_copy;
         auto gmem_thr_copy = gmem_tiled_copy.get_thread_slice(thread);
-        Tensor gK = local_tile(binfo.k_view<Element>(params, batch_idx, head_idx_k), Shape<Int<kBlockN>, Int<kHeadDim>>{},
-                               make_coord(n, 0));  // (kBlockN, kHeadDim)
-        Tensor gV = local_tile(binfo.v_view<Element>(params, batch_idx, head_idx_k), Shape<Int<kBlockN>, Int<kHeadDim>>{},
-                               make_coord(n, 0));  // (kBlockN, kHeadDim)
-        Tensor tKVcKV = gmem_thr_copy.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));  // (CPY, CPY_N, CPY_K)
-        Tensor tKsK = gmem_thr_copy.partition_D(sK(s));  // (CPY, CPY_N, CPY_K)
-        Tensor tVsV = gmem_thr_copy.partition_D(sV(s));  // (CPY, CPY_N, CPY_K)
-        const int rows_left = binfo.seqlen_k - n * kBlockN;
-        copy_zfill(gmem_tiled_copy, gmem_thr_copy.partition_S(gK), tKsK, tKVcKV, rows_left, params.head_dim);
-        copy_zfill(gmem_tiled_copy, gmem_thr_copy.partition_S(gV), tVsV, tKVcKV, rows_left, params.head_dim);
+        Tensor gA = local_tile(mA, Shape<Int<kRows>, Int<kHeadDim>>{}, make_coord(block, 0));  // (kRows, kHeadDim)
+        Tensor gB = local_tile(mB, Shape<Int<kRows>, Int<kHeadDim>>{}, make_coord(block, 0));  // (kRows, kHeadDim)
+        Tensor tAcA = gmem_thr_copy.partition_S(make_identity_tensor(Shape<Int<kRows>, Int<kHeadDim>>{}));  // (CPY, CPY_R, CPY_K)
+        Tensor tAsA = gmem_thr_copy.partition_D(sA);  // (CPY, CPY_R, CPY_K)
+        Tensor tBsB = gmem_thr_copy.partition_D(sB);  // (CPY, CPY_R, CPY_K)
+        const int rows_left = seqlen - block * kRows;
+        copy_zfill(gmem_tiled_copy, gmem_thr_copy.partition_S(gA), tAsA, tAcA, rows_left, head_dim);
+        copy_zfill(gmem_tiled_copy, gmem_thr_copy.partition_S(gB), tBsB, tAcA, rows_left, head_dim);
+    }
+
+    // K and V of key block n into K/V stage s.
+    __forceinline__ __device__ void load_kv(const BwdParams& params, int n, int s, int thread) const {
+        load_pair<typename Traits::GmemTiledCopyLoad, kBlockN>(
+            binfo.k_view<Element>(params, batch_idx, head_idx_k), binfo.v_view<Element>(params, batch_idx, head_idx_k),
+            n, sK(s), sV(s), binfo.seqlen_k, params.head_dim, thread);
     }
 
     // Q, dO, LSE and D of step `step` into stage. Rows past seqlen_q read as 0, LSE and D included: with
@@ -165,18 +173,10 @@ struct BwdSm90Block {
     __forceinline__ __device__ void load_q_do(const BwdParams& params, const BwdStep& step, int stage, int thread) const {
         const int head_idx = step.head;
         const int m_block = step.m_block;
-        typename Traits::GmemTiledCopyQ gmem_tiled_copy;
-        auto gmem_thr_copy = gmem_tiled_copy.get_thread_slice(thread);
-        Tensor gQ = local_tile(binfo.q_view<Element>(params, batch_idx, head_idx), Shape<Int<kBlockM>, Int<kHeadDim>>{},
-                               make_coord(m_block, 0));  // (kBlockM, kHeadDim)
-        Tensor gdO = local_tile(binfo.do_view<Element>(params, batch_idx, head_idx), Shape<Int<kBlockM>, Int<kHeadDim>>{},
-                                make_coord(m_block, 0));  // (kBlockM, kHeadDim)
-        Tensor tQcQ = gmem_thr_copy.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));  // (CPY, CPY_M, CPY_K)
-        Tensor tQsQ = gmem_thr_copy.partition_D(sQ(stage));     // (CPY, CPY_M, CPY_K)
-        Tensor tdOsdO = gmem_thr_copy.partition_D(sdO(stage));  // (CPY, CPY_M, CPY_K)
+        load_pair<typename Traits::GmemTiledCopyQ, kBlockM>(
+            binfo.q_view<Element>(params, batch_idx, head_idx), binfo.do_view<Element>(params, batch_idx, head_idx),
+            m_block, sQ(stage), sdO(stage), binfo.seqlen_q, params.head_dim, thread);
         const int rows_left = binfo.seqlen_q - m_block * kBlockM;
-        copy_zfill(gmem_tiled_copy, gmem_thr_copy.partition_S(gQ), tQsQ, tQcQ, rows_left, params.head_dim);
-        copy_zfill(gmem_tiled_copy, gmem_thr_copy.partition_S(gdO), tdOsdO, tQcQ, rows_left, params.head_dim);
         // LSE by the first kBlockM threads, D by the next kBlockM.
         if (thread < 2 * kBlockM) {
             const index_t lse_offset = binfo.lse_offset(params, batch_idx, head_idx);

@@ -34,13 +34,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const _
     const auto& bounds = tile.bounds;
     const ScoreMod score_mod{};
 
-    // Global memory views. Tiles may run past seqlen or head_dim; those positions are predicated.
-    Tensor mQ = binfo.q_view<Element>(params, tile.batch_idx, tile.head_idx);    // (seqlen_q, head_dim)
-    Tensor mK = binfo.k_view<Element>(params, tile.batch_idx, tile.head_idx_k);  // (seqlen_k, head_dim)
-    Tensor mV = binfo.v_view<Element>(params, tile.batch_idx, tile.head_idx_k);  // (seqlen_k, head_dim)
-    Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));  // (kBlockM, kHeadDim)
-    Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));  // (kBlockN, kHeadDim, n)
-    Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));  // (kBlockN, kHeadDim, n)
+    const auto gQKV = tile.template gmem_qkv<Element, kHeadDim>(params);
+    Tensor gQ = get<0>(gQKV);  // (kBlockM, kHeadDim)
+    Tensor gK = get<1>(gQKV);  // (kBlockN, kHeadDim, n)
+    Tensor gV = get<2>(gQKV);  // (kBlockN, kHeadDim, n)
 
     extern __shared__ __align__(128) char smem[];
     Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)),
@@ -141,25 +138,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const _
     Tensor cO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (kBlockM, kHeadDim)
     Tensor tOcO = thr_mma.partition_C(cO);  // (MMA, MMA_M, MMA_N), positions of acc_o's values
     Tensor tOcO_rc = make_tensor(tOcO.data(), acc_rowcol_layout(tOcO.layout()));  // (rows, cols)
-    if (tile.is_split(params)) {
-        cp_async_wait<0>();  // Q may still be in flight when no key block was visited.
-        tile.write_partial(params, acc_o_rc, tOcO_rc, lse);
-        return;
-    }
-    Tensor rO = convert_fragment<Element>(acc_o);
     Tensor sO = make_tensor(sQ.data(), typename Traits::SmemLayoutO{});  // (kBlockM, kHeadDim)
-    auto smem_tiled_copy_O = make_tiled_copy_C(typename Traits::SmemCopyAtomO{}, tiled_mma);
-    auto smem_thr_copy_O = smem_tiled_copy_O.get_thread_slice(tidx);
-    Tensor taccOrO = smem_thr_copy_O.retile_S(rO);
-    Tensor taccOsO = smem_thr_copy_O.partition_D(sO);
-    cp_async_wait<0>();  // Q may still be in flight when no key block was visited.
-    __syncthreads();
-    copy(smem_tiled_copy_O, taccOrO, taccOsO);
-
-    tile.write_lse(params, lse, tOcO_rc);
-
-    __syncthreads();
-    tile.template store_o<typename Traits::GmemTiledCopyO>(params, sO, tidx);
+    tile.template epilogue<typename Traits::GmemTiledCopyO>(params, acc_o_rc, tOcO_rc, lse, sO, [&] {
+        Tensor rO = convert_fragment<Element>(acc_o);
+        auto smem_tiled_copy_O = make_tiled_copy_C(typename Traits::SmemCopyAtomO{}, tiled_mma);
+        auto smem_thr_copy_O = smem_tiled_copy_O.get_thread_slice(tidx);
+        copy(smem_tiled_copy_O, smem_thr_copy_O.retile_S(rO), smem_thr_copy_O.partition_D(sO));
+    }, tidx);
 }
 
 }  // namespace flash

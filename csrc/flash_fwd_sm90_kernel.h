@@ -42,12 +42,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kCtasPerSm)
     const int n_block_begin = tile.n_block_begin();
     const int n_block_end = tile.n_block_end();
 
-    Tensor mQ = binfo.q_view<Element>(params, tile.batch_idx, tile.head_idx);    // (seqlen_q, head_dim)
-    Tensor mK = binfo.k_view<Element>(params, tile.batch_idx, tile.head_idx_k);  // (seqlen_k, head_dim)
-    Tensor mV = binfo.v_view<Element>(params, tile.batch_idx, tile.head_idx_k);  // (seqlen_k, head_dim)
-    Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));  // (kBlockM, kHeadDim)
-    Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));  // (kBlockN, kHeadDim, n)
-    Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));  // (kBlockN, kHeadDim, n)
+    const auto gQKV = tile.template gmem_qkv<Element, kHeadDim>(params);
+    Tensor gQ = get<0>(gQKV);  // (kBlockM, kHeadDim)
+    Tensor gK = get<1>(gQKV);  // (kBlockN, kHeadDim, n)
+    Tensor gV = get<2>(gQKV);  // (kBlockN, kHeadDim, n)
 
     extern __shared__ __align__(1024) char smem_sm90[];  // 128 B swizzle atoms repeat every 1 KiB
     Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem_sm90)),
@@ -166,22 +164,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kCtasPerSm)
     Tensor cO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (kBlockM, kHeadDim)
     Tensor tOcO = thr_mma_o.partition_C(cO);  // (MMA, MMA_M, MMA_N), positions of acc_o's values
     Tensor tOcO_rc = make_tensor(tOcO.data(), gmma_acc_rowcol_layout(tOcO.layout()));  // (rows, cols)
-    if (tile.is_split(params)) {
-        cp_async_wait<0>();  // Q may still be in flight when no key block was visited.
-        tile.write_partial(params, acc_o_rc, tOcO_rc, lse);
-        return;
-    }
-    Tensor rO = convert_fragment<Element>(acc_o);
     Tensor sO = make_tensor(sQ.data(), typename Traits::SmemLayoutO{});  // (kBlockM, kHeadDim)
-    cp_async_wait<0>();  // Q may still be in flight when no key block was visited.
-    __syncthreads();     // every warpgroup has finished reading Q
-    CUTE_UNROLL
-    for (int i = 0; i < size(rO); ++i) { sO(get<0>(tOcO(i)), get<1>(tOcO(i))) = rO(i); }
-
-    tile.write_lse(params, lse, tOcO_rc);
-
-    __syncthreads();
-    tile.template store_o<typename Traits::GmemTiledCopyO>(params, sO, tidx);
+    tile.template epilogue<typename Traits::GmemTiledCopyO>(params, acc_o_rc, tOcO_rc, lse, sO, [&] {
+        Tensor rO = convert_fragment<Element>(acc_o);
+        CUTE_UNROLL
+        for (int i = 0; i < size(rO); ++i) { sO(get<0>(tOcO(i)), get<1>(tOcO(i))) = rO(i); }
+    }, tidx);
 #endif
 }
 

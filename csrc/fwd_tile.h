@@ -66,6 +66,41 @@ struct FwdTile {
     // True for a split-KV launch: the epilogue writes partials (write_partial) instead of out and lse.
     __forceinline__ __device__ static bool is_split(const FwdParams& params) { return params.num_splits > 1; }
 
+    // The CTA's query block and its key/value sequence in global memory, as (gQ, gK, gV): gQ (kBlockM,
+    // kHeadDim), gK and gV (kBlockN, kHeadDim, n). Tiles may run past seqlen or head_dim; those positions
+    // are predicated.
+    template <class Element, int kHeadDim>
+    __forceinline__ __device__ auto gmem_qkv(const FwdParams& params) const {
+        Tensor mQ = binfo.q_view<Element>(params, batch_idx, head_idx);    // (seqlen_q, head_dim)
+        Tensor mK = binfo.k_view<Element>(params, batch_idx, head_idx_k);  // (seqlen_k, head_dim)
+        Tensor mV = binfo.v_view<Element>(params, batch_idx, head_idx_k);  // (seqlen_k, head_dim)
+        return make_tuple(local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0)),
+                          local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0)),
+                          local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0)));
+    }
+
+    // The epilogue of both forward kernels, once the output accumulator is normalized. acc_o_rc: the thread's
+    // output accumulator as (rows, cols); coords_rc: the tile positions of its values; lse: the thread's rows;
+    // sO: the (kBlockM, kHeadDim) staging tile in shared memory (Q's buffer); stage_o(): writes the thread's
+    // output values (converted to the element type) into sO, the one step the two kernels do differently. A
+    // split-KV CTA writes its fp32 partials instead.
+    template <class GmemTiledCopyO, class AccTensor, class CoordTensor, class LseTensor, class SmemTensor,
+              class StageO>
+    __forceinline__ __device__ void epilogue(const FwdParams& params, const AccTensor& acc_o_rc,
+                                             const CoordTensor& coords_rc, const LseTensor& lse,
+                                             const SmemTensor& sO, StageO stage_o, int tidx) const {
+        cp_async_wait<0>();  // Q may still be in flight when no key block was visited.
+        if (is_split(params)) {
+            write_partial(params, acc_o_rc, coords_rc, lse);
+            return;
+        }
+        __syncthreads();  // every warp has finished reading Q, whose buffer sO reuses
+        stage_o();
+        write_lse(params, lse, coords_rc);
+        __syncthreads();
+        store_o<GmemTiledCopyO>(params, sO, tidx);
+    }
+
     // lse: the thread's rows; coords_rc: (rows, cols) tile positions of its accumulator values. The thread
     // holding a row's first column writes it.
     template <class LseTensor, class CoordTensor>

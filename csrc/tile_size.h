@@ -60,11 +60,7 @@ template <bool kCausal> struct FwdSm90TileConfig<256, kCausal> { static constexp
 template <int kHeadDim, bool kCausal>
 struct FwdSm90ShortKeysTileConfig { static constexpr bool kEnabled = false; };
 template <bool kCausal> struct FwdSm90ShortKeysTileConfig<128, kCausal> { static constexpr bool kEnabled = true; static constexpr int kBlockM = 64, kBlockN = 64, kCtasPerSm = 2; };
-// seqlen_k at or below which the host picks FwdSm90ShortKeysTileConfig where one exists. Causal up to 1024, where
-// a 128-row block on the diagonal computes up to twice the scores it keeps; non-causal only up to 512, where
-// the overlap pays for reading each K/V block twice and rescaling twice as often (perf log 31).
-constexpr int kFwdShortKeysMaxCausal = 1024;
-constexpr int kFwdShortKeysMax = 512;
+// The plans (plan.cpp) pick it at the short seqlen_k where it pays.
 
 // (kBlockM, kBlockN, CTAs resident per SM) of the forward kernel that run_fwd launches, for the host's
 // split-KV heuristic. Tile-tuning builds (FLASH_FWD_TILE_*, defined for nvcc only) and builds without sm_90a

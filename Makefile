@@ -1,10 +1,18 @@
 # Common entry points; see README.md for the environment knobs.
 PYTHON ?= python3
 
-.PHONY: install test test-all bench clean generate
+.PHONY: install test test-all bench clean generate wheel smoke-wheel
 
 install:
 	$(PYTHON) -m pip install --no-build-isolation -e .
+
+# Build the wheel into dist/ and repair it into wheelhouse/ (tools/build_wheel.sh; the setup.py knobs apply).
+wheel:
+	PYTHON=$(PYTHON) bash tools/build_wheel.sh
+
+# Install wheelhouse's wheel into a fresh venv outside the tree and run the tests against it.
+smoke-wheel:
+	PYTHON=$(PYTHON) bash tools/smoke_test_wheel.sh $(wildcard wheelhouse/flash_attn_cuda-*.whl)
 
 test:
 	$(PYTHON) -m pytest -q tests
@@ -19,5 +27,5 @@ generate:
 	$(PYTHON) csrc/generate_kernels.py
 
 clean:
-	rm -rf build dist *.egg-info flash_attn_cuda/_C*.so
+	rm -rf build dist wheelhouse *.egg-info flash_attn_cuda/_C*.so flash_attn_cuda/_build_info.py
 	find . -name __pycache__ -prune -exec rm -rf {} +

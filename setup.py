@@ -1,8 +1,23 @@
 """Build script for flash_attn_cuda: one CUDA extension, flash_attn_cuda._C.
 
+The extension is built against PyTorch's LibTorch stable ABI (TORCH_TARGET_VERSION: it loads into every torch
+from 2.11 on that was built for the same CUDA major) and the Python limited API (_C.abi3.so, wheels tagged
+cp310-abi3), so one wheel per CUDA major serves every CPython >= 3.10 and every torch >= 2.11.
+The version is BASE_VERSION plus a PEP 440 local tag naming the CUDA major of the nvcc used, e.g. 0.2.0+cu13
+(an sdist carries the bare BASE_VERSION). Every build writes flash_attn_cuda/_build_info.py (what was built,
+with what; `python -m flash_attn_cuda.info` prints it). `make wheel` (tools/build_wheel.sh) builds and repairs
+a wheel.
+
 Environment knobs:
   CUTLASS_PATH             CUTLASS checkout to use (its include/ directory is searched)
-  FLASH_ATTN2_CUDA_ARCHS   semicolon-separated SM versions, default "80;90"
+  FLASH_ATTN2_CUDA_ARCHS   semicolon-separated SM versions to emit machine code (SASS) for, default "80;90"
+                           (90 builds sm_90a, for the wgmma kernels); "none" emits no SASS
+  FLASH_ATTN2_PTX_ARCHS    semicolon-separated SM versions to embed PTX for, default "80": GPUs newer than
+                           every SASS arch JIT-compile the Ampere kernels from it; "none" embeds no PTX.
+                           FLASH_ATTN2_CUDA_ARCHS=none FLASH_ATTN2_PTX_ARCHS=80 builds PTX only
+  FLASH_ATTN2_AUTOGRAD_TORCH  semicolon-separated torch package directories (each holding include/ and version.py)
+                           to build a C++ autograd library for, one per torch minor version; default: the torch
+                           that builds; "none" builds none (autograd then runs in Python on every torch)
   FLASH_ATTN2_HDIMS        comma-separated kernel head dims to compile, default all (32,...,256)
   FLASH_ATTN2_DTYPES       comma-separated dtypes to compile, default "fp16,bf16"
   MAX_JOBS                 parallel compile jobs; default from free memory and cores
@@ -16,6 +31,7 @@ import itertools
 import os
 import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -25,8 +41,21 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "csrc"))
 from generate_kernels import DTYPES, HEAD_DIMS, MASKS, PASSES, kernel_name  # noqa: E402
 
+# The package version without its local tag; the one place it is set.
+BASE_VERSION = "0.2.0"
+# The oldest torch the stable-ABI build runs on (-DTORCH_TARGET_VERSION).
+TORCH_TARGET_VERSION = (2, 11)
+# The oldest CPython the limited-API build runs on (-DPy_LIMITED_API, the wheel's cp310-abi3 tag).
+PY_LIMITED_API = (3, 10)
+
 # Peak resident memory of one nvcc job on one instantiation, measured on our build machine, with margin.
 GB_PER_NVCC_JOB = 2.5
+
+SASS_ARCHS = ("80", "86", "89", "90", "100", "120")
+PTX_ARCHS = ("80", "86", "89", "90", "100", "120")
+
+# Building an sdist compiles nothing: no extension, no CUDA version in the version, no _build_info.py.
+BUILDING_SDIST = "sdist" in sys.argv[1:]
 
 
 def cutlass_include_dir() -> str:
@@ -52,8 +81,10 @@ def cutlass_include_dir() -> str:
     )
 
 
-def env_list(name: str, default, valid, convert=str):
+def env_list(name: str, default, valid, convert=str, allow_none=False):
     raw = os.environ.get(name, "")
+    if allow_none and raw.strip().lower() == "none":
+        return []
     try:
         values = [convert(x.strip()) for x in re.split(r"[,;]", raw) if x.strip()] if raw else list(default)
     except ValueError:
@@ -71,9 +102,14 @@ def env_int(name: str, default: int) -> int:
     return int(raw)
 
 
-def kernel_sources():
+def kernel_selection():
+    """The (head dims, dtypes) to compile kernels for, in the generated lists' order."""
     hdims = env_list("FLASH_ATTN2_HDIMS", HEAD_DIMS, HEAD_DIMS, int)
     dtypes = env_list("FLASH_ATTN2_DTYPES", DTYPES, DTYPES)
+    return [h for h in HEAD_DIMS if h in hdims], [d for d in DTYPES if d in dtypes]
+
+
+def kernel_sources(hdims, dtypes):
     sources = []
     for pass_, hdim, dtype, mask in itertools.product(PASSES, hdims, dtypes, MASKS):
         path = Path("csrc") / "instantiations" / f"{kernel_name(pass_, hdim, dtype, mask)}.cu"
@@ -96,7 +132,12 @@ def default_max_jobs(nvcc_threads: int) -> int:
     return max(1, min(os.cpu_count() or 1, by_memory))
 
 
-def nvcc_flags(archs, nvcc_threads):
+def sass_target(arch: str) -> str:
+    # sm_90 code is built for sm_90a, whose warpgroup MMAs the Hopper kernels use.
+    return "90a" if arch == "90" else arch
+
+
+def nvcc_flags(archs, ptx_archs, nvcc_threads):
     flags = [
         "-O3",
         "-std=c++20",
@@ -111,9 +152,12 @@ def nvcc_flags(archs, nvcc_threads):
         f"--threads={nvcc_threads}",
     ]
     for arch in archs:
-        # sm_90 code is built for sm_90a, whose warpgroup MMAs the Hopper forward kernels use.
-        target = "90a" if arch == "90" else arch
+        target = sass_target(arch)
         flags.append(f"-gencode=arch=compute_{target},code=sm_{target}")
+    for arch in ptx_archs:
+        # Portable PTX (compute_90, not the arch-specific compute_90a), which the driver JIT-compiles for GPUs
+        # newer than it. The kernels it holds are the ones this arch's pass compiles: the mma.sync ones.
+        flags.append(f"-gencode=arch=compute_{arch},code=compute_{arch}")
     if "90" in archs:
         flags.append("-DFLASH_ATTN2_SM90A")
     tile = os.environ.get("FLASH_ATTN2_FWD_TILE")  # "M,N,WARPS": tile-tuning builds only
@@ -149,38 +193,158 @@ def locate_cuda_home() -> None:
             return
 
 
+def nvcc_version() -> str:
+    """The CUDA release of the nvcc that builds the kernels (torch's CUDA_HOME), e.g. "13.0"."""
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    if not CUDA_HOME:
+        raise RuntimeError("no CUDA toolkit found: set CUDA_HOME or put nvcc on PATH")
+    out = subprocess.run([os.path.join(CUDA_HOME, "bin", "nvcc"), "--version"], check=True, capture_output=True,
+                         text=True).stdout
+    match = re.search(r"release (\d+)\.(\d+)", out)
+    if not match:
+        raise RuntimeError(f"cannot read the CUDA release from `nvcc --version`:\n{out}")
+    return f"{match[1]}.{match[2]}"
+
+
+def torch_target_define() -> str:
+    # TORCH_TARGET_VERSION's layout (torch/headeronly/version.h): major, minor, patch, tweak from the top byte down.
+    major, minor = TORCH_TARGET_VERSION
+    return f"-DTORCH_TARGET_VERSION=0x{major:02x}{minor:02x}000000000000"
+
+
+def write_build_info(info: dict) -> None:
+    """flash_attn_cuda/_build_info.py: what this build holds (read by flash_attn_cuda.info). Gitignored."""
+    lines = ['"""Written by setup.py at build time; do not edit."""', ""]
+    lines += [f"{name} = {value!r}" for name, value in info.items()]
+    text = "\n".join(lines) + "\n"
+    path = ROOT / "flash_attn_cuda" / "_build_info.py"
+    if not path.is_file() or path.read_text() != text:
+        path.write_text(text)
+
+
+def torch_minor_of(torch_dir: Path) -> str:
+    """"2.11" for a torch package directory, from its version.py."""
+    match = re.search(r"^__version__\s*=\s*['\"](\d+)\.(\d+)", (torch_dir / "version.py").read_text(), re.M)
+    if not match:
+        raise RuntimeError(f"{torch_dir}/version.py: no __version__ found")
+    return f"{match[1]}.{match[2]}"
+
+
+def autograd_extensions(glibc_symver: str, py_limited: str):
+    """The C++ autograd libraries, one per torch minor version (csrc/autograd/autograd.cpp): the stable ABI has
+    no autograd, so each is built against that version's own headers and loaded only into it. Returns
+    (extensions, the torch minor versions they serve)."""
+    from setuptools import Extension
+    import torch
+
+    raw = os.environ.get("FLASH_ATTN2_AUTOGRAD_TORCH", "")
+    if raw.strip().lower() == "none":
+        return [], ()
+    dirs = [Path(p) for p in re.split(r"[;]", raw) if p.strip()] if raw else [Path(torch.__file__).parent]
+    torch_lib = Path(torch.__file__).parent / "lib"
+    extensions, minors = [], []
+    for torch_dir in dirs:
+        include = torch_dir / "include"
+        if not (include / "torch" / "csrc" / "api" / "include" / "torch" / "autograd.h").is_file():
+            raise RuntimeError(f"FLASH_ATTN2_AUTOGRAD_TORCH: {torch_dir} holds no torch headers (include/)")
+        minor = torch_minor_of(torch_dir)
+        if minor in minors:
+            raise RuntimeError(f"FLASH_ATTN2_AUTOGRAD_TORCH names torch {minor} twice")
+        name = "_autograd_torch" + minor.replace(".", "_")
+        extensions.append(Extension(
+            name=f"flash_attn_cuda.{name}",
+            sources=["csrc/autograd/autograd.cpp"],
+            include_dirs=[str(ROOT / "csrc" / "compat"), str(include), str(include / "torch" / "csrc" / "api" / "include")],
+            extra_compile_args={"cxx": ["-O3", "-std=c++20", "-fvisibility=hidden", py_limited, "-include",
+                                        glibc_symver, f"-DFLASH_ATTN2_AUTOGRAD_MODULE={name}"]},
+            # Only for the DT_NEEDED entries: the symbols resolve at load time against the torch already in
+            # the process, which is the version the headers came from (_ops.py loads no other).
+            extra_link_args=["-Wl,--as-needed", f"-L{torch_lib}", "-ltorch_cpu", "-lc10", "-Wl,--strip-debug"],
+            py_limited_api=True,
+            language="c++",
+        ))
+        minors.append(minor)
+    return extensions, tuple(minors)
+
+
 def build_extensions():
+    """The extensions, and the metadata of the build: (ext_modules, version)."""
     locate_cuda_home()
     from torch.utils.cpp_extension import CUDAExtension
+    import torch
 
-    archs = env_list("FLASH_ATTN2_CUDA_ARCHS", ("80", "90"), ("80", "86", "89", "90", "100", "120"))
+    archs = env_list("FLASH_ATTN2_CUDA_ARCHS", ("80", "90"), SASS_ARCHS, allow_none=True)
+    ptx_archs = env_list("FLASH_ATTN2_PTX_ARCHS", ("80",), PTX_ARCHS, allow_none=True)
+    if not archs and not ptx_archs:
+        raise RuntimeError("FLASH_ATTN2_CUDA_ARCHS and FLASH_ATTN2_PTX_ARCHS are both empty: nothing would run")
+    hdims, dtypes = kernel_selection()
     nvcc_threads = env_int("NVCC_THREADS", 1)
     os.environ.setdefault("MAX_JOBS", str(default_max_jobs(nvcc_threads)))
-    host = ("module", "ops", "checks", "device_info", "plan", "plan_op", "host_params", "fwd", "bwd", "autograd",
-            "kernel_registry")
-    sources = [f"csrc/{name}.cpp" for name in host] + [
-        "csrc/build_info.cu", "csrc/flash_bwd_aux.cu", "csrc/flash_fwd_combine.cu"]
+    cuda_version = nvcc_version()
+    version = f"{BASE_VERSION}+cu{cuda_version.split('.')[0]}"
+
+    # Host code: every csrc/*.cpp (module, ops, checks, plan, fwd, bwd, the registry, the torch glue, ...).
+    host = sorted(str(path.relative_to(ROOT)) for path in (ROOT / "csrc").glob("*.cpp"))
+    sources = [*host, "csrc/build_info.cu", "csrc/flash_bwd_aux.cu", "csrc/flash_fwd_combine.cu"]
     fixed_sources = len(sources)
-    sources += kernel_sources()
-    print(f"flash_attn_cuda: archs={archs} kernels={len(sources) - fixed_sources} MAX_JOBS={os.environ['MAX_JOBS']}")
-    return [
-        CUDAExtension(
-            name="flash_attn_cuda._C",
-            sources=sources,
-            include_dirs=[str(ROOT / "csrc"), cutlass_include_dir()],
-            extra_compile_args={"cxx": ["-O3", "-std=c++20"], "nvcc": nvcc_flags(archs, nvcc_threads)},
-        )
-    ]
+    sources += kernel_sources(hdims, dtypes)
+
+    # Stable ABI only: in torch >= 2.14 TORCH_TARGET_VERSION also turns every non-stable header into an #error.
+    # Py_LIMITED_API: torch's BuildExtension adds the same define (same spelling) for py_limited_api extensions.
+    abi_flags = [torch_target_define()]
+    py_limited = f"-DPy_LIMITED_API=0x{PY_LIMITED_API[0]:02X}{PY_LIMITED_API[1]:02X}0000"
+    # csrc/compat/glibc_symver.h: dlsym at its glibc 2.2.5/2.17 version (see there), for manylinux_2_28.
+    glibc_symver = str(ROOT / "csrc" / "compat" / "glibc_symver.h")
+    # -fvisibility=hidden: the stable ABI's types are hidden, and so are ours then; only PyInit__C is exported.
+    cxx_flags = ["-O3", "-std=c++20", "-fvisibility=hidden", *abi_flags, py_limited, "-include", glibc_symver]
+    print(f"flash_attn_cuda {version}: archs={archs} ptx={ptx_archs} kernels={len(sources) - fixed_sources} "
+          f"MAX_JOBS={os.environ['MAX_JOBS']}")
+
+    autograd_exts, autograd_minors = autograd_extensions(glibc_symver, py_limited)
+    write_build_info({
+        "VERSION": version,
+        "TORCH_VERSION": torch.__version__,
+        "CUDA_VERSION": cuda_version,
+        "TORCH_TARGET_VERSION": "{}.{}".format(*TORCH_TARGET_VERSION),
+        "ARCHS": tuple(sass_target(a) for a in archs),
+        "PTX_ARCHS": tuple(ptx_archs),
+        "HEAD_DIMS": tuple(hdims),
+        "DTYPES": tuple(dtypes),
+        "AUTOGRAD_TORCH": autograd_minors,
+    })
+    ext = CUDAExtension(
+        name="flash_attn_cuda._C",
+        sources=sources,
+        # csrc/compat first: it replaces one system header (see csrc/compat/sys/single_threaded.h).
+        include_dirs=[str(ROOT / "csrc" / "compat"), str(ROOT / "csrc"), cutlass_include_dir()],
+        extra_compile_args={"cxx": cxx_flags, "nvcc": [*nvcc_flags(archs, ptx_archs, nvcc_threads), *abi_flags]},
+        py_limited_api=True,
+    )
+    # The link line: objects, then extra_link_args, where the libraries CUDAExtension picked (libtorch's, c10's,
+    # libcudart) move, after --as-needed, so that _C.so depends only on those whose symbols it uses (the stable
+    # shim's). libdl stays needed whatever: it defines dlsym on glibc < 2.34 (csrc/compat/glibc_symver.h).
+    # --strip-debug drops the debug info that Python's CFLAGS (-g) ask for.
+    ext.extra_link_args = ["-Wl,--as-needed", *(f"-l{lib}" for lib in ext.libraries),
+                           "-Wl,--no-as-needed", "-l:libdl.so.2", "-Wl,--strip-debug"]
+    ext.libraries = []
+    return [ext, *autograd_exts], version
 
 
 def main():
-    ext_modules = build_extensions()
+    packages = find_packages(include=["flash_attn_cuda", "flash_attn_cuda.*"])
+    if BUILDING_SDIST:
+        setup(version=BASE_VERSION, packages=packages)
+        return
+    ext_modules, version = build_extensions()
     from torch.utils.cpp_extension import BuildExtension
 
     setup(
-        packages=find_packages(include=["flash_attn_cuda", "flash_attn_cuda.*"]),
+        version=version,
+        packages=packages,
         ext_modules=ext_modules,
         cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+        options={"bdist_wheel": {"py_limited_api": "cp{}{}".format(*PY_LIMITED_API)}},
     )
 
 

@@ -1,7 +1,5 @@
 #include "checks.h"
 
-#include <c10/util/Exception.h>
-
 #include <cmath>
 
 #include "device_info.h"
@@ -14,130 +12,133 @@ constexpr int kMaxHeadDim = 256;
 constexpr int kMaxGridZ = 65535;  // heads index the grid's z; batches of any size go in chunks (launch.h)
 
 // The kernel moves 16-byte chunks: unit stride on head_dim, the other strides multiples of 8 elements.
-void check_layout(const at::Tensor& t, const char* name) {
-    TORCH_CHECK_VALUE(t.stride(3) == 1, name, " must have a contiguous last dimension (stride 1), got stride ",
+void check_layout(const Tensor& t, const char* name) {
+    FLASH_CHECK_ARG(t.stride(3) == 1, name, " must have a contiguous last dimension (stride 1), got stride ",
                       num(t.stride(3)));
     for (int64_t d = 0; d < 3; ++d) {
-        TORCH_CHECK_VALUE(t.size(d) <= 1 || t.stride(d) % 8 == 0, name,
+        FLASH_CHECK_ARG(t.size(d) <= 1 || t.stride(d) % 8 == 0, name,
                           " must have strides that are multiples of 8 elements, got ", shape_str(t.strides()));
     }
 }
 
-}  // namespace
-
-std::string shape_str(at::IntArrayRef values) {
-    std::string text = "[";
-    for (size_t i = 0; i < values.size(); ++i) { text += (i ? ", " : "") + num(values[i]); }
-    return text + "]";
+template <typename Sizes>
+bool same_sizes(torch::headeronly::IntHeaderOnlyArrayRef a, const Sizes& b) {
+    if (a.size() != b.size()) { return false; }
+    for (size_t i = 0; i < a.size(); ++i) {
+        if (a[i] != b[i]) { return false; }
+    }
+    return true;
 }
 
-void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-    TORCH_CHECK_VALUE(q.dim() == 4, "q must have shape (batch, seqlen_q, nheads, head_dim), got ", num(q.dim()), " dims");
-    TORCH_CHECK_VALUE(k.dim() == 4, "k must have shape (batch, seqlen_k, nheads_k, head_dim), got ", num(k.dim()), " dims");
-    TORCH_CHECK_VALUE(v.dim() == 4, "v must have shape (batch, seqlen_k, nheads_k, head_dim), got ", num(v.dim()), " dims");
+}  // namespace
+
+void check_qkv(const Tensor& q, const Tensor& k, const Tensor& v) {
+    FLASH_CHECK_ARG(q.dim() == 4, "q must have shape (batch, seqlen_q, nheads, head_dim), got ", num(q.dim()), " dims");
+    FLASH_CHECK_ARG(k.dim() == 4, "k must have shape (batch, seqlen_k, nheads_k, head_dim), got ", num(k.dim()), " dims");
+    FLASH_CHECK_ARG(v.dim() == 4, "v must have shape (batch, seqlen_k, nheads_k, head_dim), got ", num(v.dim()), " dims");
 
     const auto dtype = q.scalar_type();
-    TORCH_CHECK_TYPE(dtype == at::kHalf || dtype == at::kBFloat16, "q must be float16 or bfloat16, got ", dtype);
-    TORCH_CHECK_TYPE(k.scalar_type() == dtype, "k must have the same dtype as q (", dtype, "), got ", k.scalar_type());
-    TORCH_CHECK_TYPE(v.scalar_type() == dtype, "v must have the same dtype as q (", dtype, "), got ", v.scalar_type());
+    FLASH_CHECK_ARG(dtype == ScalarType::Half || dtype == ScalarType::BFloat16, "q must be float16 or bfloat16, got ", dtype);
+    FLASH_CHECK_ARG(k.scalar_type() == dtype, "k must have the same dtype as q (", dtype, "), got ", k.scalar_type());
+    FLASH_CHECK_ARG(v.scalar_type() == dtype, "v must have the same dtype as q (", dtype, "), got ", v.scalar_type());
 
     const int64_t batch = q.size(0);
     const int64_t nheads = q.size(2);
     const int64_t head_dim = q.size(3);
     const int64_t nheads_k = k.size(2);
-    TORCH_CHECK_VALUE(k.size(0) == batch, "k must have the same batch size as q (", num(batch), "), got ", num(k.size(0)));
-    TORCH_CHECK_VALUE(v.size(0) == batch, "v must have the same batch size as q (", num(batch), "), got ", num(v.size(0)));
-    TORCH_CHECK_VALUE(v.size(1) == k.size(1), "v must have the same seqlen_k as k (", num(k.size(1)), "), got ", num(v.size(1)));
-    TORCH_CHECK_VALUE(v.size(2) == nheads_k, "v must have the same nheads_k as k (", num(nheads_k), "), got ", num(v.size(2)));
-    TORCH_CHECK_VALUE(k.size(3) == head_dim, "k must have the same head_dim as q (", num(head_dim), "), got ", num(k.size(3)));
-    TORCH_CHECK_VALUE(v.size(3) == head_dim, "v must have the same head_dim as q (", num(head_dim), "), got ", num(v.size(3)));
+    FLASH_CHECK_ARG(k.size(0) == batch, "k must have the same batch size as q (", num(batch), "), got ", num(k.size(0)));
+    FLASH_CHECK_ARG(v.size(0) == batch, "v must have the same batch size as q (", num(batch), "), got ", num(v.size(0)));
+    FLASH_CHECK_ARG(v.size(1) == k.size(1), "v must have the same seqlen_k as k (", num(k.size(1)), "), got ", num(v.size(1)));
+    FLASH_CHECK_ARG(v.size(2) == nheads_k, "v must have the same nheads_k as k (", num(nheads_k), "), got ", num(v.size(2)));
+    FLASH_CHECK_ARG(k.size(3) == head_dim, "k must have the same head_dim as q (", num(head_dim), "), got ", num(k.size(3)));
+    FLASH_CHECK_ARG(v.size(3) == head_dim, "v must have the same head_dim as q (", num(head_dim), "), got ", num(v.size(3)));
     const bool head_dim_ok = head_dim > 0 && head_dim <= kMaxHeadDim && head_dim % 8 == 0;
-    TORCH_CHECK_VALUE(head_dim_ok, "head_dim must be a multiple of 8 in [8, 256] (flash_attn_func pads other sizes), got ",
+    FLASH_CHECK_ARG(head_dim_ok, "head_dim must be a multiple of 8 in [8, 256] (flash_attn_func pads other sizes), got ",
                       num(head_dim));
     const bool heads_ok = nheads_k > 0 && nheads % nheads_k == 0;
-    TORCH_CHECK_VALUE(heads_ok, "nheads (", num(nheads), ") must be a multiple of nheads_k (", num(nheads_k), ")");
-    TORCH_CHECK_VALUE(batch <= INT32_MAX, "batch must be at most ", num(INT32_MAX), ", got ", num(batch));
-    TORCH_CHECK_VALUE(nheads <= kMaxGridZ, "nheads must be at most ", num(kMaxGridZ), ", got ", num(nheads));
+    FLASH_CHECK_ARG(heads_ok, "nheads (", num(nheads), ") must be a multiple of nheads_k (", num(nheads_k), ")");
+    FLASH_CHECK_ARG(batch <= INT32_MAX, "batch must be at most ", num(INT32_MAX), ", got ", num(batch));
+    FLASH_CHECK_ARG(nheads <= kMaxGridZ, "nheads must be at most ", num(kMaxGridZ), ", got ", num(nheads));
     // Block arithmetic on sequence positions is 32-bit; leave room for one block past the end.
     constexpr int64_t kMaxSeqlen = INT32_MAX - 256;
-    TORCH_CHECK_VALUE(q.size(1) <= kMaxSeqlen && k.size(1) <= kMaxSeqlen, "seqlen_q and seqlen_k must be at most ",
+    FLASH_CHECK_ARG(q.size(1) <= kMaxSeqlen && k.size(1) <= kMaxSeqlen, "seqlen_q and seqlen_k must be at most ",
                       num(kMaxSeqlen));
     check_layout(q, "q");
     check_layout(k, "k");
     check_layout(v, "v");
 }
 
-void check_varlen(const Varlen& varlen, const at::Tensor& q, const at::Tensor& k) {
-    for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{varlen.cu_seqlens_q, "cu_seqlens_q"},
-                                  std::pair<const at::Tensor&, const char*>{varlen.cu_seqlens_k, "cu_seqlens_k"}}) {
-        TORCH_CHECK_TYPE(t.scalar_type() == at::kInt, name, " must be int32, got ", t.scalar_type());
-        TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) >= 1, name, " must have shape (batch + 1,), got ",
+void check_varlen(const Varlen& varlen, const Tensor& q, const Tensor& k) {
+    for (const auto& [t, name] : {std::pair<const Tensor&, const char*>{varlen.cu_seqlens_q, "cu_seqlens_q"},
+                                  std::pair<const Tensor&, const char*>{varlen.cu_seqlens_k, "cu_seqlens_k"}}) {
+        FLASH_CHECK_ARG(t.scalar_type() == ScalarType::Int, name, " must be int32, got ", t.scalar_type());
+        FLASH_CHECK_ARG(t.dim() == 1 && t.size(0) >= 1, name, " must have shape (batch + 1,), got ",
                           shape_str(t.sizes()));
-        TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous");
-        TORCH_CHECK_VALUE(t.device() == q.device(), name, " must be on the device of q (", q.device(), "), got ",
-                          t.device());
+        FLASH_CHECK_ARG(t.is_contiguous(), name, " must be contiguous");
+        FLASH_CHECK_ARG(same_device(t, q), name, " must be on the device of q (", device_str(q), "), got ",
+                        device_str(t));
     }
-    TORCH_CHECK_VALUE(varlen.cu_seqlens_k.size(0) == varlen.cu_seqlens_q.size(0),
+    FLASH_CHECK_ARG(varlen.cu_seqlens_k.size(0) == varlen.cu_seqlens_q.size(0),
                       "cu_seqlens_k must have the length of cu_seqlens_q (", num(varlen.cu_seqlens_q.size(0)), "), got ",
                       num(varlen.cu_seqlens_k.size(0)));
-    TORCH_CHECK_VALUE(varlen.batch() <= INT32_MAX, "batch (len(cu_seqlens_q) - 1) must be at most ", num(INT32_MAX),
+    FLASH_CHECK_ARG(varlen.batch() <= INT32_MAX, "batch (len(cu_seqlens_q) - 1) must be at most ", num(INT32_MAX),
                       ", got ", num(varlen.batch()));
-    TORCH_CHECK_VALUE(varlen.max_seqlen_q >= 0 && varlen.max_seqlen_q <= q.size(1),
+    FLASH_CHECK_ARG(varlen.max_seqlen_q >= 0 && varlen.max_seqlen_q <= q.size(1),
                       "max_seqlen_q must be in [0, total_q = ", num(q.size(1)), "], got ", num(varlen.max_seqlen_q));
-    TORCH_CHECK_VALUE(varlen.max_seqlen_k >= 0 && varlen.max_seqlen_k <= k.size(1),
+    FLASH_CHECK_ARG(varlen.max_seqlen_k >= 0 && varlen.max_seqlen_k <= k.size(1),
                       "max_seqlen_k must be in [0, total_k = ", num(k.size(1)), "], got ", num(varlen.max_seqlen_k));
 }
 
-void check_varlen_rank(const at::Tensor& t, const char* name, const char* shape) {
-    TORCH_CHECK_VALUE(t.dim() == 3, name, " must have shape ", shape, ", got ", num(t.dim()), " dims");
+void check_varlen_rank(const Tensor& t, const char* name, const char* shape) {
+    FLASH_CHECK_ARG(t.dim() == 3, name, " must have shape ", shape, ", got ", num(t.dim()), " dims");
 }
 
 void check_scale(double softmax_scale) {
     // The kernels take each row's maximum of the unscaled scores, which is the maximum of the scaled
     // ones only for a non-negative scale (flash_attn_func handles a negative scale by negating q).
     // The scale also has to stay finite once it is a float multiplied by log2(e).
-    TORCH_CHECK_VALUE(std::isfinite(static_cast<float>(softmax_scale * M_LOG2E)) && softmax_scale >= 0,
+    FLASH_CHECK_ARG(std::isfinite(static_cast<float>(softmax_scale * M_LOG2E)) && softmax_scale >= 0,
                       "softmax_scale must be finite and non-negative, got ", std::to_string(softmax_scale));
 }
 
 void check_num_splits(int64_t num_splits) {
-    TORCH_CHECK_VALUE(num_splits >= 0 && num_splits <= kMaxForcedSplits, "num_splits must be in [0, ",
+    FLASH_CHECK_ARG(num_splits >= 0 && num_splits <= kMaxForcedSplits, "num_splits must be in [0, ",
                       num(kMaxForcedSplits), "] (0: chosen per call), got ", num(num_splits));
 }
 
-void check_bwd_inputs(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& out, const at::Tensor& lse,
+void check_bwd_inputs(const Tensor& dout, const Tensor& q, const Tensor& out, const Tensor& lse,
                       const std::vector<int64_t>& lse_shape) {
-    TORCH_CHECK_VALUE(dout.sizes() == q.sizes(), "dout must have the shape of q ", shape_str(q.sizes()), ", got ",
+    FLASH_CHECK_ARG(same_sizes(dout.sizes(), q.sizes()), "dout must have the shape of q ", shape_str(q.sizes()), ", got ",
                       shape_str(dout.sizes()));
-    TORCH_CHECK_VALUE(out.sizes() == q.sizes(), "out must have the shape of q ", shape_str(q.sizes()), ", got ",
+    FLASH_CHECK_ARG(same_sizes(out.sizes(), q.sizes()), "out must have the shape of q ", shape_str(q.sizes()), ", got ",
                       shape_str(out.sizes()));
-    TORCH_CHECK_TYPE(dout.scalar_type() == q.scalar_type(), "dout must have the dtype of q (", q.scalar_type(),
+    FLASH_CHECK_ARG(dout.scalar_type() == q.scalar_type(), "dout must have the dtype of q (", q.scalar_type(),
                      "), got ", dout.scalar_type());
-    TORCH_CHECK_TYPE(out.scalar_type() == q.scalar_type(), "out must have the dtype of q (", q.scalar_type(),
+    FLASH_CHECK_ARG(out.scalar_type() == q.scalar_type(), "out must have the dtype of q (", q.scalar_type(),
                      "), got ", out.scalar_type());
-    TORCH_CHECK_TYPE(lse.scalar_type() == at::kFloat, "softmax_lse must be float32, got ", lse.scalar_type());
-    TORCH_CHECK_VALUE(lse.sizes() == at::IntArrayRef(lse_shape), "softmax_lse must have shape ", shape_str(lse_shape),
+    FLASH_CHECK_ARG(lse.scalar_type() == ScalarType::Float, "softmax_lse must be float32, got ", lse.scalar_type());
+    FLASH_CHECK_ARG(same_sizes(lse.sizes(), lse_shape), "softmax_lse must have shape ", shape_str(lse_shape.data(), lse_shape.size()),
                       ", got ", shape_str(lse.sizes()));
     check_layout(dout, "dout");
     check_layout(out, "out");
 }
 
-void check_same_device(const at::Tensor& t, const char* name, const at::Tensor& q) {
-    TORCH_CHECK_VALUE(t.device() == q.device(), name, " must be on the same device as q (", q.device(), "), got ",
-                      t.device());
-    TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name,
+void check_same_device(const Tensor& t, const char* name, const Tensor& q) {
+    FLASH_CHECK_ARG(same_device(t, q), name, " must be on the same device as q (", device_str(q), "), got ",
+                    device_str(t));
+    FLASH_CHECK_ARG(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name,
                       " must start at a 16-byte aligned address");
 }
 
-void check_device(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-    TORCH_CHECK_VALUE(q.is_cuda(), "q must be a CUDA tensor, got device ", q.device());
+void check_device(const Tensor& q, const Tensor& k, const Tensor& v) {
+    FLASH_CHECK_ARG(q.is_cuda(), "q must be a CUDA tensor, got device ", device_str(q));
     check_same_device(q, "q", q);
     check_same_device(k, "k", q);
     check_same_device(v, "v", q);
-    const int cc_major = device_attribute(cudaDevAttrComputeCapabilityMajor, q.get_device());
-    TORCH_CHECK(cc_major >= 0, "could not query the compute capability of ", q.device());
-    TORCH_CHECK(cc_major >= 8, "flash_attn_cuda needs an Ampere (sm_80) or newer GPU, got compute capability ", num(cc_major),
-                ".x on ", q.device());
+    const int cc_major = device_attribute(cudaDevAttrComputeCapabilityMajor, q.get_device_index());
+    FLASH_CHECK(cc_major >= 0, "could not query the compute capability of ", device_str(q));
+    FLASH_CHECK(cc_major >= 8, "flash_attn_cuda needs an Ampere (sm_80) or newer GPU, got compute capability ", num(cc_major),
+                ".x on ", device_str(q));
 }
 
 // The kernels use up to 163 KiB of shared memory per block (what sm_80 and sm_90 allow); GPUs with less,
@@ -152,7 +153,7 @@ void check_launch(cudaError_t err, const char* op, int device) {
         hint = " (this GPU allows " + num(optin_bytes / 1024) +
                " KiB of shared memory per block; the kernels are tuned for the 163 KiB of sm_80 and sm_90)";
     }
-    TORCH_CHECK(false, op, " kernel launch failed: ", cudaGetErrorString(err), hint);
+    FLASH_CHECK(false, op, " kernel launch failed: ", cudaGetErrorString(err), hint);
 }
 
 }  // namespace flash

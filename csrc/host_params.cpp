@@ -1,15 +1,25 @@
 #include "host_params.h"
 
-#include <c10/util/Exception.h>
-
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
 
 namespace flash {
 
-Problem problem_of(Pass pass, const at::Tensor& q, const at::Tensor& k, bool causal, bool deterministic,
-                   const Varlen* varlen) {
+View4 view4(const Tensor& t) {
+    View4 view{t.data_ptr(), {}, {}};
+    for (int d = 0; d < 4; ++d) {
+        view.size[d] = t.size(d);
+        view.stride[d] = t.stride(d);
+    }
+    return view;
+}
+
+LseView lse_view(const Tensor& lse) {
+    return {static_cast<float*>(lse.data_ptr()), lse.dim() == 3 ? lse.stride(0) : 0, lse.stride(lse.dim() - 2)};
+}
+
+Problem problem_of(Pass pass, const Tensor& q, const Tensor& k, bool causal, bool deterministic, const Varlen* varlen) {
     Problem problem{};
     problem.pass = pass;
     problem.batch = varlen != nullptr ? varlen->batch() : q.size(0);
@@ -27,7 +37,7 @@ Problem problem_of(Pass pass, const at::Tensor& q, const at::Tensor& k, bool cau
 PlanOverride override_of(const std::string& plan_override) {
     PlanOverride override;
     const std::string error = parse_plan_override(plan_override, override);
-    TORCH_CHECK_VALUE(error.empty(), error);
+    FLASH_CHECK_ARG(error.empty(), error);
     return override;
 }
 
@@ -35,60 +45,59 @@ namespace {
 
 template <typename Launcher>
 Launcher require_launcher(Launcher launcher, Pass pass, const KernelKey& key) {
-    TORCH_CHECK(launcher != nullptr, "flash_attn_cuda was built without the kernel ", kernel_name(pass, key),
+    FLASH_CHECK(launcher != nullptr, "flash_attn_cuda was built without the kernel ", kernel_name(pass, key),
                 "; rebuild with FLASH_ATTN2_HDIMS and FLASH_ATTN2_DTYPES covering it");
     return launcher;
 }
 
-KernelKey key_of(const at::Tensor& q, const Plan& plan) {
-    return {q.scalar_type() == at::kBFloat16, plan.kernel_head_dim, plan.causal};
+KernelKey key_of(const Tensor& q, const Plan& plan) {
+    return {q.scalar_type() == ScalarType::BFloat16, plan.kernel_head_dim, plan.causal};
 }
 
 }  // namespace
 
-FwdLauncher require_fwd_launcher(const at::Tensor& q, const Plan& plan) {
+FwdLauncher require_fwd_launcher(const Tensor& q, const Plan& plan) {
     const KernelKey key = key_of(q, plan);
     return require_launcher(find_fwd_launcher(key), Pass::kFwd, key);
 }
 
-BwdLauncher require_bwd_launcher(const at::Tensor& q, const Plan& plan) {
+BwdLauncher require_bwd_launcher(const Tensor& q, const Plan& plan) {
     const KernelKey key = key_of(q, plan);
     return require_launcher(find_bwd_launcher(key), Pass::kBwd, key);
 }
 
-void set_fwd_params(FwdParams& params, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                    const at::Tensor& out, const at::Tensor& lse, double softmax_scale, const Varlen* varlen,
-                    const Plan& plan) {
-    params.q_ptr = q.data_ptr();
-    params.k_ptr = k.data_ptr();
-    params.v_ptr = v.data_ptr();
-    params.o_ptr = out.data_ptr();
-    params.lse_ptr = lse.data_ptr<float>();
-    params.q_batch_stride = q.stride(0);
-    params.q_row_stride = q.stride(1);
-    params.q_head_stride = q.stride(2);
-    params.k_batch_stride = k.stride(0);
-    params.k_row_stride = k.stride(1);
-    params.k_head_stride = k.stride(2);
-    params.v_batch_stride = v.stride(0);
-    params.v_row_stride = v.stride(1);
-    params.v_head_stride = v.stride(2);
-    params.o_batch_stride = out.stride(0);
-    params.o_row_stride = out.stride(1);
-    params.o_head_stride = out.stride(2);
-    params.batch = static_cast<int>(q.size(0));
-    params.seqlen_q = static_cast<int>(q.size(1));
-    params.seqlen_k = static_cast<int>(k.size(1));
-    params.total_q = static_cast<int>(q.size(1));
-    params.total_k = static_cast<int>(k.size(1));
-    params.num_heads = static_cast<int>(q.size(2));
-    params.num_heads_k = static_cast<int>(k.size(2));
-    params.head_dim = static_cast<int>(q.size(3));
-    params.lse_batch_stride = lse.dim() == 3 ? lse.stride(0) : 0;
-    params.lse_head_stride = lse.stride(-2);
+void set_fwd_params(FwdParams& params, const View4& q, const View4& k, const View4& v, const View4& out,
+                    const LseView& lse, double softmax_scale, const Varlen* varlen, const Plan& plan) {
+    params.q_ptr = q.ptr;
+    params.k_ptr = k.ptr;
+    params.v_ptr = v.ptr;
+    params.o_ptr = out.ptr;
+    params.lse_ptr = lse.ptr;
+    params.q_batch_stride = q.stride[0];
+    params.q_row_stride = q.stride[1];
+    params.q_head_stride = q.stride[2];
+    params.k_batch_stride = k.stride[0];
+    params.k_row_stride = k.stride[1];
+    params.k_head_stride = k.stride[2];
+    params.v_batch_stride = v.stride[0];
+    params.v_row_stride = v.stride[1];
+    params.v_head_stride = v.stride[2];
+    params.o_batch_stride = out.stride[0];
+    params.o_row_stride = out.stride[1];
+    params.o_head_stride = out.stride[2];
+    params.batch = static_cast<int>(q.size[0]);
+    params.seqlen_q = static_cast<int>(q.size[1]);
+    params.seqlen_k = static_cast<int>(k.size[1]);
+    params.total_q = static_cast<int>(q.size[1]);
+    params.total_k = static_cast<int>(k.size[1]);
+    params.num_heads = static_cast<int>(q.size[2]);
+    params.num_heads_k = static_cast<int>(k.size[2]);
+    params.head_dim = static_cast<int>(q.size[3]);
+    params.lse_batch_stride = lse.batch_stride;
+    params.lse_head_stride = lse.head_stride;
     if (varlen != nullptr) {
-        params.cu_seqlens_q = varlen->cu_seqlens_q.data_ptr<int>();
-        params.cu_seqlens_k = varlen->cu_seqlens_k.data_ptr<int>();
+        params.cu_seqlens_q = static_cast<int*>(varlen->cu_seqlens_q.data_ptr());
+        params.cu_seqlens_k = static_cast<int*>(varlen->cu_seqlens_k.data_ptr());
         params.batch = static_cast<int>(varlen->batch());
         params.seqlen_q = static_cast<int>(varlen->max_seqlen_q);
         params.seqlen_k = static_cast<int>(varlen->max_seqlen_k);
@@ -104,20 +113,18 @@ void set_fwd_params(FwdParams& params, const at::Tensor& q, const at::Tensor& k,
     params.softmax_scale_log2 = std::max(static_cast<float>(softmax_scale * M_LOG2E), FLT_MIN);
 }
 
-std::vector<int64_t> lse_shape(const at::Tensor& q, const Varlen* varlen) {
+std::vector<int64_t> lse_shape(const Tensor& q, const Varlen* varlen) {
     if (varlen != nullptr) { return {q.size(2), q.size(1)}; }
     return {q.size(0), q.size(2), q.size(1)};
 }
 
-at::Tensor pack_gqa(const at::Tensor& t, int64_t group) {
+View4 pack_gqa(const View4& t, int64_t group) {
     if (group == 1) { return t; }
-    return t.as_strided({t.size(0), group, t.size(2) / group, t.size(3)},
-                        {t.stride(0), t.stride(2), group * t.stride(2), t.stride(3)}, t.storage_offset());
+    return {t.ptr, {t.size[0], group, t.size[2] / group, t.size[3]}, {t.stride[0], t.stride[2], group * t.stride[2], t.stride[3]}};
 }
 
-at::Tensor pack_gqa_lse(const at::Tensor& lse, int64_t group) {
-    if (group == 1) { return lse; }
-    return lse.view({lse.size(0), lse.size(1) / group, group});
+LseView pack_gqa_lse(const LseView& lse, int64_t group) {
+    return {lse.ptr, lse.batch_stride, lse.head_stride * group};
 }
 
 }  // namespace flash

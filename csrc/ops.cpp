@@ -1,11 +1,13 @@
-// Op schemas and their registration. The CPU registrations exist to reject CPU tensors with a message that
-// names the argument. Autograd of fwd and varlen_fwd is in autograd.cpp.
-#include <torch/library.h>
+// Op schemas and their registration, through the stable ABI (STABLE_TORCH_LIBRARY): the library then loads into
+// any torch from 2.11 on. The CPU registrations exist to reject CPU tensors with a message that names the argument.
+// plan and compiled_kernels take no tensors; CompositeExplicitAutograd serves every device and none. Autograd and
+// the fake implementations are registered in Python (flash_attn_cuda/_ops.py).
+#include <torch/csrc/stable/library.h>
 
 #include "kernel_registry.h"
 #include "ops.h"
 
-TORCH_LIBRARY(flash_attn2, m) {
+STABLE_TORCH_LIBRARY(flash_attn2, m) {
     m.def("fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal, bool deterministic=False, "
           "int num_splits=0, str plan_override=\"\") -> (Tensor out, Tensor softmax_lse)");
     m.def("bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, float softmax_scale, "
@@ -18,20 +20,25 @@ TORCH_LIBRARY(flash_attn2, m) {
           "bool causal, bool deterministic=False, str plan_override=\"\") -> (Tensor dq, Tensor dk, Tensor dv)");
     m.def("plan(str pass_name, int batch, int seqlen_q, int seqlen_k, int nheads, int nheads_k, int head_dim, "
           "bool causal=False, bool deterministic=False, bool varlen=False, int num_splits=0, "
-          "str plan_override=\"\", int arch=-1, int num_sms=-1, bool is_bf16=True) -> str",
-          &flash::plan_op);
-    m.def("compiled_kernels() -> str[]", [] { return flash::compiled_kernels(); });
+          "str plan_override=\"\", int arch=-1, int num_sms=-1, bool is_bf16=True) -> str");
+    m.def("compiled_kernels() -> str[]");
 }
 
-TORCH_LIBRARY_IMPL(flash_attn2, CUDA, m) {
-    m.impl("fwd", &flash::fwd);
-    m.impl("bwd", &flash::bwd);
-    m.impl("varlen_fwd", &flash::varlen_fwd);
-    m.impl("varlen_bwd", &flash::varlen_bwd);
+STABLE_TORCH_LIBRARY_IMPL(flash_attn2, CUDA, m) {
+    m.impl("fwd", TORCH_BOX(&flash::fwd));
+    m.impl("bwd", TORCH_BOX(&flash::bwd));
+    m.impl("varlen_fwd", TORCH_BOX(&flash::varlen_fwd));
+    m.impl("varlen_bwd", TORCH_BOX(&flash::varlen_bwd));
 }
-TORCH_LIBRARY_IMPL(flash_attn2, CPU, m) {
-    m.impl("fwd", &flash::fwd);
-    m.impl("bwd", &flash::bwd);
-    m.impl("varlen_fwd", &flash::varlen_fwd);
-    m.impl("varlen_bwd", &flash::varlen_bwd);
+
+STABLE_TORCH_LIBRARY_IMPL(flash_attn2, CPU, m) {
+    m.impl("fwd", TORCH_BOX(&flash::fwd));
+    m.impl("bwd", TORCH_BOX(&flash::bwd));
+    m.impl("varlen_fwd", TORCH_BOX(&flash::varlen_fwd));
+    m.impl("varlen_bwd", TORCH_BOX(&flash::varlen_bwd));
+}
+
+STABLE_TORCH_LIBRARY_IMPL(flash_attn2, CompositeExplicitAutograd, m) {
+    m.impl("plan", TORCH_BOX(&flash::plan_op));
+    m.impl("compiled_kernels", TORCH_BOX(&flash::compiled_kernels));
 }

@@ -1,6 +1,5 @@
 // torch.ops.flash_attn2.plan: the plan a call of these sizes gets, for tests and benchmarks.
-#include <c10/cuda/CUDAFunctions.h>
-#include <c10/util/Exception.h>
+#include <cuda_runtime.h>
 
 #include "checks.h"
 #include "device_info.h"
@@ -12,29 +11,31 @@ namespace flash {
 std::string plan_op(const std::string& pass_name, int64_t batch, int64_t seqlen_q, int64_t seqlen_k, int64_t nheads,
                     int64_t nheads_k, int64_t head_dim, bool causal, bool deterministic, bool varlen,
                     int64_t num_splits, const std::string& plan_override, int64_t arch, int64_t num_sms, bool is_bf16) {
-    TORCH_CHECK_VALUE(pass_name == "fwd" || pass_name == "bwd", "pass_name must be 'fwd' or 'bwd', got '", pass_name, "'");
-    TORCH_CHECK_VALUE(batch >= 0 && seqlen_q >= 0 && seqlen_k >= 0, "batch, seqlen_q and seqlen_k must be >= 0");
-    TORCH_CHECK_VALUE(nheads_k > 0 && nheads > 0 && nheads % nheads_k == 0, "nheads (", num(nheads),
+    FLASH_CHECK_ARG(pass_name == "fwd" || pass_name == "bwd", "pass_name must be 'fwd' or 'bwd', got '", pass_name, "'");
+    FLASH_CHECK_ARG(batch >= 0 && seqlen_q >= 0 && seqlen_k >= 0, "batch, seqlen_q and seqlen_k must be >= 0");
+    FLASH_CHECK_ARG(nheads_k > 0 && nheads > 0 && nheads % nheads_k == 0, "nheads (", num(nheads),
                       ") must be a positive multiple of nheads_k (", num(nheads_k), ")");
-    TORCH_CHECK_VALUE(head_dim > 0 && head_dim <= 256 && head_dim % 8 == 0,
+    FLASH_CHECK_ARG(head_dim > 0 && head_dim <= 256 && head_dim % 8 == 0,
                       "head_dim must be a multiple of 8 in [8, 256], got ", num(head_dim));
     check_num_splits(num_splits);
     PlanOverride override;
     const std::string error = parse_plan_override(plan_override, override);
-    TORCH_CHECK_VALUE(error.empty(), error);
+    FLASH_CHECK_ARG(error.empty(), error);
     const Problem problem{pass_name == "fwd" ? Pass::kFwd : Pass::kBwd, batch, seqlen_q, seqlen_k, nheads, nheads_k,
                           head_dim, causal, deterministic, varlen};
     Target target{};
     if (arch < 0) {
-        TORCH_CHECK_VALUE(num_sms < 0, "num_sms needs arch");
-        TORCH_CHECK(c10::cuda::device_count() > 0, "plan: no CUDA device; pass arch and num_sms to plan for one");
+        FLASH_CHECK_ARG(num_sms < 0, "num_sms needs arch");
+        int device_count = 0;
+        FLASH_CHECK(cudaGetDeviceCount(&device_count) == cudaSuccess && device_count > 0,
+                    "plan: no CUDA device; pass arch and num_sms to plan for one");
         const KernelKey noncausal{is_bf16, kernel_head_dim(head_dim), false};
         const bool noncausal_built = problem.pass == Pass::kFwd ? find_fwd_launcher(noncausal) != nullptr
                                                                 : find_bwd_launcher(noncausal) != nullptr;
-        target = target_of(c10::cuda::current_device(), noncausal_built);
+        target = target_of(torch::stable::accelerator::getCurrentDeviceIndex(), noncausal_built);
     } else {
         // A named GPU, with a build that holds every kernel family.
-        TORCH_CHECK_VALUE(num_sms > 0, "num_sms must be positive when arch is given, got ", num(num_sms));
+        FLASH_CHECK_ARG(num_sms > 0, "num_sms must be positive when arch is given, got ", num(num_sms));
         target = Target{static_cast<int>(arch / 10), static_cast<int>(arch % 10), static_cast<int>(num_sms),
                         true, true, false, true};
     }

@@ -1,18 +1,30 @@
 """flash_attn_cuda: FlashAttention-2 in CUDA C++/CuTe, a drop-in for flash-attn 2.x."""
 
-from . import _ops
-from ._ops import compiled_kernels, kernel_available
-from .interface import (
-    flash_attn_func,
-    flash_attn_kvpacked_func,
-    flash_attn_qkvpacked_func,
-    flash_attn_varlen_func,
-    flash_attn_varlen_kvpacked_func,
-    flash_attn_varlen_qkvpacked_func,
-)
-from .padding import pad_input, unpad_input
+import sys
 
-__version__ = "0.1.0"
+try:
+    from . import _ops
+except ImportError:
+    # `python -m flash_attn_cuda.info` diagnoses a broken install itself, so it must get past this import;
+    # everywhere else the error stands.
+    if "flash_attn_cuda.info" not in getattr(sys, "orig_argv", ()):
+        raise
+else:
+    from ._ops import compiled_kernels, kernel_available
+    from .interface import (
+        flash_attn_func,
+        flash_attn_kvpacked_func,
+        flash_attn_qkvpacked_func,
+        flash_attn_varlen_func,
+        flash_attn_varlen_kvpacked_func,
+        flash_attn_varlen_qkvpacked_func,
+    )
+    from .padding import pad_input, unpad_input
+
+try:
+    from ._build_info import VERSION as __version__
+except ImportError:  # a checkout built before setup.py wrote _build_info.py
+    __version__ = "0.2.0+unknown"
 
 __all__ = [
     "flash_attn_func",

@@ -1,9 +1,23 @@
-"""Loads the compiled ops (torch.ops.flash_attn2.*) and registers their fake implementations.
+"""Loads the compiled ops (torch.ops.flash_attn2.*) and registers their fake implementations and autograd.
 
-Autograd for fwd and varlen_fwd is registered in C++ (csrc/autograd.cpp).
+The op library (_C) uses only PyTorch's stable ABI, so one build loads into every torch from 2.11 on; that ABI
+has no autograd. Autograd of fwd and varlen_fwd comes from one of two places:
+
+- C++ (csrc/autograd/autograd.cpp): a small library per torch minor version, built against that version's
+  headers (setup.py's FLASH_ATTN2_AUTOGRAD_TORCH) and loaded only into it, as _autograd_torch<major>_<minor>.
+  This is today's host cost: the backward node is recorded without leaving C++.
+- Python, on a torch the build has no such library for (or with FLASH_ATTN2_PYTHON_AUTOGRAD=1 in the
+  environment, read at import): torch.library.register_autograd, which torch.compile, TorchScript and direct
+  op calls use. Eager calls from the public functions take ``fwd`` / ``varlen_fwd`` below instead, which run the
+  same setup_context and backward through a plain autograd.Function and dispatch below autograd when nothing
+  requires grad: the registered Python autograd kernel costs every call, with or without grad, several
+  microseconds more. Even so, host-bound calls cost more than with the C++ library (perf log, entry 38).
 """
 
 import functools
+import importlib
+import os
+import warnings
 
 import torch
 
@@ -12,6 +26,11 @@ from . import _C  # noqa: F401  (loading the library registers the ops)
 from ._kernel_list import HEAD_DIMS as KERNEL_HEAD_DIMS, kernel_name
 
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+_FWD = torch.ops.flash_attn2.fwd.default
+_BWD = torch.ops.flash_attn2.bwd.default
+_VARLEN_FWD = torch.ops.flash_attn2.varlen_fwd.default
+_VARLEN_BWD = torch.ops.flash_attn2.varlen_bwd.default
 
 
 @torch.library.register_fake("flash_attn2::fwd")
@@ -65,3 +84,140 @@ def kernel_available(head_dim: int, dtype: torch.dtype, causal: bool, backward: 
     passes = ("fwd", "bwd") if backward else ("fwd",)
     names = compiled_kernels()
     return all(kernel_name(pass_, kernel_head_dim(head_dim), _DTYPE_NAMES[dtype], causal) in names for pass_ in passes)
+
+
+# Autograd. The backward ops have none of their own (no double backward, as in flash-attn 2.x). As there, the
+# LSE is an output that requires grad but passes no gradient back.
+
+
+def _out_grad(dout, out):
+    """The gradient of ``out`` as the backward kernels read it: contiguous, and zeros when the loss did not use
+    out (grads are not materialized, so it then arrives as None)."""
+    if dout is None:
+        return torch.zeros_like(out, memory_format=torch.contiguous_format)
+    return dout.contiguous()
+
+
+def _fwd_setup_context(ctx, inputs, output):
+    q, k, v, softmax_scale, causal, deterministic, _num_splits, plan_override = inputs
+    out, softmax_lse = output
+    ctx.save_for_backward(q, k, v, out, softmax_lse)
+    # The plan override reaches the backward too, so a forced path holds for both passes.
+    ctx.settings = (softmax_scale, causal, deterministic, plan_override)
+    ctx.set_materialize_grads(False)
+
+
+def _fwd_backward(ctx, dout, _dlse):
+    q, k, v, out, softmax_lse = ctx.saved_tensors
+    dq, dk, dv = _BWD(_out_grad(dout, out), q, k, v, out, softmax_lse, *ctx.settings)
+    return dq, dk, dv, None, None, None, None, None
+
+
+def _varlen_fwd_setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic, \
+        plan_override = inputs
+    out, softmax_lse = output
+    ctx.save_for_backward(q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k)
+    ctx.settings = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic, plan_override)
+    ctx.set_materialize_grads(False)
+
+
+def _varlen_fwd_backward(ctx, dout, _dlse):
+    q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    dq, dk, dv = _VARLEN_BWD(_out_grad(dout, out), q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k,
+                             *ctx.settings)
+    return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+def _load_cpp_autograd():
+    """Imports the C++ autograd library built for the running torch's minor version. Returns its torch version
+    ("2.11"), or None where there is none (or FLASH_ATTN2_PYTHON_AUTOGRAD=1 asks for Python)."""
+    if os.environ.get("FLASH_ATTN2_PYTHON_AUTOGRAD") == "1":
+        return None
+    minor = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    name = f"{__package__}._autograd_torch{minor.replace('.', '_')}"
+    try:
+        importlib.import_module(name)
+    except ModuleNotFoundError:
+        return None
+    except ImportError as error:  # built for this minor version, yet it does not load: Python autograd is exact
+        warnings.warn(f"flash_attn_cuda: {name} did not load ({error}); autograd runs in Python", RuntimeWarning)
+        return None
+    return minor
+
+
+# "C++ (torch 2.11)" or "Python": where autograd of the forward ops runs (python -m flash_attn_cuda.info says).
+_CPP_AUTOGRAD_TORCH = _load_cpp_autograd()
+AUTOGRAD = f"C++ (torch {_CPP_AUTOGRAD_TORCH})" if _CPP_AUTOGRAD_TORCH else "Python"
+
+if _CPP_AUTOGRAD_TORCH is None:
+    torch.library.register_autograd("flash_attn2::fwd", _fwd_backward, setup_context=_fwd_setup_context)
+    torch.library.register_autograd("flash_attn2::varlen_fwd", _varlen_fwd_backward,
+                                    setup_context=_varlen_fwd_setup_context)
+
+_below_autograd = torch._C._AutoDispatchBelowAutograd
+
+
+class _Fwd(torch.autograd.Function):
+    # Function.apply of torch 2.11 binds default arguments and walks the arguments for functorch wrappers in
+    # Python before reaching this C++ entry point; fwd() below calls it only outside functorch transforms.
+    apply = torch._C._FunctionBase.__dict__["apply"]
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        with _below_autograd():
+            output = _FWD(*inputs)
+        _fwd_setup_context(ctx, inputs, output)
+        return output
+
+    backward = staticmethod(_fwd_backward)
+
+
+class _VarlenFwd(torch.autograd.Function):
+    apply = torch._C._FunctionBase.__dict__["apply"]
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        with _below_autograd():
+            output = _VARLEN_FWD(*inputs)
+        _varlen_fwd_setup_context(ctx, inputs, output)
+        return output
+
+    backward = staticmethod(_varlen_fwd_backward)
+
+
+def _eager_graph(q, k, v):
+    """Whether an eager call records a backward node through the fast path (None: leave it to the op's
+    registered autograd, as under functorch transforms)."""
+    if torch._C._are_functorch_transforms_active():
+        return None
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+
+
+def fwd(q, k, v, softmax_scale, causal, deterministic, num_splits, plan_override, compiling):
+    """torch.ops.flash_attn2.fwd with its autograd; eager calls skip a registered Python autograd kernel."""
+    if _CPP_AUTOGRAD_TORCH is not None:
+        return _FWD(q, k, v, softmax_scale, causal, deterministic, num_splits, plan_override)
+    graph = None if compiling else _eager_graph(q, k, v)
+    if graph is None:
+        return _FWD(q, k, v, softmax_scale, causal, deterministic, num_splits, plan_override)
+    if graph:
+        return _Fwd.apply(q, k, v, softmax_scale, causal, deterministic, num_splits, plan_override)
+    with _below_autograd():
+        return _FWD(q, k, v, softmax_scale, causal, deterministic, num_splits, plan_override)
+
+
+def varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+               deterministic, plan_override, compiling):
+    """torch.ops.flash_attn2.varlen_fwd with its autograd, as fwd()."""
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic,
+            plan_override)
+    if _CPP_AUTOGRAD_TORCH is not None:
+        return _VARLEN_FWD(*args)
+    graph = None if compiling else _eager_graph(q, k, v)
+    if graph is None:
+        return _VARLEN_FWD(*args)
+    if graph:
+        return _VarlenFwd.apply(*args)
+    with _below_autograd():
+        return _VARLEN_FWD(*args)

@@ -3,7 +3,7 @@
 import torch
 import torch.nn.functional as F
 
-from . import _ops  # noqa: F401  (loads torch.ops.flash_attn2 and its fake implementations)
+from . import _ops
 from .plan import forced
 
 _ALIGN_ELEMS = 8  # the kernels move 16-byte (8-element) chunks
@@ -44,7 +44,7 @@ def _kernel_ready(x: torch.Tensor, head_dim: int, compiling: bool) -> torch.Tens
 
 def _prepare(q, k, v, softmax_scale, rank, layout):
     """Checks q, k, v of the given rank, resolves the default and negative softmax_scale, and makes the
-    tensors kernel-ready. Returns (q, k, v, softmax_scale, original head_dim)."""
+    tensors kernel-ready. Returns (q, k, v, softmax_scale, original head_dim, whether torch.compile is tracing)."""
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
             and q.dim() == rank and k.dim() == rank and v.dim() == rank):
         for name, t in (("q", q), ("k", k), ("v", v)):
@@ -62,7 +62,7 @@ def _prepare(q, k, v, softmax_scale, rank, layout):
         q, softmax_scale = -q, -softmax_scale
     compiling = torch.compiler.is_compiling()
     return (_kernel_ready(q, head_dim, compiling), _kernel_ready(k, head_dim, compiling),
-            _kernel_ready(v, head_dim, compiling), float(softmax_scale), head_dim)
+            _kernel_ready(v, head_dim, compiling), float(softmax_scale), head_dim, compiling)
 
 
 def flash_attn_func(
@@ -100,10 +100,11 @@ def flash_attn_func(
         softmax_lse is float32 (batch, nheads, seqlen_q): the natural-log sum of exp(scaled scores) per query row.
     """
     _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes)
-    q, k, v, softmax_scale, head_dim = _prepare(q, k, v, softmax_scale, 4, "(batch, seqlen, nheads, head_dim)")
+    q, k, v, softmax_scale, head_dim, compiling = _prepare(q, k, v, softmax_scale, 4,
+                                                           "(batch, seqlen, nheads, head_dim)")
     num_splits, plan_override = forced()
-    out, softmax_lse = torch.ops.flash_attn2.fwd(q, k, v, softmax_scale, bool(causal), bool(deterministic), num_splits,
-                                                 plan_override)
+    out, softmax_lse = _ops.fwd(q, k, v, softmax_scale, bool(causal), bool(deterministic), num_splits, plan_override,
+                                compiling)
     if out.shape[-1] != head_dim:
         out = out[..., :head_dim]
     if return_attn_probs:
@@ -149,10 +150,10 @@ def flash_attn_varlen_func(
     _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes)
     if block_table is not None:
         raise NotImplementedError("block_table: a paged KV cache is not implemented yet")
-    q, k, v, softmax_scale, head_dim = _prepare(q, k, v, softmax_scale, 3, "(total, nheads, head_dim)")
-    out, softmax_lse = torch.ops.flash_attn2.varlen_fwd(
+    q, k, v, softmax_scale, head_dim, compiling = _prepare(q, k, v, softmax_scale, 3, "(total, nheads, head_dim)")
+    out, softmax_lse = _ops.varlen_fwd(
         q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), softmax_scale, bool(causal),
-        bool(deterministic), forced()[1],
+        bool(deterministic), forced()[1], compiling,
     )
     if out.shape[-1] != head_dim:
         out = out[..., :head_dim]

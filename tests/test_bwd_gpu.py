@@ -301,8 +301,9 @@ def test_compiled_training_matches_eager():
 
 
 def test_compiled_autograd_and_lse_gradient():
-    # The backward node is a C++ autograd function: compiled autograd must run it, and the LSE, which requires
-    # grad as in flash-attn 2.x, passes no gradient back (deterministic mode, so the gradients compare bitwise).
+    # Compiled autograd must run the backward node (a Python autograd.Function since the stable-ABI build), and
+    # the LSE, which requires grad as in flash-attn 2.x, passes no gradient back (deterministic mode, so the
+    # gradients compare bitwise).
     require_fwd_bwd_kernels(64, torch.bfloat16, True)
     q, k, v = (rand(2, 129, 4, 64, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
     dout = torch.randn_like(q)

@@ -538,8 +538,9 @@ def test_varlen_autograd_through_fake_op():
 
 
 @pytest.mark.parametrize("name, bad, error", [
-    ("cu_seqlens_q", lambda a: a[3].long(), TypeError),
-    ("cu_seqlens_k", lambda a: a[4].float(), TypeError),
+    # The stable ABI carries std::invalid_argument (ValueError) but no TypeError: a wrong dtype is a ValueError.
+    ("cu_seqlens_q", lambda a: a[3].long(), ValueError),
+    ("cu_seqlens_k", lambda a: a[4].float(), ValueError),
     ("cu_seqlens_k", lambda a: a[4][:-1], ValueError),
     ("cu_seqlens_q", lambda a: a[3].view(1, -1), ValueError),
     ("cu_seqlens_q", lambda a: a[3].repeat_interleave(2)[::2], ValueError),
@@ -600,7 +601,7 @@ def test_op_gets_kernel_ready_inputs(monkeypatch, make, head_dim):
         seen.extend((q, k, v))
         return torch.empty_like(q), torch.empty(1)
 
-    monkeypatch.setattr(torch.ops.flash_attn2, "fwd", fake_op)
+    monkeypatch.setattr(flash_attn_cuda._ops, "_FWD", fake_op)
     q, k, v = (make(2, 9, 4, head_dim) for _ in range(3))
     out = flash_attn_func(q, k, v)
     assert out.shape == q.shape
@@ -623,7 +624,7 @@ def test_packed_views_reach_the_op_without_copies(monkeypatch, func, packed_shap
         return torch.empty_like(q), torch.empty(1)
 
     op = "varlen_fwd" if "varlen" in func else "fwd"
-    monkeypatch.setattr(torch.ops.flash_attn2, op, fake_op)
+    monkeypatch.setattr(flash_attn_cuda._ops, "_VARLEN_FWD" if op == "varlen_fwd" else "_FWD", fake_op)
     args = (torch.tensor([0, 9], dtype=torch.int32), 9) if "varlen" in func else ()
     getattr(flash_attn_cuda, func)(packed, *args)
     step = packed.stride(dim) * packed.element_size()
@@ -649,3 +650,40 @@ def test_unpad_input_unused_mask():
     unpadded, _, cu_seqlens, max_seqlen, used = flash_attn_cuda.unpad_input(hidden, mask, unused)
     assert cu_seqlens.tolist() == [0, 3, 4] and max_seqlen == 3 and used.tolist() == [2, 1]
     assert torch.equal(unpadded, hidden[[0, 0, 0, 1], [0, 1, 2, 0]])
+
+
+@pytest.mark.parametrize("python_autograd", [False, True], ids=["default", "FLASH_ATTN2_PYTHON_AUTOGRAD=1"])
+def test_autograd_home(python_autograd):
+    # C++ autograd where the build has a library for the running torch minor version, Python elsewhere or when
+    # asked; either way the meta (fake) forward and backward run through it, dense and varlen.
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import torch, flash_attn_cuda\n"
+        "from flash_attn_cuda import _ops\n"
+        "print(_ops.AUTOGRAD)\n"
+        "q, k, v = (torch.empty(2, 9, 4, 64, dtype=torch.float16, device='meta').requires_grad_() for _ in range(3))\n"
+        "out = flash_attn_cuda.flash_attn_func(q, k, v, causal=True)\n"
+        "assert all(g.shape == q.shape for g in torch.autograd.grad(out.sum(), (q, k, v)))\n"
+        "cu = torch.tensor([0, 4, 9], dtype=torch.int32, device='meta')\n"
+        "q, k, v = (torch.empty(9, 4, 64, dtype=torch.float16, device='meta').requires_grad_() for _ in range(3))\n"
+        "out = flash_attn_cuda.flash_attn_varlen_func(q, k, v, cu, cu, 5, 5)\n"
+        "assert all(g.shape == q.shape for g in torch.autograd.grad(out.sum(), (q, k, v)))\n"
+    )
+    env = dict(os.environ)
+    env.pop("FLASH_ATTN2_PYTHON_AUTOGRAD", None)
+    if python_autograd:
+        env["FLASH_ATTN2_PYTHON_AUTOGRAD"] = "1"
+    cwd = os.path.dirname(os.path.dirname(flash_attn_cuda.__file__))
+    result = subprocess.run([sys.executable, "-c", script], env=env, cwd=cwd, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    minor = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    try:
+        from flash_attn_cuda._build_info import AUTOGRAD_TORCH
+    except ImportError:  # a build from before _build_info.py recorded it
+        AUTOGRAD_TORCH = ()
+    expected = f"C++ (torch {minor})" if minor in AUTOGRAD_TORCH and not python_autograd else "Python"
+    assert result.stdout.strip() == expected

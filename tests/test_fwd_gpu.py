@@ -413,7 +413,8 @@ def test_missing_kernel_error():
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_opcheck(causal):
-    # No autograd formula is registered yet, so only the schema and fake-tensor checks apply.
+    # Schema and fake-tensor checks with inputs that need no grad, other head dims than test_bwd_gpu.py's
+    # test_opcheck, which runs every check (autograd registration included) on inputs that require grad.
     d, dtype = first_available(causal=causal)
     q, k, v = make_qkv(2, 65, 33, 4, 2, d, dtype)
     torch.library.opcheck(

@@ -8,6 +8,7 @@ H200 is (90, 132 SMs), A100 (80, 108). Tile sizes are asserted only where csrc/t
 import pytest
 import torch
 
+import flash_attn_cuda
 from flash_attn_cuda import flash_attn_func, flash_attn_varlen_func
 from flash_attn_cuda.plan import Plan, force_plan, forced, override_string, plan
 
@@ -360,7 +361,7 @@ def test_force_plan_reaches_fwd_op(monkeypatch):
         seen.append(_bound_args(op, args, kwargs))
         return torch.empty_like(args[0]), torch.empty(1)
 
-    monkeypatch.setattr(torch.ops.flash_attn2, "fwd", fake_op)
+    monkeypatch.setattr(flash_attn_cuda._ops, "_FWD", fake_op)
     q, k, v = (torch.randn(2, 9, 4, 64, dtype=torch.float16) for _ in range(3))
     with force_plan(num_splits=3, kernel="mma_sync", short_keys=True):
         flash_attn_func(q, k, v)
@@ -377,7 +378,7 @@ def test_force_plan_reaches_varlen_fwd_op(monkeypatch):
         seen.append(_bound_args(op, args, kwargs))
         return torch.empty_like(args[0]), torch.empty(1)
 
-    monkeypatch.setattr(torch.ops.flash_attn2, "varlen_fwd", fake_op)
+    monkeypatch.setattr(flash_attn_cuda._ops, "_VARLEN_FWD", fake_op)
     q, k, v = (torch.randn(9, 4, 64, dtype=torch.float16) for _ in range(3))
     cu = torch.tensor([0, 4, 9], dtype=torch.int32)
     with force_plan(gqa_walk=True, key_blocks=2):

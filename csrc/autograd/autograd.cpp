@@ -1,17 +1,20 @@
-// Autograd for the forward ops, registered at the Autograd dispatch key in C++. Decoding-sized calls are
-// host-bound, and a Python autograd.Function cost them 10-20 us per call (bench/results/perf_log.md, entry 22);
-// here the backward node is recorded without leaving C++. The backward ops have no autograd of their own
-// (no double backward, as in flash-attn 2.x). As there, the LSE is an output that requires grad but passes no
-// gradient back; marking it non-differentiable would trip compiled autograd, which asserts that no output of
-// a C++ function is so marked.
+// Autograd for the forward ops in C++, registered at the Autograd dispatch key: one small library per torch
+// minor version, built against that version's (non-stable) headers and loaded only into it
+// (flash_attn_cuda/_ops.py). The ops themselves live in the stable-ABI library _C, which has no C++ autograd.
+//
+// Why it exists: decoding-sized calls are host-bound, and autograd in Python (torch.library.register_autograd,
+// which _ops.py uses on a torch this build has no such library for) costs those calls several microseconds
+// more, with or without grad (bench/results/perf_log.md, entry 38); here the backward node is recorded without
+// leaving C++. The backward ops have no autograd of their own (no double backward, as in flash-attn 2.x). As
+// there, the LSE is an output that requires grad but passes no gradient back; marking it non-differentiable
+// would trip compiled autograd, which asserts that no output of a C++ function is so marked.
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <Python.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
 #include <string>
 #include <tuple>
-
-#include "ops.h"
 
 namespace flash {
 namespace {
@@ -19,11 +22,19 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// The ops' signatures, as declared in ops.h.
-using FwdSignature = decltype(fwd);
-using BwdSignature = decltype(bwd);
-using VarlenFwdSignature = decltype(varlen_fwd);
-using VarlenBwdSignature = decltype(varlen_bwd);
+// The ops' signatures, as their schemas in csrc/ops.cpp declare them.
+using FwdSignature = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                        double, bool, bool, int64_t, const std::string&);
+using BwdSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+    const at::Tensor&, double, bool, bool, const std::string&);
+using VarlenFwdSignature = std::tuple<at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
+    double, bool, bool, const std::string&);
+using VarlenBwdSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t, double, bool, bool,
+    const std::string&);
 
 // The ops are called through the dispatcher, below autograd, so that whatever implements them for the
 // inputs' device runs: the CUDA kernels, the fake implementations under torch.compile, Meta.
@@ -157,4 +168,17 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd_autograd(const at::Tensor& q, cons
 TORCH_LIBRARY_IMPL(flash_attn2, Autograd, m) {
     m.impl("fwd", &flash::fwd_autograd);
     m.impl("varlen_fwd", &flash::varlen_fwd_autograd);
+}
+
+// The Python module: `import flash_attn_cuda._autograd_torch<major>_<minor>` runs the registration above. Its
+// name comes from setup.py (FLASH_ATTN2_AUTOGRAD_MODULE); limited API only, as _C.
+#define FLASH_ATTN2_CONCAT_(a, b) a##b
+#define FLASH_ATTN2_CONCAT(a, b) FLASH_ATTN2_CONCAT_(a, b)
+#define FLASH_ATTN2_STR_(a) #a
+#define FLASH_ATTN2_STR(a) FLASH_ATTN2_STR_(a)
+
+PyMODINIT_FUNC FLASH_ATTN2_CONCAT(PyInit_, FLASH_ATTN2_AUTOGRAD_MODULE)(void) {
+    static PyModuleDef module_def = {PyModuleDef_HEAD_INIT, FLASH_ATTN2_STR(FLASH_ATTN2_AUTOGRAD_MODULE),
+                                     "C++ autograd of torch.ops.flash_attn2.fwd and varlen_fwd", -1, nullptr};
+    return PyModule_Create(&module_def);
 }

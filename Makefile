@@ -27,5 +27,5 @@ generate:
 	$(PYTHON) csrc/generate_kernels.py
 
 clean:
-	rm -rf build dist wheelhouse *.egg-info flash_attn_cuda/_C*.so flash_attn_cuda/_build_info.py
+	rm -rf build dist wheelhouse *.egg-info flash_attn_cuda/_C*.so flash_attn_cuda/_autograd_torch*.so flash_attn_cuda/_build_info.py
 	find . -name __pycache__ -prune -exec rm -rf {} +

@@ -241,7 +241,7 @@ def autograd_extensions(glibc_symver: str, py_limited: str):
     raw = os.environ.get("FLASH_ATTN2_AUTOGRAD_TORCH", "")
     if raw.strip().lower() == "none":
         return [], ()
-    dirs = [Path(p) for p in re.split(r"[;]", raw) if p.strip()] if raw else [Path(torch.__file__).parent]
+    dirs = [Path(p.strip()) for p in raw.split(";") if p.strip()] if raw else [Path(torch.__file__).parent]
     torch_lib = Path(torch.__file__).parent / "lib"
     extensions, minors = [], []
     for torch_dir in dirs:

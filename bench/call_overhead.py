@@ -270,10 +270,25 @@ def run_worker(a):
 
 # ============================================================================================ driver
 
+# Environment variables per implementation: --impl NAME=DIR@VAR=VALUE[,VAR=VALUE] (e.g. the same build with
+# FLASH_ATTN2_PYTHON_AUTOGRAD=1).
+IMPL_ENV = {}
+
+
 def parse_impl(text):
-    name, sep, path = text.partition("=")
+    name, sep, rest = text.partition("=")
+    path, at, env_text = rest.rpartition("@")
+    if not at or "=" not in env_text:  # no environment part (a directory name may hold '@')
+        path, env_text = rest, ""
     if not sep or not name or not path:
-        raise argparse.ArgumentTypeError(f"--impl takes NAME=DIR, got {text!r}")
+        raise argparse.ArgumentTypeError(f"--impl takes NAME=DIR[@VAR=VALUE,...], got {text!r}")
+    env = {}
+    for item in filter(None, env_text.split(",")):
+        var, eq, value = item.partition("=")
+        if not eq or not var:
+            raise argparse.ArgumentTypeError(f"--impl {text!r}: expected VAR=VALUE after '@', got {item!r}")
+        env[var] = value
+    IMPL_ENV[name] = env
     return name, os.path.abspath(os.path.expanduser(path))
 
 
@@ -305,7 +320,7 @@ def run_one(a, name, path, round_idx, tmp):
            "--shapes", ",".join(a.shapes), "--modes", ",".join(a.modes)]
     if a.cpu_smoke:
         cmd.append("--cpu-smoke")
-    env = dict(os.environ)
+    env = dict(os.environ, **IMPL_ENV.get(name, {}))
     env["PYTHONPATH"] = path + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     t0 = time.perf_counter()
     try:
@@ -398,7 +413,8 @@ def build_report(meta, impls, cells):
              f"(CUDA {meta.get('cuda')}), rounds: {meta['rounds']}.", ""]
     for n, path in impls:
         i = meta["impls"][n]
-        lines.append(f"- `{n}`: `{path}` (commit {i['commit'] or 'n/a'}; flash_attn_cuda {i['version']} from "
+        env = "".join(f" {k}={v}" for k, v in i.get("env", {}).items())
+        lines.append(f"- `{n}`: `{path}`{env} (commit {i['commit'] or 'n/a'}; flash_attn_cuda {i['version']} from "
                      f"`{i['file']}`; autograd node {i['grad_fn'] or 'n/a'})")
     lines += ["", f"Host time per call in microseconds: time.perf_counter around the call, no synchronization inside "
               f"the timed region, torch.cuda.synchronize every {meta['params']['sync_every']} calls outside it; "
@@ -484,7 +500,7 @@ def run_driver(a, parser):
             "bar": {"rel": BAR_REL, "abs_us": BAR_ABS_US}, "failures": failures, "impls": {}}
     for n, path in a.impl:
         got = per_impl[n]
-        meta["impls"][n] = {"dir": path, "commit": dir_commit(path),
+        meta["impls"][n] = {"dir": path, "commit": dir_commit(path), "env": IMPL_ENV.get(n, {}),
                             "file": got[0]["file"] if got else None, "library": got[0]["library"] if got else None,
                             "version": got[0]["version"] if got else None,
                             "grad_fn": ", ".join(sorted(set(got[0]["grad_fn"].values()))) or None if got else None,
@@ -534,8 +550,8 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=3, help="worker processes per build, alternating (default 3)")
     p.add_argument("--n", type=int, default=300, help="timed calls per shape, mode and round (default 300)")
     p.add_argument("--warmup", type=int, default=50, help="untimed calls before them (default 50)")
-    # Every call by default: the backward's GPU work (about 140 us at b1_s1024) outlasts its host side, and with
-    # work queued, host timings of later calls swelled by up to 100 us in a run at every 8 calls.
+    # Every call by default: the backward's GPU work outlasts its host side, and with GPU work queued, a call's
+    # host time can include waiting on it (an allocation, the autograd engine); so every call starts idle.
     p.add_argument("--sync-every", type=int, default=1,
                    help="torch.cuda.synchronize every this many calls, outside the timed region (default 1)")
     p.add_argument("--shapes", type=csv_list(list(SHAPES)), default=list(SHAPES), help="default: all, "

@@ -2,6 +2,8 @@
 // conversion), and the sum of per-query-head dK/dV slices when the plan has them.
 #include <torch/csrc/stable/ops.h>
 
+#include <optional>
+
 #include "flash_bwd_aux.h"
 #include "host_params.h"
 #include "ops.h"
@@ -39,11 +41,13 @@ std::tuple<Tensor, Tensor, Tensor> bwd_impl(const Tensor& dout, const Tensor& q,
     const int64_t seqlen_k = k.size(1), batch_k = k.size(0);
     const int kernel_head_dim = plan.kernel_head_dim;
     const ScalarType dtype = q.scalar_type();
-    // Gradients are always returned contiguous (the fake implementations promise as much). Varlen rows outside
-    // every sequence are never written by the kernels; zeroing them gives a padded (static-shape) buffer zero
-    // gradients there rather than uninitialized memory.
+    // Gradients are always returned contiguous (the fake implementations promise as much), in the shape of their
+    // input: varlen's are allocated 3-D rather than squeezed, which would make them views under autograd. Varlen
+    // rows outside every sequence are never written by the kernels; zeroing them gives a padded (static-shape)
+    // buffer zero gradients there rather than uninitialized memory.
     auto gradient = [&](const Tensor& like, bool zeroed) {
-        Tensor t = empty_like_contiguous(like);
+        Tensor t = varlen != nullptr ? empty_cuda({like.size(1), like.size(2), like.size(3)}, like.scalar_type(), device)
+                                     : empty_like_contiguous(like);
         if (zeroed) { zero_async(t, stream); }
         return t;
     };
@@ -67,16 +71,20 @@ std::tuple<Tensor, Tensor, Tensor> bwd_impl(const Tensor& dout, const Tensor& q,
     // packed); per-query-head slices of a GQA call are fp32, summed below so each gradient is rounded once.
     const ScalarType dkv_dtype = plan.dkv_fp32_slices ? ScalarType::Float : dtype;
     const int64_t dkv_heads = nheads / plan.heads_per_cta;
-    const Tensor dk_heads = empty_cuda({batch_k, seqlen_k, dkv_heads, head_dim}, dkv_dtype, device);
-    const Tensor dv_heads = empty_cuda({batch_k, seqlen_k, dkv_heads, head_dim}, dkv_dtype, device);
+    auto dkv_buffer = [&] {
+        return varlen != nullptr ? empty_cuda({seqlen_k, dkv_heads, head_dim}, dkv_dtype, device)
+                                 : empty_cuda({batch_k, seqlen_k, dkv_heads, head_dim}, dkv_dtype, device);
+    };
+    const Tensor dk_heads = dkv_buffer();
+    const Tensor dv_heads = dkv_buffer();
     if (varlen != nullptr) {
         zero_async(dk_heads, stream);
         zero_async(dv_heads, stream);
     }
-    Tensor dq_semaphore;
+    std::optional<Tensor> dq_semaphore;  // std::optional: a default-constructed Tensor costs a shim call
     if (deterministic) {
         dq_semaphore = empty_cuda({batch, nheads, (seqlen_q + kBwdMinBlockM - 1) / kBwdMinBlockM}, ScalarType::Int, device);
-        zero_async(dq_semaphore, stream);
+        zero_async(*dq_semaphore, stream);
     }
 
     BwdParams params{};
@@ -94,16 +102,17 @@ std::tuple<Tensor, Tensor, Tensor> bwd_impl(const Tensor& dout, const Tensor& q,
     params.dq_batch_stride = varlen != nullptr ? 0 : dq_k.stride[0];
     params.dq_row_stride = dq_k.stride[1];
     params.dq_head_stride = dq_k.stride[2];
+    const View4 dk_view = view4(dk_heads);
     params.dk_ptr = dk_heads.data_ptr();
     params.dv_ptr = dv_heads.data_ptr();
-    params.dk_batch_stride = varlen != nullptr ? 0 : dk_heads.stride(0);
-    params.dk_row_stride = dk_heads.stride(1);
-    params.dk_head_stride = dk_heads.stride(2);
+    params.dk_batch_stride = varlen != nullptr ? 0 : dk_view.stride[0];
+    params.dk_row_stride = dk_view.stride[1];
+    params.dk_head_stride = dk_view.stride[2];
     params.dkv_fp32 = plan.dkv_fp32_slices;
     params.heads_per_cta = plan.heads_per_cta;
     params.key_blocks_per_cta = plan.key_blocks_per_cta;
     params.short_query_tiles = plan.short_query_tile;
-    params.dq_semaphore_ptr = deterministic ? static_cast<int*>(dq_semaphore.data_ptr()) : nullptr;
+    params.dq_semaphore_ptr = deterministic ? static_cast<int*>(dq_semaphore->data_ptr()) : nullptr;
     params.dq_accum_seqlen = static_cast<int>(dq_accum_seqlen);
     params.dq_accum_head_dim = kernel_head_dim;
     params.deterministic = deterministic;
@@ -116,8 +125,10 @@ std::tuple<Tensor, Tensor, Tensor> bwd_impl(const Tensor& dout, const Tensor& q,
     if (!plan.dkv_fp32_slices) { return {dq, dk_heads, dv_heads}; }
     const int64_t heads_per_kv = nheads / nheads_k;
     auto sum_group = [&](const Tensor& heads) {
-        const Tensor grouped = torch::stable::view(heads, {batch_k, seqlen_k, nheads_k, heads_per_kv, head_dim});
-        const Tensor summed = torch::stable::sum(grouped, std::vector<int64_t>{3}, false, ScalarType::Float);
+        const Tensor grouped =
+            varlen != nullptr ? torch::stable::view(heads, {seqlen_k, nheads_k, heads_per_kv, head_dim})
+                              : torch::stable::view(heads, {batch_k, seqlen_k, nheads_k, heads_per_kv, head_dim});
+        const Tensor summed = torch::stable::sum(grouped, std::vector<int64_t>{-2}, false, ScalarType::Float);
         return torch::stable::to(summed, dtype);
     };
     return {dq, sum_group(dk_heads), sum_group(dv_heads)};
@@ -143,10 +154,8 @@ std::tuple<Tensor, Tensor, Tensor> varlen_bwd(const Tensor& dout, const Tensor& 
     check_varlen_rank(out, "out", "(total_q, nheads, head_dim)");
     const Varlen varlen{cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k};
     auto unsqueeze = [](const Tensor& t) { return torch::stable::unsqueeze(t, 0); };
-    auto [dq, dk, dv] = bwd_impl(unsqueeze(dout), unsqueeze(q), unsqueeze(k), unsqueeze(v), unsqueeze(out),
-                                 softmax_lse, softmax_scale, causal, deterministic, plan_override, &varlen);
-    auto squeeze = [](const Tensor& t) { return torch::stable::squeeze(t, 0); };
-    return {squeeze(dq), squeeze(dk), squeeze(dv)};
+    return bwd_impl(unsqueeze(dout), unsqueeze(q), unsqueeze(k), unsqueeze(v), unsqueeze(out), softmax_lse,
+                    softmax_scale, causal, deterministic, plan_override, &varlen);
 }
 
 }  // namespace flash

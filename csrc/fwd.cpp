@@ -2,6 +2,7 @@
 #include <torch/csrc/stable/ops.h>
 
 #include <cmath>
+#include <optional>
 
 #include "flash_fwd_combine.h"
 #include "host_params.h"
@@ -10,7 +11,8 @@
 namespace flash {
 namespace {
 
-// q, k, v are 4-D (varlen: (1, total, heads, head_dim) views); returns out in q's 4-D shape and the LSE.
+// q, k, v are 4-D (varlen: (1, total, heads, head_dim) views); returns out in q's shape (varlen: 3-D, allocated
+// so rather than squeezed, which would make it a view under autograd) and the LSE.
 std::tuple<Tensor, Tensor> fwd_impl(const Tensor& q, const Tensor& k, const Tensor& v, double softmax_scale,
                                     bool causal, int64_t num_splits, const std::string& plan_override,
                                     const Varlen* varlen) {
@@ -26,7 +28,8 @@ std::tuple<Tensor, Tensor> fwd_impl(const Tensor& q, const Tensor& k, const Tens
 
     const int device = q.get_device_index();
     const DeviceGuard device_guard(device);
-    Tensor out = empty_like_contiguous(q);
+    Tensor out = varlen != nullptr ? empty_cuda({q.size(1), q.size(2), q.size(3)}, q.scalar_type(), device)
+                                   : empty_like_contiguous(q);
     const std::vector<int64_t> lse_sizes = lse_shape(q, varlen);
     Tensor lse = empty_cuda(lse_sizes.data(), static_cast<int>(lse_sizes.size()), ScalarType::Float, device);
     if (out.numel() == 0) { return {out, lse}; }
@@ -40,13 +43,13 @@ std::tuple<Tensor, Tensor> fwd_impl(const Tensor& q, const Tensor& k, const Tens
     FwdParams params{};
     set_fwd_params(params, pack_gqa(view4(q), plan.gqa_pack), view4(k), view4(v), pack_gqa(view4(out), plan.gqa_pack),
                    pack_gqa_lse(lse_view(lse), plan.gqa_pack), softmax_scale, varlen, plan);
-    Tensor accum;
+    std::optional<Tensor> accum;  // std::optional: a default-constructed Tensor costs a shim call
     if (params.num_splits > 1) {
         // One allocation for both partials (each allocation is host time in a host-bound call): o_accum
         // (splits, rows, head_dim), then lse_accum (splits, rows), 16-byte aligned as head_dim % 8 == 0.
         const int64_t splits = params.num_splits, rows = int64_t(params.batch) * params.num_heads * params.seqlen_q;
         accum = empty_cuda({splits * rows * (params.head_dim + 1)}, ScalarType::Float, device);
-        params.o_accum_ptr = static_cast<float*>(accum.data_ptr());
+        params.o_accum_ptr = static_cast<float*>(accum->data_ptr());
         params.lse_accum_ptr = params.o_accum_ptr + splits * rows * params.head_dim;
     }
     cudaError_t err = launcher(params, stream);
@@ -73,9 +76,8 @@ std::tuple<Tensor, Tensor> varlen_fwd(const Tensor& q, const Tensor& k, const Te
     check_varlen_rank(k, "k", "(total_k, nheads_k, head_dim)");
     check_varlen_rank(v, "v", "(total_k, nheads_k, head_dim)");
     const Varlen varlen{cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k};
-    auto [out, lse] = fwd_impl(torch::stable::unsqueeze(q, 0), torch::stable::unsqueeze(k, 0),
-                               torch::stable::unsqueeze(v, 0), softmax_scale, causal, 0, plan_override, &varlen);
-    return {torch::stable::squeeze(out, 0), lse};
+    return fwd_impl(torch::stable::unsqueeze(q, 0), torch::stable::unsqueeze(k, 0), torch::stable::unsqueeze(v, 0),
+                    softmax_scale, causal, 0, plan_override, &varlen);
 }
 
 }  // namespace flash

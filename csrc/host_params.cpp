@@ -7,10 +7,14 @@
 namespace flash {
 
 View4 view4(const Tensor& t) {
-    View4 view{t.data_ptr(), {}, {}};
-    for (int d = 0; d < 4; ++d) {
-        view.size[d] = t.size(d);
-        view.stride[d] = t.stride(d);
+    const auto sizes = t.sizes();
+    const auto strides = t.strides();
+    // A 3-D varlen tensor gets a leading batch of one, whose stride the kernels never use.
+    const size_t lead = 4 - sizes.size();
+    View4 view{t.data_ptr(), {1, 1, 1, 1}, {0, 0, 0, 0}};
+    for (size_t d = 0; d < sizes.size(); ++d) {
+        view.size[lead + d] = sizes[d];
+        view.stride[lead + d] = strides[d];
     }
     return view;
 }

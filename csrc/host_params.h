@@ -21,7 +21,7 @@ struct View4 {
     int64_t size[4];
     int64_t stride[4];
 };
-// t: 4-D (varlen: the (1, total, heads, head_dim) view).
+// t: 4-D, or varlen's 3-D (total, heads, head_dim), which reads as (1, total, heads, head_dim).
 View4 view4(const Tensor& t);
 
 // The LSE as the kernels address it: row r of head h in batch b is ptr[b * batch_stride + h * head_stride + r].

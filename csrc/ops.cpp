@@ -1,7 +1,7 @@
 // Op schemas and their registration, through the stable ABI (STABLE_TORCH_LIBRARY): the library then loads into
 // any torch from 2.11 on. The CPU registrations exist to reject CPU tensors with a message that names the argument.
-// plan and compiled_kernels take no tensors; CompositeExplicitAutograd serves every device and none. Autograd and
-// the fake implementations are registered in Python (flash_attn_cuda/_ops.py).
+// plan and compiled_kernels take no tensors; CompositeExplicitAutograd serves every device and none. Autograd comes
+// from csrc/autograd/ or Python, and the fake implementations from Python (flash_attn_cuda/_ops.py).
 #include <torch/csrc/stable/library.h>
 
 #include "kernel_registry.h"

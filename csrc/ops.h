@@ -1,5 +1,5 @@
 // The ops' C++ implementations (fwd.cpp, bwd.cpp, plan_op.cpp), registered in ops.cpp. Autograd of fwd and
-// varlen_fwd is registered in Python (flash_attn_cuda/_ops.py): the stable ABI has no C++ autograd.
+// varlen_fwd is not here: the stable ABI has none (csrc/autograd/ and flash_attn_cuda/_ops.py provide it).
 #pragma once
 
 #include <cstdint>

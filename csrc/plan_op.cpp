@@ -27,8 +27,11 @@ std::string plan_op(const std::string& pass_name, int64_t batch, int64_t seqlen_
     if (arch < 0) {
         FLASH_CHECK_ARG(num_sms < 0, "num_sms needs arch");
         int device_count = 0;
-        FLASH_CHECK(cudaGetDeviceCount(&device_count) == cudaSuccess && device_count > 0,
-                    "plan: no CUDA device; pass arch and num_sms to plan for one");
+        if (cudaGetDeviceCount(&device_count) != cudaSuccess) {
+            cudaGetLastError();  // clear it, so that no later CUDA call reports it
+            device_count = 0;
+        }
+        FLASH_CHECK(device_count > 0, "plan: no CUDA device; pass arch and num_sms to plan for one");
         const KernelKey noncausal{is_bf16, kernel_head_dim(head_dim), false};
         const bool noncausal_built = problem.pass == Pass::kFwd ? find_fwd_launcher(noncausal) != nullptr
                                                                 : find_bwd_launcher(noncausal) != nullptr;

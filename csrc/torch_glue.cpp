@@ -6,9 +6,21 @@
 #include "torch_glue.h"
 
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
+#include <torch/csrc/stable/macros.h>
 #include <torch/headeronly/util/shim_utils.h>
 
 #include <stdexcept>
+
+// A failed shim call raises RuntimeError. torch 2.14's headers define STABLE_TORCH_ERROR_CODE_CHECK, which adds
+// the shim's own message (e.g. "CUDA out of memory") where the running torch keeps it (2.13 on); with older
+// headers, or on torch 2.11 and 2.12, the error names the failed call and libtorch prints the cause to stderr.
+// Either way an out-of-memory allocation is a RuntimeError, not torch.OutOfMemoryError: the stable ABI carries
+// no exception types.
+#ifdef STABLE_TORCH_ERROR_CODE_CHECK
+#define FLASH_SHIM_CHECK(call) STABLE_TORCH_ERROR_CODE_CHECK(call)
+#else
+#define FLASH_SHIM_CHECK(call) TORCH_ERROR_CODE_CHECK(call)
+#endif
 
 namespace flash {
 
@@ -20,7 +32,7 @@ std::string device_str(const Tensor& t) {
     if (t.is_cuda()) { return "cuda:" + num(t.get_device_index()); }
     if (t.is_cpu()) { return "cpu"; }
     int32_t type = 0;
-    TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_type(t.get(), &type));
+    FLASH_SHIM_CHECK(aoti_torch_get_device_type(t.get(), &type));
     return type == aoti_torch_device_type_meta() ? "meta" : "device type " + num(type);
 }
 
@@ -32,8 +44,8 @@ std::string shape_str(const int64_t* values, size_t count) {
 
 bool same_device(const Tensor& a, const Tensor& b) {
     int32_t type_a = 0, type_b = 0;
-    TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_type(a.get(), &type_a));
-    TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_type(b.get(), &type_b));
+    FLASH_SHIM_CHECK(aoti_torch_get_device_type(a.get(), &type_a));
+    FLASH_SHIM_CHECK(aoti_torch_get_device_type(b.get(), &type_b));
     return type_a == type_b && a.get_device_index() == b.get_device_index();
 }
 
@@ -60,7 +72,7 @@ Tensor empty_cuda(const int64_t* sizes, int ndim, ScalarType dtype, int device) 
         stride *= sizes[d] > 1 ? sizes[d] : 1;
     }
     AtenTensorHandle handle = nullptr;
-    TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(ndim, sizes, strides, shim_dtype(dtype),
+    FLASH_SHIM_CHECK(aoti_torch_empty_strided(ndim, sizes, strides, shim_dtype(dtype),
                                                     aoti_torch_device_type_cuda(), device, &handle));
     return Tensor(handle);
 }
@@ -83,7 +95,7 @@ void zero_async(const Tensor& t, cudaStream_t stream) {
 
 cudaStream_t current_stream(int device) {
     void* stream = nullptr;
-    TORCH_ERROR_CODE_CHECK(aoti_torch_get_current_cuda_stream(device, &stream));
+    FLASH_SHIM_CHECK(aoti_torch_get_current_cuda_stream(device, &stream));
     return static_cast<cudaStream_t>(stream);
 }
 

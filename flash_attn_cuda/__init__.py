@@ -2,12 +2,16 @@
 
 import sys
 
+_argv = getattr(sys, "orig_argv", [])
+_RUNNING_INFO = "-mflash_attn_cuda.info" in _argv or any(
+    a == "-m" and b == "flash_attn_cuda.info" for a, b in zip(_argv, _argv[1:]))
+
 try:
     from . import _ops
-except ImportError:
-    # `python -m flash_attn_cuda.info` diagnoses a broken install itself, so it must get past this import;
-    # everywhere else the error stands.
-    if "flash_attn_cuda.info" not in getattr(sys, "orig_argv", ()):
+except Exception:
+    # `python -m flash_attn_cuda.info` diagnoses a broken install itself (info.py imports _ops again and reports
+    # the error), so it must get past this import; everywhere else the error stands.
+    if not _RUNNING_INFO:
         raise
 else:
     from ._ops import compiled_kernels, kernel_available

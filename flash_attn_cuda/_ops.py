@@ -160,7 +160,8 @@ _below_autograd = torch._C._AutoDispatchBelowAutograd
 
 class _Fwd(torch.autograd.Function):
     # Function.apply of torch 2.11 binds default arguments and walks the arguments for functorch wrappers in
-    # Python before reaching this C++ entry point; fwd() below calls it only outside functorch transforms.
+    # Python before reaching this C++ entry point; fwd() below calls it only outside functorch transforms. (Dead
+    # functorch wrappers that escaped a transform, which that walk unwraps, reach the op as they are.)
     apply = torch._C._FunctionBase.__dict__["apply"]
 
     @staticmethod

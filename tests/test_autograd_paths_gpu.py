@@ -33,6 +33,8 @@ CASES = textwrap.dedent('''
         cu = torch.tensor([0, 40, 41, 140], device="cuda", dtype=torch.int32)
         q, k, v = rand(140, 4, 64), rand(140, 4, 64), rand(140, 4, 64)
         out = flash_attn_varlen_func(q, k, v, cu, cu, 99, 99, causal=True, deterministic=True)
+        # Varlen outputs are tensors of their own, not views: a view would turn in-place edits into errors.
+        assert out._base is None
         dout = torch.randn(out.shape, device="cuda", dtype=out.dtype, generator=g)
         results += [out.detach(), *torch.autograd.grad(out, (q, k, v), dout)]
         # The op itself is differentiable too (torch.library.register_autograd on the Python path).
@@ -70,5 +72,6 @@ def test_python_autograd_matches_cpp(tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
     got = torch.load(saved)
     names = [f"{case} {name}" for case in ("dense", "varlen", "op") for name in ("out", "dq", "dk", "dv")]
+    assert len(expected) == len(got) == len(names)
     for name, a, b in zip(names, expected, got):
         assert torch.equal(a.cpu(), b), name

@@ -301,7 +301,7 @@ def test_compiled_training_matches_eager():
 
 
 def test_compiled_autograd_and_lse_gradient():
-    # Compiled autograd must run the backward node (a Python autograd.Function since the stable-ABI build), and
+    # Compiled autograd must run the backward node (C++ or Python, flash_attn_cuda._ops.AUTOGRAD says which), and
     # the LSE, which requires grad as in flash-attn 2.x, passes no gradient back (deterministic mode, so the
     # gradients compare bitwise).
     require_fwd_bwd_kernels(64, torch.bfloat16, True)

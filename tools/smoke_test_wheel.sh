@@ -6,6 +6,8 @@
 #
 #   bash tools/smoke_test_wheel.sh wheelhouse/flash_attn_cuda-*.whl
 #
+# PYTEST_ARGS adds pytest options.
+#
 # torch, pytest, hypothesis and numpy come from the interpreter that runs this script (PYTHON, default
 # python3): its site-packages directories are added to the venv's path by a .pth file, as plain directories,
 # so that none of their .pth files run. An editable install of flash_attn_cuda there therefore stays out of the
@@ -46,4 +48,6 @@ esac
 
 "$py" -m flash_attn_cuda.info
 
-"$py" -m pytest -q -p no:cacheprovider "$repo/tests"
+# PYTEST_ARGS: extra pytest options (e.g. "-n 8 --dist loadfile" where pytest-xdist is installed).
+# shellcheck disable=SC2086  # a list of options
+"$py" -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-} "$repo/tests"

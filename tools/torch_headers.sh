@@ -4,8 +4,10 @@
 #
 #   bash tools/torch_headers.sh DEST 2.11.0 2.12.0 ...    # prints the FLASH_ATTN2_AUTOGRAD_TORCH value last
 #
-# DEST/torch-<version>/torch/{include,version.py} per version. PIP_DOWNLOAD_ARGS adds pip options (an index,
-# e.g. --index-url https://download.pytorch.org/whl/cpu for the small CPU wheels: the headers are the same).
+# DEST/torch-<version>/torch/{include,version.py} per version; a version already there is not fetched again, and
+# each wheel is deleted once unpacked. PIP_DOWNLOAD_ARGS adds pip options: an index (e.g. --index-url
+# https://download.pytorch.org/whl/cpu for the small CPU wheels: the headers are the same), or
+# --python-version/--platform to fetch wheels of another Python than the running one.
 set -euo pipefail
 dest=$1
 shift
@@ -15,6 +17,7 @@ dirs=()
 for version in "$@"; do
     out="$dest/torch-$version"
     if [ ! -f "$out/torch/version.py" ]; then
+        rm -f "$dest"/wheels/torch-"$version"*.whl
         # shellcheck disable=SC2086  # PIP_DOWNLOAD_ARGS is a list of options
         "$PYTHON" -m pip download -q --no-deps --only-binary=:all: ${PIP_DOWNLOAD_ARGS:-} -d "$dest/wheels" \
             "torch==$version"
@@ -23,7 +26,7 @@ for version in "$@"; do
         rm -rf "$out" && mkdir -p "$out"
         "$PYTHON" -m zipfile -e "$wheel" "$out/unpacked"
         mkdir -p "$out/torch" && mv "$out/unpacked/torch/include" "$out/unpacked/torch/version.py" "$out/torch/"
-        rm -rf "$out/unpacked"
+        rm -rf "$out/unpacked" "$wheel"
     fi
     dirs+=("$(cd "$out/torch" && pwd)")
 done

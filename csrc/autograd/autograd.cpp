@@ -8,8 +8,10 @@
 // leaving C++. The backward ops have no autograd of their own (no double backward, as in flash-attn 2.x). As
 // there, the LSE is an output that requires grad but passes no gradient back; marking it non-differentiable
 // would trip compiled autograd, which asserts that no output of a C++ function is so marked.
-#include <ATen/core/dispatch/Dispatcher.h>
+// Python.h first, as Python asks (it sets feature macros the system headers read).
 #include <Python.h>
+
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 

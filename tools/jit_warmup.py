@@ -31,11 +31,13 @@ torch.cuda.synchronize()
 DTYPE_NAMES = {"fp16": "float16", "bf16": "bfloat16"}
 
 
-def run(name):
+def run(name, package_parent):
     pass_, hdim, dtype, mask = name.split("_")
     start = time.perf_counter()
+    # From the directory that holds the imported package: `python -c` puts the working directory first on the
+    # path, where a checkout's flash_attn_cuda would shadow the build under test.
     proc = subprocess.run([sys.executable, "-c", CALL, pass_, hdim.removeprefix("hdim"), DTYPE_NAMES[dtype], mask],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, cwd=package_parent)
     return name, proc.returncode, time.perf_counter() - start, proc.stderr[-2000:]
 
 
@@ -46,10 +48,11 @@ def main(argv=None):
     import flash_attn_cuda
 
     names = sorted(flash_attn_cuda.compiled_kernels())
+    package_parent = os.path.dirname(os.path.dirname(flash_attn_cuda.__file__))
     start = time.perf_counter()
     failed = 0
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        for name, returncode, seconds, stderr in pool.map(run, names):
+        for name, returncode, seconds, stderr in pool.map(lambda n: run(n, package_parent), names):
             print(f"{name}: {'ok' if returncode == 0 else 'FAILED'} in {seconds:.1f} s", flush=True)
             if returncode != 0:
                 failed += 1

@@ -42,12 +42,10 @@ std::tuple<Tensor, Tensor, Tensor> bwd_impl(const Tensor& dout, const Tensor& q,
     const int kernel_head_dim = plan.kernel_head_dim;
     const ScalarType dtype = q.scalar_type();
     // Gradients are always returned contiguous (the fake implementations promise as much), in the shape of their
-    // input: varlen's are allocated 3-D rather than squeezed, which would make them views under autograd. Varlen
-    // rows outside every sequence are never written by the kernels; zeroing them gives a padded (static-shape)
-    // buffer zero gradients there rather than uninitialized memory.
+    // input. Varlen rows outside every sequence are never written by the kernels; zeroing them gives a padded
+    // (static-shape) buffer zero gradients there rather than uninitialized memory.
     auto gradient = [&](const Tensor& like, bool zeroed) {
-        Tensor t = varlen != nullptr ? empty_cuda({like.size(1), like.size(2), like.size(3)}, like.scalar_type(), device)
-                                     : empty_like_contiguous(like);
+        Tensor t = empty_operand_like(like, varlen != nullptr);
         if (zeroed) { zero_async(t, stream); }
         return t;
     };
@@ -71,12 +69,8 @@ std::tuple<Tensor, Tensor, Tensor> bwd_impl(const Tensor& dout, const Tensor& q,
     // packed); per-query-head slices of a GQA call are fp32, summed below so each gradient is rounded once.
     const ScalarType dkv_dtype = plan.dkv_fp32_slices ? ScalarType::Float : dtype;
     const int64_t dkv_heads = nheads / plan.heads_per_cta;
-    auto dkv_buffer = [&] {
-        return varlen != nullptr ? empty_cuda({seqlen_k, dkv_heads, head_dim}, dkv_dtype, device)
-                                 : empty_cuda({batch_k, seqlen_k, dkv_heads, head_dim}, dkv_dtype, device);
-    };
-    const Tensor dk_heads = dkv_buffer();
-    const Tensor dv_heads = dkv_buffer();
+    const Tensor dk_heads = empty_operand(batch_k, seqlen_k, dkv_heads, head_dim, dkv_dtype, device, varlen != nullptr);
+    const Tensor dv_heads = empty_operand(batch_k, seqlen_k, dkv_heads, head_dim, dkv_dtype, device, varlen != nullptr);
     if (varlen != nullptr) {
         zero_async(dk_heads, stream);
         zero_async(dv_heads, stream);

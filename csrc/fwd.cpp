@@ -11,8 +11,7 @@
 namespace flash {
 namespace {
 
-// q, k, v are 4-D (varlen: (1, total, heads, head_dim) views); returns out in q's shape (varlen: 3-D, allocated
-// so rather than squeezed, which would make it a view under autograd) and the LSE.
+// q, k, v are 4-D (varlen: (1, total, heads, head_dim) views); returns out in q's shape (varlen: 3-D) and the LSE.
 std::tuple<Tensor, Tensor> fwd_impl(const Tensor& q, const Tensor& k, const Tensor& v, double softmax_scale,
                                     bool causal, int64_t num_splits, const std::string& plan_override,
                                     const Varlen* varlen) {
@@ -28,8 +27,7 @@ std::tuple<Tensor, Tensor> fwd_impl(const Tensor& q, const Tensor& k, const Tens
 
     const int device = q.get_device_index();
     const DeviceGuard device_guard(device);
-    Tensor out = varlen != nullptr ? empty_cuda({q.size(1), q.size(2), q.size(3)}, q.scalar_type(), device)
-                                   : empty_like_contiguous(q);
+    Tensor out = empty_operand_like(q, varlen != nullptr);
     const std::vector<int64_t> lse_sizes = lse_shape(q, varlen);
     Tensor lse = empty_cuda(lse_sizes.data(), static_cast<int>(lse_sizes.size()), ScalarType::Float, device);
     if (out.numel() == 0) { return {out, lse}; }

@@ -122,6 +122,12 @@ std::vector<int64_t> lse_shape(const Tensor& q, const Varlen* varlen) {
     return {q.size(0), q.size(2), q.size(1)};
 }
 
+Tensor empty_operand(int64_t batch, int64_t seqlen, int64_t heads, int64_t head_dim, ScalarType dtype, int device,
+                     bool varlen) {
+    return varlen ? empty_cuda({seqlen, heads, head_dim}, dtype, device)
+                  : empty_cuda({batch, seqlen, heads, head_dim}, dtype, device);
+}
+
 View4 pack_gqa(const View4& t, int64_t group) {
     if (group == 1) { return t; }
     return {t.ptr, {t.size[0], group, t.size[2] / group, t.size[3]}, {t.stride[0], t.stride[2], group * t.stride[2], t.stride[3]}};

@@ -59,6 +59,15 @@ void set_fwd_params(FwdParams& params, const View4& q, const View4& k, const Vie
 // The LSE of (batch, seqlen_q, nheads, d) inputs is (batch, nheads, seqlen_q); of varlen ones (nheads, total_q).
 std::vector<int64_t> lse_shape(const Tensor& q, const Varlen* varlen);
 
+// A new contiguous (batch, seqlen, heads, head_dim) operand; varlen's is (seqlen, heads, head_dim), allocated so
+// rather than squeezed from 4-D, which would make it a view under autograd.
+Tensor empty_operand(int64_t batch, int64_t seqlen, int64_t heads, int64_t head_dim, ScalarType dtype, int device,
+                     bool varlen);
+// Shaped as the 4-D `t` (varlen: the (1, total, heads, head_dim) view), with its dtype and device.
+inline Tensor empty_operand_like(const Tensor& t, bool varlen) {
+    return empty_operand(t.size(0), t.size(1), t.size(2), t.size(3), t.scalar_type(), t.get_device_index(), varlen);
+}
+
 // (batch, 1, nheads, d) -> (batch, group, nheads / group, d): row stride = the head stride, head stride = group *
 // the head stride, so rows are the query heads that share a key/value head and outputs land in place.
 View4 pack_gqa(const View4& t, int64_t group);

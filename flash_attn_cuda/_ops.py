@@ -158,54 +158,46 @@ if _CPP_AUTOGRAD_TORCH is None:
 _below_autograd = torch._C._AutoDispatchBelowAutograd
 
 
-class _Fwd(torch.autograd.Function):
+def _eager_function(name, op_name, setup_context, backward):
+    """An autograd.Function that runs the op `op_name` (a global of this module, looked up per call) below
+    autograd, then the registered setup_context; its backward is the registered one."""
+
+    def forward(ctx, *inputs):
+        with _below_autograd():
+            output = globals()[op_name](*inputs)
+        setup_context(ctx, inputs, output)
+        return output
+
     # Function.apply of torch 2.11 binds default arguments and walks the arguments for functorch wrappers in
-    # Python before reaching this C++ entry point; fwd() below calls it only outside functorch transforms. (Dead
+    # Python before reaching this C++ entry point; _call() uses it only outside functorch transforms. (Dead
     # functorch wrappers that escaped a transform, which that walk unwraps, reach the op as they are.)
-    apply = torch._C._FunctionBase.__dict__["apply"]
-
-    @staticmethod
-    def forward(ctx, *inputs):
-        with _below_autograd():
-            output = _FWD(*inputs)
-        _fwd_setup_context(ctx, inputs, output)
-        return output
-
-    backward = staticmethod(_fwd_backward)
+    return type(name, (torch.autograd.Function,), {"apply": torch._C._FunctionBase.__dict__["apply"],
+                                                   "forward": staticmethod(forward),
+                                                   "backward": staticmethod(backward)})
 
 
-class _VarlenFwd(torch.autograd.Function):
-    apply = torch._C._FunctionBase.__dict__["apply"]
-
-    @staticmethod
-    def forward(ctx, *inputs):
-        with _below_autograd():
-            output = _VARLEN_FWD(*inputs)
-        _varlen_fwd_setup_context(ctx, inputs, output)
-        return output
-
-    backward = staticmethod(_varlen_fwd_backward)
+_Fwd = _eager_function("_Fwd", "_FWD", _fwd_setup_context, _fwd_backward)
+_VarlenFwd = _eager_function("_VarlenFwd", "_VARLEN_FWD", _varlen_fwd_setup_context, _varlen_fwd_backward)
 
 
-def _eager_graph(q, k, v):
-    """Whether an eager call records a backward node through the fast path (None: leave it to the op's
-    registered autograd, as under functorch transforms)."""
-    if torch._C._are_functorch_transforms_active():
-        return None
-    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+def _call(op, function, args, compiling):
+    """op(*args) with autograd in Python: through `function` when an eager call records a backward node, below
+    autograd when none is recorded, and as registered (torch.compile, functorch transforms) otherwise."""
+    if compiling or torch._C._are_functorch_transforms_active():
+        return op(*args)
+    q, k, v = args[:3]
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return function.apply(*args)
+    with _below_autograd():
+        return op(*args)
 
 
 def fwd(q, k, v, softmax_scale, causal, deterministic, num_splits, plan_override, compiling):
     """torch.ops.flash_attn2.fwd with its autograd; eager calls skip a registered Python autograd kernel."""
+    args = (q, k, v, softmax_scale, causal, deterministic, num_splits, plan_override)
     if _CPP_AUTOGRAD_TORCH is not None:
-        return _FWD(q, k, v, softmax_scale, causal, deterministic, num_splits, plan_override)
-    graph = None if compiling else _eager_graph(q, k, v)
-    if graph is None:
-        return _FWD(q, k, v, softmax_scale, causal, deterministic, num_splits, plan_override)
-    if graph:
-        return _Fwd.apply(q, k, v, softmax_scale, causal, deterministic, num_splits, plan_override)
-    with _below_autograd():
-        return _FWD(q, k, v, softmax_scale, causal, deterministic, num_splits, plan_override)
+        return _FWD(*args)
+    return _call(_FWD, _Fwd, args, compiling)
 
 
 def varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
@@ -215,10 +207,4 @@ def varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
             plan_override)
     if _CPP_AUTOGRAD_TORCH is not None:
         return _VARLEN_FWD(*args)
-    graph = None if compiling else _eager_graph(q, k, v)
-    if graph is None:
-        return _VARLEN_FWD(*args)
-    if graph:
-        return _VarlenFwd.apply(*args)
-    with _below_autograd():
-        return _VARLEN_FWD(*args)
+    return _call(_VARLEN_FWD, _VarlenFwd, args, compiling)

@@ -14,17 +14,18 @@ namespace {
 std::tuple<Tensor, Tensor, Tensor> bwd_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                                             const Tensor& out, const Tensor& softmax_lse, double softmax_scale,
                                             bool causal, bool deterministic, const std::string& plan_override,
-                                            const Varlen* varlen) {
+                                            const Varlen* varlen, const Variants& variants) {
     check_qkv(q, k, v);
     if (varlen != nullptr) { check_varlen(*varlen, q, k); }
     check_bwd_inputs(dout, q, out, softmax_lse, lse_shape(q, varlen));
     check_scale(softmax_scale);
+    check_variants(variants, q, varlen != nullptr ? varlen->batch() : q.size(0));
     const PlanOverride override = override_of(plan_override);
     check_device(q, k, v);
     check_same_device(dout, "dout", q);
     check_same_device(out, "out", q);
     FLASH_CHECK_ARG(same_device(softmax_lse, q), "softmax_lse must be on the device of q");
-    const Problem problem = problem_of(Pass::kBwd, q, k, causal, deterministic, varlen);
+    const Problem problem = problem_of(Pass::kBwd, q, k, causal, deterministic, varlen, variants);
     const Plan plan = plan_call(problem, q, 0, override, find_bwd_launcher);
     const BwdLauncher launcher = require_bwd_launcher(q, plan);
 
@@ -84,6 +85,7 @@ std::tuple<Tensor, Tensor, Tensor> bwd_impl(const Tensor& dout, const Tensor& q,
     BwdParams params{};
     const LseView lse_k = pack_gqa_lse(lse_view(lse), group);
     set_fwd_params(params, q_k, view4(k), view4(v), pack_gqa(view4(out), group), lse_k, softmax_scale, varlen, plan);
+    set_variant_params(params, variants, causal);
     const View4 dout_k = pack_gqa(view4(dout), group);
     params.do_ptr = dout_k.ptr;
     params.do_batch_stride = varlen != nullptr ? 0 : dout_k.stride[0];
@@ -132,15 +134,22 @@ std::tuple<Tensor, Tensor, Tensor> bwd_impl(const Tensor& dout, const Tensor& q,
 
 std::tuple<Tensor, Tensor, Tensor> bwd(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                                        const Tensor& out, const Tensor& softmax_lse, double softmax_scale, bool causal,
-                                       bool deterministic, const std::string& plan_override) {
-    return bwd_impl(dout, q, k, v, out, softmax_lse, softmax_scale, causal, deterministic, plan_override, nullptr);
+                                       bool deterministic, const std::string& plan_override, int64_t window_left, int64_t window_right, double softcap,
+                                       const std::optional<Tensor>& alibi_slopes, double dropout_p,
+                                       const std::optional<Tensor>& rng_state) {
+    const Variants variants{window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state};
+    return bwd_impl(dout, q, k, v, out, softmax_lse, softmax_scale, causal, deterministic, plan_override, nullptr,
+                    variants);
 }
 
 std::tuple<Tensor, Tensor, Tensor> varlen_bwd(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                                               const Tensor& out, const Tensor& softmax_lse, const Tensor& cu_seqlens_q,
                                               const Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
                                               double softmax_scale, bool causal, bool deterministic,
-                                              const std::string& plan_override) {
+                                              const std::string& plan_override, int64_t window_left, int64_t window_right, double softcap,
+                                       const std::optional<Tensor>& alibi_slopes, double dropout_p,
+                                       const std::optional<Tensor>& rng_state) {
+    const Variants variants{window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state};
     check_varlen_rank(q, "q", "(total_q, nheads, head_dim)");
     check_varlen_rank(k, "k", "(total_k, nheads_k, head_dim)");
     check_varlen_rank(v, "v", "(total_k, nheads_k, head_dim)");
@@ -149,7 +158,7 @@ std::tuple<Tensor, Tensor, Tensor> varlen_bwd(const Tensor& dout, const Tensor& 
     const Varlen varlen{cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k};
     auto unsqueeze = [](const Tensor& t) { return torch::stable::unsqueeze(t, 0); };
     return bwd_impl(unsqueeze(dout), unsqueeze(q), unsqueeze(k), unsqueeze(v), unsqueeze(out), softmax_lse,
-                    softmax_scale, causal, deterministic, plan_override, &varlen);
+                    softmax_scale, causal, deterministic, plan_override, &varlen, variants);
 }
 
 }  // namespace flash

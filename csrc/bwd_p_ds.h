@@ -2,13 +2,17 @@
 // backward paths (the mma.sync kernel, and both Hopper kernels, whose narrow one works on transposed S^T and
 // dP^T tiles and issues the dV GEMM between the two calls). Accumulators come as (rows, cols) views with a
 // matching coordinate view; kQueryIsRow says which coordinate is the query. The loops run queries outer and
-// keys inner in either orientation, so each query's LSE and D are read once.
+// keys inner in either orientation, so each query's LSE and D are read once. The variants enter through the
+// ScoreMod (applied before the mask), Dropout (the kernels mark dropped values of P between the two calls, by
+// sign) and DsMods.
 #pragma once
 
 #include <cute/tensor.hpp>
 
 #include "mask.h"
+#include "dropout.h"
 #include "score_mod.h"
+#include "utils.h"  // convert_fragment
 
 namespace flash {
 
@@ -26,7 +30,7 @@ enum class HideP { kBeforeExp, kInExp };
 // s: the scores S (or S^T), overwritten with P = exp2(s * scale_log2 - lse_log2_of(q)), where lse_log2_of(q)
 // is the LSE of tile query q times log2(e). coords: the tile positions of s's values; mask: this tile's
 // TileMask; score_mod applies first, at the tile's absolute position pos.
-template <bool kQueryIsRow, HideP kHide, class ScoreMod, class Mask, class STensor, class CoordTensor, class LseLog2Of>
+template <bool kQueryIsRow, HideP kHide, class Mask, class STensor, class CoordTensor, class LseLog2Of>
 __forceinline__ __device__ void compute_p(STensor& s, const CoordTensor& coords, const Mask& mask,
                                           const ScoreMod& score_mod, const ScorePos& pos, float scale_log2,
                                           LseLog2Of lse_log2_of) {
@@ -54,22 +58,88 @@ __forceinline__ __device__ void compute_p(STensor& s, const CoordTensor& coords,
     if constexpr (kHide == HideP::kInExp) { mask.template hide_keys_past_end<kQueryIsRow>(s, coords); }
 }
 
+// What compute_ds needs of the variants of a call, for query head `head`: read from params where used, as
+// ScoreMod does.
+struct DsMods {
+    const ScoreMod& score_mod;
+    int head;
+
+    __forceinline__ __device__ bool dropout() const { return score_mod.params.dropout_threshold != 0u; }
+    __forceinline__ __device__ bool softcap() const { return score_mod.softcap(); }
+    __forceinline__ __device__ bool any() const { return dropout() || softcap(); }
+};
+
 // dp: dP (or dP^T), overwritten with dS = P (dP - dsum_of(q)), the gradient of the scaled scores, where
 // dsum_of(q) is D = rowsum(dO * O) of tile query q. p: P from compute_p, in the same orientation.
-template <bool kQueryIsRow, class DpTensor, class PTensor, class CoordTensor, class DsumOf>
-__forceinline__ __device__ void compute_ds(DpTensor& dp, const PTensor& p, const CoordTensor& coords, DsumOf dsum_of) {
+// With the variants of mods (a uniform branch; the plain loop is the first):
+// - dropout: O sums kept P / (1 - p) times V, so dP of a kept value is scaled by 1 / (1 - p) and a dropped
+//   one's is 0, while D and P stay those of the undropped softmax: dS = |P| (kept ? dP / (1 - p) - D : -D).
+// - softcap: the score is c tanh(x) with x = softmax_scale q.k / c, so dS picks up 1 - tanh^2. tanh is
+//   recovered from P = exp2(u scale_log2 - lse_log2), u = tanh - slope * distance: u = (log2 P + lse_log2) /
+//   scale_log2. Where P is 0 (masked or underflowed) dS is 0 whatever the derivative, and it is skipped.
+//   The recovery's error is that of log2 and of the fp32 LSE, far below the input dtype's rounding.
+// pos: the tile's absolute position; lse_log2_of as in compute_p.
+template <bool kQueryIsRow, class DpTensor, class PTensor, class CoordTensor, class DsumOf, class LseLog2Of>
+__forceinline__ __device__ void compute_ds(DpTensor& dp, const PTensor& p, const CoordTensor& coords, DsumOf dsum_of,
+                                           const DsMods& mods, const ScorePos& pos, LseLog2Of lse_log2_of) {
     static_assert(decltype(size(dp))::value == decltype(size(p))::value &&
                   decltype(size(dp))::value == decltype(size(coords))::value, "dP, P and coords of one tile");
+    if (!mods.any()) {
+        CUTE_UNROLL
+        for (int qi = 0; qi < query_extent<kQueryIsRow>(dp); ++qi) {
+            const float dsum = dsum_of(query_of<kQueryIsRow>(coords, kQueryIsRow ? qi : 0, kQueryIsRow ? 0 : qi));
+            CUTE_UNROLL
+            for (int ki = 0; ki < key_extent<kQueryIsRow>(dp); ++ki) {
+                const int i = kQueryIsRow ? qi : ki;
+                const int j = kQueryIsRow ? ki : qi;
+                dp(i, j) = p(i, j) * (dp(i, j) - dsum);
+            }
+        }
+        return;
+    }
+    const FwdParams& params = mods.score_mod.params;
+    const bool dropout = mods.dropout();
+    const bool softcap = mods.softcap();
+    const float keep_scale = params.dropout_keep_scale;
+    const float inv_scale_log2 = 1.f / params.softmax_scale_log2;
+    const float slope = softcap && mods.score_mod.alibi() ? mods.score_mod.slope(mods.head) : 0.f;
     CUTE_UNROLL
     for (int qi = 0; qi < query_extent<kQueryIsRow>(dp); ++qi) {
-        const float dsum = dsum_of(query_of<kQueryIsRow>(coords, kQueryIsRow ? qi : 0, kQueryIsRow ? 0 : qi));
+        const int q = query_of<kQueryIsRow>(coords, kQueryIsRow ? qi : 0, kQueryIsRow ? 0 : qi);
+        const float dsum = dsum_of(q);
+        const float lse_log2 = softcap ? lse_log2_of(q) : 0.f;
         CUTE_UNROLL
         for (int ki = 0; ki < key_extent<kQueryIsRow>(dp); ++ki) {
             const int i = kQueryIsRow ? qi : ki;
             const int j = kQueryIsRow ? ki : qi;
-            dp(i, j) = p(i, j) * (dp(i, j) - dsum);
+            float pv = p(i, j);
+            float dpv = dp(i, j);
+            if (dropout) {
+                dpv = pv >= 0.f ? dpv * keep_scale : 0.f;
+                pv = fabsf(pv);
+            }
+            float ds = pv * (dpv - dsum);
+            if (softcap && pv > 0.f) {
+                const float t = (__log2f(pv) + lse_log2) * inv_scale_log2 +
+                                slope * mods.score_mod.distance(pos.q0 + q, pos.k0 + key_of<kQueryIsRow>(coords, i, j));
+                ds *= 1.f - t * t;
+            }
+            dp(i, j) = ds;
         }
     }
+}
+
+// P converted to Element for dV += P^T dO: as it is, or with dropout (P sign-encoded) its kept values and 0 for
+// the dropped ones; the kernels apply dropout's 1 / (1 - p) to dV once, at its store. p itself is left as it is
+// (the Hopper narrow kernel still needs the signs for dS).
+template <typename Element, class PTensor>
+__forceinline__ __device__ auto convert_fragment_kept(const PTensor& p, bool dropout) {
+    auto converted = convert_fragment<Element>(p);
+    if (dropout) {
+        CUTE_UNROLL
+        for (int i = 0; i < size(p); ++i) { converted(i) = static_cast<Element>(fmaxf(p(i), 0.f)); }
+    }
+    return converted;
 }
 
 }  // namespace flash

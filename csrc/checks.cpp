@@ -101,6 +101,40 @@ void check_scale(double softmax_scale) {
                       "softmax_scale must be finite and non-negative, got ", std::to_string(softmax_scale));
 }
 
+void check_variants(const Variants& variants, const Tensor& q, int64_t batch) {
+    // Sizes past the sequences are clamped (host_params.cpp): any such window is unbounded on that side.
+    FLASH_CHECK_ARG(variants.window_left >= -1 && variants.window_right >= -1,
+                    "window_size must hold integers >= -1 (-1: unbounded), got (", num(variants.window_left), ", ",
+                    num(variants.window_right), ")");
+    FLASH_CHECK_ARG(std::isfinite(variants.softcap) && variants.softcap >= 0.0,
+                    "softcap must be finite and non-negative (0: none), got ", std::to_string(variants.softcap));
+    FLASH_CHECK_ARG(variants.dropout_p >= 0.0 && variants.dropout_p < 1.0, "dropout_p must be in [0, 1), got ",
+                    std::to_string(variants.dropout_p));
+    const int64_t nheads = q.size(2);
+    if (variants.alibi()) {
+        const Tensor& slopes = *variants.alibi_slopes;
+        FLASH_CHECK_ARG(slopes.scalar_type() == ScalarType::Float, "alibi_slopes must be float32, got ",
+                        slopes.scalar_type());
+        const bool shape_ok = (slopes.dim() == 1 && slopes.size(0) == nheads) ||
+                              (slopes.dim() == 2 && slopes.size(0) == batch && slopes.size(1) == nheads);
+        FLASH_CHECK_ARG(shape_ok, "alibi_slopes must have shape (nheads,) = (", num(nheads), ",) or (batch, nheads) = (",
+                        num(batch), ", ", num(nheads), "), got ", shape_str(slopes.sizes()));
+        FLASH_CHECK_ARG(slopes.stride(slopes.dim() - 1) == 1 || nheads == 1,
+                        "alibi_slopes must have a contiguous last dimension (stride 1)");
+        FLASH_CHECK_ARG(same_device(slopes, q), "alibi_slopes must be on the device of q (", device_str(q), "), got ",
+                        device_str(slopes));
+    }
+    if (variants.dropout()) {
+        FLASH_CHECK_ARG(variants.rng_state.has_value(), "rng_state must be given when dropout_p > 0 (int64 (2,): seed, offset)");
+        const Tensor& rng = *variants.rng_state;
+        FLASH_CHECK_ARG(rng.scalar_type() == ScalarType::Long && rng.dim() == 1 && rng.size(0) == 2 && rng.is_contiguous(),
+                        "rng_state must be a contiguous int64 tensor of shape (2,), got ", rng.scalar_type(), " ",
+                        shape_str(rng.sizes()));
+        FLASH_CHECK_ARG(same_device(rng, q), "rng_state must be on the device of q (", device_str(q), "), got ",
+                        device_str(rng));
+    }
+}
+
 void check_num_splits(int64_t num_splits) {
     FLASH_CHECK_ARG(num_splits >= 0 && num_splits <= kMaxForcedSplits, "num_splits must be in [0, ",
                       num(kMaxForcedSplits), "] (0: chosen per call), got ", num(num_splits));

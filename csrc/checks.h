@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -22,6 +23,26 @@ struct Varlen {
 
     int64_t batch() const { return cu_seqlens_q.size(0) - 1; }
 };
+
+// The attention variants of a call, as the ops take them (flash-attn 2.x semantics; -1: an unbounded window side).
+struct Variants {
+    int64_t window_left;
+    int64_t window_right;
+    double softcap;
+    const std::optional<Tensor>& alibi_slopes;  // fp32 (nheads,) or (batch, nheads)
+    double dropout_p;
+    const std::optional<Tensor>& rng_state;  // int64 (2,): seed, offset; needed when dropout_p > 0
+
+    bool dropout() const { return dropout_p > 0.0; }
+    bool alibi() const { return alibi_slopes.has_value(); }
+    // causal fixes the window's right side at 0.
+    int64_t right(bool causal) const { return causal ? 0 : window_right; }
+    // Whether the call runs a masked kernel: causal, or a window bounded on either side.
+    bool masked(bool causal) const { return causal || window_left >= 0 || window_right >= 0; }
+};
+
+// Checks the variants of a call on q (4-D) with `batch` sequences; no device synchronization.
+void check_variants(const Variants& variants, const Tensor& q, int64_t batch);
 
 // q, k, v: 4-D (varlen: the (1, total, heads, head_dim) views).
 void check_qkv(const Tensor& q, const Tensor& k, const Tensor& v);

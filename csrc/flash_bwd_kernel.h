@@ -21,7 +21,7 @@ namespace flash {
 
 using namespace cute;
 
-template <class Traits, bool kCausal, class ScoreMod = NoScoreMod>
+template <class Traits, bool kCausal>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const __grid_constant__ BwdParams params) {
     using Element = typename Traits::Element;
     constexpr int kBlockM = Traits::kBlockM;
@@ -42,7 +42,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
     // Varlen grids are sized for the longest sequence; this one may have no keys here.
     if (n_block * kBlockN >= binfo.seqlen_k) { return; }
     const auto bounds = BlockBounds<kBlockM, kBlockN, kCausal>::of_sequence(params, binfo);
-    const ScoreMod score_mod{};
+    const ScoreMod score_mod(params, batch_idx, binfo);
+    const Dropout dropout(params, batch_idx, head_idx);
     const int m_block_begin = bounds.m_block_begin(n_block);  // the query blocks that see this key block
     const int m_block_end = bounds.m_block_end(n_block);
 
@@ -217,12 +218,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
         // P = exp(s * scale - lse) in base 2; rows past seqlen_q get lse = +inf, so P = 0 there. Then dS.
         const float* lse_stage = s_lse + stage * kBlockM;
         const float* dsum_stage = s_dsum + stage * kBlockM;
+        const ScorePos pos{m_block * kBlockM, n_block * kBlockN, head_idx};
+        auto lse_log2_of = [&](int row) { return row < q_rows_left ? lse_stage[row] * float(M_LOG2E) : INFINITY; };
         compute_p</*kQueryIsRow=*/true, HideP::kBeforeExp>(
-            scores, tScS_rc, TileMask<kBlockM, kBlockN, kCausal>(bounds, m_block, n_block), score_mod,
-            ScorePos{m_block * kBlockM, n_block * kBlockN, head_idx}, params.softmax_scale_log2,
-            [&](int row) { return row < q_rows_left ? lse_stage[row] * float(M_LOG2E) : INFINITY; });
-        compute_ds</*kQueryIsRow=*/true>(dp, scores, tScS_rc, [&](int row) { return dsum_stage[row]; });
-        Tensor rP = convert_fragment<Element>(acc_s);
+            scores, tScS_rc, TileMask<kBlockM, kBlockN, kCausal>(bounds, m_block, n_block), score_mod, pos,
+            params.softmax_scale_log2, lse_log2_of);
+        if (dropout.active()) { dropout.template apply</*kQueryIsRow=*/true, /*kNegate=*/true>(scores, tScS_rc, pos.q0, pos.k0); }
+        compute_ds</*kQueryIsRow=*/true>(dp, scores, tScS_rc, [&](int row) { return dsum_stage[row]; },
+                                         DsMods{score_mod, head_idx}, pos, lse_log2_of);
+        Tensor rP = convert_fragment_kept<Element>(acc_s, dropout.active());
         Tensor rdS = convert_fragment<Element>(acc_dp);
         copy(copy_store_sdp, thr_copy_store_sdp.retile_S(rP), tPsP);
         copy(copy_store_sdp, thr_copy_store_sdp.retile_S(rdS), tPsdS);
@@ -280,7 +284,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
     cp_async_wait<0>();  // K and V are still in flight when no query block sees this key block.
 
     // dK picks up the softmax scale here (dS is the gradient of the scaled scores); dQ gets it when its
-    // fp32 buffer is converted.
+    // fp32 buffer is converted. dV picks up dropout's 1 / (1 - p) (1 without dropout): it summed kept P unscaled.
     Tensor tKVcdKV = thr_mma_dkv.partition_C(cKV);
     auto store_dk_dv = [&](auto out_type) {
         using Out = decltype(out_type);
@@ -289,7 +293,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
         Tensor gdK = local_tile(mdK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));  // (kBlockN, kHeadDim)
         Tensor gdV = local_tile(mdV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));  // (kBlockN, kHeadDim)
         store_acc<Out>(acc_dk, tKVcdKV, gdK, k_rows_left, params.head_dim, params.softmax_scale);
-        store_acc<Out>(acc_dv, tKVcdKV, gdV, k_rows_left, params.head_dim, 1.f);
+        store_acc<Out>(acc_dv, tKVcdKV, gdV, k_rows_left, params.head_dim, params.dropout_keep_scale);
     };
     // GQA slices are summed over each group on the host: kept in fp32 so the sum is rounded once.
     if (params.dkv_fp32) {

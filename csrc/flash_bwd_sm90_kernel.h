@@ -67,10 +67,11 @@ struct BwdSm90Block {
     BlockBounds<kBlockM, kBlockN, kCausal> bounds;  // the sequence's block ranges and tile masks
     int m_block_begin;       // the first query block with a row that sees a key of the current block
     int m_block_begin_next;  // the same for the next key block (its first step loads during the current's last)
-    int m_block_end;         // one past the last; the same for every key block (no window bounds it from above)
+    int m_block_end;         // one past the last (below the query blocks' end only under a window's left edge)
     // Steps [step_begin, step_end) are the current key block's (query head, query block) pairs, heads outer,
-    // query blocks inner. Every key block of a CTA has steps unless seqlen_q is 0: causal, the last query row
-    // sees every key.
+    // query blocks inner. A key block has no steps when no query sees it (seqlen_q 0, or a window's edges);
+    // a CTA then walks one key block only (the plan keeps key_blocks_per_cta 1 for windows), since a step-less
+    // key block starts none of its successor's loads.
     int step_begin;
     int step_end;
     Element* q_base;    // stage s at q_base + s * kQElems
@@ -93,7 +94,7 @@ struct BwdSm90Block {
         n_block_stop =
             Traits::kStagesKV > 1 ? min(n_block + params.key_blocks_per_cta, bounds.n_blocks()) : n_block + 1;
         m_block_end = bounds.m_block_end(n_block);
-        m_block_begin = bounds.m_block_begin(n_block);
+        m_block_begin = min(bounds.m_block_begin(n_block), m_block_end);
         m_block_begin_next = bounds.m_block_begin(n_block + 1);
         step_begin = 0;
         step_end = steps_of(m_block_begin);
@@ -116,7 +117,8 @@ struct BwdSm90Block {
         if (n_block + 1 >= n_block_stop) { return false; }
         ++n_block;
         kv_stage ^= 1;
-        m_block_begin = m_block_begin_next;
+        m_block_end = bounds.m_block_end(n_block);
+        m_block_begin = min(m_block_begin_next, m_block_end);
         m_block_begin_next = bounds.m_block_begin(n_block + 1);
         step_begin = step_end;
         step_end += steps_of(m_block_begin);
@@ -292,12 +294,15 @@ struct BwdSm90Block {
             Tensor gdK = gdKV(binfo.dk_view<float>(params, batch_idx, dkv_head));
             Tensor gdV = gdKV(binfo.dv_view<float>(params, batch_idx, dkv_head));
             store_acc<float>(acc_dk, tdKVcdKV, gdK, k_rows_left(), params.head_dim, params.softmax_scale);
-            store_acc<float>(acc_dv, tdKVcdKV, gdV, k_rows_left(), params.head_dim, 1.f);
+            store_acc<float>(acc_dv, tdKVcdKV, gdV, k_rows_left(), params.head_dim, params.dropout_keep_scale);
             return;
         }
         __syncthreads();  // every warpgroup's wgmmas that read this K/V buffer have completed
         CUTE_UNROLL
-        for (int i = 0; i < size(acc_dk); ++i) { acc_dk(i) *= params.softmax_scale; }
+        for (int i = 0; i < size(acc_dk); ++i) {
+            acc_dk(i) *= params.softmax_scale;
+            acc_dv(i) *= params.dropout_keep_scale;  // it summed kept P unscaled (1 without dropout)
+        }
         Tensor rdK = convert_fragment<Element>(acc_dk);
         Tensor rdV = convert_fragment<Element>(acc_dv);
         auto smem_tiled_copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_dkv);
@@ -323,7 +328,7 @@ struct BwdSm90Block {
 // recomputed each step (a few integer ops) instead of being hoisted out of the loop, where, next to the dK
 // and dV accumulators, they would spill.
 
-template <class Traits, bool kCausal, class ScoreMod = NoScoreMod>
+template <class Traits, bool kCausal>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_bwd_sm90_kernel(const __grid_constant__ BwdParams params) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -336,7 +341,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     BwdSm90Block<Traits, kCausal> blk(params, smem_bwd_sm90);
     if (!blk.has_keys()) { return; }
     const int tidx = threadIdx.x;
-    const ScoreMod score_mod{};
+    const ScoreMod score_mod(params, blk.batch_idx, blk.binfo);
 
     Tensor sdSt = blk.smem(blk.scratch_base, typename Traits::SmemLayoutdSt{});  // (kBlockN, kBlockM)
     Tensor sdS = blk.smem(blk.scratch_base, typename Traits::SmemLayoutdS{});    // (kBlockM, kBlockN)
@@ -389,10 +394,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             // P^T = exp2(s * scale * log2(e) - lse * log2(e)).
             warpgroup_wait_for<1>(acc_st);
             Tensor st = gmma_as_rowcol(acc_st);  // (key rows, query cols)
-            compute_p</*kQueryIsRow=*/false, HideP::kInExp>(
-                st, tStcSt_rc, mask, score_mod, ScorePos{m_block * kBlockM, blk.n_block * kBlockN, step.head},
-                params.softmax_scale_log2, [&](int col) { return lse_stage[col] * float(M_LOG2E); });
-            Tensor rPt = convert_fragment<Element>(acc_st);
+            const ScorePos pos{m_block * kBlockM, blk.n_block * kBlockN, step.head};
+            auto lse_log2_of = [&](int col) { return lse_stage[col] * float(M_LOG2E); };
+            compute_p</*kQueryIsRow=*/false, HideP::kInExp>(st, tStcSt_rc, mask, score_mod, pos,
+                                                            params.softmax_scale_log2, lse_log2_of);
+            const Dropout step_dropout(params, blk.batch_idx, step.head);
+            if (step_dropout.active()) {
+                step_dropout.template apply</*kQueryIsRow=*/false, /*kNegate=*/true>(st, tStcSt_rc, pos.q0, pos.k0);
+            }
+            Tensor rPt = convert_fragment_kept<Element>(acc_st, step_dropout.active());
             Tensor tKVrPt = make_tensor(rPt.data(), gmma_acc_as_a_operand_layout(rPt.layout()));  // (MMA, MMA_N, MMA_K)
             auto thr_mma_dkv = mma_dkv.get_thread_slice(loop_tidx);
             Tensor tKVrdOt = thr_mma_dkv.make_fragment_B(thr_mma_dkv.partition_B(blk.sdOt(stage)));  // (MMA, MMA_D, MMA_K)
@@ -401,7 +411,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             // dS^T = P^T (dP^T - D), the gradient of the scaled scores.
             warpgroup_wait_for<1>(acc_dpt);
             Tensor dpt = gmma_as_rowcol(acc_dpt);  // (key rows, query cols)
-            compute_ds</*kQueryIsRow=*/false>(dpt, st, tStcSt_rc, [&](int col) { return dsum_stage[col]; });
+            compute_ds</*kQueryIsRow=*/false>(dpt, st, tStcSt_rc, [&](int col) { return dsum_stage[col]; },
+                                              DsMods{score_mod, step.head}, pos, lse_log2_of);
             Tensor rdSt = convert_fragment<Element>(acc_dpt);
             Tensor tKVrdSt = make_tensor(rdSt.data(), gmma_acc_as_a_operand_layout(rdSt.layout()));  // (MMA, MMA_N, MMA_K)
 
@@ -450,7 +461,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 #endif
 }
 
-template <class Traits, bool kCausal, class ScoreMod = NoScoreMod>
+template <class Traits, bool kCausal>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdParams params) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -464,7 +475,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     static_assert(Traits::kStagesKV == 1, "one key block per CTA");
     if (!blk.has_keys()) { return; }
     const int tidx = threadIdx.x;
-    const ScoreMod score_mod{};
+    const ScoreMod score_mod(params, blk.batch_idx, blk.binfo);
 
     Element* p_base = blk.scratch_base;
     Element* ds_base = blk.scratch_base + Traits::kSmemPElems;
@@ -512,16 +523,22 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         // P = exp2(s * scale * log2(e) - lse * log2(e)), then dS = P (dP - D).
         warpgroup_wait_for<1>(acc_s);
         Tensor s = gmma_as_rowcol(acc_s);  // (query rows, key cols)
-        compute_p</*kQueryIsRow=*/true, HideP::kInExp>(
-            s, tScS_rc, mask, score_mod, ScorePos{m_block * kBlockM, blk.n_block * kBlockN, step.head},
-            params.softmax_scale_log2, [&](int row) { return blk.s_lse[stage * kBlockM + row] * float(M_LOG2E); });
+        const ScorePos pos{m_block * kBlockM, blk.n_block * kBlockN, step.head};
+        auto lse_log2_of = [&](int row) { return blk.s_lse[stage * kBlockM + row] * float(M_LOG2E); };
+        compute_p</*kQueryIsRow=*/true, HideP::kInExp>(s, tScS_rc, mask, score_mod, pos, params.softmax_scale_log2,
+                                                       lse_log2_of);
+        const Dropout step_dropout(params, blk.batch_idx, step.head);
+        if (step_dropout.active()) {
+            step_dropout.template apply</*kQueryIsRow=*/true, /*kNegate=*/true>(s, tScS_rc, pos.q0, pos.k0);
+        }
         warpgroup_wait_for<0>(acc_dp);
         Tensor dp = gmma_as_rowcol(acc_dp);  // (query rows, key cols)
-        compute_ds</*kQueryIsRow=*/true>(dp, s, tScS_rc, [&](int row) { return blk.s_dsum[stage * kBlockM + row]; });
+        compute_ds</*kQueryIsRow=*/true>(dp, s, tScS_rc, [&](int row) { return blk.s_dsum[stage * kBlockM + row]; },
+                                         DsMods{score_mod, step.head}, pos, lse_log2_of);
 
         // P and dS to shared memory: the next three GEMMs read them across both warpgroups' keys.
         auto smem_thr_copy_pds = smem_tiled_copy_pds.get_thread_slice(loop_tidx);
-        Tensor rP = convert_fragment<Element>(acc_s);
+        Tensor rP = convert_fragment_kept<Element>(acc_s, step_dropout.active());
         Tensor rdS = convert_fragment<Element>(acc_dp);
         copy(smem_tiled_copy_pds, smem_thr_copy_pds.retile_S(rP), smem_thr_copy_pds.partition_D(sP));
         copy(smem_tiled_copy_pds, smem_thr_copy_pds.retile_S(rdS), smem_thr_copy_pds.partition_D(sdS));

@@ -11,6 +11,7 @@
 #include "fwd_tile.h"
 #include "kernel_traits_fwd.h"
 #include "mask.h"
+#include "dropout.h"
 #include "score_mod.h"
 #include "softmax.h"
 #include "utils.h"
@@ -19,7 +20,7 @@ namespace flash {
 
 using namespace cute;
 
-template <class Traits, bool kCausal, class ScoreMod = NoScoreMod>
+template <class Traits, bool kCausal>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const __grid_constant__ FwdParams params) {
     using Element = typename Traits::Element;
     constexpr int kBlockM = Traits::kBlockM;
@@ -32,7 +33,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const _
     const int m_block = tile.m_block;
     const BlockInfo& binfo = tile.binfo;
     const auto& bounds = tile.bounds;
-    const ScoreMod score_mod{};
+    const ScoreMod score_mod(params, tile.batch_idx, binfo);
+    const Dropout dropout(params, tile.batch_idx, tile.head_idx);
 
     const auto gQKV = tile.template gmem_qkv<Element, kHeadDim>(params);
     Tensor gQ = get<0>(gQKV);  // (kBlockM, kHeadDim)
@@ -127,6 +129,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const _
         }
 
         softmax.update(scores, acc_o_rc);
+        // Dropout after the row sums, which are those of the undropped softmax (the LSE's).
+        if (dropout.active()) {
+            dropout.template apply</*kQueryIsRow=*/true, /*kNegate=*/false>(scores, tScS_rc, m_block * kBlockM,
+                                                                           n_block * kBlockN);
+        }
         Tensor rP = convert_fragment<Element>(acc_s);
         Tensor tOrP = make_tensor(rP.data(), acc_as_a_operand_layout(rP.layout()));  // (MMA, MMA_M, MMA_K)
         gemm_reg_smem(tiled_mma, acc_o, tOrP, tOrVt, tOsVt, smem_tiled_copy_V, tOrVt_view);
@@ -134,7 +141,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const _
 
     // Epilogue: normalize once, stage O through shared memory (Q's buffer) for 16 B global stores; a
     // split-KV CTA writes its fp32 partials instead.
-    Tensor lse = softmax.finalize(acc_o_rc, params.softmax_scale);
+    Tensor lse = softmax.finalize(acc_o_rc, params.score_scale, params.dropout_keep_scale);
     Tensor cO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (kBlockM, kHeadDim)
     Tensor tOcO = thr_mma.partition_C(cO);  // (MMA, MMA_M, MMA_N), positions of acc_o's values
     Tensor tOcO_rc = make_tensor(tOcO.data(), acc_rowcol_layout(tOcO.layout()));  // (rows, cols)

@@ -14,6 +14,7 @@
 #include "fwd_tile.h"
 #include "kernel_traits_fwd_sm90.h"
 #include "mask.h"
+#include "dropout.h"
 #include "score_mod.h"
 #include "softmax.h"
 #include "utils.h"
@@ -23,7 +24,7 @@ namespace flash {
 
 using namespace cute;
 
-template <class Traits, bool kCausal, class ScoreMod = NoScoreMod>
+template <class Traits, bool kCausal>
 __global__ void __launch_bounds__(Traits::kNThreads, Traits::kCtasPerSm)
     flash_fwd_sm90_kernel(const __grid_constant__ FwdParams params) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -38,7 +39,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kCtasPerSm)
     const int m_block = tile.m_block;
     const BlockInfo& binfo = tile.binfo;
     const auto& bounds = tile.bounds;
-    const ScoreMod score_mod{};
+    const ScoreMod score_mod(params, tile.batch_idx, binfo);
+    const Dropout dropout(params, tile.batch_idx, tile.head_idx);
     const int n_block_begin = tile.n_block_begin();
     const int n_block_end = tile.n_block_end();
 
@@ -131,14 +133,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kCtasPerSm)
     // sequence end (decoding and other short queries fill one warpgroup at most), and, causal, the blocks
     // right of its part of the diagonal, which come first. Decided once, outside the loops: a branch inside
     // the main loop cost the anchor shapes 3-6% (perf log 26).
+    // A window's left edge likewise ends a warpgroup's own blocks above n_block_begin.
     const int wg_row0 = tidx / 128 * 64;
+    const bool wg_has_rows = wg_row0 < q_rows_left;
     const int n_block_end_wg =
-        wg_row0 >= q_rows_left ? n_block_begin
-                               : min(n_block_end, bounds.n_block_end_for_rows(m_block * kBlockM + wg_row0 + 63));
+        wg_has_rows ? min(n_block_end, bounds.n_block_end_for_rows(m_block * kBlockM + wg_row0 + 63)) : n_block_begin;
+    const int n_block_begin_wg =
+        wg_has_rows ? max(n_block_begin, bounds.n_block_begin_for_rows(m_block * kBlockM + wg_row0)) : n_block_begin;
     int n_block = n_block_end - 1;
     int stage = 0;
     for (; n_block >= n_block_end_wg; --n_block, stage = next_stage(stage)) { advance_pipeline(n_block, stage); }
-    for (; n_block >= n_block_begin; --n_block, stage = next_stage(stage)) {
+    for (; n_block >= n_block_begin_wg; --n_block, stage = next_stage(stage)) {
         advance_pipeline(n_block, stage);
 
         Tensor tSrK = thr_mma_s.make_fragment_B(thr_mma_s.partition_B(sK_stage(stage)));  // (MMA, MMA_N, MMA_K)
@@ -151,16 +156,22 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kCtasPerSm)
         const TileMask<kBlockM, kBlockN, kCausal> mask(bounds, m_block, n_block);
         if (mask.needs_mask()) { mask.template apply</*kQueryIsRow=*/true>(scores, tScS_rc); }
         softmax.update(scores, acc_o_rc);
+        // Dropout after the row sums, which are those of the undropped softmax (the LSE's).
+        if (dropout.active()) {
+            dropout.template apply</*kQueryIsRow=*/true, /*kNegate=*/false>(scores, tScS_rc, m_block * kBlockM,
+                                                                           n_block * kBlockN);
+        }
 
         Tensor rP = convert_fragment<Element>(acc_s);
         Tensor tOrP = make_tensor(rP.data(), gmma_acc_as_a_operand_layout(rP.layout()));  // (MMA, MMA_M, MMA_K)
         Tensor tOrVt = thr_mma_o.make_fragment_B(thr_mma_o.partition_B(sVt_stage(stage)));  // (MMA, MMA_N, MMA_K)
         warpgroup_gemm</*kZeroInit=*/false>(mma_o, tOrP, tOrVt, acc_o);
     }
+    for (; n_block >= n_block_begin; --n_block, stage = next_stage(stage)) { advance_pipeline(n_block, stage); }
 
     // Epilogue: normalize once, stage O through shared memory (Q's buffer) for 16 B global stores; a
     // split-KV CTA writes its fp32 partials instead.
-    Tensor lse = softmax.finalize(acc_o_rc, params.softmax_scale);
+    Tensor lse = softmax.finalize(acc_o_rc, params.score_scale, params.dropout_keep_scale);
     Tensor cO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (kBlockM, kHeadDim)
     Tensor tOcO = thr_mma_o.partition_C(cO);  // (MMA, MMA_M, MMA_N), positions of acc_o's values
     Tensor tOcO_rc = make_tensor(tOcO.data(), gmma_acc_rowcol_layout(tOcO.layout()));  // (rows, cols)

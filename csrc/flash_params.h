@@ -47,8 +47,23 @@ struct FwdParams {
     int gqa_pack;      // 1, or the query heads of a key/value head that run as rows of one head (Plan::gqa_pack):
                        // then row r of "head" h is query head h * gqa_pack + r, all at query position 0
 
-    float softmax_scale;       // multiplies QK^T before the softmax
-    float softmax_scale_log2;  // softmax_scale * log2(e), so the kernel can use exp2
+    float softmax_scale;       // multiplies QK^T before the softmax; the backward scales dK and dQ by it
+    float softmax_scale_log2;  // score_scale * log2(e): the kernels' exp2 factor on a modified score (score_mod.h)
+    float score_scale;         // softmax_scale, or softcap when softcapping: the LSE is row_max * score_scale + log(sum)
+
+    // Attention variants (flash-attn 2.x semantics), all runtime: the host fills them in set_variant_params.
+    // Window: query position p (row + seqlen_k - seqlen_q) sees keys [p - window_left, p + window_right]. Read
+    // only by the masked kernels (kCausal), which serve causal ((unbounded, 0)) and every bounded window; an
+    // unbounded side holds a bound past every key (host_params.cpp), so no kernel tests for -1.
+    int window_left;
+    int window_right;
+    float softcap_prescale;  // > 0: scores become tanh(q.k * softcap_prescale), softcap_prescale = softmax_scale / softcap
+    const float* __restrict__ alibi_slopes_ptr;  // nullptr, or fp32 slopes: sequence b, head h at b * alibi_batch_stride + h
+    index_t alibi_batch_stride;                  // 0 for (nheads,) slopes
+    // Dropout: nullptr, or int64 (2,) [seed, offset] on the device (dropout.h says how they make the mask).
+    const int64_t* __restrict__ rng_state_ptr;
+    uint32_t dropout_threshold;  // an element is dropped when its 32 random bits are below it
+    float dropout_keep_scale;    // 1 / (1 - dropout_p)
 
     bool use_wgmma;  // the plan runs the Hopper (warpgroup-MMA) kernels
     bool short_key_tiles;  // with use_wgmma: the forward runs FwdSm90ShortKeysTileConfig (the plan checked it exists)

@@ -14,14 +14,15 @@ namespace {
 // q, k, v are 4-D (varlen: (1, total, heads, head_dim) views); returns out in q's shape (varlen: 3-D) and the LSE.
 std::tuple<Tensor, Tensor> fwd_impl(const Tensor& q, const Tensor& k, const Tensor& v, double softmax_scale,
                                     bool causal, int64_t num_splits, const std::string& plan_override,
-                                    const Varlen* varlen) {
+                                    const Varlen* varlen, const Variants& variants) {
     check_qkv(q, k, v);
     if (varlen != nullptr) { check_varlen(*varlen, q, k); }
     check_scale(softmax_scale);
+    check_variants(variants, q, varlen != nullptr ? varlen->batch() : q.size(0));
     check_num_splits(num_splits);
     const PlanOverride override = override_of(plan_override);
     check_device(q, k, v);
-    const Problem problem = problem_of(Pass::kFwd, q, k, causal, false, varlen);
+    const Problem problem = problem_of(Pass::kFwd, q, k, causal, false, varlen, variants);
     const Plan plan = plan_call(problem, q, static_cast<int>(num_splits), override, find_fwd_launcher);
     const FwdLauncher launcher = require_fwd_launcher(q, plan);
 
@@ -41,6 +42,7 @@ std::tuple<Tensor, Tensor> fwd_impl(const Tensor& q, const Tensor& k, const Tens
     FwdParams params{};
     set_fwd_params(params, pack_gqa(view4(q), plan.gqa_pack), view4(k), view4(v), pack_gqa(view4(out), plan.gqa_pack),
                    pack_gqa_lse(lse_view(lse), plan.gqa_pack), softmax_scale, varlen, plan);
+    set_variant_params(params, variants, causal);
     std::optional<Tensor> accum;  // std::optional: a default-constructed Tensor costs a shim call
     if (params.num_splits > 1) {
         // One allocation for both partials (each allocation is host time in a host-bound call): o_accum
@@ -62,20 +64,26 @@ std::tuple<Tensor, Tensor> fwd_impl(const Tensor& q, const Tensor& k, const Tens
 
 std::tuple<Tensor, Tensor> fwd(const Tensor& q, const Tensor& k, const Tensor& v, double softmax_scale, bool causal,
                                bool /*deterministic: backward only*/, int64_t num_splits,
-                               const std::string& plan_override) {
-    return fwd_impl(q, k, v, softmax_scale, causal, num_splits, plan_override, nullptr);
+                               const std::string& plan_override, int64_t window_left, int64_t window_right, double softcap,
+                               const std::optional<Tensor>& alibi_slopes, double dropout_p,
+                               const std::optional<Tensor>& rng_state) {
+    const Variants variants{window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state};
+    return fwd_impl(q, k, v, softmax_scale, causal, num_splits, plan_override, nullptr, variants);
 }
 
 std::tuple<Tensor, Tensor> varlen_fwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_seqlens_q,
                                       const Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
                                       double softmax_scale, bool causal, bool /*deterministic: backward only*/,
-                                      const std::string& plan_override) {
+                                      const std::string& plan_override, int64_t window_left, int64_t window_right, double softcap,
+                               const std::optional<Tensor>& alibi_slopes, double dropout_p,
+                               const std::optional<Tensor>& rng_state) {
+    const Variants variants{window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state};
     check_varlen_rank(q, "q", "(total_q, nheads, head_dim)");
     check_varlen_rank(k, "k", "(total_k, nheads_k, head_dim)");
     check_varlen_rank(v, "v", "(total_k, nheads_k, head_dim)");
     const Varlen varlen{cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k};
     return fwd_impl(torch::stable::unsqueeze(q, 0), torch::stable::unsqueeze(k, 0), torch::stable::unsqueeze(v, 0),
-                    softmax_scale, causal, 0, plan_override, &varlen);
+                    softmax_scale, causal, 0, plan_override, &varlen, variants);
 }
 
 }  // namespace flash

@@ -23,7 +23,8 @@ LseView lse_view(const Tensor& lse) {
     return {static_cast<float*>(lse.data_ptr()), lse.dim() == 3 ? lse.stride(0) : 0, lse.stride(lse.dim() - 2)};
 }
 
-Problem problem_of(Pass pass, const Tensor& q, const Tensor& k, bool causal, bool deterministic, const Varlen* varlen) {
+Problem problem_of(Pass pass, const Tensor& q, const Tensor& k, bool causal, bool deterministic, const Varlen* varlen,
+                   const Variants& variants) {
     Problem problem{};
     problem.pass = pass;
     problem.batch = varlen != nullptr ? varlen->batch() : q.size(0);
@@ -32,9 +33,12 @@ Problem problem_of(Pass pass, const Tensor& q, const Tensor& k, bool causal, boo
     problem.nheads = q.size(2);
     problem.nheads_k = k.size(2);
     problem.head_dim = q.size(3);
-    problem.causal = causal;
+    problem.causal = variants.masked(causal);
     problem.deterministic = deterministic;
     problem.varlen = varlen != nullptr;
+    problem.left_window = variants.window_left >= 0;
+    problem.positional = variants.window_left >= 0 || variants.window_right >= 0 || variants.alibi() || variants.dropout();
+    problem.dropout = variants.dropout();
     return problem;
 }
 
@@ -112,9 +116,54 @@ void set_fwd_params(FwdParams& params, const View4& q, const View4& k, const Vie
     params.short_key_tiles = plan.short_key_tile;
     params.num_splits = plan.num_splits;
     params.softmax_scale = static_cast<float>(softmax_scale);
+    params.score_scale = params.softmax_scale;
     // A zero or denormal scale would turn masked scores into NaN (-inf * 0); the smallest normal float
     // keeps them at -inf, and every other exp2 argument still rounds to the same value (0).
     params.softmax_scale_log2 = std::max(static_cast<float>(softmax_scale * M_LOG2E), FLT_MIN);
+    params.dropout_keep_scale = 1.f;
+}
+
+void set_variant_params(FwdParams& params, const Variants& variants, bool causal) {
+    // An unbounded side gets a bound past every key of every sequence, for every row of a block past the last
+    // query too (rows up to seqlen_q + 255): left = seqlen_k + 256 puts p - left below key 0, and
+    // right = seqlen_q + 256 puts p + right at or past seqlen_k, for every position p = row + seqlen_k - seqlen_q. So
+    // the tile tests never see an edge there (BlockBounds). Larger sizes are clamped to these, which changes
+    // nothing; the kernels' positions then stay below seqlen_q + seqlen_k + 512.
+    FLASH_CHECK_ARG(int64_t(params.seqlen_q) + params.seqlen_k < INT32_MAX - 1024,
+                    "seqlen_q + seqlen_k must be below 2^31 - 1024, got ", num(int64_t(params.seqlen_q) + params.seqlen_k));
+    const int64_t left_unbounded = int64_t(params.seqlen_k) + 256;
+    const int64_t right_unbounded = int64_t(params.seqlen_q) + 256;
+    const int64_t right = variants.right(causal);
+    params.window_left =
+        static_cast<int>(variants.window_left >= 0 ? std::min(variants.window_left, left_unbounded) : left_unbounded);
+    params.window_right = static_cast<int>(right >= 0 ? std::min(right, right_unbounded) : right_unbounded);
+    // Softcap c: the kernels take tanh(q.k * scale / c) as the score and c as the exp factor (score_mod.h).
+    const double score_scale = variants.softcap > 0.0 ? variants.softcap : double(params.softmax_scale);
+    // (At least FLT_MIN: a zero prescale would read as no softcap; tanh of a tiny argument is as good as 0.)
+    params.softcap_prescale =
+        variants.softcap > 0.0 ? std::max(static_cast<float>(params.softmax_scale / variants.softcap), FLT_MIN) : 0.f;
+    params.score_scale = static_cast<float>(score_scale);
+    // A zero or denormal factor would turn masked scores into NaN (-inf * 0); the smallest normal float keeps
+    // them at -inf, and every other exp2 argument still rounds to the same value (0).
+    params.softmax_scale_log2 = std::max(static_cast<float>(score_scale * M_LOG2E), FLT_MIN);
+    params.alibi_slopes_ptr = nullptr;
+    params.alibi_batch_stride = 0;
+    if (variants.alibi()) {
+        const Tensor& slopes = *variants.alibi_slopes;
+        params.alibi_slopes_ptr = static_cast<const float*>(slopes.data_ptr());
+        params.alibi_batch_stride = slopes.dim() == 2 ? slopes.stride(0) : 0;
+    }
+    params.rng_state_ptr = nullptr;
+    params.dropout_threshold = 0;
+    params.dropout_keep_scale = 1.f;
+    if (variants.dropout()) {
+        params.rng_state_ptr = static_cast<const int64_t*>(variants.rng_state->data_ptr());
+        // Dropped when the element's 32 random bits fall below p * 2^32 (dropout.h); at least 1, so that a tiny
+        // p still reads as dropout.
+        const double threshold = std::floor(variants.dropout_p * 4294967296.0);
+        params.dropout_threshold = static_cast<uint32_t>(std::clamp(threshold, 1.0, 4294967295.0));
+        params.dropout_keep_scale = static_cast<float>(1.0 / (1.0 - variants.dropout_p));
+    }
 }
 
 std::vector<int64_t> lse_shape(const Tensor& q, const Varlen* varlen) {

@@ -33,8 +33,9 @@ struct LseView {
 // lse: (batch, nheads, seqlen_q) or varlen's (nheads, total_q), contiguous.
 LseView lse_view(const Tensor& lse);
 
-// q, k: 4-D (varlen: (1, total, heads, head_dim) views), checked.
-Problem problem_of(Pass pass, const Tensor& q, const Tensor& k, bool causal, bool deterministic, const Varlen* varlen);
+// q, k: 4-D (varlen: (1, total, heads, head_dim) views), checked; variants checked.
+Problem problem_of(Pass pass, const Tensor& q, const Tensor& k, bool causal, bool deterministic, const Varlen* varlen,
+                   const Variants& variants);
 
 // Parses and checks plan_override (errors name it).
 PlanOverride override_of(const std::string& plan_override);
@@ -55,6 +56,10 @@ BwdLauncher require_bwd_launcher(const Tensor& q, const Plan& plan);
 // varlen, the sequence bounds. q, out and lse are the packed views (pack_gqa).
 void set_fwd_params(FwdParams& params, const View4& q, const View4& k, const View4& v, const View4& out,
                     const LseView& lse, double softmax_scale, const Varlen* varlen, const Plan& plan);
+
+// The variants' fields of params (set after set_fwd_params, whose sizes and scale they read): the window with its
+// unbounded sides made finite, softcap's scales, ALiBi's slopes and dropout's threshold and state.
+void set_variant_params(FwdParams& params, const Variants& variants, bool causal);
 
 // The LSE of (batch, seqlen_q, nheads, d) inputs is (batch, nheads, seqlen_q); of varlen ones (nheads, total_q).
 std::vector<int64_t> lse_shape(const Tensor& q, const Varlen* varlen);

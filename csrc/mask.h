@@ -2,8 +2,8 @@
 // TileMask from its BlockBounds (block.h, the one place the visibility rule lives) and hands it the
 // accumulator as a (rows, cols) view with the matching coordinate view. kQueryIsRow says which coordinate
 // is the query: true for S = Q K^T tiles, false for the Hopper backward's transposed S^T = K Q^T tiles.
-// Coordinates are tile-relative; the mask adds the tile's origin where a test needs absolute positions. A
-// new visibility variant (a sliding window) changes BlockBounds and the predicates below, not the kernels.
+// Coordinates are tile-relative; the mask adds the tile's origin where a test needs absolute positions. The
+// window's two edges (BlockBounds) are tested only in tiles that cross them, which each test decides per tile.
 #pragma once
 
 #include <cmath>
@@ -47,17 +47,21 @@ struct TileMask {
     // Whether the tile hides anything at all; tiles that do not skip the element tests.
     __forceinline__ __device__ bool needs_mask() const { return bounds.tile_needs_mask(m_block, n_block); }
 
-    // Key k is hidden from query q by the diagonal (k - q > BlockBounds::diag): the test of kernels that
-    // handle the sequence end apart (hide_keys_past_end). The first term, BlockBounds::crosses_diagonal in
-    // tile-relative form, is tile-uniform, so the per-element test is skipped for tiles below the diagonal.
+    // Key k is hidden from query q by a window edge (k - q > BlockBounds::diag, or k - q < left_diag): the test
+    // of kernels that handle the sequence end apart (hide_keys_past_end). Whether the tile crosses each edge is
+    // tile-uniform, so tiles inside the window skip the per-element tests; the left edge is never crossed
+    // under a causal mask.
     __forceinline__ __device__ bool hides_past_diagonal(int q, int k) const {
         const int diag = bounds.diag(m_block, n_block);
-        return kCausal && kBlockN - 1 > diag && k - q > diag;
+        const bool right = kCausal && kBlockN - 1 > diag && k - q > diag;
+        const int left_diag = bounds.left_diag(m_block, n_block);
+        const bool left = kCausal && left_diag > 1 - kBlockM && k - q < left_diag;
+        return right || left;
     }
 
-    // Sets every hidden score of the tile (past the diagonal or the sequence end) to -inf, so the softmax
+    // Sets every hidden score of the tile (outside the window or past the sequence end) to -inf, so the softmax
     // gives it weight 0. scores: (rows, cols) view of the accumulator; coords: the matching tile positions.
-    // Each query's limit is formed from its absolute row (one past its last visible key, capped at seqlen_k)
+    // Each query's visible keys [key_begin, key_limit) are formed from its absolute row (capped at the sequence)
     // and compared with absolute keys: in the mma.sync backward the same test in tile-relative positions
     // (against diag) cost a spill.
     template <bool kQueryIsRow, class ScoreTensor, class CoordTensor>
@@ -65,15 +69,18 @@ struct TileMask {
         static_assert(decltype(size(scores))::value == decltype(size(coords))::value, "one coordinate per score");
         const int q0 = m_block * kBlockM;
         const int k0 = n_block * kBlockN;
+        const bool left_edge = bounds.crosses_left_edge(m_block, n_block);
         CUTE_UNROLL
         for (int qi = 0; qi < query_extent<kQueryIsRow>(scores); ++qi) {
             const int q = q0 + query_of<kQueryIsRow>(coords, kQueryIsRow ? qi : 0, kQueryIsRow ? 0 : qi);
             const int key_limit = kCausal ? min(bounds.seqlen_k, bounds.last_visible_key(q) + 1) : bounds.seqlen_k;
+            const int key_begin = left_edge ? bounds.first_visible_key(q) : 0;
             CUTE_UNROLL
             for (int ki = 0; ki < key_extent<kQueryIsRow>(scores); ++ki) {
                 const int i = kQueryIsRow ? qi : ki;
                 const int j = kQueryIsRow ? ki : qi;
-                if (k0 + key_of<kQueryIsRow>(coords, i, j) >= key_limit) { scores(i, j) = -INFINITY; }
+                const int k = k0 + key_of<kQueryIsRow>(coords, i, j);
+                if (k >= key_limit || k < key_begin) { scores(i, j) = -INFINITY; }
             }
         }
     }

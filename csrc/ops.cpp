@@ -9,18 +9,22 @@
 
 STABLE_TORCH_LIBRARY(flash_attn2, m) {
     m.def("fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal, bool deterministic=False, "
-          "int num_splits=0, str plan_override=\"\") -> (Tensor out, Tensor softmax_lse)");
+          "int num_splits=0, str plan_override=\"\", "
+          "int window_left=-1, int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None, float dropout_p=0.0, Tensor? rng_state=None) -> (Tensor out, Tensor softmax_lse)");
     m.def("bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, float softmax_scale, "
-          "bool causal, bool deterministic=False, str plan_override=\"\") -> (Tensor dq, Tensor dk, Tensor dv)");
+          "bool causal, bool deterministic=False, str plan_override=\"\", "
+          "int window_left=-1, int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None, float dropout_p=0.0, Tensor? rng_state=None) -> (Tensor dq, Tensor dk, Tensor dv)");
     m.def("varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, "
-          "int max_seqlen_k, float softmax_scale, bool causal, bool deterministic=False, str plan_override=\"\") -> "
-          "(Tensor out, Tensor softmax_lse)");
+          "int max_seqlen_k, float softmax_scale, bool causal, bool deterministic=False, str plan_override=\"\", "
+          "int window_left=-1, int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None, float dropout_p=0.0, Tensor? rng_state=None) -> (Tensor out, Tensor softmax_lse)");
     m.def("varlen_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, "
           "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float softmax_scale, "
-          "bool causal, bool deterministic=False, str plan_override=\"\") -> (Tensor dq, Tensor dk, Tensor dv)");
+          "bool causal, bool deterministic=False, str plan_override=\"\", "
+          "int window_left=-1, int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None, float dropout_p=0.0, Tensor? rng_state=None) -> (Tensor dq, Tensor dk, Tensor dv)");
     m.def("plan(str pass_name, int batch, int seqlen_q, int seqlen_k, int nheads, int nheads_k, int head_dim, "
           "bool causal=False, bool deterministic=False, bool varlen=False, int num_splits=0, "
-          "str plan_override=\"\", int arch=-1, int num_sms=-1, bool is_bf16=True) -> str");
+          "str plan_override=\"\", int arch=-1, int num_sms=-1, bool is_bf16=True, int window_left=-1, "
+          "int window_right=-1, bool alibi=False, bool dropout=False) -> str");
     m.def("compiled_kernels() -> str[]");
 }
 

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <tuple>
 
@@ -11,26 +12,31 @@
 namespace flash {
 
 std::tuple<Tensor, Tensor> fwd(const Tensor& q, const Tensor& k, const Tensor& v, double softmax_scale, bool causal,
-                               bool deterministic, int64_t num_splits, const std::string& plan_override);
+                               bool deterministic, int64_t num_splits, const std::string& plan_override, int64_t window_left, int64_t window_right, double softcap,
+    const std::optional<Tensor>& alibi_slopes, double dropout_p, const std::optional<Tensor>& rng_state);
 
 std::tuple<Tensor, Tensor> varlen_fwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_seqlens_q,
                                       const Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
                                       double softmax_scale, bool causal, bool deterministic,
-                                      const std::string& plan_override);
+                                      const std::string& plan_override, int64_t window_left, int64_t window_right, double softcap,
+    const std::optional<Tensor>& alibi_slopes, double dropout_p, const std::optional<Tensor>& rng_state);
 
 std::tuple<Tensor, Tensor, Tensor> bwd(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                                        const Tensor& out, const Tensor& softmax_lse, double softmax_scale, bool causal,
-                                       bool deterministic, const std::string& plan_override);
+                                       bool deterministic, const std::string& plan_override, int64_t window_left, int64_t window_right, double softcap,
+    const std::optional<Tensor>& alibi_slopes, double dropout_p, const std::optional<Tensor>& rng_state);
 
 std::tuple<Tensor, Tensor, Tensor> varlen_bwd(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                                               const Tensor& out, const Tensor& softmax_lse, const Tensor& cu_seqlens_q,
                                               const Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
                                               double softmax_scale, bool causal, bool deterministic,
-                                              const std::string& plan_override);
+                                              const std::string& plan_override, int64_t window_left, int64_t window_right, double softcap,
+    const std::optional<Tensor>& alibi_slopes, double dropout_p, const std::optional<Tensor>& rng_state);
 
-// torch.ops.flash_attn2.plan: the plan of one pass for these sizes, as to_string(Plan) writes it.
+// torch.ops.flash_attn2.plan: the plan of one pass for these sizes and variants, as to_string(Plan) writes it.
 std::string plan_op(const std::string& pass_name, int64_t batch, int64_t seqlen_q, int64_t seqlen_k, int64_t nheads,
                     int64_t nheads_k, int64_t head_dim, bool causal, bool deterministic, bool varlen,
-                    int64_t num_splits, const std::string& plan_override, int64_t arch, int64_t num_sms, bool is_bf16);
+                    int64_t num_splits, const std::string& plan_override, int64_t arch, int64_t num_sms, bool is_bf16,
+                    int64_t window_left, int64_t window_right, bool alibi, bool dropout);
 
 }  // namespace flash

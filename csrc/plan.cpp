@@ -93,9 +93,9 @@ void plan_fwd(const Problem& p, const Target& t, int forced_splits, const PlanOv
     const FwdBlockShape shape = fwd_block_shape(plan.kernel_head_dim, plan.causal, plan.wgmma, plan.short_key_tile);
     plan.block_m = shape.block_m;
     plan.block_n = shape.block_n;
-    // Split-KV runs on dense batches only.
+    // Split-KV runs on dense batches only, and without dropout.
     int splits = 1;
-    if (!p.varlen) {
+    if (!p.varlen && !p.dropout) {
         splits = forced_splits > 0 ? forced_splits
                                    : choose_num_splits(ceil_div(seqlen_q, shape.block_m) * p.batch * nheads, p.seqlen_k,
                                                        shape, int64_t(std::max(t.num_sms, 1)) * shape.ctas_per_sm);
@@ -124,7 +124,9 @@ void plan_bwd(const Problem& p, const Target& t, const PlanOverride& o, Plan& pl
     plan.heads_per_cta = walk ? static_cast<int>(nheads / p.nheads_k) : 1;
     plan.dkv_fp32_slices = grouped && !walk;
     plan.key_blocks_per_cta = 1;
-    if (plan.wgmma && bwd_sm90_walks_key_blocks(hd)) {
+    // Under a window's left edge a key block may have no steps, and then starts none of its successor's loads
+    // (BwdSm90Block): one key block per CTA.
+    if (plan.wgmma && bwd_sm90_walks_key_blocks(hd) && !p.left_window) {
         plan.key_blocks_per_cta =
             o.key_blocks > 0 ? o.key_blocks
                              : choose_key_blocks_per_cta(ceil_div(p.seqlen_k, plan.block_n),
@@ -188,11 +190,14 @@ Plan make_plan(const Problem& p, const Target& t, int num_splits, const PlanOver
     plan.kernel_head_dim = kernel_head_dim(p.head_dim);
     // With a single query row the bottom-right aligned causal mask lets it see every key: run the non-causal
     // kernel instead when the build has it (which also allows packing GQA heads).
-    plan.causal = p.causal && !(!p.varlen && p.seqlen_q == 1 && t.noncausal_built);
+    // A window without a left edge is no restriction for it either.
+    plan.causal = p.causal && !(!p.varlen && p.seqlen_q == 1 && !p.left_window && t.noncausal_built);
     // A dense seqlen_q == 1 problem with GQA/MQA (and no causal mask) runs with the `group` query heads that
     // share a key/value head as `group` query rows of one head, so each CTA reads its key/value head once for
     // the whole group, and the backward gets dK/dV per key/value head directly.
-    const bool pack = !p.varlen && !plan.causal && p.seqlen_q == 1 && p.nheads_k > 0 && p.nheads > p.nheads_k;
+    // Not with ALiBi or dropout, which read each query head's own position.
+    const bool pack = !p.varlen && !plan.causal && !p.positional && p.seqlen_q == 1 && p.nheads_k > 0 &&
+                      p.nheads > p.nheads_k;
     plan.gqa_pack = pack ? p.nheads / p.nheads_k : 1;
     plan.wgmma = t.cc_major == 9 && t.cc_minor == 0 && !t.wgmma_disabled && o.wgmma != 0;
     plan.num_splits = 1;

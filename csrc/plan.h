@@ -23,9 +23,12 @@ struct Problem {
     int64_t nheads;
     int64_t nheads_k;
     int64_t head_dim;  // a multiple of 8, at most 256
-    bool causal;
+    bool causal;         // a masked kernel: causal, or a sliding window bounded on either side
     bool deterministic;  // backward only
     bool varlen;
+    bool left_window = false;  // the window has a left edge: a key block may be seen by no query
+    bool positional = false;   // ALiBi, dropout or a window (not plain causal): query heads keep their own positions (no GQA packing)
+    bool dropout = false;      // the forward cannot split keys (the mask follows absolute key positions)
 };
 
 // The GPU and what the build holds for it.

@@ -54,17 +54,18 @@ struct OnlineSoftmax {
         }
     }
 
-    // Divides acc_o by the row sums once and returns each row's natural-log LSE.
+    // Divides acc_o by the row sums once (and multiplies it by out_scale: dropout's 1 / (1 - p)) and returns each
+    // row's natural-log LSE; score_scale is the factor that scale_log2 holds times log2(e).
     // Rows that saw no key get output 0 and LSE +inf (so a later exp(s - lse) is 0).
     template <class AccOTensor>
-    __forceinline__ __device__ auto finalize(AccOTensor& acc_o, float softmax_scale) {
+    __forceinline__ __device__ auto finalize(AccOTensor& acc_o, float score_scale, float out_scale) {
         Tensor lse = make_tensor<float>(Shape<Int<kRows>>{});
         CUTE_UNROLL
         for (int r = 0; r < kRows; ++r) {
             const float sum = quad_allreduce(row_sum(r), [](float a, float b) { return a + b; });
             const bool empty = sum == 0.f;
-            const float inv_sum = empty ? 0.f : 1.f / sum;
-            lse(r) = empty ? INFINITY : row_max(r) * softmax_scale + __logf(sum);
+            const float inv_sum = empty ? 0.f : out_scale / sum;
+            lse(r) = empty ? INFINITY : row_max(r) * score_scale + __logf(sum);
             CUTE_UNROLL
             for (int c = 0; c < size<1>(acc_o); ++c) { acc_o(r, c) *= inv_sum; }
         }

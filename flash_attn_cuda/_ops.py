@@ -34,7 +34,8 @@ _VARLEN_BWD = torch.ops.flash_attn2.varlen_bwd.default
 
 
 @torch.library.register_fake("flash_attn2::fwd")
-def _fwd_fake(q, k, v, softmax_scale, causal, deterministic=False, num_splits=0, plan_override=""):
+def _fwd_fake(q, k, v, softmax_scale, causal, deterministic=False, num_splits=0, plan_override="",
+              window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None):
     batch, seqlen_q, nheads, head_dim = q.shape
     out = q.new_empty((batch, seqlen_q, nheads, head_dim))
     softmax_lse = q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
@@ -42,14 +43,15 @@ def _fwd_fake(q, k, v, softmax_scale, causal, deterministic=False, num_splits=0,
 
 
 @torch.library.register_fake("flash_attn2::bwd")
-def _bwd_fake(dout, q, k, v, out, softmax_lse, softmax_scale, causal, deterministic=False, plan_override=""):
+def _bwd_fake(dout, q, k, v, out, softmax_lse, softmax_scale, causal, deterministic=False, plan_override="",
+              window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None):
     # The op returns contiguous gradients whatever the strides of q, k and v.
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 @torch.library.register_fake("flash_attn2::varlen_fwd")
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                     deterministic=False, plan_override=""):
+                     deterministic=False, plan_override="", window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None):
     total_q, nheads, head_dim = q.shape
     out = q.new_empty((total_q, nheads, head_dim))
     softmax_lse = q.new_empty((nheads, total_q), dtype=torch.float32)
@@ -58,8 +60,30 @@ def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
 @torch.library.register_fake("flash_attn2::varlen_bwd")
 def _varlen_bwd_fake(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                     softmax_scale, causal, deterministic=False, plan_override=""):
+                     softmax_scale, causal, deterministic=False, plan_override="", window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+# Dropout's rng_state: int64 (2,) [seed, offset] on the device, drawn from torch's generator for each call. An op
+# of its own, tagged nondeterministic_seeded, so that under torch.compile it runs as in eager mode (Inductor would
+# otherwise lower torch.randint to its own generator, and compiled and eager runs of one seed would differ), is
+# never deduplicated or recomputed for the backward, and in a CUDA graph is drawn again at every replay.
+torch.library.define("flash_attn2::rng_state", "(Tensor like) -> Tensor", tags=(torch.Tag.nondeterministic_seeded,))
+
+
+@torch.library.impl("flash_attn2::rng_state", "CompositeExplicitAutograd")
+def _rng_state(like):
+    return torch.randint(-2**63, 2**63 - 1, (2,), dtype=torch.int64, device=like.device)
+
+
+@torch.library.register_fake("flash_attn2::rng_state")
+def _rng_state_fake(like):
+    return like.new_empty((2,), dtype=torch.int64)
+
+
+def rng_state(like: torch.Tensor) -> torch.Tensor:
+    """A fresh dropout rng_state on like's device: torch.randint(-2**63, 2**63 - 1, (2,), dtype=torch.int64)."""
+    return torch.ops.flash_attn2.rng_state(like)
 
 
 @functools.cache
@@ -98,35 +122,48 @@ def _out_grad(dout, out):
     return dout.contiguous()
 
 
+# The trailing attention-variant arguments of every op: window_left, window_right, softcap, alibi_slopes,
+# dropout_p, rng_state. The backward gets the forward's, rng_state included, from which it regenerates the
+# forward's dropout mask.
+_NUM_VARIANT_ARGS = 6
+
+
 def _fwd_setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, causal, deterministic, _num_splits, plan_override = inputs
+    q, k, v, softmax_scale, causal, deterministic, _num_splits, plan_override = inputs[:8]
+    window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state = inputs[8:]
     out, softmax_lse = output
-    ctx.save_for_backward(q, k, v, out, softmax_lse)
+    ctx.save_for_backward(q, k, v, out, softmax_lse, alibi_slopes, rng_state)
     # The plan override reaches the backward too, so a forced path holds for both passes.
     ctx.settings = (softmax_scale, causal, deterministic, plan_override)
+    ctx.variants = (window_left, window_right, softcap, dropout_p)
     ctx.set_materialize_grads(False)
 
 
 def _fwd_backward(ctx, dout, _dlse):
-    q, k, v, out, softmax_lse = ctx.saved_tensors
-    dq, dk, dv = _BWD(_out_grad(dout, out), q, k, v, out, softmax_lse, *ctx.settings)
-    return dq, dk, dv, None, None, None, None, None
+    q, k, v, out, softmax_lse, alibi_slopes, rng_state = ctx.saved_tensors
+    window_left, window_right, softcap, dropout_p = ctx.variants
+    dq, dk, dv = _BWD(_out_grad(dout, out), q, k, v, out, softmax_lse, *ctx.settings, window_left, window_right,
+                      softcap, alibi_slopes, dropout_p, rng_state)
+    return (dq, dk, dv) + (None,) * (5 + _NUM_VARIANT_ARGS)
 
 
 def _varlen_fwd_setup_context(ctx, inputs, output):
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic, \
-        plan_override = inputs
+        plan_override = inputs[:11]
+    window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state = inputs[11:]
     out, softmax_lse = output
-    ctx.save_for_backward(q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k)
+    ctx.save_for_backward(q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state)
     ctx.settings = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic, plan_override)
+    ctx.variants = (window_left, window_right, softcap, dropout_p)
     ctx.set_materialize_grads(False)
 
 
 def _varlen_fwd_backward(ctx, dout, _dlse):
-    q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state = ctx.saved_tensors
+    window_left, window_right, softcap, dropout_p = ctx.variants
     dq, dk, dv = _VARLEN_BWD(_out_grad(dout, out), q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k,
-                             *ctx.settings)
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+                             *ctx.settings, window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state)
+    return (dq, dk, dv) + (None,) * (8 + _NUM_VARIANT_ARGS)
 
 
 def _load_cpp_autograd():
@@ -192,19 +229,21 @@ def _call(op, function, args, compiling):
         return op(*args)
 
 
-def fwd(q, k, v, softmax_scale, causal, deterministic, num_splits, plan_override, compiling):
-    """torch.ops.flash_attn2.fwd with its autograd; eager calls skip a registered Python autograd kernel."""
-    args = (q, k, v, softmax_scale, causal, deterministic, num_splits, plan_override)
+def fwd(q, k, v, softmax_scale, causal, deterministic, num_splits, plan_override, variants, compiling):
+    """torch.ops.flash_attn2.fwd with its autograd; eager calls skip a registered Python autograd kernel.
+    variants: the six trailing variant arguments (window_left, window_right, softcap, alibi_slopes, dropout_p,
+    rng_state)."""
+    args = (q, k, v, softmax_scale, causal, deterministic, num_splits, plan_override, *variants)
     if _CPP_AUTOGRAD_TORCH is not None:
         return _FWD(*args)
     return _call(_FWD, _Fwd, args, compiling)
 
 
 def varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-               deterministic, plan_override, compiling):
+               deterministic, plan_override, variants, compiling):
     """torch.ops.flash_attn2.varlen_fwd with its autograd, as fwd()."""
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic,
-            plan_override)
+            plan_override, *variants)
     if _CPP_AUTOGRAD_TORCH is not None:
         return _VARLEN_FWD(*args)
     return _call(_VARLEN_FWD, _VarlenFwd, args, compiling)

@@ -3,21 +3,25 @@
 import torch
 import torch.nn.functional as F
 
-from . import _ops
+from . import _ops, dropout
 from .plan import forced
 
 _ALIGN_ELEMS = 8  # the kernels move 16-byte (8-element) chunks
 
 
-def _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes):
-    if dropout_p != 0.0:
-        raise NotImplementedError(f"dropout_p={dropout_p}: dropout is not implemented yet in flash_attn_cuda")
-    if tuple(window_size) != (-1, -1):
-        raise NotImplementedError(f"window_size={tuple(window_size)}: sliding-window attention is not implemented yet")
-    if softcap != 0.0:
-        raise NotImplementedError(f"softcap={softcap}: softcapping is not implemented yet")
-    if alibi_slopes is not None:
-        raise NotImplementedError("alibi_slopes: ALiBi is not implemented yet")
+def _variants(q, dropout_p, window_size, softcap, alibi_slopes):
+    """The ops' six trailing arguments (window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state) for
+    the public functions' variant arguments; with dropout, a fresh rng_state drawn from torch's generator."""
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        raise ValueError(f"window_size must be a pair (left, right) of integers, got {window_size!r}") from None
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size must hold integers >= -1 (-1: unbounded), got {tuple(window_size)}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    rng_state = _ops.rng_state(q) if dropout_p > 0.0 else None
+    return int(left), int(right), float(softcap), alibi_slopes, float(dropout_p), rng_state
 
 
 def _kernel_ready(x: torch.Tensor, head_dim: int, compiling: bool) -> torch.Tensor:
@@ -84,31 +88,46 @@ def flash_attn_func(
         q: (batch, seqlen_q, nheads, head_dim), float16 or bfloat16, on a CUDA device.
         k, v: (batch, seqlen_k, nheads_k, head_dim); nheads must be a multiple of nheads_k
             (multi-query and grouped-query attention share each k/v head among nheads / nheads_k query heads).
-        dropout_p: attention dropout probability; only 0.0 is supported so far.
+        dropout_p: attention dropout probability in [0, 1): probabilities are dropped after the softmax and the
+            kept ones scaled by 1 / (1 - dropout_p). The mask comes from torch's CUDA generator (one draw per
+            call), so torch.manual_seed reproduces it; the backward regenerates it. Use 0.0 for evaluation.
         softmax_scale: defaults to 1 / sqrt(head_dim).
         causal: query i attends to key j only if j <= i + seqlen_k - seqlen_q (aligned to the bottom-right
             corner of the score matrix). Queries that see no key produce zeros.
-        window_size, softcap, alibi_slopes: accepted for signature compatibility; only the defaults are supported so far.
+        window_size: (left, right) sliding window: the query at position p = i + seqlen_k - seqlen_q sees keys
+            [p - left, p + right]; -1 leaves that side unbounded. causal=True sets right to 0. Key blocks outside
+            the window are skipped, so the cost follows the window.
+        softcap: if > 0, scores become softcap * tanh(softmax_scale * q k^T / softcap) (Gemma 2, Grok).
+        alibi_slopes: float32 (nheads,) or (batch, nheads): adds -slope * |p - j| to the (scaled) scores.
         deterministic: make the backward pass bitwise reproducible (dq is summed in a fixed order, at some cost
             in speed); no effect on the forward pass.
-        return_attn_probs: also return the log-sum-exp and the dropout mask (None without dropout).
+        return_attn_probs: also return the log-sum-exp and, with dropout, S_dmask (see Returns).
 
     head_dim may be any size up to 256; sizes that are not a multiple of 8 are zero-padded internally.
 
     Returns:
         out (batch, seqlen_q, nheads, head_dim), or (out, softmax_lse, S_dmask) with return_attn_probs, where
-        softmax_lse is float32 (batch, nheads, seqlen_q): the natural-log sum of exp(scaled scores) per query row.
+        softmax_lse is float32 (batch, nheads, seqlen_q): the natural-log sum of exp(scores) per query row, of
+        the softmax before dropout. S_dmask is None without dropout; with it, a testing aid computed apart from
+        the kernels (in float32 PyTorch, memory quadratic in the lengths): (batch, nheads, seqlen_q rounded up
+        to 128, seqlen_k rounded up to 128) in q's dtype, the softmax probabilities with the entries dropout
+        removed negated, and zeros outside the mask.
     """
-    _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes)
+    variants = _variants(q, dropout_p, window_size, softcap, alibi_slopes)
+    q_in, k_in, scale_in = q, k, softmax_scale
     q, k, v, softmax_scale, head_dim, compiling = _prepare(q, k, v, softmax_scale, 4,
                                                            "(batch, seqlen, nheads, head_dim)")
     num_splits, plan_override = forced()
     out, softmax_lse = _ops.fwd(q, k, v, softmax_scale, bool(causal), bool(deterministic), num_splits, plan_override,
-                                compiling)
+                                variants, compiling)
     if out.shape[-1] != head_dim:
         out = out[..., :head_dim]
     if return_attn_probs:
-        return out, softmax_lse, None
+        s_dmask = None
+        if variants[4] > 0.0:
+            s_dmask = dropout.s_dmask(q_in, k_in, scale_in, bool(causal), tuple(window_size), variants[2],
+                                      alibi_slopes, variants[4], variants[5])
+        return out, softmax_lse, s_dmask
     return out
 
 
@@ -139,26 +158,34 @@ def flash_attn_varlen_func(
             [cu_seqlens[b], cu_seqlens[b + 1]). Rows outside every sequence are left unwritten in the output.
         max_seqlen_q, max_seqlen_k: Python ints, the longest query and key sequence (they size the launch;
             the kernels never read cu_seqlens on the host, so the call is CUDA-graph safe).
-        causal: per sequence, aligned to the bottom-right corner of its own score matrix.
+        causal, window_size, alibi_slopes: per sequence, aligned to the bottom-right corner of its own score
+            matrix; (batch, nheads) slopes are indexed by sequence. Dropout masks are per sequence too.
         block_table: paged KV cache; not supported yet.
         The other arguments are as in flash_attn_func.
 
     Returns:
-        out (total_q, nheads, head_dim), or (out, softmax_lse, None) with return_attn_probs, where softmax_lse
-        is float32 (nheads, total_q).
+        out (total_q, nheads, head_dim), or (out, softmax_lse, S_dmask) with return_attn_probs, where softmax_lse
+        is float32 (nheads, total_q) and S_dmask is as in flash_attn_func, (batch, nheads, max_seqlen_q and
+        max_seqlen_k rounded up to 128), each sequence's from the top-left corner (None without dropout).
     """
-    _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes)
     if block_table is not None:
         raise NotImplementedError("block_table: a paged KV cache is not implemented yet")
+    variants = _variants(q, dropout_p, window_size, softcap, alibi_slopes)
+    q_in, k_in, scale_in = q, k, softmax_scale
     q, k, v, softmax_scale, head_dim, compiling = _prepare(q, k, v, softmax_scale, 3, "(total, nheads, head_dim)")
     out, softmax_lse = _ops.varlen_fwd(
         q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), softmax_scale, bool(causal),
-        bool(deterministic), forced()[1], compiling,
+        bool(deterministic), forced()[1], variants, compiling,
     )
     if out.shape[-1] != head_dim:
         out = out[..., :head_dim]
     if return_attn_probs:
-        return out, softmax_lse, None
+        s_dmask = None
+        if variants[4] > 0.0:
+            s_dmask = dropout.s_dmask(q_in, k_in, scale_in, bool(causal), tuple(window_size), variants[2],
+                                      alibi_slopes, variants[4], variants[5], cu_seqlens_q, cu_seqlens_k,
+                                      int(max_seqlen_q), int(max_seqlen_k))
+        return out, softmax_lse, s_dmask
     return out
 
 

@@ -97,7 +97,8 @@ def _parse(text: str) -> Plan:
 def plan(pass_: str, *, batch: int, seqlen_q: int, seqlen_k: int, nheads: int, nheads_k: int, head_dim: int,
          causal: bool = False, deterministic: bool = False, varlen: bool = False, num_splits: int = 0,
          override: str = "", arch: Optional[int] = None, num_sms: Optional[int] = None,
-         dtype: torch.dtype = torch.bfloat16) -> Plan:
+         dtype: torch.dtype = torch.bfloat16, window_size: tuple = (-1, -1), alibi: bool = False,
+         dropout: bool = False) -> Plan:
     """The plan of one pass ("fwd" or "bwd") of a call with these sizes.
 
     For varlen calls, ``batch`` is the number of sequences and the lengths are the maxima. ``override`` is a
@@ -105,9 +106,13 @@ def plan(pass_: str, *, batch: int, seqlen_q: int, seqlen_k: int, nheads: int, n
     GPU; left as None they are the current CUDA device's, and the plan is that of this build. Given, the plan
     is computed for that GPU and a build with every kernel family (no GPU needed). ``dtype`` matters only for
     what the build holds (a causal call with one query row runs the non-causal kernel when it is built).
+    ``window_size``, ``alibi`` (slopes given) and ``dropout`` (dropout_p > 0) are the call's variants, which
+    the plan heeds: a window runs the masked kernel, and positional variants rule out GQA packing and dropout
+    key splits.
     """
     text = torch.ops.flash_attn2.plan(pass_, batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, bool(causal),
                                       bool(deterministic), bool(varlen), int(num_splits), override,
                                       -1 if arch is None else int(arch), -1 if num_sms is None else int(num_sms),
-                                      dtype == torch.bfloat16)
+                                      dtype == torch.bfloat16, int(window_size[0]), int(window_size[1]), bool(alibi),
+                                      bool(dropout))
     return _parse(text)

@@ -1,6 +1,16 @@
 """Plain PyTorch attention used as the ground truth in tests and benchmarks.
 
 It materialises the full score matrix, so it is meant for moderate sequence lengths only.
+
+The attention variants follow the semantics of the kernels (and of flash-attn 2.x):
+
+- Query row i sits at key position p = i + seqlen_k - seqlen_q: the masks are aligned to the bottom-right corner
+  of the score matrix, so that the last query row is the last key.
+- A sliding window (left, right) lets position p see key j iff j >= p - left (unless left < 0) and j <= p + right
+  (unless right < 0). causal=True is the window with right = 0 (it keeps left).
+- softcap c > 0 replaces the scaled score s by c * tanh(s / c); ALiBi then adds -slope * |p - j|; the masked scores
+  become -inf; softmax; dropout last, on the probabilities.
+- A row that sees no key has out = 0 and lse = +inf, so that exp(score - lse) is 0 in its backward.
 """
 
 import math
@@ -8,7 +18,97 @@ import math
 import torch
 
 
-def attention_ref(q, k, v, softmax_scale=None, causal=False, upcast=True):
+def visible_mask(seqlen_q, seqlen_k, causal=False, window_size=(-1, -1), device=None):
+    """Which keys each query row sees: bool (seqlen_q, seqlen_k), True where row i may attend to key j.
+
+    Args:
+        causal: the same as window_size[1] = 0 (window_size[0] is kept).
+        window_size: (left, right); a negative bound is no bound on that side.
+    """
+    left, right = window_size
+    if causal:
+        right = 0
+    # Bottom-right alignment: row i stands at key position p, which is negative for the first rows when
+    # seqlen_q > seqlen_k.
+    pos = torch.arange(seqlen_q, device=device).unsqueeze(1) + (seqlen_k - seqlen_q)
+    col = torch.arange(seqlen_k, device=device).unsqueeze(0)
+    visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if left >= 0:
+        visible &= col >= pos - left
+    if right >= 0:
+        visible &= col <= pos + right
+    return visible
+
+
+def _alibi_bias(alibi_slopes, batch, nheads, seqlen_q, seqlen_k, dtype, device):
+    """(batch or 1, nheads, seqlen_q, seqlen_k) in ``dtype``: -slope[b, h] * |p - j|."""
+    if alibi_slopes.shape == (nheads,):
+        slopes = alibi_slopes.unsqueeze(0)  # one set of slopes for every batch row
+    elif alibi_slopes.shape == (batch, nheads):
+        slopes = alibi_slopes
+    else:
+        raise ValueError(f"alibi_slopes must have shape ({nheads},) or ({batch}, {nheads}), "
+                         f"got {tuple(alibi_slopes.shape)}")
+    slopes = slopes.to(device=device, dtype=dtype)
+    pos = torch.arange(seqlen_q, device=device).unsqueeze(1) + (seqlen_k - seqlen_q)
+    col = torch.arange(seqlen_k, device=device).unsqueeze(0)
+    distance = (pos - col).abs().to(dtype)  # exact below 2^24 in float32
+    return -slopes[:, :, None, None] * distance
+
+
+def _masked_scores(q, k, softmax_scale, causal, window_size, softcap, alibi_slopes):
+    """The scores fed to the softmax, (batch, nheads, seqlen_q, seqlen_k) in q's dtype, -inf where masked,
+    and the visible mask (seqlen_q, seqlen_k). q and k must already have the dtype to compute in."""
+    nheads, nheads_k = q.shape[2], k.shape[2]
+    if nheads % nheads_k != 0:
+        raise ValueError(f"nheads ({nheads}) must be a multiple of nheads_k ({nheads_k})")
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+
+    # GQA/MQA: expand the key heads so that query head h reads kv head h // group.
+    k = k.repeat_interleave(nheads // nheads_k, dim=2)
+    qk = torch.einsum("bqhd,bkhd->bhqk", q, k)
+    if softcap > 0:
+        # c * tanh(scale * qk / c), with scale / c folded into one multiplier as the kernels do, so that the
+        # low-precision baseline rounds once before the tanh rather than twice.
+        scores = torch.tanh(qk * (softmax_scale / softcap)) * softcap
+    else:
+        scores = qk * softmax_scale
+
+    batch, _, seqlen_q, seqlen_k = scores.shape
+    if alibi_slopes is not None:
+        # The slopes are float32 by contract and the distances are exact integers, so a float32 product (float64
+        # for float64 scores) is the exact bias rounded once, as in the kernels; a low-precision baseline rounds
+        # it once more, to its own dtype, and adds it in that dtype.
+        wide = torch.promote_types(scores.dtype, torch.float32)
+        bias = _alibi_bias(alibi_slopes, batch, nheads, seqlen_q, seqlen_k, wide, q.device)
+        scores = scores + bias.to(scores.dtype)
+
+    visible = visible_mask(seqlen_q, seqlen_k, causal, window_size, q.device)
+    return scores.masked_fill(~visible, float("-inf")), visible
+
+
+def _softmax(scores, visible):
+    """softmax over the keys, 0 (rather than NaN) in the rows that see no key."""
+    probs = torch.softmax(scores, dim=-1)
+    empty_rows = ~visible.any(dim=-1)  # (seqlen_q,)
+    return probs.masked_fill(empty_rows.unsqueeze(-1), 0.0)
+
+
+def attention_probs(q, k, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
+    """The float32 softmax probabilities P of attention_ref (before dropout).
+
+    Args: as attention_ref.
+
+    Returns:
+        float32 (batch, nheads, seqlen_q, seqlen_k); 0 where a key is masked and in the rows that see no key.
+    """
+    scores, visible = _masked_scores(q.float(), k.float(), softmax_scale, causal, window_size, softcap, alibi_slopes)
+    return _softmax(scores, visible)
+
+
+def attention_ref(q, k, v, softmax_scale=None, causal=False, upcast=True, window_size=(-1, -1), softcap=0.0,
+                  alibi_slopes=None, dropout_p=0.0, dropout_mask=None):
     """Softmax attention with the same layout and semantics as ``flash_attn2.fwd``.
 
     Args:
@@ -17,43 +117,43 @@ def attention_ref(q, k, v, softmax_scale=None, causal=False, upcast=True):
             (each key/value head serves nheads // nheads_k consecutive query heads).
         softmax_scale: multiplier of q @ k^T; defaults to 1 / sqrt(head_dim).
         causal: query row i sees key j iff j <= i + seqlen_k - seqlen_q (the mask is aligned
-            to the bottom-right corner of the score matrix).
+            to the bottom-right corner of the score matrix). The same as window_size[1] = 0.
         upcast: compute in float32 and return a float32 ``out``; otherwise compute entirely in
             the input dtype, which gives the low-precision baseline of the correctness rule.
+        window_size: (left, right): row i, at key position p = i + seqlen_k - seqlen_q, sees key j iff
+            j >= p - left and j <= p + right; a negative bound is no bound on that side.
+        softcap: if > 0, a score s = softmax_scale * q.k becomes softcap * tanh(s / softcap).
+        alibi_slopes: float32 (nheads,) or (batch, nheads); adds -slope * |p - j| to the score of key j
+            (after softcap).
+        dropout_p: dropout probability; the kept probabilities are scaled by 1 / (1 - dropout_p).
+        dropout_mask: bool (batch, nheads, seqlen_q, seqlen_k), True where an entry is kept; required when
+            dropout_p > 0 (flash_attn_cuda.dropout.keep_mask gives the kernels' mask).
 
     Returns:
         out: (batch, seqlen_q, nheads, head_dim). Rows that see no key are 0.
-        lse: float32 (batch, nheads, seqlen_q), natural-log logsumexp of the scaled scores.
-            Rows that see no key are +inf.
+        lse: float32 (batch, nheads, seqlen_q), natural-log logsumexp of the scores (with softcap and
+            ALiBi, without dropout). Rows that see no key are +inf.
     """
-    nheads, nheads_k = q.shape[2], k.shape[2]
-    if nheads % nheads_k != 0:
-        raise ValueError(f"nheads ({nheads}) must be a multiple of nheads_k ({nheads_k})")
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    if dropout_p > 0 and dropout_mask is None:
+        raise ValueError("dropout_p > 0 needs a dropout_mask")
     if upcast:
         q, k, v = q.float(), k.float(), v.float()
 
-    # GQA/MQA: expand the key/value heads so that query head h reads kv head h // group.
-    group = nheads // nheads_k
-    k = k.repeat_interleave(group, dim=2)
-    v = v.repeat_interleave(group, dim=2)
-
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * softmax_scale
-    seqlen_q, seqlen_k = scores.shape[-2:]
-    row = torch.arange(seqlen_q, device=q.device).unsqueeze(1)
-    col = torch.arange(seqlen_k, device=q.device).unsqueeze(0)
-    visible = col <= row + (seqlen_k - seqlen_q) if causal else torch.ones_like(col <= row)
-    scores = scores.masked_fill(~visible, float("-inf"))
-
-    probs = torch.softmax(scores, dim=-1)
+    scores, visible = _masked_scores(q, k, softmax_scale, causal, window_size, softcap, alibi_slopes)
+    probs = _softmax(scores, visible)
     lse = torch.logsumexp(scores, dim=-1).float()
-    # A row with no visible key (causal with seqlen_q > seqlen_k, or seqlen_k == 0) has a NaN softmax
-    # and a logsumexp of -inf; the kernel's convention is out = 0 and lse = +inf, so that
+    # A row with no visible key (causal with seqlen_q > seqlen_k, a window that misses every key, or
+    # seqlen_k == 0) has a logsumexp of -inf; the kernel's convention is lse = +inf, so that
     # exp(score - lse) is 0 for such rows.
     empty_rows = ~visible.any(dim=-1)  # (seqlen_q,)
-    probs = probs.masked_fill(empty_rows.unsqueeze(-1), 0.0)
     lse = lse.masked_fill(empty_rows, float("inf"))
 
+    if dropout_mask is not None:
+        # Dropout acts on the probabilities only: the lse above stays that of the full softmax, which is what
+        # the kernels store and what their backward recomputes P from.
+        probs = probs * dropout_mask.to(probs.device) / (1.0 - dropout_p)
+
+    group = q.shape[2] // k.shape[2]
+    v = v.repeat_interleave(group, dim=2)
     out = torch.einsum("bhqk,bkhd->bqhd", probs, v)
     return out, lse

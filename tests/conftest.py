@@ -327,3 +327,33 @@ def check_forced_plans(q, k, causal, force, *, deterministic=False, lens=None, m
             if p.short_query_tile:
                 assert p.block_m == 16, p
     return plans
+
+
+# ---------------------------------------------------------------- attention variants (issue 20)
+#
+# Window, softcap, ALiBi and dropout, as flash_attn_func takes them. The reference is attention_ref with the same
+# keyword arguments.
+
+
+def varlen_attention_ref(q, k, v, lens_q, lens_k, softmax_scale=None, causal=False, upcast=True,
+                         window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_masks=None):
+    """varlen_attention with the variant arguments of attention_ref: each sequence on its own, packed again.
+
+    alibi_slopes: (nheads,) for every sequence, or (num_sequences, nheads), row b for sequence b.
+    dropout_masks: None, or one bool keep mask (nheads, len_q, len_k) per sequence
+    (flash_attn_cuda.dropout.varlen_keep_mask). Returns out (total_q, nheads, d) and lse (nheads, total_q).
+    """
+    outs, lses = [], []
+    bounds = zip(itertools.pairwise([0, *itertools.accumulate(lens_q)]),
+                 itertools.pairwise([0, *itertools.accumulate(lens_k)]))
+    for b, ((q0, q1), (k0, k1)) in enumerate(bounds):
+        slopes = alibi_slopes
+        if slopes is not None and slopes.dim() == 2:
+            slopes = slopes[b : b + 1]
+        mask = dropout_masks[b][None] if dropout_masks is not None else None
+        out, lse = attention_ref(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], softmax_scale, causal,
+                                 upcast=upcast, window_size=window_size, softcap=softcap, alibi_slopes=slopes,
+                                 dropout_p=dropout_p, dropout_mask=mask)
+        outs.append(out[0])
+        lses.append(lse[0])
+    return torch.cat(outs), torch.cat(lses, dim=1)

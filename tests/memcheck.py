@@ -1,7 +1,8 @@
 """Small forward and backward calls for compute-sanitizer (not a pytest module): odd lengths, causal both
 ways, GQA, padded head dims, strided views, deterministic mode and variable-length batches (with empty and
-one-token sequences), forced split-KV forwards and forced multi-key-block backwards, so out-of-bounds reads
-or writes show up as memcheck errors.
+one-token sequences), forced split-KV forwards and forced multi-key-block backwards, and the attention
+variants (windows, softcap, ALiBi, dropout) on both kernel families, so out-of-bounds reads or writes show up as
+memcheck errors.
 
     compute-sanitizer --tool memcheck python tests/memcheck.py [section ...]
 
@@ -180,7 +181,38 @@ def fwd_regular_tile():
     return calls
 
 
-SECTIONS = [dense, varlen, split_kv, gqa_walk, key_blocks, short_queries, fwd_regular_tile]
+def variants():
+    """Windows (empty rows, one-sided, wider than the sequence), softcap, ALiBi of both slope shapes and dropout,
+    combined, dense and varlen, on both kernel families; returns the calls."""
+    calls = 0
+    windows = ((0, 0), (5, -1), (-1, 3), (300, 300), (40, 0))
+    cu_q, cu_k = cu_seqlens()
+    for head_dim, dtype, causal in itertools.product((64, 128, 256), (torch.float16, torch.bfloat16), (False, True)):
+        if not flash_attn_cuda.kernel_available(head_dim, dtype, causal, backward=True):
+            continue
+        for i, (sq, sk) in enumerate(((1, 17), (113, 77), (77, 203))):
+            q = torch.randn(2, sq, 4, head_dim, device="cuda", dtype=dtype, requires_grad=True)
+            k, v = (torch.randn(2, sk, 2, head_dim, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
+            slopes = torch.rand(2, 4, device="cuda") if i % 2 else torch.rand(4, device="cuda")
+            for kernel in ("mma_sync", None):
+                with force_plan(kernel=kernel):
+                    out = flash_attn_func(q, k, v, dropout_p=0.2 * (i % 2), causal=causal,
+                                          window_size=windows[(i + (kernel is None)) % len(windows)],
+                                          softcap=5.0 * (i != 1), alibi_slopes=slopes, deterministic=i == 2)
+                    out.backward(torch.randn_like(out))
+                calls += 1
+        total_q, total_k = sum(LENS_Q), sum(LENS_K)
+        q = torch.randn(total_q, 4, head_dim, device="cuda", dtype=dtype, requires_grad=True)
+        k, v = (torch.randn(total_k, 2, head_dim, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
+        out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(LENS_Q), max(LENS_K), dropout_p=0.1, causal=causal,
+                                     window_size=(7, 2), softcap=3.0,
+                                     alibi_slopes=torch.rand(len(LENS_Q), 4, device="cuda"))
+        out.backward(torch.randn_like(out))
+        calls += 1
+    return calls
+
+
+SECTIONS = [dense, varlen, split_kv, gqa_walk, key_blocks, short_queries, fwd_regular_tile, variants]
 
 
 def main():

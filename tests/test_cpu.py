@@ -49,6 +49,30 @@ def test_fwd_schema():
     assert "-> (Tensor out, Tensor softmax_lse)" in schema, schema
 
 
+VARIANT_ARGS = ("int window_left=-1", "int window_right=-1", "float softcap=0.", "Tensor? alibi_slopes=None",
+                "float dropout_p=0.", "Tensor? rng_state=None")
+
+
+@pytest.mark.parametrize("op", ["fwd", "bwd", "varlen_fwd", "varlen_bwd"])
+def test_schemas_take_the_variants(op):
+    schema = str(getattr(torch.ops.flash_attn2, op).default._schema)
+    for arg in VARIANT_ARGS:
+        assert arg in schema, (arg, schema)
+    # The backward gets the forward's variants, rng_state included: no argument of either is mutated.
+    assert "!" not in schema, schema
+
+
+def test_rng_state_op_draws_from_torch_generator():
+    like = torch.empty(1)
+    torch.manual_seed(1234)
+    first = torch.ops.flash_attn2.rng_state(like)
+    torch.manual_seed(1234)
+    expected = torch.randint(-2**63, 2**63 - 1, (2,), dtype=torch.int64)
+    assert first.dtype == torch.int64 and first.shape == (2,)
+    assert torch.equal(first, expected)
+    assert torch.Tag.nondeterministic_seeded in torch.ops.flash_attn2.rng_state.default.tags
+
+
 def test_compiled_kernels_are_generated_files():
     # Every kernel the registry reports is one of the generated instantiations, reported once.
     names = torch.ops.flash_attn2.compiled_kernels()
@@ -469,18 +493,52 @@ def test_rejects_wrong_ndim(name, ndim):
         ("window_size", (128, 0)),
         ("window_size", (-1, 64)),
         ("softcap", 30.0),
-        ("alibi_slopes", torch.ones(4)),
+        ("alibi_slopes", "per_head"),
     ],
 )
-def test_flash_attn_func_unsupported_options(option, value):
+def test_flash_attn_func_variant_options_reach_the_device_check(option, value):
+    # Every variant is supported: on CPU tensors a call with one passes the argument checks and fails on the
+    # device check, like a plain call.
     q, k, v = qkv()
-    with pytest.raises(NotImplementedError, match=option):
+    if value == "per_head":
+        value = torch.rand(q.shape[2])
+    with pytest.raises(BAD_INPUT, match="CUDA"):
         flash_attn_func(q, k, v, **{option: value})
 
 
+@pytest.mark.parametrize(
+    "option, value, match",
+    [
+        ("dropout_p", 1.0, "dropout_p"),
+        ("dropout_p", -0.1, "dropout_p"),
+        ("window_size", (-2, 0), "window_size"),
+        ("window_size", (1, 2, 3), "window_size"),
+        ("softcap", -1.0, "softcap"),
+        ("softcap", float("nan"), "softcap"),
+        ("alibi_slopes", "fp16", "alibi_slopes"),
+        ("alibi_slopes", "wrong_shape", "alibi_slopes"),
+    ],
+)
+def test_flash_attn_func_rejects_bad_variant_values(option, value, match):
+    q, k, v = qkv()
+    if value == "fp16":
+        value = torch.rand(q.shape[2]).half()
+    elif value == "wrong_shape":
+        value = torch.rand(q.shape[2] + 1)
+    with pytest.raises(BAD_INPUT, match=match):
+        flash_attn_func(q, k, v, **{option: value})
+
+
+def test_op_requires_rng_state_with_dropout():
+    q, k, v = qkv()
+    with pytest.raises(BAD_INPUT, match="rng_state"):
+        fwd(q, k, v, 0.125, False, False, 0, "", -1, -1, 0.0, None, 0.1, None)
+    with pytest.raises(BAD_INPUT, match="rng_state"):
+        fwd(q, k, v, 0.125, False, False, 0, "", -1, -1, 0.0, None, 0.1, torch.zeros(3, dtype=torch.int64))
+
+
 def test_flash_attn_func_accepts_default_options():
-    # The defaults of the unsupported options must not trip the NotImplementedError checks;
-    # on CPU tensors the call then fails on the device check instead.
+    # The variants' defaults: on CPU tensors the call fails on the device check.
     d, dtype = compiled_config()
     q, k, v = qkv(d=d, dtype=dtype)
     with pytest.raises(BAD_INPUT, match="CUDA"):

@@ -1,0 +1,225 @@
+"""The kernels' attention-dropout mask, recomputed in plain PyTorch (a testing aid).
+
+The kernels decide whether to keep an entry of the probability matrix from a counter-based generator,
+Philox4x32-10, so the mask is a pure function of (seed, offset) and of the entry's coordinates: it can be
+rebuilt here, bit for bit, on any device, from the rng_state the Python wrappers hand to the op.
+
+Layout of the draw (the same in every pass, dense or varlen):
+
+- key = (low 32 bits of seed, high 32 bits of seed)
+- one Philox call per counter (i & ~8, j & ~1, b * nheads + h, low 32 bits of offset) serves the four entries
+  {i, i + 8} x {j, j + 1} of query head h of batch row (varlen: sequence) b; entry (i, j) takes output word
+  2 * bit3(i) + bit0(j) (the rows 8 apart and the column pairs that one thread holds in the kernels' MMA
+  accumulator layouts)
+- the entry is kept iff that word >= min(floor(p * 2^32), 2^32 - 1) (at least 1 when p > 0)
+
+Everything is done on int64 tensors that hold uint32 values, since torch has no unsigned 32-bit arithmetic.
+"""
+
+import math
+
+import torch
+
+from .reference import attention_probs
+
+_MASK32 = 0xFFFFFFFF
+_MULTIPLIERS = (0xD2511F53, 0xCD9E8D57)
+_KEY_BUMPS = (0x9E3779B9, 0xBB67AE85)
+_ROUNDS = 10
+# Entries per chunk of keep_mask. The generator makes one call per four entries and holds a few dozen int64
+# temporaries of one word per call at its peak: about 60 MB at 2^20 entries, beside the bool result.
+_CHUNK_ENTRIES = 1 << 20
+
+
+def _mulhilo(multiplier, x):
+    """(high, low) 32-bit words of the 64-bit product multiplier * x, for a uint32 constant and uint32 values.
+
+    The product needs 64 unsigned bits, more than int64 holds, so x is split into 16-bit halves: each partial
+    product has at most 48 bits, and the high partial product is split again where it crosses bit 32.
+    """
+    x_lo, x_hi = x & 0xFFFF, x >> 16
+    low_part = multiplier * x_lo  # < 2^48
+    high_part = multiplier * x_hi  # < 2^48, weighs 2^16
+    # multiplier * x = (high_part >> 16) * 2^32 + (high_part & 0xffff) * 2^16 + low_part
+    below = ((high_part & 0xFFFF) << 16) + low_part  # < 2^49: no overflow
+    return ((high_part >> 16) + (below >> 32)) & _MASK32, below & _MASK32
+
+
+def philox4x32_10(c0, c1, c2, c3, k0, k1):
+    """Philox4x32 with 10 rounds on int64 tensors (or Python ints) holding uint32 values.
+
+    The inputs broadcast against each other; the four output words come back as int64 tensors of uint32 values.
+    Round r (r = 0..9) uses the key (k0 + r * 0x9E3779B9, k1 + r * 0xBB67AE85) mod 2^32.
+    """
+    c0, c1, c2, c3, k0, k1 = (torch.as_tensor(t, dtype=torch.int64) for t in (c0, c1, c2, c3, k0, k1))
+    for _ in range(_ROUNDS):
+        hi0, lo0 = _mulhilo(_MULTIPLIERS[0], c0)
+        hi1, lo1 = _mulhilo(_MULTIPLIERS[1], c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0 = (k0 + _KEY_BUMPS[0]) & _MASK32
+        k1 = (k1 + _KEY_BUMPS[1]) & _MASK32
+    return c0, c1, c2, c3
+
+
+def _threshold(dropout_p):
+    """The smallest generator word that keeps an entry: floor(p * 2^32), capped at 2^32 - 1, and at least 1 for any
+    p > 0 (as the kernels' threshold, so that a tiny p still drops the word 0)."""
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    threshold = min(math.floor(float(dropout_p) * 2.0**32), _MASK32)
+    return max(threshold, 1) if dropout_p > 0.0 else 0
+
+
+def _seed_and_offset(rng_state):
+    """(seed, offset) of an int64 (2,) rng_state as unsigned 64-bit Python ints (int64 holds their bit patterns)."""
+    if rng_state.dtype != torch.int64 or rng_state.shape != (2,):
+        raise ValueError(f"rng_state must be an int64 tensor of shape (2,), got {rng_state.dtype} "
+                         f"{tuple(rng_state.shape)}")
+    seed, offset = rng_state.tolist()
+    return seed & 0xFFFFFFFFFFFFFFFF, offset & 0xFFFFFFFFFFFFFFFF
+
+
+def _row_counters(start, length, device):
+    """The first counter word of the Philox calls covering rows [start, start + length), start a multiple of 16:
+    the calls of block n (rows 16 n .. 16 n + 15) are 16 n + r for r < 8, and call 16 n + r serves rows 16 n + r
+    (its words 0-1) and 16 n + r + 8 (words 2-3)."""
+    blocks = -(-length // 16)
+    blocks_start = start + 16 * torch.arange(blocks, device=device)
+    return (blocks_start[:, None] + torch.arange(8, device=device)[None, :]).flatten()  # (blocks * 8,)
+
+
+def _col_counters(length, device):
+    """The second counter word of the Philox calls covering columns [0, length): call 2 c serves columns 2 c
+    (words 0 and 2) and 2 c + 1 (words 1 and 3)."""
+    return 2 * torch.arange(-(-length // 2), device=device)  # (pairs,)
+
+
+def _keep(seed, offset, threshold, first_head, count, seqlen_q, seqlen_k, device):
+    """bool (count, seqlen_q, seqlen_k): the keep decisions of the heads b * nheads + h = first_head ... + count - 1
+    (the third counter word)."""
+    key = (seed & _MASK32, (seed >> 32) & _MASK32)
+    out = torch.empty(count, seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if out.numel() == 0:
+        return out
+
+    # The rows are rounded up to whole 16-blocks and the columns to pairs, so that the four words of each call land
+    # in a fixed pattern; the rows and the heads are processed in chunks of about _CHUNK_ENTRIES entries.
+    col_counters = _col_counters(seqlen_k, device)
+    col_pairs = len(col_counters)
+    rows_per_chunk = max(16, _CHUNK_ENTRIES // (col_pairs * 2) // 16 * 16)
+    heads_per_chunk = max(1, _CHUNK_ENTRIES // (min(rows_per_chunk, seqlen_q) * col_pairs * 2))
+    heads = torch.arange(first_head, first_head + count, device=device)
+    for h0 in range(0, count, heads_per_chunk):
+        head_counters = heads[h0:h0 + heads_per_chunk] & _MASK32
+        for r0 in range(0, seqlen_q, rows_per_chunk):
+            rows = min(rows_per_chunk, seqlen_q - r0)
+            row_counters = _row_counters(r0, rows, device)
+            counters = (row_counters[None, :, None], col_counters[None, None, :], head_counters[:, None, None],
+                        offset & _MASK32)
+            words = philox4x32_10(*counters, *key)
+            # (word, head, call row, call column); word = 2 * row bit 3 + column bit 0.
+            kept = torch.stack([w >= threshold for w in torch.broadcast_tensors(*words)])
+            h, row_blocks = len(head_counters), len(row_counters) // 8
+            # Split the word index into its row and column bits and put each next to its position:
+            # (row bit, column bit, head, row block, row in half-block, column pair)
+            # -> (head, row block, row bit, row, column pair, column bit).
+            kept = kept.view(2, 2, h, row_blocks, 8, col_pairs).permute(2, 3, 0, 4, 5, 1)
+            kept = kept.reshape(h, row_blocks * 16, col_pairs * 2)
+            out[h0:h0 + h, r0:r0 + rows] = kept[:, :rows, :seqlen_k]
+    return out
+
+
+def keep_mask(rng_state, dropout_p, batch, nheads, seqlen_q, seqlen_k):
+    """The kernels' dropout decisions for a dense call.
+
+    Args:
+        rng_state: int64 (2,) tensor [seed, offset], as handed to the op.
+        dropout_p: dropout probability in [0, 1).
+        batch, nheads, seqlen_q, seqlen_k: the call's sizes (nheads: query heads).
+
+    Returns:
+        bool (batch, nheads, seqlen_q, seqlen_k) on rng_state's device, True where the entry is kept.
+    """
+    seed, offset = _seed_and_offset(rng_state)
+    keep = _keep(seed, offset, _threshold(dropout_p), 0, batch * nheads, seqlen_q, seqlen_k, rng_state.device)
+    return keep.view(batch, nheads, seqlen_q, seqlen_k)
+
+
+def varlen_keep_mask(rng_state, dropout_p, nheads, lens_q, lens_k):
+    """The kernels' dropout decisions for a varlen call, one mask per sequence.
+
+    Args:
+        rng_state, dropout_p: as keep_mask.
+        nheads: query heads.
+        lens_q, lens_k: the sequence lengths (sequences of ints, or 1-D tensors).
+
+    Returns:
+        A list whose entry b is bool (nheads, lens_q[b], lens_k[b]) on rng_state's device: sequence b draws as
+        batch row b of a dense call, with positions counted from the start of the sequence.
+    """
+    lens_q, lens_k = (x.tolist() if torch.is_tensor(x) else list(x) for x in (lens_q, lens_k))
+    if len(lens_q) != len(lens_k):
+        raise ValueError(f"lens_q and lens_k must have the same length, got {len(lens_q)} and {len(lens_k)}")
+    seed, offset = _seed_and_offset(rng_state)
+    threshold = _threshold(dropout_p)
+    return [_keep(seed, offset, threshold, b * nheads, nheads, len_q, len_k, rng_state.device)
+            for b, (len_q, len_k) in enumerate(zip(lens_q, lens_k))]
+
+
+def _round_up(n, multiple=128):
+    return -(-n // multiple) * multiple
+
+
+def _signed_probs(probs, keep):
+    """P where kept, -P where dropped; +0 (not -0) where P is 0, so that zeros carry no sign."""
+    return torch.where(keep | (probs == 0), probs, -probs)
+
+
+def s_dmask(q, k, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, rng_state, cu_seqlens_q=None,
+            cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
+    """The S_dmask that return_attn_probs gives with dropout: the float32 reference probabilities, negated where
+    dropout removed the entry, 0 where masked and in the padding.
+
+    Args:
+        q: (batch, seqlen_q, nheads, head_dim), or (total_q, nheads, head_dim) with cu_seqlens_q.
+        k: (batch, seqlen_k, nheads_k, head_dim), or (total_k, nheads_k, head_dim) with cu_seqlens_k.
+        softmax_scale, causal, window_size, softcap, alibi_slopes: the call's variants (attention_ref).
+        dropout_p, rng_state: the call's dropout (keep_mask).
+        cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) sequence offsets of a varlen call (read on the host).
+        max_seqlen_q, max_seqlen_k: varlen only; default to the longest sequences.
+
+    Returns:
+        q.dtype (batch, nheads, round_up(seqlen_q, 128), round_up(seqlen_k, 128)) (varlen: of max_seqlen_q/k),
+        on q's device, not attached to autograd.
+    """
+    # A testing aid, not part of the differentiable output: no autograd graph through the reference.
+    q, k = q.detach(), k.detach()
+    variants = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap)
+    if cu_seqlens_q is None:
+        batch, seqlen_q, nheads = q.shape[:3]
+        seqlen_k = k.shape[1]
+        probs = attention_probs(q, k, alibi_slopes=alibi_slopes, **variants)
+        keep = keep_mask(rng_state, dropout_p, batch, nheads, seqlen_q, seqlen_k).to(q.device)
+        out = torch.zeros(batch, nheads, _round_up(seqlen_q), _round_up(seqlen_k), dtype=q.dtype, device=q.device)
+        out[:, :, :seqlen_q, :seqlen_k] = _signed_probs(probs, keep)
+        return out
+
+    starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    lens_q = [b - a for a, b in zip(starts_q, starts_q[1:])]
+    lens_k = [b - a for a, b in zip(starts_k, starts_k[1:])]
+    max_seqlen_q = max(lens_q, default=0) if max_seqlen_q is None else max_seqlen_q
+    max_seqlen_k = max(lens_k, default=0) if max_seqlen_k is None else max_seqlen_k
+    if max(lens_q, default=0) > max_seqlen_q or max(lens_k, default=0) > max_seqlen_k:
+        raise ValueError("a sequence is longer than max_seqlen_q / max_seqlen_k")
+    nheads = q.shape[1]
+    keeps = varlen_keep_mask(rng_state, dropout_p, nheads, lens_q, lens_k)
+    out = torch.zeros(len(lens_q), nheads, _round_up(max_seqlen_q), _round_up(max_seqlen_k), dtype=q.dtype,
+                      device=q.device)
+    for b, keep in enumerate(keeps):
+        q_b = q[starts_q[b]:starts_q[b + 1]].unsqueeze(0)
+        k_b = k[starts_k[b]:starts_k[b + 1]].unsqueeze(0)
+        # Per-batch slopes (batch, nheads) give this sequence its row; shared slopes (nheads,) pass as they are.
+        slopes = alibi_slopes[b:b + 1] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
+        probs = attention_probs(q_b, k_b, alibi_slopes=slopes, **variants)[0]
+        out[b, :, :lens_q[b], :lens_k[b]] = _signed_probs(probs, keep.to(q.device))
+    return out

@@ -1,0 +1,1015 @@
+"""Attention variants on a CUDA device: sliding windows, softcap, ALiBi and dropout, forward and backward.
+
+Every check runs a call on NaN-poisoned memory and applies the correctness rule of conftest.check_results to
+out, lse, dq, dk and dv against attention_ref with the same variant arguments, in float32 on upcast inputs (ref)
+and in the input dtype (ref_lowp); dq and dk get conftest's gradient floors. Dropout runs are compared with the
+reference under the keep mask that flash_attn_cuda.dropout derives from the call's rng_state: either an
+rng_state of our own passed to torch.ops.flash_attn2.* directly, or the one the public function draws, found
+again by seeding torch's generator and drawing as it does (see draw_rng_state).
+
+The default run covers every variant family at every kernel head dim, odd and unequal lengths both ways, rows
+that see no key, GQA/MQA and seqlen_q == 1, both dtypes, and both kernel families (kernel=mma_sync forced, and
+the default, which is the warpgroup-MMA kernel on Hopper), plus the dropout machinery (S_dmask, seeding, CUDA
+graphs, torch.compile, TorchScript, opcheck) and argument validation. ``--exhaustive`` adds the cross products.
+Configurations whose kernels were not compiled are skipped.
+"""
+
+import dataclasses
+import itertools
+import math
+from typing import Optional
+
+import pytest
+import torch
+from conftest import (
+    DTYPE_IDS,
+    DTYPES,
+    KERNEL_HEAD_DIMS,
+    check_forced_plans,
+    check_results,
+    cu_seqlens,
+    fp32_cancellation_floor,
+    poison_allocator,
+    rand,
+    require_fwd_bwd_kernels,
+    requires_gpu,
+    rounded_output_floors,
+    varlen_attention_ref,
+)
+
+import flash_attn_cuda
+from flash_attn_cuda import (
+    flash_attn_func,
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
+    flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
+)
+from flash_attn_cuda.dropout import keep_mask, varlen_keep_mask
+from flash_attn_cuda.plan import force_plan, override_string, plan
+from flash_attn_cuda.reference import attention_probs, attention_ref, visible_mask
+
+pytestmark = [pytest.mark.gpu, requires_gpu]
+
+ops = torch.ops.flash_attn2
+
+
+@pytest.fixture(autouse=True)
+def _setup():
+    torch.manual_seed(0)
+    # The float32 reference must not silently run its matmuls in TF32.
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    yield
+    torch.set_float32_matmul_precision(previous)
+
+
+# ---------------------------------------------------------------- variants
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One combination of the variant arguments of flash_attn_func.
+
+    alibi: None, "heads" (the paper's geometric (nheads,) slopes) or "batch_heads" (random (batch, nheads)
+    slopes). gain: q and k are multiplied by it (a power of two, so exactly) for large-magnitude scores.
+    """
+
+    causal: bool = False
+    window: tuple = (-1, -1)
+    softcap: float = 0.0
+    alibi: Optional[str] = None
+    dropout_p: float = 0.0
+    gain: float = 1.0
+
+
+V = Variant
+VARIANTS = {
+    # Windows. With seqlen_q > seqlen_k, (0, 0) and right-bounded windows leave the first rows with no key.
+    "win-0-0": V(window=(0, 0)),
+    "win-left": V(window=(37, -1)),
+    "win-right": V(window=(-1, 19)),
+    "win-both": V(window=(50, 30)),
+    "win-wide": V(window=(1000, 1000)),  # wider than every sequence: full attention through the masked kernel
+    "causal-left": V(causal=True, window=(45, -1)),
+    "causal-right-ignored": V(causal=True, window=(45, 10)),  # causal bounds the right side at 0
+    # Softcap: a mild one, and a tight one on large scores (tanh saturates).
+    "softcap30": V(softcap=30.0),
+    "softcap2-big": V(softcap=2.0, gain=8.0),
+    # ALiBi: per-head slopes, and per-sequence-and-head slopes under causal.
+    "alibi-h": V(alibi="heads"),
+    "alibi-bh-causal": V(causal=True, alibi="batch_heads"),
+    # Everything together.
+    "combo": V(window=(64, 16), softcap=20.0, alibi="batch_heads"),
+    "combo-causal": V(causal=True, window=(48, -1), softcap=10.0, alibi="heads"),
+    "dropout": V(dropout_p=0.17),
+    "dropout-combo": V(causal=True, window=(48, -1), softcap=10.0, alibi="batch_heads", dropout_p=0.3),
+}
+
+# One representative of each family for the head-dim sweep.
+FAMILIES = {
+    "window": V(window=(32, 8)),
+    "softcap": V(softcap=5.0, gain=2.0),
+    "alibi": V(alibi="batch_heads"),
+    "combo": V(causal=True, window=(40, -1), softcap=15.0, alibi="heads"),
+    "dropout": V(dropout_p=0.2),
+    "dropout-combo": V(window=(24, 40), softcap=8.0, alibi="batch_heads", dropout_p=0.25),
+}
+
+# (batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim): odd, unequal lengths both ways, one query row
+# (the decode path, which packs the query heads of a group as rows of one head) and one key; MHA, GQA and MQA.
+SHAPES = [
+    (2, 113, 203, 6, 2, 64),
+    (2, 203, 113, 4, 1, 128),
+    (3, 1, 257, 8, 2, 256),
+    (2, 257, 1, 4, 4, 96),
+]
+
+# (dtype, kernel) pairs: each test matrix takes one pair per dtype, and the head-dim sweep takes the other two, so
+# both dtypes meet both kernel families. "default" is what the plan picks (the warpgroup-MMA kernels on Hopper),
+# "mma_sync" forces the kernels that Ampere runs.
+PAIRS = [(torch.float16, "default"), (torch.bfloat16, "mma_sync")]
+OTHER_PAIRS = [(torch.bfloat16, "default"), (torch.float16, "mma_sync")]
+ALL_PAIRS = PAIRS + OTHER_PAIRS
+
+
+def pair_id(pair):
+    dtype, kernel = pair
+    return f"{dict(zip(DTYPES, DTYPE_IDS)).get(dtype, str(dtype))}-{kernel}"
+
+
+def kernel_force(kernel):
+    return {} if kernel == "default" else {"kernel": kernel}
+
+
+def shape_id(shape):
+    b, sq, sk, h, hk, d = shape
+    return f"b{b}-sq{sq}-sk{sk}-h{h}-hk{hk}-d{d}"
+
+
+def require_kernels(head_dim, dtype):
+    """Skips unless both masks are compiled: windows run the masked (causal) kernels, the rest the unmasked."""
+    require_fwd_bwd_kernels(head_dim, dtype, False)
+    require_fwd_bwd_kernels(head_dim, dtype, True)
+
+
+def alibi_slopes(kind, batch, nheads, device="cuda"):
+    """fp32 ALiBi slopes: None, the geometric 2^(-8 i / nheads) (i = 1..nheads) of the ALiBi paper, or random
+    per-(batch, head) slopes in [0, 0.5)."""
+    if kind is None:
+        return None
+    if kind == "heads":
+        return torch.tensor([2.0 ** (-8.0 * (i + 1) / nheads) for i in range(nheads)], dtype=torch.float32,
+                            device=device)
+    assert kind == "batch_heads", kind
+    return torch.rand(batch, nheads, dtype=torch.float32, device=device) * 0.5
+
+
+def draw_rng_state(device):
+    """An rng_state drawn exactly as the public functions draw theirs (SPEC): after torch.manual_seed(s), this
+    returns the rng_state that their next call uses."""
+    return torch.randint(-2**63, 2**63 - 1, (2,), dtype=torch.int64, device=device)
+
+
+def op_variant_args(variant, slopes, rng_state):
+    """The six trailing variant arguments of the ops."""
+    left, right = variant.window
+    return (left, right, variant.softcap, slopes, variant.dropout_p, rng_state if variant.dropout_p else None)
+
+
+def func_variant_kwargs(variant, slopes):
+    return dict(dropout_p=variant.dropout_p, causal=variant.causal, window_size=variant.window,
+                softcap=variant.softcap, alibi_slopes=slopes)
+
+
+def ref_variant_kwargs(variant, slopes):
+    return dict(window_size=variant.window, softcap=variant.softcap, alibi_slopes=slopes)
+
+
+def reference_with_grads(attend, q, k, v, dout, upcast):
+    """(out, lse, dq, dk, dv) of the reference ``attend(q, k, v, upcast)`` and autograd through it."""
+    leaves = [(t.detach().float() if upcast else t.detach()).requires_grad_() for t in (q, k, v)]
+    out, lse = attend(*leaves, upcast)
+    grads = torch.autograd.grad(out, leaves, dout.float() if upcast else dout)
+    return (out.detach(), lse.detach(), *grads)
+
+
+def variant_floors(attend, q, k, v, dout, out, scale, rows, dropout_p):
+    """conftest.gradient_floors for a variant call. With dropout, dP is dO V^T scaled by 1 / (1 - p), so the
+    float32 rounding floor grows by as much; the rounded-output floor holds as it is (D = rowsum(dO * O), and dS
+    is off by P_ij delta_i with the undropped P, the gradient of the undropped LSE)."""
+    fp32 = fp32_cancellation_floor(q, k, v, dout, scale, rows) / (1.0 - dropout_p)
+    dq, dk = rounded_output_floors(attend, q, k, v, dout, out)
+    return {"dq": fp32 + dq, "dk": fp32 + dk}
+
+
+def make_inputs(b, sq, sk, h, hk, d, dtype, gain=1.0):
+    q, k, v = rand(b, sq, h, d, dtype=dtype), rand(b, sk, hk, d, dtype=dtype), rand(b, sk, hk, d, dtype=dtype)
+    if gain != 1.0:
+        q, k = q * gain, k * gain
+    return q, k, v
+
+
+# ---------------------------------------------------------------- plans
+
+
+def check_variant_plans(q, k, variant, slopes, force, *, deterministic=False, lens=None):
+    """conftest.check_forced_plans for the call's sizes, then the plans of the call itself (flash_attn_cuda.plan.plan
+    with its window, ALiBi and dropout): each pass keeps the kernel family of the plain call, forced or default, so
+    that the default runs cover the warpgroup-MMA kernels on Hopper; forced key splits hold unless dropout rules
+    them out. Returns {pass: plan of the call}, or {} for a call with nothing to compute."""
+    plain = check_forced_plans(q, k, variant.causal, force, deterministic=deterministic, lens=lens)
+    if not plain:
+        return {}
+    choices = dict(force)
+    num_splits = choices.pop("num_splits", 0)
+    if lens is None:
+        batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
+    else:
+        batch, seqlen_q, seqlen_k = len(lens[0]), max(lens[0]), max(lens[1])
+    plans = {}
+    for pass_ in ("fwd", "bwd"):
+        p = plan(pass_, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=q.shape[-2], nheads_k=k.shape[-2],
+                 head_dim=-(-q.shape[-1] // 8) * 8, causal=variant.causal,
+                 deterministic=deterministic and pass_ == "bwd", varlen=lens is not None, num_splits=num_splits,
+                 override=override_string(**choices), dtype=q.dtype, window_size=variant.window,
+                 alibi=slopes is not None, dropout=variant.dropout_p > 0)
+        assert p.kernel == plain[pass_].kernel, (p, plain[pass_])
+        plans[pass_] = p
+    if num_splits and lens is None and not variant.dropout_p:
+        assert plans["fwd"].num_splits == num_splits, plans["fwd"]
+    return plans
+
+
+# ---------------------------------------------------------------- dense runner
+
+
+def run_dense(q, k, v, variant, *, slopes=None, force=None, deterministic=False, softmax_scale=None, via=None,
+              seed=1234, rng_state=None):
+    """Forward and backward of one dense call, checked against the reference. Returns a dict of the results.
+
+    via="op": torch.ops.flash_attn2.fwd / bwd with the forced choices as num_splits and plan_override, and for
+    dropout an rng_state of our own (``rng_state``, or one drawn here). via="func": flash_attn_func under
+    force_plan, gradients by autograd; with dropout the call runs right after torch.manual_seed(seed), and the
+    reference uses the rng_state that seed gives (draw_rng_state). Default: "op" with dropout, else "func".
+    """
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    via = via or ("op" if variant.dropout_p else "func")
+    force = dict(force or {})
+    plans = check_variant_plans(q, k, variant, slopes, force, deterministic=deterministic)
+    scale = d ** -0.5 if softmax_scale is None else softmax_scale
+    dout = torch.randn_like(q)
+    s_dmask = None
+    if via == "op":
+        if variant.dropout_p and rng_state is None:
+            rng_state = draw_rng_state(q.device)
+        override = override_string(**{n: x for n, x in force.items() if n != "num_splits"})
+        extra = op_variant_args(variant, slopes, rng_state)
+        poison_allocator(q.device)
+        out, lse = ops.fwd(q, k, v, scale, variant.causal, deterministic, force.get("num_splits", 0), override,
+                           *extra)
+        poison_allocator(q.device)
+        dq, dk, dv = ops.bwd(dout, q, k, v, out, lse, scale, variant.causal, deterministic, override, *extra)
+    else:
+        if variant.dropout_p:
+            torch.manual_seed(seed)
+            rng_state = draw_rng_state(q.device)
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        poison_allocator(q.device)
+        torch.manual_seed(seed)
+        with force_plan(**force):
+            out, lse, s_dmask = flash_attn_func(*leaves, softmax_scale=softmax_scale, deterministic=deterministic,
+                                                return_attn_probs=True, **func_variant_kwargs(variant, slopes))
+            dq, dk, dv = torch.autograd.grad(out, leaves, dout)
+        assert (s_dmask is None) == (variant.dropout_p == 0.0)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == (b, h, sq) and lse.dtype == torch.float32
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+
+    mask = None
+    if variant.dropout_p:
+        mask = keep_mask(rng_state, variant.dropout_p, b, h, sq, sk).to(q.device)
+        assert mask.shape == (b, h, sq, sk) and mask.dtype == torch.bool
+
+    def attend(q, k, v, upcast):
+        return attention_ref(q, k, v, softmax_scale, variant.causal, upcast=upcast, dropout_p=variant.dropout_p,
+                             dropout_mask=mask, **ref_variant_kwargs(variant, slopes))
+
+    ref = reference_with_grads(attend, q, k, v, dout, upcast=True)
+    lowp = reference_with_grads(attend, q, k, v, dout, upcast=False)
+    floors = variant_floors(attend, q, k, v, dout, out, abs(scale), sq * (h // hk), variant.dropout_p)
+    check_results(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv), ref, lowp, q.dtype, floors)
+    return {"out": out, "lse": lse, "grads": (dq, dk, dv), "plans": plans, "rng_state": rng_state, "mask": mask,
+            "s_dmask": s_dmask}
+
+
+def check_shape_variant(shape, variant, dtype, kernel, force=None, **kwargs):
+    """run_dense on fresh inputs of ``shape`` (b, sq, sk, h, hk, d), with the kernel family forced (or not) on top
+    of ``force``."""
+    b, sq, sk, h, hk, d = shape
+    require_kernels(d, dtype)
+    q, k, v = make_inputs(b, sq, sk, h, hk, d, dtype, variant.gain)
+    return run_dense(q, k, v, variant, slopes=alibi_slopes(variant.alibi, b, h),
+                     force={**(force or {}), **kernel_force(kernel)}, **kwargs)
+
+
+# ---------------------------------------------------------------- dense: default matrix
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=pair_id)
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_variants(name, shape, pair):
+    """Every variant on odd and unequal lengths both ways, a single query row (GQA decode packing) and a single
+    key, with MHA, GQA and MQA."""
+    check_shape_variant(shape, VARIANTS[name], *pair)
+
+
+@pytest.mark.parametrize("pair", OTHER_PAIRS, ids=pair_id)
+@pytest.mark.parametrize("head_dim", KERNEL_HEAD_DIMS)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_variant_head_dims(family, head_dim, pair):
+    """Each variant family at every kernel head dim, on lengths that cross key and query blocks."""
+    dtype, kernel = pair
+    shape = (2, 97, 161, 6, 2, head_dim) if kernel == "default" else (2, 161, 97, 4, 1, head_dim)
+    check_shape_variant(shape, FAMILIES[family], dtype, kernel)
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=pair_id)
+@pytest.mark.parametrize("scale", [0.05, -0.3])
+def test_explicit_softmax_scale(scale, pair):
+    """softcap and ALiBi apply after the scale; a negative scale (run as -q with |scale|) changes nothing."""
+    check_shape_variant((2, 150, 201, 4, 2, 64), VARIANTS["combo"], *pair, softmax_scale=scale)
+
+
+@pytest.mark.parametrize("kernel", ["default", "mma_sync"])
+@pytest.mark.parametrize("gain", [8.0, 16.0])
+@pytest.mark.parametrize("variant", [V(softcap=2.0), V(softcap=30.0), V(alibi="heads"),
+                                     V(causal=True, window=(70, -1), softcap=5.0, alibi="batch_heads")],
+                         ids=["softcap2", "softcap30", "alibi", "combo"])
+def test_large_magnitude_inputs(variant, gain, kernel):
+    """fp16 q and k scaled by 8 or 16: scores in the thousands before the softcap, no NaN or overflow anywhere
+    (check_close rejects any NaN)."""
+    variant = dataclasses.replace(variant, gain=gain)
+    check_shape_variant((2, 129, 260, 4, 2, 128), variant, torch.float16, kernel)
+
+
+# Plan choices that the Hopper kernels have (conftest.check_forced_plans asserts each where it applies and that it
+# is off elsewhere), each with the variants together: split-KV forward (splits that see no visible key at all),
+# short-key forward tile, short-query backward tile, GQA group walks and several key blocks per backward CTA.
+HOPPER_PATHS = {
+    "split3": ({"num_splits": 3}, (2, 17, 1023, 8, 2)),
+    "short-keys": ({"short_keys": True}, (2, 113, 1023, 4, 4)),
+    "regular-keys": ({"short_keys": False}, (2, 113, 300, 4, 4)),
+    "short-queries": ({"short_queries": True, "key_blocks": 3, "gqa_walk": True}, (2, 113, 777, 6, 2)),
+    "gqa-walk": ({"gqa_walk": True}, (2, 113, 777, 8, 2)),
+    "no-gqa-walk": ({"gqa_walk": False}, (2, 257, 300, 8, 1)),
+    "key-blocks2": ({"key_blocks": 2}, (1, 300, 200, 3, 3)),
+}
+
+
+@pytest.mark.parametrize("dropout", [False, True], ids=["no-dropout", "dropout"])
+@pytest.mark.parametrize("path", list(HOPPER_PATHS))
+def test_forced_paths(path, dropout):
+    force, (b, sq, sk, h, hk) = HOPPER_PATHS[path]
+    if dropout and "num_splits" in force:
+        pytest.skip("split-KV with dropout runs where the heuristic splits (test_dropout_decode_split)")
+    require_kernels(128, torch.bfloat16)
+    # No left window edge: under one, the Hopper backward keeps one key block per CTA whatever key_blocks says.
+    variant = V(window=(-1, 50), softcap=20.0, alibi="batch_heads", dropout_p=0.2 if dropout else 0.0)
+    q, k, v = make_inputs(b, sq, sk, h, hk, 128, torch.bfloat16)
+    plans = run_dense(q, k, v, variant, slopes=alibi_slopes(variant.alibi, b, h), force=force)["plans"]
+    bwd_plan = plans["bwd"]
+    if "key_blocks" in force and bwd_plan.kernel == "wgmma":
+        assert bwd_plan.key_blocks_per_cta == force["key_blocks"], bwd_plan
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_window_split_kv_with_empty_splits(causal):
+    """A narrow window over 4097 keys split 7 ways: most splits see no key of some rows, or of any row."""
+    require_kernels(64, torch.bfloat16)
+    q, k, v = make_inputs(2, 17, 4097, 4, 1, 64, torch.bfloat16)
+    variant = V(causal=causal, window=(100, -1 if causal else 30), softcap=10.0, alibi="heads")
+    plans = run_dense(q, k, v, variant, slopes=alibi_slopes("heads", 2, 4), force={"num_splits": 7})["plans"]
+    assert plans["fwd"].num_splits == 7, plans["fwd"]
+
+
+# ---------------------------------------------------------------- deterministic backward
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2], ids=["window", "window-dropout"])
+def test_deterministic_backward_is_bitwise(dropout_p):
+    """deterministic=True: three runs (same seed) give bitwise-identical outputs and gradients, and they are
+    right; the lengths are long enough for the default mode's dq atomics to land in varying orders."""
+    require_kernels(128, torch.bfloat16)
+    variant = V(window=(256, 64), softcap=20.0, alibi="heads", dropout_p=dropout_p)
+    q, k, v = make_inputs(2, 300, 1023, 8, 2, 128, torch.bfloat16)
+    slopes = alibi_slopes("heads", 2, 8)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    dout = torch.randn_like(q)
+    runs = []
+    for _ in range(3):
+        torch.manual_seed(7)
+        out = flash_attn_func(*leaves, deterministic=True, **func_variant_kwargs(variant, slopes))
+        runs.append((out, *torch.autograd.grad(out, leaves, dout)))
+    for other in runs[1:]:
+        for name, a, b in zip(("out", "dq", "dk", "dv"), runs[0], other):
+            assert torch.equal(a, b), name
+    run_dense(q, k, v, variant, slopes=slopes, deterministic=True, via="func", seed=7)
+    if dropout_p:
+        run_dense(q, k, v, variant, slopes=slopes, deterministic=True, via="op")
+
+
+# ---------------------------------------------------------------- varlen
+
+# Lengths with empty, single-token and odd sequences, seqlen_q > seqlen_k and the reverse.
+LENS_Q = [0, 1, 17, 113, 64, 300, 5]
+LENS_K = [7, 0, 17, 200, 64, 129, 1]
+
+
+def run_varlen(lens_q, lens_k, h, hk, d, dtype, variant, *, force=None, deterministic=False, via=None, seed=1234):
+    """Forward and backward of one flash_attn_varlen_func / varlen op call against the reference run on each
+    sequence (conftest.varlen_attention_ref); ALiBi (batch, nheads) slopes are per sequence. via as in
+    run_dense. Returns a dict of the results."""
+    q = rand(sum(lens_q), h, d, dtype=dtype)
+    k, v = rand(sum(lens_k), hk, d, dtype=dtype), rand(sum(lens_k), hk, d, dtype=dtype)
+    if variant.gain != 1.0:
+        q, k = q * variant.gain, k * variant.gain
+    slopes = alibi_slopes(variant.alibi, len(lens_q), h)
+    cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
+    max_q, max_k = max(lens_q), max(lens_k)
+    via = via or ("op" if variant.dropout_p else "func")
+    force = dict(force or {})
+    check_variant_plans(q, k, variant, slopes, force, deterministic=deterministic, lens=(lens_q, lens_k))
+    scale = d ** -0.5
+    dout = torch.randn_like(q)
+    rng_state, s_dmask = None, None
+    if via == "op":
+        if variant.dropout_p:
+            rng_state = draw_rng_state(q.device)
+        override = override_string(**force)
+        extra = op_variant_args(variant, slopes, rng_state)
+        poison_allocator(q.device)
+        out, lse = ops.varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, variant.causal, deterministic,
+                                  override, *extra)
+        poison_allocator(q.device)
+        dq, dk, dv = ops.varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, variant.causal,
+                                    deterministic, override, *extra)
+    else:
+        if variant.dropout_p:
+            torch.manual_seed(seed)
+            rng_state = draw_rng_state(q.device)
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        poison_allocator(q.device)
+        torch.manual_seed(seed)
+        with force_plan(**force):
+            out, lse, s_dmask = flash_attn_varlen_func(*leaves, cu_q, cu_k, max_q, max_k,
+                                                       deterministic=deterministic, return_attn_probs=True,
+                                                       **func_variant_kwargs(variant, slopes))
+            dq, dk, dv = torch.autograd.grad(out, leaves, dout)
+        assert (s_dmask is None) == (variant.dropout_p == 0.0)
+    assert lse.shape == (h, sum(lens_q)) and lse.dtype == torch.float32
+
+    masks = None
+    if variant.dropout_p:
+        masks = [m.to(q.device) for m in varlen_keep_mask(rng_state, variant.dropout_p, h, lens_q, lens_k)]
+        assert [tuple(m.shape) for m in masks] == [(h, lq, lk) for lq, lk in zip(lens_q, lens_k)]
+
+    def attend(q, k, v, upcast):
+        return varlen_attention_ref(q, k, v, lens_q, lens_k, scale, variant.causal, upcast,
+                                    dropout_p=variant.dropout_p, dropout_masks=masks,
+                                    **ref_variant_kwargs(variant, slopes))
+
+    ref = reference_with_grads(attend, q, k, v, dout, upcast=True)
+    lowp = reference_with_grads(attend, q, k, v, dout, upcast=False)
+    floors = variant_floors(attend, q, k, v, dout, out, scale, max(lens_q) * (h // hk), variant.dropout_p)
+    check_results(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv), ref, lowp, dtype, floors)
+    return {"q": q, "k": k, "slopes": slopes, "rng_state": rng_state, "masks": masks, "s_dmask": s_dmask,
+            "grads": (dq, dk, dv)}
+
+
+VARLEN_VARIANTS = ["win-0-0", "win-left", "win-right", "causal-left", "softcap2-big", "alibi-bh-causal", "combo",
+                   "combo-causal", "dropout", "dropout-combo"]
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=pair_id)
+@pytest.mark.parametrize("name", VARLEN_VARIANTS)
+def test_varlen_variants(name, pair):
+    dtype, kernel = pair
+    d = 64 if kernel == "default" else 128
+    require_kernels(d, dtype)
+    run_varlen(LENS_Q, LENS_K, 6, 2, d, dtype, VARIANTS[name], force=kernel_force(kernel))
+
+
+@pytest.mark.parametrize("h, hk", [(4, 4), (8, 1)], ids=["mha", "mqa"])
+@pytest.mark.parametrize("lens", [([1, 1, 1], [300, 1, 77]), ([1023, 1, 0], [0, 1, 1023])],
+                         ids=["decode", "long-short-empty"])
+def test_varlen_variant_lengths(lens, h, hk):
+    require_kernels(128, torch.bfloat16)
+    run_varlen(*lens, h, hk, 128, torch.bfloat16, V(causal=True, window=(64, -1), softcap=10.0, alibi="batch_heads"))
+
+
+# ---------------------------------------------------------------- packed functions
+
+
+# The packed/unpacked comparisons are bitwise: deterministic backward, and the same seed for the dropout draw.
+PACKED_VARIANT = V(window=(20, 5), softcap=15.0, alibi="batch_heads", dropout_p=0.2)
+
+
+def packed_kwargs(slopes):
+    return dict(deterministic=True, **func_variant_kwargs(PACKED_VARIANT, slopes))
+
+
+def seeded(fn, *args, **kwargs):
+    torch.manual_seed(99)
+    return fn(*args, **kwargs)
+
+
+def test_qkvpacked_passes_variants():
+    require_kernels(64, torch.bfloat16)
+    qkv = rand(2, 97, 3, 4, 64, dtype=torch.bfloat16).requires_grad_()
+    q, k, v = (qkv.detach()[:, :, i].clone().requires_grad_() for i in range(3))
+    slopes = alibi_slopes("batch_heads", 2, 4)
+    out_packed = seeded(flash_attn_qkvpacked_func, qkv, **packed_kwargs(slopes))
+    out = seeded(flash_attn_func, q, k, v, **packed_kwargs(slopes))
+    assert torch.equal(out_packed, out)
+    dout = torch.randn_like(out)
+    (dqkv,) = torch.autograd.grad(out_packed, (qkv,), dout)
+    assert torch.equal(dqkv, torch.stack(torch.autograd.grad(out, (q, k, v), dout), dim=2))
+    # And the variants did take effect: not the plain attention.
+    assert not torch.equal(out, flash_attn_func(q, k, v, deterministic=True))
+
+
+def test_kvpacked_passes_variants():
+    require_kernels(64, torch.bfloat16)
+    q = rand(2, 61, 4, 64, dtype=torch.bfloat16).requires_grad_()
+    kv = rand(2, 97, 2, 2, 64, dtype=torch.bfloat16).requires_grad_()
+    k, v = (kv.detach()[:, :, i].clone().requires_grad_() for i in range(2))
+    slopes = alibi_slopes("batch_heads", 2, 4)
+    out_packed = seeded(flash_attn_kvpacked_func, q, kv, **packed_kwargs(slopes))
+    out = seeded(flash_attn_func, q, k, v, **packed_kwargs(slopes))
+    assert torch.equal(out_packed, out)
+    dout = torch.randn_like(out)
+    dq_packed, dkv = torch.autograd.grad(out_packed, (q, kv), dout)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    assert torch.equal(dq_packed, dq) and torch.equal(dkv, torch.stack((dk, dv), dim=2))
+    assert not torch.equal(out, flash_attn_func(q, k, v, deterministic=True))
+
+
+def test_varlen_qkvpacked_passes_variants():
+    require_kernels(64, torch.bfloat16)
+    lens = [5, 0, 130, 64, 1]
+    cu, total, max_len = cu_seqlens(lens), sum(lens), max(lens)
+    qkv = rand(total, 3, 4, 64, dtype=torch.bfloat16).requires_grad_()
+    q, k, v = (qkv.detach()[:, i].clone().requires_grad_() for i in range(3))
+    slopes = alibi_slopes("batch_heads", len(lens), 4)
+    out_packed = seeded(flash_attn_varlen_qkvpacked_func, qkv, cu, max_len, **packed_kwargs(slopes))
+    out = seeded(flash_attn_varlen_func, q, k, v, cu, cu, max_len, max_len, **packed_kwargs(slopes))
+    assert torch.equal(out_packed, out)
+    dout = torch.randn_like(out)
+    (dqkv,) = torch.autograd.grad(out_packed, (qkv,), dout)
+    assert torch.equal(dqkv, torch.stack(torch.autograd.grad(out, (q, k, v), dout), dim=1))
+
+
+def test_varlen_kvpacked_passes_variants():
+    require_kernels(64, torch.bfloat16)
+    lens_q, lens_k = [5, 0, 130, 64, 1], [9, 3, 64, 130, 0]
+    cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
+    q = rand(sum(lens_q), 4, 64, dtype=torch.bfloat16).requires_grad_()
+    kv = rand(sum(lens_k), 2, 2, 64, dtype=torch.bfloat16).requires_grad_()
+    k, v = (kv.detach()[:, i].clone().requires_grad_() for i in range(2))
+    slopes = alibi_slopes("batch_heads", len(lens_q), 4)
+    args = (cu_q, cu_k, max(lens_q), max(lens_k))
+    out_packed = seeded(flash_attn_varlen_kvpacked_func, q, kv, *args, **packed_kwargs(slopes))
+    out = seeded(flash_attn_varlen_func, q, k, v, *args, **packed_kwargs(slopes))
+    assert torch.equal(out_packed, out)
+    dout = torch.randn_like(out)
+    dq_packed, dkv = torch.autograd.grad(out_packed, (q, kv), dout)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    assert torch.equal(dq_packed, dq) and torch.equal(dkv, torch.stack((dk, dv), dim=1))
+
+
+# ---------------------------------------------------------------- dropout: masks, seeds, graphs, compile
+
+
+def round_up(n, m=128):
+    return -(-n // m) * m
+
+
+def keep_fraction_bound(n, p):
+    """Six standard deviations of the kept fraction of n independent entries (and a floor for tiny n)."""
+    return 6.0 * math.sqrt(p * (1.0 - p) / max(n, 1)) + 1e-3
+
+
+def reference_probs(q, k, causal, window, softcap, slopes, softmax_scale=None):
+    """The undropped float32 softmax probabilities P (b, h, sq, sk) of the reference."""
+    return attention_probs(q, k, softmax_scale, causal, window_size=window, softcap=softcap, alibi_slopes=slopes)
+
+
+def check_s_dmask(region, pad, probs, keep, visible, dtype):
+    """One sequence's S_dmask: ``region`` (h, sq, sk) its unpadded part, ``pad`` the rest of its padded slice,
+    probs (float32) and keep (h, sq, sk), visible (sq, sk). Returns (kept, counted) for the keep fraction.
+
+    The sign is checked where the float32 P is positive: an exact 0 (a score so far below the row's maximum that
+    exp underflows) may carry either sign. A P that only rounds to zero in the dtype is negated before rounding,
+    hence torch.signbit rather than < 0.
+    """
+    assert region.dtype == dtype
+    assert (pad == 0).all(), "S_dmask padding must be zero"
+    vis = visible.expand_as(keep)
+    assert (region[~vis] == 0).all(), "S_dmask must be zero outside the attention mask"
+    torch.testing.assert_close(region.abs().float()[vis], probs[vis], rtol=torch.finfo(dtype).eps, atol=1e-6)
+    counted = vis & (probs > 0)
+    dropped = torch.signbit(region)
+    assert torch.equal(dropped[counted], ~keep[counted]), "S_dmask's dropped entries differ from dropout.keep_mask"
+    return (~dropped[counted]).sum().item(), counted.sum().item()
+
+
+DMASK_CASES = {
+    "plain-p50": (V(dropout_p=0.5), (2, 129, 200, 4, 4, 64), torch.bfloat16),
+    "combo-p17": (V(window=(64, 16), softcap=20.0, alibi="batch_heads", dropout_p=0.17), (2, 257, 300, 6, 2, 128),
+                  torch.float16),
+    "causal-empty-rows-p30": (V(causal=True, window=(30, -1), alibi="heads", dropout_p=0.3), (2, 300, 129, 4, 1, 64),
+                              torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("case", list(DMASK_CASES))
+def test_dropout_s_dmask_and_seed(case):
+    """flash_attn_func with dropout: out, lse and gradients match the reference under the keep mask of the
+    rng_state that torch.manual_seed(s) makes it draw; S_dmask carries P with exactly that mask's dropped entries
+    negated, zeros elsewhere, and keeps 1 - p of the visible entries."""
+    variant, (b, sq, sk, h, hk, d), dtype = DMASK_CASES[case]
+    require_kernels(d, dtype)
+    q, k, v = make_inputs(b, sq, sk, h, hk, d, dtype)
+    slopes = alibi_slopes(variant.alibi, b, h)
+    result = run_dense(q, k, v, variant, slopes=slopes, via="func", seed=31)
+    s_dmask = result["s_dmask"]
+    assert s_dmask.shape == (b, h, round_up(sq), round_up(sk))
+    probs = reference_probs(q, k, variant.causal, variant.window, variant.softcap, slopes)
+    visible = visible_mask(sq, sk, variant.causal, variant.window, q.device)
+    kept = counted = 0
+    for i in range(b):
+        pad = s_dmask[i].clone()
+        pad[:, :sq, :sk] = 0
+        n_kept, n = check_s_dmask(s_dmask[i, :, :sq, :sk], pad, probs[i], result["mask"][i], visible, dtype)
+        kept, counted = kept + n_kept, counted + n
+    assert abs(kept / counted - (1 - variant.dropout_p)) <= keep_fraction_bound(counted, variant.dropout_p)
+
+
+def test_varlen_dropout_s_dmask_and_seed():
+    """As test_dropout_s_dmask_and_seed, through flash_attn_varlen_func: the mask element of a sequence uses its
+    index as the batch index and positions within the sequence."""
+    require_kernels(64, torch.bfloat16)
+    variant = V(window=(40, 10), softcap=10.0, alibi="batch_heads", dropout_p=0.3)
+    h = 4
+    result = run_varlen(LENS_Q, LENS_K, h, 2, 64, torch.bfloat16, variant, via="func", seed=77)
+    s_dmask = result["s_dmask"]
+    assert s_dmask.shape == (len(LENS_Q), h, round_up(max(LENS_Q)), round_up(max(LENS_K)))
+    kept = counted = 0
+    q0 = k0 = 0
+    for i, (lq, lk) in enumerate(zip(LENS_Q, LENS_K)):
+        slopes = result["slopes"][i : i + 1]
+        probs = reference_probs(result["q"][None, q0 : q0 + lq], result["k"][None, k0 : k0 + lk], variant.causal,
+                                variant.window, variant.softcap, slopes)[0]
+        pad = s_dmask[i].clone()
+        pad[:, :lq, :lk] = 0
+        n_kept, n = check_s_dmask(s_dmask[i, :, :lq, :lk], pad, probs, result["masks"][i],
+                                  visible_mask(lq, lk, variant.causal, variant.window, "cuda"), torch.bfloat16)
+        kept, counted = kept + n_kept, counted + n
+        q0, k0 = q0 + lq, k0 + lk
+    assert abs(kept / counted - (1 - variant.dropout_p)) <= keep_fraction_bound(counted, variant.dropout_p)
+
+
+def test_dropout_seeding():
+    """The public function draws rng_state from torch's CUDA generator and nothing else: the same seed gives the
+    same output, gradients and generator state afterwards, another seed another mask; the backward draws
+    nothing; and the output equals the op's under the rng_state the seed gives."""
+    require_kernels(64, torch.bfloat16)
+    q, k, v = (t.requires_grad_() for t in make_inputs(2, 200, 300, 4, 2, 64, torch.bfloat16))
+    slopes = alibi_slopes("heads", 2, 4)
+    kwargs = dict(dropout_p=0.25, window_size=(100, 20), softcap=30.0, alibi_slopes=slopes, deterministic=True)
+    dout = torch.randn_like(q)
+
+    def call(seed):
+        torch.manual_seed(seed)
+        out = flash_attn_func(q, k, v, **kwargs)
+        state = torch.cuda.get_rng_state()
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        assert torch.equal(torch.cuda.get_rng_state(), state), "the backward must not draw random numbers"
+        return out, grads, state
+
+    out1, grads1, state1 = call(5)
+    out2, grads2, state2 = call(5)
+    assert torch.equal(out1, out2) and all(torch.equal(a, b) for a, b in zip(grads1, grads2))
+    out3, _, _ = call(6)
+    assert not torch.equal(out1, out3)
+
+    torch.manual_seed(5)
+    rng_state = draw_rng_state(q.device)
+    assert torch.equal(torch.cuda.get_rng_state(), state1), "the call must draw exactly one rng_state"
+    out_op, _ = ops.fwd(q.detach(), k.detach(), v.detach(), 64 ** -0.5, False, True, 0, "", 100, 20, 30.0, slopes,
+                        0.25, rng_state)
+    assert torch.equal(out_op, out1)
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=pair_id)
+@pytest.mark.parametrize("dropout_p", [0.05, 0.5, 0.9])
+def test_dropout_rates(dropout_p, pair):
+    """Low and high rates; rng_states with all 64 bits of seed and offset in use."""
+    dtype, kernel = pair
+    require_kernels(64, dtype)
+    q, k, v = make_inputs(2, 140, 333, 4, 2, 64, dtype)
+    # [seed, offset] as unsigned 64-bit values: all ones, and high and low halves that differ.
+    for words in ((2**64 - 1, 2**64 - 1), (0xDEADBEEF_CAFEF00D, 0x7FFFFFFF_0000ABCD)):
+        rng = torch.tensor([w - 2**64 if w >= 2**63 else w for w in words], dtype=torch.int64, device="cuda")
+        run_dense(q, k, v, V(window=(80, 80), dropout_p=dropout_p), force=kernel_force(kernel), rng_state=rng)
+
+
+@pytest.mark.parametrize("h, hk", [(8, 2), (4, 1)], ids=["gqa", "mqa"])
+def test_dropout_decode_split(h, hk):
+    """One query row against long keys, a shape whose plain call splits the keys (on large GPUs) and runs the query
+    heads of a group as rows of one head: with dropout and ALiBi, which read each element's own head and key
+    index, it must come out right all the same."""
+    require_kernels(128, torch.bfloat16)
+    q, k, v = make_inputs(2, 1, 4097, h, hk, 128, torch.bfloat16)
+    run_dense(q, k, v, V(window=(3000, -1), softcap=20.0, alibi="batch_heads", dropout_p=0.2),
+              slopes=alibi_slopes("batch_heads", 2, h))
+
+
+def test_dropout_cuda_graph_replays_draw_fresh_masks():
+    """flash_attn_func with dropout captured in a CUDA graph: each replay draws a new rng_state (torch's
+    generator is graph-safe), so replays differ; each keeps 1 - p of the entries, and what it keeps is P / (1 - p).
+
+    V is the identity (head_dim == seqlen_k), so out[b, i, h, j] = P[b, h, i, j] * keep / (1 - p) shows the mask.
+    """
+    require_kernels(64, torch.bfloat16)
+    b, sq, sk, h, p = 4, 256, 64, 8, 0.25
+    q, k = rand(b, sq, h, 64, dtype=torch.bfloat16), rand(b, sk, h, 64, dtype=torch.bfloat16)
+    v = torch.eye(sk, dtype=torch.bfloat16, device="cuda")[None, :, None, :].expand(b, sk, h, sk).contiguous()
+    slopes = torch.full((h,), 0.01, dtype=torch.float32, device="cuda")  # biases down to -0.64: no P underflows
+    kwargs = dict(dropout_p=p, softcap=20.0, alibi_slopes=slopes)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        flash_attn_func(q, k, v, **kwargs)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flash_attn_func(q, k, v, **kwargs)
+
+    probs = reference_probs(q, k, False, (-1, -1), 20.0, slopes).permute(0, 2, 1, 3)  # (b, sq, h, sk) as out
+    replays = []
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert not torch.isnan(out).any()
+        replays.append(out.clone())
+        kept = out != 0
+        n = kept.numel()
+        assert abs(kept.float().mean().item() - (1 - p)) <= keep_fraction_bound(n, p)
+        torch.testing.assert_close(out.float()[kept] * (1 - p), probs[kept], rtol=2**-6, atol=1e-6)
+    assert not torch.equal(replays[0], replays[1]), "two replays drew the same dropout mask"
+
+
+def test_dropout_compiled_training_matches_eager():
+    """torch.compile(fullgraph=True) of flash_attn_func with dropout, window, softcap and ALiBi, default Inductor
+    settings: forward and backward bitwise equal to eager under the same torch.manual_seed (deterministic
+    backward). The rng_state must come from torch's generator as in eager mode, not from Inductor's own lowering
+    of random ops, and must not be drawn again for the backward."""
+    require_kernels(64, torch.bfloat16)
+    q, k, v = (t.requires_grad_() for t in make_inputs(2, 150, 230, 4, 2, 64, torch.bfloat16))
+    slopes = alibi_slopes("batch_heads", 2, 4)
+    dout = torch.randn_like(q)
+
+    def attend(q, k, v, slopes):
+        return flash_attn_func(q, k, v, dropout_p=0.2, window_size=(48, 16), softcap=20.0, alibi_slopes=slopes,
+                               deterministic=True)
+
+    compiled = torch.compile(attend, fullgraph=True)
+
+    def step(fn, seed):
+        torch.manual_seed(seed)
+        out = fn(q, k, v, slopes)
+        loss = (out.float() * dout.float()).sum()
+        return (out.detach(), *torch.autograd.grad(loss, (q, k, v)))
+
+    step(compiled, 0)  # compiles
+    results = {}
+    for seed in (1, 2):
+        eager, comp = step(attend, seed), step(compiled, seed)
+        for name, a, b in zip(("out", "dq", "dk", "dv"), eager, comp):
+            assert torch.equal(a, b), (seed, name)
+        results[seed] = comp
+    assert not torch.equal(results[1][0], results[2][0])
+
+
+# ---------------------------------------------------------------- opcheck and TorchScript
+
+
+def test_opcheck_fwd_bwd_variants():
+    require_kernels(64, torch.bfloat16)
+    q, k, v = (rand(2, 65, 4, 64, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
+    slopes = alibi_slopes("batch_heads", 2, 4)
+    rng_state = draw_rng_state("cuda")
+    extra = (24, 8, 15.0, slopes, 0.1, rng_state)
+    torch.library.opcheck(ops.fwd.default, (q, k, v, 0.125, False, False, 0, "", *extra))
+    out, lse = ops.fwd(q.detach(), k.detach(), v.detach(), 0.125, False, False, 0, "", *extra)
+    torch.library.opcheck(ops.bwd.default, (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse,
+                                            0.125, False, False, "", *extra))
+
+
+def test_opcheck_varlen_variants():
+    require_kernels(64, torch.bfloat16)
+    lens = [5, 0, 70]
+    q, k, v = (rand(sum(lens), 4, 64, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
+    cu = cu_seqlens(lens)
+    slopes = alibi_slopes("batch_heads", len(lens), 4)
+    extra = (24, -1, 15.0, slopes, 0.1, draw_rng_state("cuda"))
+    torch.library.opcheck(ops.varlen_fwd.default, (q, k, v, cu, cu, 70, 70, 0.125, True, False, "", *extra))
+    out, lse = ops.varlen_fwd(q.detach(), k.detach(), v.detach(), cu, cu, 70, 70, 0.125, True, False, "", *extra)
+    torch.library.opcheck(ops.varlen_bwd.default, (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out,
+                                                   lse, cu, cu, 70, 70, 0.125, True, False, "", *extra))
+
+
+@pytest.mark.filterwarnings("ignore:.*torch.jit.script.*deprecated")
+def test_torchscript_variants():
+    """A scripted function passes the new arguments by their schema names and gets what a direct call gets."""
+    require_kernels(64, torch.bfloat16)
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor, rng_state: torch.Tensor):
+        return torch.ops.flash_attn2.fwd(q, k, v, 0.125, False, window_left=32, window_right=4, softcap=12.0,
+                                         alibi_slopes=slopes, dropout_p=0.15, rng_state=rng_state)
+
+    scripted = torch.jit.script(attend)
+    assert "flash_attn2::fwd" in str(scripted.graph)
+    q, k, v = make_inputs(2, 100, 120, 4, 2, 64, torch.bfloat16)
+    slopes, rng_state = alibi_slopes("heads", 2, 4), draw_rng_state("cuda")
+    out, lse = scripted(q, k, v, slopes, rng_state)
+    want = ops.fwd(q, k, v, 0.125, False, False, 0, "", 32, 4, 12.0, slopes, 0.15, rng_state)
+    assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+
+
+# ---------------------------------------------------------------- argument validation
+
+BAD = (ValueError, RuntimeError)
+
+
+def bad_input_config():
+    for d, dtype in itertools.product((64, 128, 32, 96, 160, 192, 224, 256), DTYPES):
+        if all(flash_attn_cuda.kernel_available(d, dtype, c, backward=True) for c in (False, True)):
+            return d, dtype
+    pytest.skip("no compiled kernel")
+
+
+def _slopes(*shape, dtype=torch.float32, device="cuda"):
+    return torch.rand(shape, dtype=dtype, device=device)
+
+
+# id: (flash_attn_func keywords for a batch of 2 and 4 heads, built on demand; what the message must name).
+BAD_FUNC_ARGS = {
+    "window-left": (lambda: dict(window_size=(-2, 0)), "window"),
+    "window-right": (lambda: dict(window_size=(4, -7)), "window"),
+    "softcap-negative": (lambda: dict(softcap=-1.0), "softcap"),
+    "softcap-nan": (lambda: dict(softcap=float("nan")), "softcap"),
+    "alibi-fp16": (lambda: dict(alibi_slopes=_slopes(4, dtype=torch.float16)), "alibi_slopes"),
+    "alibi-heads": (lambda: dict(alibi_slopes=_slopes(5)), "alibi_slopes"),
+    "alibi-batch": (lambda: dict(alibi_slopes=_slopes(3, 4)), "alibi_slopes"),
+    "alibi-3d": (lambda: dict(alibi_slopes=_slopes(2, 4, 1)), "alibi_slopes"),
+    "alibi-cpu": (lambda: dict(alibi_slopes=_slopes(4, device="cpu")), "alibi_slopes"),
+    "dropout-negative": (lambda: dict(dropout_p=-0.1), "dropout_p"),
+    "dropout-one": (lambda: dict(dropout_p=1.0), "dropout_p"),
+    "dropout-above-one": (lambda: dict(dropout_p=1.5), "dropout_p"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FUNC_ARGS))
+def test_func_rejects_bad_variant_arguments(case):
+    """flash_attn_func and flash_attn_varlen_func reject bad variant arguments, naming the argument."""
+    d, dtype = bad_input_config()
+    make, name = BAD_FUNC_ARGS[case]
+    q, k, v = make_inputs(2, 65, 65, 4, 2, d, dtype)
+    with pytest.raises(BAD, match=name):
+        flash_attn_func(q, k, v, **make())
+    cu = cu_seqlens([40, 25])  # two sequences, as the batch of two: the same slopes are right or wrong
+    with pytest.raises(BAD, match=name):
+        flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 40, 40, **make())
+
+
+def _rng(dtype=torch.int64, shape=(2,), device="cuda"):
+    return torch.arange(1, 1 + math.prod(shape), dtype=dtype, device=device).view(shape)
+
+
+# id: (the six trailing op arguments (window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state) for
+# a batch of 2 and 4 heads, built on demand; what the message must name).
+BAD_OP_ARGS = {
+    "window-left": (lambda: (-2, 0, 0.0, None, 0.0, None), "window"),
+    "window-right": (lambda: (0, -3, 0.0, None, 0.0, None), "window"),
+    "softcap-negative": (lambda: (-1, -1, -0.5, None, 0.0, None), "softcap"),
+    "softcap-nan": (lambda: (-1, -1, float("nan"), None, 0.0, None), "softcap"),
+    "alibi-fp16": (lambda: (-1, -1, 0.0, _slopes(4, dtype=torch.float16), 0.0, None), "alibi_slopes"),
+    "alibi-heads": (lambda: (-1, -1, 0.0, _slopes(3), 0.0, None), "alibi_slopes"),
+    "alibi-batch": (lambda: (-1, -1, 0.0, _slopes(3, 4), 0.0, None), "alibi_slopes"),
+    "alibi-cpu": (lambda: (-1, -1, 0.0, _slopes(2, 4, device="cpu"), 0.0, None), "alibi_slopes"),
+    "alibi-strided": (lambda: (-1, -1, 0.0, _slopes(2, 8)[:, ::2], 0.0, None), "alibi_slopes"),
+    "dropout-negative": (lambda: (-1, -1, 0.0, None, -0.25, _rng()), "dropout_p"),
+    "dropout-one": (lambda: (-1, -1, 0.0, None, 1.0, _rng()), "dropout_p"),
+    "rng-missing": (lambda: (-1, -1, 0.0, None, 0.1, None), "rng_state"),
+    "rng-int32": (lambda: (-1, -1, 0.0, None, 0.1, _rng(dtype=torch.int32)), "rng_state"),
+    "rng-shape3": (lambda: (-1, -1, 0.0, None, 0.1, _rng(shape=(3,))), "rng_state"),
+    "rng-shape1x2": (lambda: (-1, -1, 0.0, None, 0.1, _rng(shape=(1, 2))), "rng_state"),
+    "rng-cpu": (lambda: (-1, -1, 0.0, None, 0.1, _rng(device="cpu")), "rng_state"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_OP_ARGS))
+def test_ops_reject_bad_variant_arguments(case):
+    """Every op validates the variant arguments, the backward ops included, naming the argument."""
+    d, dtype = bad_input_config()
+    make, name = BAD_OP_ARGS[case]
+    q, k, v = make_inputs(2, 65, 65, 4, 2, d, dtype)
+    scale = d ** -0.5
+    with pytest.raises(BAD, match=name):
+        ops.fwd(q, k, v, scale, False, False, 0, "", *make())
+    out, lse = ops.fwd(q, k, v, scale, False)
+    with pytest.raises(BAD, match=name):
+        ops.bwd(torch.randn_like(out), q, k, v, out, lse, scale, False, False, "", *make())
+
+    cu = cu_seqlens([40, 25])  # two sequences, as the batch of two: the same slopes are right or wrong
+    qv, kv, vv = q[0], k[0], v[0]
+    with pytest.raises(BAD, match=name):
+        ops.varlen_fwd(qv, kv, vv, cu, cu, 40, 40, scale, False, False, "", *make())
+    out, lse = ops.varlen_fwd(qv, kv, vv, cu, cu, 40, 40, scale, False)
+    with pytest.raises(BAD, match=name):
+        ops.varlen_bwd(torch.randn_like(out), qv, kv, vv, out, lse, cu, cu, 40, 40, scale, False, False, "",
+                       *make())
+
+
+# ---------------------------------------------------------------- exhaustive
+
+EXHAUSTIVE_SEQLENS = [1, 17, 113, 203, 1023]
+
+
+def exhaustive_heads(sq, sk):
+    # MHA, GQA and MQA in turn over the length pairs, at a bounded cost.
+    return [(4, 4), (6, 2), (4, 1)][(sq + 2 * sk) % 3]
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("pair", ALL_PAIRS, ids=pair_id)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("seqlens", list(itertools.product(EXHAUSTIVE_SEQLENS, EXHAUSTIVE_SEQLENS)),
+                         ids=lambda p: f"sq{p[0]}-sk{p[1]}")
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_exhaustive_variants(name, seqlens, head_dim, pair):
+    sq, sk = seqlens
+    h, hk = exhaustive_heads(sq, sk)
+    b = 2 if max(sq, sk) <= 203 else 1
+    check_shape_variant((b, sq, sk, h, hk, head_dim), VARIANTS[name], *pair)
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("pair", ALL_PAIRS, ids=pair_id)
+@pytest.mark.parametrize("head_dim", KERNEL_HEAD_DIMS)
+@pytest.mark.parametrize("shape", [(2, 97, 161, 6, 2), (2, 161, 97, 4, 1), (2, 1, 300, 8, 2), (1, 500, 500, 3, 3)],
+                         ids=["sq<sk-gqa", "sq>sk-mqa", "decode", "square"])
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_exhaustive_head_dims(name, shape, head_dim, pair):
+    check_shape_variant((*shape, head_dim), VARIANTS[name], *pair)
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("pair", ALL_PAIRS, ids=pair_id)
+@pytest.mark.parametrize("head_dim", KERNEL_HEAD_DIMS)
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_exhaustive_varlen(name, head_dim, pair):
+    dtype, kernel = pair
+    require_kernels(head_dim, dtype)
+    run_varlen(LENS_Q, LENS_K, 6, 2, head_dim, dtype, VARIANTS[name], force=kernel_force(kernel))
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("path", list(HOPPER_PATHS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_exhaustive_forced_paths(name, dtype, path):
+    force, (b, sq, sk, h, hk) = HOPPER_PATHS[path]
+    variant = VARIANTS[name]
+    if variant.dropout_p and "num_splits" in force:
+        pytest.skip("split-KV is forced without dropout only")
+    check_shape_variant((b, sq, sk, h, hk, 128), variant, dtype, "default", force=force)
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("pair", ALL_PAIRS, ids=pair_id)
+@pytest.mark.parametrize("dropout_p", [0.01, 0.3, 0.5, 0.9])
+@pytest.mark.parametrize("seqlens", [(1, 1023), (113, 203), (203, 113), (1023, 1023)],
+                         ids=lambda p: f"sq{p[0]}-sk{p[1]}")
+@pytest.mark.parametrize("name", ["win-both", "causal-left", "combo", "combo-causal"])
+def test_exhaustive_dropout(name, seqlens, dropout_p, pair):
+    sq, sk = seqlens
+    variant = dataclasses.replace(VARIANTS[name], dropout_p=dropout_p)
+    check_shape_variant((2, sq, sk, 8, 2, 64), variant, *pair)

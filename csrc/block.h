@@ -4,10 +4,11 @@
 // element-wise masking (mask.h masks them), and the forward re-bases a split-KV share of the keys here.
 //
 // The visibility rule is written once, in first_visible_key and last_visible_key: every bound below derives
-// from them. kCausal selects the masked kernels, whose rule is a window (flash-attn's window_size = (left,
-// right)) read at run time: causal is (unbounded, 0), and an unbounded side holds a bound past every key
-// (FwdParams::window_left), so the same arithmetic serves both with no test for -1. Without kCausal every key
-// is visible and the window is never read.
+// from them. kCausal selects the masked kernels. Without kWindow their rule is causal (bottom-right aligned,
+// no left edge), as compiled; with kWindow (the variants kernels) it is a window (flash-attn's window_size =
+// (left, right)) read at run time, causal being (unbounded, 0), and an unbounded side holds a bound past every
+// key (FwdParams::window_left), so one arithmetic serves all windows with no test for -1. Without kCausal every
+// key is visible and the window is never read.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -23,13 +24,14 @@ struct BlockRange {
     int end;
 };
 
-template <int kBlockM, int kBlockN, bool kCausal>
+template <int kBlockM, int kBlockN, bool kCausal, bool kWindow = false>
 struct BlockBounds {
     static_assert(kBlockM > 0 && kBlockN > 0);
+    static_assert(kCausal || !kWindow, "a window runs the masked kernels");
 
     int seqlen_q;
     int seqlen_k;
-    int window_left;   // kCausal only: see FwdParams::window_left
+    int window_left;   // kWindow only: see FwdParams::window_left
     int window_right;
 
     __forceinline__ __device__ BlockBounds(int seqlen_q_, int seqlen_k_, int window_left_, int window_right_)
@@ -38,14 +40,17 @@ struct BlockBounds {
     // The bounds of the sequence binfo describes: where every kernel gets its bounds, so that the window's
     // sizes are read from params here and nowhere else.
     __forceinline__ __device__ static BlockBounds of_sequence(const FwdParams& params, const BlockInfo& binfo) {
-        return BlockBounds(binfo.seqlen_q, binfo.seqlen_k, params.window_left, params.window_right);
+        return kWindow ? BlockBounds(binfo.seqlen_q, binfo.seqlen_k, params.window_left, params.window_right)
+                       : BlockBounds(binfo.seqlen_q, binfo.seqlen_k, 0, 0);
     }
 
     // The rule. Query row q has position q + seqlen_k - seqlen_q (bottom-right aligned, the flash-attn 2.x
     // convention for seqlen_q != seqlen_k) and sees keys [first_visible_key(q), last_visible_key(q)]. Either may
     // lie outside [0, seqlen_k); an empty range means no key is visible. Without kCausal every key is visible
     // and the bounds below ignore these.
-    __forceinline__ __device__ int last_visible_key(int q) const { return q + seqlen_k - seqlen_q + window_right; }
+    __forceinline__ __device__ int last_visible_key(int q) const {
+        return q + seqlen_k - seqlen_q + (kWindow ? window_right : 0);
+    }
     __forceinline__ __device__ int first_visible_key(int q) const { return q + seqlen_k - seqlen_q - window_left; }
 
     __forceinline__ __device__ int m_blocks() const { return (seqlen_q + kBlockM - 1) / kBlockM; }
@@ -62,7 +67,7 @@ struct BlockBounds {
     }
     // The first key block that query rows from first_row on visit.
     __forceinline__ __device__ int n_block_begin_for_rows(int first_row) const {
-        if constexpr (!kCausal) {
+        if constexpr (!kWindow) {
             return 0;
         } else {
             return max(0, first_visible_key(first_row)) / kBlockN;
@@ -89,7 +94,7 @@ struct BlockBounds {
         }
     }
     __forceinline__ __device__ int m_block_end(int n_block) const {
-        if constexpr (kCausal) {
+        if constexpr (kWindow) {
             const int last_row = (n_block + 1) * kBlockN - 1 - first_visible_key(0);
             return last_row < 0 ? 0 : min(last_row / kBlockM + 1, m_blocks());
         } else {
@@ -115,7 +120,7 @@ struct BlockBounds {
     // True when the tile's first key lies before the left edge of its last query row (0 < left_diag of that
     // row). Never for causal: its left bound lies before key 0.
     __forceinline__ __device__ bool crosses_left_edge(int m_block, int n_block) const {
-        return kCausal && n_block * kBlockN < first_visible_key((m_block + 1) * kBlockM - 1);
+        return kWindow && n_block * kBlockN < first_visible_key((m_block + 1) * kBlockM - 1);
     }
     // True when tile (m_block, n_block) has any invisible element (the sequence end, or a window edge).
     __forceinline__ __device__ bool tile_needs_mask(int m_block, int n_block) const {

@@ -29,13 +29,13 @@ enum class HideP { kBeforeExp, kInExp };
 
 // s: the scores S (or S^T), overwritten with P = exp2(s * scale_log2 - lse_log2_of(q)), where lse_log2_of(q)
 // is the LSE of tile query q times log2(e). coords: the tile positions of s's values; mask: this tile's
-// TileMask; score_mod applies first, at the tile's absolute position pos.
-template <bool kQueryIsRow, HideP kHide, class Mask, class STensor, class CoordTensor, class LseLog2Of>
+// TileMask; score_mod applies first (kVariants only), at the tile's absolute position pos.
+template <bool kQueryIsRow, HideP kHide, bool kVariants, class Mask, class STensor, class CoordTensor, class LseLog2Of>
 __forceinline__ __device__ void compute_p(STensor& s, const CoordTensor& coords, const Mask& mask,
                                           const ScoreMod& score_mod, const ScorePos& pos, float scale_log2,
                                           LseLog2Of lse_log2_of) {
     static_assert(decltype(size(s))::value == decltype(size(coords))::value, "one coordinate per value");
-    apply_score_mod<kQueryIsRow>(score_mod, s, coords, pos);
+    if constexpr (kVariants) { apply_score_mod<kQueryIsRow>(score_mod, s, coords, pos); }
     if constexpr (kHide == HideP::kBeforeExp) {
         if (mask.needs_mask()) { mask.template apply<kQueryIsRow>(s, coords); }
     }
@@ -69,34 +69,11 @@ struct DsMods {
     __forceinline__ __device__ bool any() const { return dropout() || softcap(); }
 };
 
-// dp: dP (or dP^T), overwritten with dS = P (dP - dsum_of(q)), the gradient of the scaled scores, where
-// dsum_of(q) is D = rowsum(dO * O) of tile query q. p: P from compute_p, in the same orientation.
-// With the variants of mods (a uniform branch; the plain loop is the first):
-// - dropout: O sums kept P / (1 - p) times V, so dP of a kept value is scaled by 1 / (1 - p) and a dropped
-//   one's is 0, while D and P stay those of the undropped softmax: dS = |P| (kept ? dP / (1 - p) - D : -D).
-// - softcap: the score is c tanh(x) with x = softmax_scale q.k / c, so dS picks up 1 - tanh^2. tanh is
-//   recovered from P = exp2(u scale_log2 - lse_log2), u = tanh - slope * distance: u = (log2 P + lse_log2) /
-//   scale_log2. Where P is 0 (masked or underflowed) dS is 0 whatever the derivative, and it is skipped.
-//   The recovery's error is that of log2 and of the fp32 LSE, far below the input dtype's rounding.
-// pos: the tile's absolute position; lse_log2_of as in compute_p.
+// dS of one tile with the variants of mods (compute_ds's branch; see there).
 template <bool kQueryIsRow, class DpTensor, class PTensor, class CoordTensor, class DsumOf, class LseLog2Of>
-__forceinline__ __device__ void compute_ds(DpTensor& dp, const PTensor& p, const CoordTensor& coords, DsumOf dsum_of,
-                                           const DsMods& mods, const ScorePos& pos, LseLog2Of lse_log2_of) {
-    static_assert(decltype(size(dp))::value == decltype(size(p))::value &&
-                  decltype(size(dp))::value == decltype(size(coords))::value, "dP, P and coords of one tile");
-    if (!mods.any()) {
-        CUTE_UNROLL
-        for (int qi = 0; qi < query_extent<kQueryIsRow>(dp); ++qi) {
-            const float dsum = dsum_of(query_of<kQueryIsRow>(coords, kQueryIsRow ? qi : 0, kQueryIsRow ? 0 : qi));
-            CUTE_UNROLL
-            for (int ki = 0; ki < key_extent<kQueryIsRow>(dp); ++ki) {
-                const int i = kQueryIsRow ? qi : ki;
-                const int j = kQueryIsRow ? ki : qi;
-                dp(i, j) = p(i, j) * (dp(i, j) - dsum);
-            }
-        }
-        return;
-    }
+__forceinline__ __device__ void compute_ds_variants(DpTensor& dp, const PTensor& p, const CoordTensor& coords,
+                                                    DsumOf dsum_of, const DsMods& mods, const ScorePos& pos,
+                                                    LseLog2Of lse_log2_of) {
     const FwdParams& params = mods.score_mod.params;
     const bool dropout = mods.dropout();
     const bool softcap = mods.softcap();
@@ -125,6 +102,40 @@ __forceinline__ __device__ void compute_ds(DpTensor& dp, const PTensor& p, const
                 ds *= 1.f - t * t;
             }
             dp(i, j) = ds;
+        }
+    }
+}
+
+// dp: dP (or dP^T), overwritten with dS = P (dP - dsum_of(q)), the gradient of the scaled scores, where
+// dsum_of(q) is D = rowsum(dO * O) of tile query q. p: P from compute_p, in the same orientation.
+// In kVariants kernels, with the variants of mods (a uniform branch to compute_ds_variants):
+// - dropout: O sums kept P / (1 - p) times V, so dP of a kept value is scaled by 1 / (1 - p) and a dropped
+//   one's is 0, while D and P stay those of the undropped softmax: dS = |P| (kept ? dP / (1 - p) - D : -D).
+// - softcap: the score is c tanh(x) with x = softmax_scale q.k / c, so dS picks up 1 - tanh^2. tanh is
+//   recovered from P = exp2(u scale_log2 - lse_log2), u = tanh - slope * distance: u = (log2 P + lse_log2) /
+//   scale_log2. Where P is 0 (masked or underflowed) dS is 0 whatever the derivative, and it is skipped.
+//   The recovery's error is that of log2 and of the fp32 LSE, far below the input dtype's rounding.
+// pos: the tile's absolute position; lse_log2_of as in compute_p.
+template <bool kQueryIsRow, bool kVariants, class DpTensor, class PTensor, class CoordTensor, class DsumOf,
+          class LseLog2Of>
+__forceinline__ __device__ void compute_ds(DpTensor& dp, const PTensor& p, const CoordTensor& coords, DsumOf dsum_of,
+                                           const DsMods& mods, const ScorePos& pos, LseLog2Of lse_log2_of) {
+    static_assert(decltype(size(dp))::value == decltype(size(p))::value &&
+                  decltype(size(dp))::value == decltype(size(coords))::value, "dP, P and coords of one tile");
+    if constexpr (kVariants) {
+        if (mods.any()) {
+            compute_ds_variants<kQueryIsRow>(dp, p, coords, dsum_of, mods, pos, lse_log2_of);
+            return;
+        }
+    }
+    CUTE_UNROLL
+    for (int qi = 0; qi < query_extent<kQueryIsRow>(dp); ++qi) {
+        const float dsum = dsum_of(query_of<kQueryIsRow>(coords, kQueryIsRow ? qi : 0, kQueryIsRow ? 0 : qi));
+        CUTE_UNROLL
+        for (int ki = 0; ki < key_extent<kQueryIsRow>(dp); ++ki) {
+            const int i = kQueryIsRow ? qi : ki;
+            const int j = kQueryIsRow ? ki : qi;
+            dp(i, j) = p(i, j) * (dp(i, j) - dsum);
         }
     }
 }

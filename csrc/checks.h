@@ -39,6 +39,8 @@ struct Variants {
     int64_t right(bool causal) const { return causal ? 0 : window_right; }
     // Whether the call runs a masked kernel: causal, or a window bounded on either side.
     bool masked(bool causal) const { return causal || window_left >= 0 || window_right >= 0; }
+    // Whether the window is more than causal: a left edge, or a right edge past the diagonal ((-1, 0) is causal).
+    bool window(bool causal) const { return window_left >= 0 || right(causal) > 0; }
 };
 
 // Checks the variants of a call on q (4-D) with `batch` sequences; no device synchronization.

@@ -21,7 +21,8 @@ namespace flash {
 
 using namespace cute;
 
-template <class Traits, bool kCausal>
+// kVariants: as in flash_fwd_kernel.h.
+template <class Traits, bool kCausal, bool kVariants>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const __grid_constant__ BwdParams params) {
     using Element = typename Traits::Element;
     constexpr int kBlockM = Traits::kBlockM;
@@ -41,7 +42,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
     const BlockInfo binfo(params, batch_idx);
     // Varlen grids are sized for the longest sequence; this one may have no keys here.
     if (n_block * kBlockN >= binfo.seqlen_k) { return; }
-    const auto bounds = BlockBounds<kBlockM, kBlockN, kCausal>::of_sequence(params, binfo);
+    const auto bounds = BlockBounds<kBlockM, kBlockN, kCausal, kVariants>::of_sequence(params, binfo);
     const ScoreMod score_mod(params, batch_idx, binfo);
     const Dropout dropout(params, batch_idx, head_idx);
     const int m_block_begin = bounds.m_block_begin(n_block);  // the query blocks that see this key block
@@ -220,13 +221,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
         const float* dsum_stage = s_dsum + stage * kBlockM;
         const ScorePos pos{m_block * kBlockM, n_block * kBlockN, head_idx};
         auto lse_log2_of = [&](int row) { return row < q_rows_left ? lse_stage[row] * float(M_LOG2E) : INFINITY; };
-        compute_p</*kQueryIsRow=*/true, HideP::kBeforeExp>(
-            scores, tScS_rc, TileMask<kBlockM, kBlockN, kCausal>(bounds, m_block, n_block), score_mod, pos,
+        compute_p</*kQueryIsRow=*/true, HideP::kBeforeExp, kVariants>(
+            scores, tScS_rc, TileMask<kBlockM, kBlockN, kCausal, kVariants>(bounds, m_block, n_block), score_mod, pos,
             params.softmax_scale_log2, lse_log2_of);
-        if (dropout.active()) { dropout.template apply</*kQueryIsRow=*/true, /*kNegate=*/true>(scores, tScS_rc, pos.q0, pos.k0); }
-        compute_ds</*kQueryIsRow=*/true>(dp, scores, tScS_rc, [&](int row) { return dsum_stage[row]; },
+        if (kVariants && dropout.active()) { dropout.template apply</*kQueryIsRow=*/true, /*kNegate=*/true>(scores, tScS_rc, pos.q0, pos.k0); }
+        compute_ds</*kQueryIsRow=*/true, kVariants>(dp, scores, tScS_rc, [&](int row) { return dsum_stage[row]; },
                                          DsMods{score_mod, head_idx}, pos, lse_log2_of);
-        Tensor rP = convert_fragment_kept<Element>(acc_s, dropout.active());
+        Tensor rP = convert_fragment_kept<Element>(acc_s, kVariants && dropout.active());
         Tensor rdS = convert_fragment<Element>(acc_dp);
         copy(copy_store_sdp, thr_copy_store_sdp.retile_S(rP), tPsP);
         copy(copy_store_sdp, thr_copy_store_sdp.retile_S(rdS), tPsdS);
@@ -293,7 +294,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
         Tensor gdK = local_tile(mdK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));  // (kBlockN, kHeadDim)
         Tensor gdV = local_tile(mdV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));  // (kBlockN, kHeadDim)
         store_acc<Out>(acc_dk, tKVcdKV, gdK, k_rows_left, params.head_dim, params.softmax_scale);
-        store_acc<Out>(acc_dv, tKVcdKV, gdV, k_rows_left, params.head_dim, params.dropout_keep_scale);
+        store_acc<Out>(acc_dv, tKVcdKV, gdV, k_rows_left, params.head_dim, kVariants ? params.dropout_keep_scale : 1.f);
     };
     // GQA slices are summed over each group on the host: kept in fp32 so the sum is rounded once.
     if (params.dkv_fp32) {

@@ -53,7 +53,8 @@ cudaError_t launch_bwd_sm90(const BwdParams& params, cudaStream_t stream) {
     return launch_kernel<kKernel, Traits::kNThreads, Traits::kSmemBytes>(grid, params, stream, smem_bytes);
 }
 
-template <typename Element, int kHeadDim, bool kCausal>
+// kVariants: as in run_fwd.
+template <typename Element, int kHeadDim, bool kCausal, bool kVariants>
 cudaError_t run_bwd(const BwdParams& params, cudaStream_t stream) {
 #if defined(FLASH_ATTN2_SM90A) && !defined(FLASH_BWD_TILE_M)
     if (params.use_wgmma && !params.deterministic) {
@@ -61,14 +62,14 @@ cudaError_t run_bwd(const BwdParams& params, cudaStream_t stream) {
             if constexpr (bwd_sm90_has_short_query_tile(kHeadDim)) {
                 if (params.short_query_tiles) {
                     using Traits = BwdSm90KernelTraits<Element, kHeadDim, kBwdSm90ShortBlockM, 128>;
-                    return launch_bwd_sm90<Traits, &flash_bwd_sm90_kernel<Traits, kCausal>>(params, stream);
+                    return launch_bwd_sm90<Traits, &flash_bwd_sm90_kernel<Traits, kCausal, kVariants>>(params, stream);
                 }
             }
             using Traits = BwdSm90KernelTraits<Element, kHeadDim, kBwdSm90BlockM, 128>;
-            return launch_bwd_sm90<Traits, &flash_bwd_sm90_kernel<Traits, kCausal>>(params, stream);
+            return launch_bwd_sm90<Traits, &flash_bwd_sm90_kernel<Traits, kCausal, kVariants>>(params, stream);
         } else if constexpr (kBwdSm90Kind<kHeadDim> == BwdSm90Kind::kWide) {
             using Traits = BwdSm90WideKernelTraits<Element, kHeadDim>;
-            return launch_bwd_sm90<Traits, &flash_bwd_sm90_wide_kernel<Traits, kCausal>>(params, stream);
+            return launch_bwd_sm90<Traits, &flash_bwd_sm90_wide_kernel<Traits, kCausal, kVariants>>(params, stream);
         }
     }
 #endif
@@ -81,8 +82,8 @@ cudaError_t run_bwd(const BwdParams& params, cudaStream_t stream) {
     // Key blocks along x: in deterministic mode a key block waits on its neighbour of the same (batch,
     // head) with the next lower CTA index, which must therefore be scheduled first.
     const dim3 grid((params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, params.batch, params.num_heads);
-    return launch_kernel<&flash_bwd_kernel<Traits, kCausal>, Traits::kNThreads, Traits::kSmemBytes>(grid, params,
-                                                                                                 stream);
+    return launch_kernel<&flash_bwd_kernel<Traits, kCausal, kVariants>, Traits::kNThreads, Traits::kSmemBytes>(
+        grid, params, stream);
 }
 
 }  // namespace flash

@@ -46,7 +46,7 @@ struct BwdStep {
 // key blocks [n_block, n_block_stop) one after another (BwdParams::key_blocks_per_cta, kStagesKV == 2 only);
 // the next one's K and V load during the current one's steps, and its first Q and dO during the current one's
 // last step.
-template <class Traits, bool kCausal>
+template <class Traits, bool kCausal, bool kVariants>
 struct BwdSm90Block {
     using Element = typename Traits::Element;
     static constexpr int kBlockM = Traits::kBlockM;
@@ -64,7 +64,7 @@ struct BwdSm90Block {
     int head_idx_k;
     int dkv_head;    // the dK/dV slice it writes: its query head, or its key/value head when it walks a group
     BlockInfo binfo;
-    BlockBounds<kBlockM, kBlockN, kCausal> bounds;  // the sequence's block ranges and tile masks
+    BlockBounds<kBlockM, kBlockN, kCausal, kVariants> bounds;  // the sequence's block ranges and tile masks
     int m_block_begin;       // the first query block with a row that sees a key of the current block
     int m_block_begin_next;  // the same for the next key block (its first step loads during the current's last)
     int m_block_end;         // one past the last (below the query blocks' end only under a window's left edge)
@@ -90,11 +90,11 @@ struct BwdSm90Block {
           head_idx_k(first_head / (params.num_heads / params.num_heads_k)),
           dkv_head(blockIdx.z),
           binfo(params, batch_idx),
-          bounds(BlockBounds<kBlockM, kBlockN, kCausal>::of_sequence(params, binfo)) {
+          bounds(BlockBounds<kBlockM, kBlockN, kCausal, kVariants>::of_sequence(params, binfo)) {
         n_block_stop =
             Traits::kStagesKV > 1 ? min(n_block + params.key_blocks_per_cta, bounds.n_blocks()) : n_block + 1;
         m_block_end = bounds.m_block_end(n_block);
-        m_block_begin = min(bounds.m_block_begin(n_block), m_block_end);
+        m_block_begin = kVariants ? min(bounds.m_block_begin(n_block), m_block_end) : bounds.m_block_begin(n_block);
         m_block_begin_next = bounds.m_block_begin(n_block + 1);
         step_begin = 0;
         step_end = steps_of(m_block_begin);
@@ -117,8 +117,12 @@ struct BwdSm90Block {
         if (n_block + 1 >= n_block_stop) { return false; }
         ++n_block;
         kv_stage ^= 1;
-        m_block_end = bounds.m_block_end(n_block);
-        m_block_begin = min(m_block_begin_next, m_block_end);
+        if constexpr (kVariants) {
+            m_block_end = bounds.m_block_end(n_block);
+            m_block_begin = min(m_block_begin_next, m_block_end);
+        } else {
+            m_block_begin = m_block_begin_next;
+        }
         m_block_begin_next = bounds.m_block_begin(n_block + 1);
         step_begin = step_end;
         step_end += steps_of(m_block_begin);
@@ -294,14 +298,16 @@ struct BwdSm90Block {
             Tensor gdK = gdKV(binfo.dk_view<float>(params, batch_idx, dkv_head));
             Tensor gdV = gdKV(binfo.dv_view<float>(params, batch_idx, dkv_head));
             store_acc<float>(acc_dk, tdKVcdKV, gdK, k_rows_left(), params.head_dim, params.softmax_scale);
-            store_acc<float>(acc_dv, tdKVcdKV, gdV, k_rows_left(), params.head_dim, params.dropout_keep_scale);
+            store_acc<float>(acc_dv, tdKVcdKV, gdV, k_rows_left(), params.head_dim,
+                             kVariants ? params.dropout_keep_scale : 1.f);
             return;
         }
         __syncthreads();  // every warpgroup's wgmmas that read this K/V buffer have completed
         CUTE_UNROLL
-        for (int i = 0; i < size(acc_dk); ++i) {
-            acc_dk(i) *= params.softmax_scale;
-            acc_dv(i) *= params.dropout_keep_scale;  // it summed kept P unscaled (1 without dropout)
+        for (int i = 0; i < size(acc_dk); ++i) { acc_dk(i) *= params.softmax_scale; }
+        if constexpr (kVariants) {
+            CUTE_UNROLL
+            for (int i = 0; i < size(acc_dv); ++i) { acc_dv(i) *= params.dropout_keep_scale; }  // it summed kept P unscaled
         }
         Tensor rdK = convert_fragment<Element>(acc_dk);
         Tensor rdV = convert_fragment<Element>(acc_dv);
@@ -328,7 +334,8 @@ struct BwdSm90Block {
 // recomputed each step (a few integer ops) instead of being hoisted out of the loop, where, next to the dK
 // and dV accumulators, they would spill.
 
-template <class Traits, bool kCausal>
+// kVariants: as in flash_fwd_kernel.h.
+template <class Traits, bool kCausal, bool kVariants>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_bwd_sm90_kernel(const __grid_constant__ BwdParams params) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -338,7 +345,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     constexpr int kHeadDim = Traits::kHeadDim;
 
     extern __shared__ __align__(1024) char smem_bwd_sm90[];  // 128 B swizzle atoms repeat every 1 KiB
-    BwdSm90Block<Traits, kCausal> blk(params, smem_bwd_sm90);
+    BwdSm90Block<Traits, kCausal, kVariants> blk(params, smem_bwd_sm90);
     if (!blk.has_keys()) { return; }
     const int tidx = threadIdx.x;
     const ScoreMod score_mod(params, blk.batch_idx, blk.binfo);
@@ -387,7 +394,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             // (key row, query column) of each accumulator value.
             Tensor tStcSt = thr_mma_sdp.partition_C(cSt);                                            // (MMA, MMA_N, MMA_M)
             Tensor tStcSt_rc = make_tensor(tStcSt.data(), gmma_acc_rowcol_layout(tStcSt.layout()));  // (key rows, query cols)
-            const TileMask<kBlockM, kBlockN, kCausal> mask(blk.bounds, m_block, blk.n_block);
+            const TileMask<kBlockM, kBlockN, kCausal, kVariants> mask(blk.bounds, m_block, blk.n_block);
             const float* lse_stage = blk.s_lse + stage * kBlockM;
             const float* dsum_stage = blk.s_dsum + stage * kBlockM;
 
@@ -396,13 +403,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             Tensor st = gmma_as_rowcol(acc_st);  // (key rows, query cols)
             const ScorePos pos{m_block * kBlockM, blk.n_block * kBlockN, step.head};
             auto lse_log2_of = [&](int col) { return lse_stage[col] * float(M_LOG2E); };
-            compute_p</*kQueryIsRow=*/false, HideP::kInExp>(st, tStcSt_rc, mask, score_mod, pos,
+            compute_p</*kQueryIsRow=*/false, HideP::kInExp, kVariants>(st, tStcSt_rc, mask, score_mod, pos,
                                                             params.softmax_scale_log2, lse_log2_of);
             const Dropout step_dropout(params, blk.batch_idx, step.head);
-            if (step_dropout.active()) {
+            if (kVariants && step_dropout.active()) {
                 step_dropout.template apply</*kQueryIsRow=*/false, /*kNegate=*/true>(st, tStcSt_rc, pos.q0, pos.k0);
             }
-            Tensor rPt = convert_fragment_kept<Element>(acc_st, step_dropout.active());
+            Tensor rPt = convert_fragment_kept<Element>(acc_st, kVariants && step_dropout.active());
             Tensor tKVrPt = make_tensor(rPt.data(), gmma_acc_as_a_operand_layout(rPt.layout()));  // (MMA, MMA_N, MMA_K)
             auto thr_mma_dkv = mma_dkv.get_thread_slice(loop_tidx);
             Tensor tKVrdOt = thr_mma_dkv.make_fragment_B(thr_mma_dkv.partition_B(blk.sdOt(stage)));  // (MMA, MMA_D, MMA_K)
@@ -411,7 +418,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             // dS^T = P^T (dP^T - D), the gradient of the scaled scores.
             warpgroup_wait_for<1>(acc_dpt);
             Tensor dpt = gmma_as_rowcol(acc_dpt);  // (key rows, query cols)
-            compute_ds</*kQueryIsRow=*/false>(dpt, st, tStcSt_rc, [&](int col) { return dsum_stage[col]; },
+            compute_ds</*kQueryIsRow=*/false, kVariants>(dpt, st, tStcSt_rc, [&](int col) { return dsum_stage[col]; },
                                               DsMods{score_mod, step.head}, pos, lse_log2_of);
             Tensor rdSt = convert_fragment<Element>(acc_dpt);
             Tensor tKVrdSt = make_tensor(rdSt.data(), gmma_acc_as_a_operand_layout(rdSt.layout()));  // (MMA, MMA_N, MMA_K)
@@ -461,7 +468,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 #endif
 }
 
-template <class Traits, bool kCausal>
+template <class Traits, bool kCausal, bool kVariants>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdParams params) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -471,7 +478,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     constexpr int kHeadDim = Traits::kHeadDim;
 
     extern __shared__ __align__(1024) char smem_bwd_sm90[];  // 128 B swizzle atoms repeat every 1 KiB
-    const BwdSm90Block<Traits, kCausal> blk(params, smem_bwd_sm90);
+    const BwdSm90Block<Traits, kCausal, kVariants> blk(params, smem_bwd_sm90);
     static_assert(Traits::kStagesKV == 1, "one key block per CTA");
     if (!blk.has_keys()) { return; }
     const int tidx = threadIdx.x;
@@ -518,27 +525,27 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         // (query row, key column) of each accumulator value.
         Tensor tScS = thr_mma_sdp.partition_C(cS);                                          // (MMA, MMA_M, MMA_N)
         Tensor tScS_rc = make_tensor(tScS.data(), gmma_acc_rowcol_layout(tScS.layout()));  // (query rows, key cols)
-        const TileMask<kBlockM, kBlockN, kCausal> mask(blk.bounds, m_block, blk.n_block);
+        const TileMask<kBlockM, kBlockN, kCausal, kVariants> mask(blk.bounds, m_block, blk.n_block);
 
         // P = exp2(s * scale * log2(e) - lse * log2(e)), then dS = P (dP - D).
         warpgroup_wait_for<1>(acc_s);
         Tensor s = gmma_as_rowcol(acc_s);  // (query rows, key cols)
         const ScorePos pos{m_block * kBlockM, blk.n_block * kBlockN, step.head};
         auto lse_log2_of = [&](int row) { return blk.s_lse[stage * kBlockM + row] * float(M_LOG2E); };
-        compute_p</*kQueryIsRow=*/true, HideP::kInExp>(s, tScS_rc, mask, score_mod, pos, params.softmax_scale_log2,
+        compute_p</*kQueryIsRow=*/true, HideP::kInExp, kVariants>(s, tScS_rc, mask, score_mod, pos, params.softmax_scale_log2,
                                                        lse_log2_of);
         const Dropout step_dropout(params, blk.batch_idx, step.head);
-        if (step_dropout.active()) {
+        if (kVariants && step_dropout.active()) {
             step_dropout.template apply</*kQueryIsRow=*/true, /*kNegate=*/true>(s, tScS_rc, pos.q0, pos.k0);
         }
         warpgroup_wait_for<0>(acc_dp);
         Tensor dp = gmma_as_rowcol(acc_dp);  // (query rows, key cols)
-        compute_ds</*kQueryIsRow=*/true>(dp, s, tScS_rc, [&](int row) { return blk.s_dsum[stage * kBlockM + row]; },
+        compute_ds</*kQueryIsRow=*/true, kVariants>(dp, s, tScS_rc, [&](int row) { return blk.s_dsum[stage * kBlockM + row]; },
                                          DsMods{score_mod, step.head}, pos, lse_log2_of);
 
         // P and dS to shared memory: the next three GEMMs read them across both warpgroups' keys.
         auto smem_thr_copy_pds = smem_tiled_copy_pds.get_thread_slice(loop_tidx);
-        Tensor rP = convert_fragment_kept<Element>(acc_s, step_dropout.active());
+        Tensor rP = convert_fragment_kept<Element>(acc_s, kVariants && step_dropout.active());
         Tensor rdS = convert_fragment<Element>(acc_dp);
         copy(smem_tiled_copy_pds, smem_thr_copy_pds.retile_S(rP), smem_thr_copy_pds.partition_D(sP));
         copy(smem_tiled_copy_pds, smem_thr_copy_pds.retile_S(rdS), smem_thr_copy_pds.partition_D(sdS));

@@ -20,7 +20,9 @@ namespace flash {
 
 using namespace cute;
 
-template <class Traits, bool kCausal>
+// kVariants: the variants kernel (kCausal too), with a runtime window, softcap, ALiBi and dropout; without it
+// the kernel compiles none of their code (the plain path, whose speed they would cost).
+template <class Traits, bool kCausal, bool kVariants>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const __grid_constant__ FwdParams params) {
     using Element = typename Traits::Element;
     constexpr int kBlockM = Traits::kBlockM;
@@ -28,7 +30,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const _
     constexpr int kHeadDim = Traits::kHeadDim;
     const int tidx = threadIdx.x;
 
-    const FwdTile<kBlockM, kBlockN, kCausal> tile(params);
+    const FwdTile<kBlockM, kBlockN, kCausal, kVariants> tile(params);
     if (!tile.has_rows()) { return; }
     const int m_block = tile.m_block;
     const BlockInfo& binfo = tile.binfo;
@@ -116,9 +118,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const _
         gemm_smem_smem(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK, smem_tiled_copy_Q, smem_tiled_copy_K, tSrQ_view,
                        tSrK_view);
         Tensor scores = as_rowcol(acc_s);  // (rows, kBlockN cols)
-        apply_score_mod</*kQueryIsRow=*/true>(score_mod, scores, tScS_rc,
-                                               {m_block * kBlockM, n_block * kBlockN, tile.head_idx});
-        const TileMask<kBlockM, kBlockN, kCausal> mask(bounds, m_block, n_block);
+        if constexpr (kVariants) {
+            apply_score_mod</*kQueryIsRow=*/true>(score_mod, scores, tScS_rc,
+                                                   {m_block * kBlockM, n_block * kBlockN, tile.head_idx});
+        }
+        const TileMask<kBlockM, kBlockN, kCausal, kVariants> mask(bounds, m_block, n_block);
         if (mask.needs_mask()) { mask.template apply</*kQueryIsRow=*/true>(scores, tScS_rc); }
 
         cp_async_wait<0>();
@@ -130,7 +134,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const _
 
         softmax.update(scores, acc_o_rc);
         // Dropout after the row sums, which are those of the undropped softmax (the LSE's).
-        if (dropout.active()) {
+        if (kVariants && dropout.active()) {
             dropout.template apply</*kQueryIsRow=*/true, /*kNegate=*/false>(scores, tScS_rc, m_block * kBlockM,
                                                                            n_block * kBlockN);
         }
@@ -141,7 +145,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const _
 
     // Epilogue: normalize once, stage O through shared memory (Q's buffer) for 16 B global stores; a
     // split-KV CTA writes its fp32 partials instead.
-    Tensor lse = softmax.finalize(acc_o_rc, params.score_scale, params.dropout_keep_scale);
+    Tensor lse = kVariants ? softmax.finalize(acc_o_rc, params.score_scale, params.dropout_keep_scale)
+                           : softmax.finalize(acc_o_rc, params.softmax_scale, 1.f);
     Tensor cO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (kBlockM, kHeadDim)
     Tensor tOcO = thr_mma.partition_C(cO);  // (MMA, MMA_M, MMA_N), positions of acc_o's values
     Tensor tOcO_rc = make_tensor(tOcO.data(), acc_rowcol_layout(tOcO.layout()));  // (rows, cols)

@@ -24,7 +24,8 @@ namespace flash {
 
 using namespace cute;
 
-template <class Traits, bool kCausal>
+// kVariants: as in flash_fwd_kernel.h.
+template <class Traits, bool kCausal, bool kVariants>
 __global__ void __launch_bounds__(Traits::kNThreads, Traits::kCtasPerSm)
     flash_fwd_sm90_kernel(const __grid_constant__ FwdParams params) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -34,7 +35,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kCtasPerSm)
     constexpr int kHeadDim = Traits::kHeadDim;
     const int tidx = threadIdx.x;
 
-    const FwdTile<kBlockM, kBlockN, kCausal> tile(params);
+    const FwdTile<kBlockM, kBlockN, kCausal, kVariants> tile(params);
     if (!tile.has_rows()) { return; }
     const int m_block = tile.m_block;
     const BlockInfo& binfo = tile.binfo;
@@ -138,8 +139,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kCtasPerSm)
     const bool wg_has_rows = wg_row0 < q_rows_left;
     const int n_block_end_wg =
         wg_has_rows ? min(n_block_end, bounds.n_block_end_for_rows(m_block * kBlockM + wg_row0 + 63)) : n_block_begin;
-    const int n_block_begin_wg =
-        wg_has_rows ? max(n_block_begin, bounds.n_block_begin_for_rows(m_block * kBlockM + wg_row0)) : n_block_begin;
+    const int n_block_begin_wg = kVariants && wg_has_rows
+                                     ? max(n_block_begin, bounds.n_block_begin_for_rows(m_block * kBlockM + wg_row0))
+                                     : n_block_begin;
     int n_block = n_block_end - 1;
     int stage = 0;
     for (; n_block >= n_block_end_wg; --n_block, stage = next_stage(stage)) { advance_pipeline(n_block, stage); }
@@ -151,13 +153,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kCtasPerSm)
         warpgroup_gemm</*kZeroInit=*/true>(mma_s, tSrQ, tSrK, acc_s);
 
         Tensor scores = gmma_as_rowcol(acc_s);  // (rows, kBlockN cols)
-        apply_score_mod</*kQueryIsRow=*/true>(score_mod, scores, tScS_rc,
-                                               {m_block * kBlockM, n_block * kBlockN, tile.head_idx});
-        const TileMask<kBlockM, kBlockN, kCausal> mask(bounds, m_block, n_block);
+        if constexpr (kVariants) {
+            apply_score_mod</*kQueryIsRow=*/true>(score_mod, scores, tScS_rc,
+                                                   {m_block * kBlockM, n_block * kBlockN, tile.head_idx});
+        }
+        const TileMask<kBlockM, kBlockN, kCausal, kVariants> mask(bounds, m_block, n_block);
         if (mask.needs_mask()) { mask.template apply</*kQueryIsRow=*/true>(scores, tScS_rc); }
         softmax.update(scores, acc_o_rc);
         // Dropout after the row sums, which are those of the undropped softmax (the LSE's).
-        if (dropout.active()) {
+        if (kVariants && dropout.active()) {
             dropout.template apply</*kQueryIsRow=*/true, /*kNegate=*/false>(scores, tScS_rc, m_block * kBlockM,
                                                                            n_block * kBlockN);
         }
@@ -167,11 +171,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kCtasPerSm)
         Tensor tOrVt = thr_mma_o.make_fragment_B(thr_mma_o.partition_B(sVt_stage(stage)));  // (MMA, MMA_N, MMA_K)
         warpgroup_gemm</*kZeroInit=*/false>(mma_o, tOrP, tOrVt, acc_o);
     }
-    for (; n_block >= n_block_begin; --n_block, stage = next_stage(stage)) { advance_pipeline(n_block, stage); }
+    if constexpr (kVariants) {
+        for (; n_block >= n_block_begin; --n_block, stage = next_stage(stage)) { advance_pipeline(n_block, stage); }
+    }
 
     // Epilogue: normalize once, stage O through shared memory (Q's buffer) for 16 B global stores; a
     // split-KV CTA writes its fp32 partials instead.
-    Tensor lse = softmax.finalize(acc_o_rc, params.score_scale, params.dropout_keep_scale);
+    Tensor lse = kVariants ? softmax.finalize(acc_o_rc, params.score_scale, params.dropout_keep_scale)
+                           : softmax.finalize(acc_o_rc, params.softmax_scale, 1.f);
     Tensor cO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (kBlockM, kHeadDim)
     Tensor tOcO = thr_mma_o.partition_C(cO);  // (MMA, MMA_M, MMA_N), positions of acc_o's values
     Tensor tOcO_rc = make_tensor(tOcO.data(), gmma_acc_rowcol_layout(tOcO.layout()));  // (rows, cols)

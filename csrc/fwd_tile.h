@@ -15,14 +15,14 @@ namespace flash {
 
 using namespace cute;
 
-template <int kBlockM, int kBlockN, bool kCausal>
+template <int kBlockM, int kBlockN, bool kCausal, bool kWindow = false>
 struct FwdTile {
     int m_block;      // query block
     int batch_idx;    // sequence
     int head_idx;     // query head
     int head_idx_k;   // its key/value head (MQA/GQA)
     BlockInfo binfo;  // with a split's keys only (see the constructor)
-    BlockBounds<kBlockM, kBlockN, kCausal> bounds;  // likewise
+    BlockBounds<kBlockM, kBlockN, kCausal, kWindow> bounds;  // likewise
     BlockRange n_blocks_;  // key blocks [begin, end) of binfo's keys are this CTA's (none when end <= begin)
 
     // blockIdx.x = split index * (query blocks) + query block index, so the CTAs that share a key range
@@ -37,7 +37,7 @@ struct FwdTile {
           head_idx(blockIdx.z),
           head_idx_k(head_idx / (params.num_heads / params.num_heads_k)),
           binfo(params, batch_idx),
-          bounds(BlockBounds<kBlockM, kBlockN, kCausal>::of_sequence(params, binfo)) {
+          bounds(BlockBounds<kBlockM, kBlockN, kCausal, kWindow>::of_sequence(params, binfo)) {
         const int num_m_blocks = int(gridDim.x) / params.num_splits;
         const int split = int(blockIdx.x) / num_m_blocks;
         const int m = int(blockIdx.x) - split * num_m_blocks;

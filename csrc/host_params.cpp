@@ -37,8 +37,9 @@ Problem problem_of(Pass pass, const Tensor& q, const Tensor& k, bool causal, boo
     problem.deterministic = deterministic;
     problem.varlen = varlen != nullptr;
     problem.left_window = variants.window_left >= 0;
-    problem.positional = variants.window_left >= 0 || variants.window_right >= 0 || variants.alibi() || variants.dropout();
+    problem.positional = variants.window(causal) || variants.alibi() || variants.dropout();
     problem.dropout = variants.dropout();
+    problem.variants = problem.positional || variants.softcap > 0.0;
     return problem;
 }
 
@@ -59,7 +60,7 @@ Launcher require_launcher(Launcher launcher, Pass pass, const KernelKey& key) {
 }
 
 KernelKey key_of(const Tensor& q, const Plan& plan) {
-    return {q.scalar_type() == ScalarType::BFloat16, plan.kernel_head_dim, plan.causal};
+    return {q.scalar_type() == ScalarType::BFloat16, plan.kernel_head_dim, plan.causal, plan.variants};
 }
 
 }  // namespace

@@ -12,6 +12,10 @@ struct KernelKey {
     bool is_bf16;
     int head_dim;  // the kernel's compile-time head dim, one of kKernelHeadDims
     bool causal;
+    bool variants = false;  // the variants kernel (window, softcap, ALiBi, dropout), which is masked (causal) too
+
+    // The mask axis of kernel_list.h: 0 non-causal, 1 causal, 2 variants.
+    constexpr int mask() const { return variants ? 2 : int(causal); }
 };
 
 // The smallest kernel head dim that holds head_dim, or -1 when none does.

@@ -7,30 +7,30 @@ namespace flash {
 inline constexpr int kKernelHeadDims[] = {32, 64, 96, 128, 160, 192, 224, 256};
 inline constexpr int kNumKernelHeadDims = 8;
 inline constexpr int kNumDtypes = 2;  // index 0 fp16, 1 bf16
-inline constexpr int kNumMasks = 2;    // index 0 non-causal, 1 causal
+inline constexpr int kNumMasks = 3;    // index 0 non-causal, 1 causal, 2 variants
 inline constexpr int kNumPasses = 2;   // index 0 forward, 1 backward
 
 // kKernelNames[pass][head dim index][dtype][mask], the names of the generated files.
 inline constexpr const char* kKernelNames[kNumPasses][kNumKernelHeadDims][kNumDtypes][kNumMasks] = {
     {
-        {{"fwd_hdim32_fp16_noncausal", "fwd_hdim32_fp16_causal"}, {"fwd_hdim32_bf16_noncausal", "fwd_hdim32_bf16_causal"}},
-        {{"fwd_hdim64_fp16_noncausal", "fwd_hdim64_fp16_causal"}, {"fwd_hdim64_bf16_noncausal", "fwd_hdim64_bf16_causal"}},
-        {{"fwd_hdim96_fp16_noncausal", "fwd_hdim96_fp16_causal"}, {"fwd_hdim96_bf16_noncausal", "fwd_hdim96_bf16_causal"}},
-        {{"fwd_hdim128_fp16_noncausal", "fwd_hdim128_fp16_causal"}, {"fwd_hdim128_bf16_noncausal", "fwd_hdim128_bf16_causal"}},
-        {{"fwd_hdim160_fp16_noncausal", "fwd_hdim160_fp16_causal"}, {"fwd_hdim160_bf16_noncausal", "fwd_hdim160_bf16_causal"}},
-        {{"fwd_hdim192_fp16_noncausal", "fwd_hdim192_fp16_causal"}, {"fwd_hdim192_bf16_noncausal", "fwd_hdim192_bf16_causal"}},
-        {{"fwd_hdim224_fp16_noncausal", "fwd_hdim224_fp16_causal"}, {"fwd_hdim224_bf16_noncausal", "fwd_hdim224_bf16_causal"}},
-        {{"fwd_hdim256_fp16_noncausal", "fwd_hdim256_fp16_causal"}, {"fwd_hdim256_bf16_noncausal", "fwd_hdim256_bf16_causal"}}
+        {{"fwd_hdim32_fp16_noncausal", "fwd_hdim32_fp16_causal", "fwd_hdim32_fp16_variants"}, {"fwd_hdim32_bf16_noncausal", "fwd_hdim32_bf16_causal", "fwd_hdim32_bf16_variants"}},
+        {{"fwd_hdim64_fp16_noncausal", "fwd_hdim64_fp16_causal", "fwd_hdim64_fp16_variants"}, {"fwd_hdim64_bf16_noncausal", "fwd_hdim64_bf16_causal", "fwd_hdim64_bf16_variants"}},
+        {{"fwd_hdim96_fp16_noncausal", "fwd_hdim96_fp16_causal", "fwd_hdim96_fp16_variants"}, {"fwd_hdim96_bf16_noncausal", "fwd_hdim96_bf16_causal", "fwd_hdim96_bf16_variants"}},
+        {{"fwd_hdim128_fp16_noncausal", "fwd_hdim128_fp16_causal", "fwd_hdim128_fp16_variants"}, {"fwd_hdim128_bf16_noncausal", "fwd_hdim128_bf16_causal", "fwd_hdim128_bf16_variants"}},
+        {{"fwd_hdim160_fp16_noncausal", "fwd_hdim160_fp16_causal", "fwd_hdim160_fp16_variants"}, {"fwd_hdim160_bf16_noncausal", "fwd_hdim160_bf16_causal", "fwd_hdim160_bf16_variants"}},
+        {{"fwd_hdim192_fp16_noncausal", "fwd_hdim192_fp16_causal", "fwd_hdim192_fp16_variants"}, {"fwd_hdim192_bf16_noncausal", "fwd_hdim192_bf16_causal", "fwd_hdim192_bf16_variants"}},
+        {{"fwd_hdim224_fp16_noncausal", "fwd_hdim224_fp16_causal", "fwd_hdim224_fp16_variants"}, {"fwd_hdim224_bf16_noncausal", "fwd_hdim224_bf16_causal", "fwd_hdim224_bf16_variants"}},
+        {{"fwd_hdim256_fp16_noncausal", "fwd_hdim256_fp16_causal", "fwd_hdim256_fp16_variants"}, {"fwd_hdim256_bf16_noncausal", "fwd_hdim256_bf16_causal", "fwd_hdim256_bf16_variants"}}
     },
     {
-        {{"bwd_hdim32_fp16_noncausal", "bwd_hdim32_fp16_causal"}, {"bwd_hdim32_bf16_noncausal", "bwd_hdim32_bf16_causal"}},
-        {{"bwd_hdim64_fp16_noncausal", "bwd_hdim64_fp16_causal"}, {"bwd_hdim64_bf16_noncausal", "bwd_hdim64_bf16_causal"}},
-        {{"bwd_hdim96_fp16_noncausal", "bwd_hdim96_fp16_causal"}, {"bwd_hdim96_bf16_noncausal", "bwd_hdim96_bf16_causal"}},
-        {{"bwd_hdim128_fp16_noncausal", "bwd_hdim128_fp16_causal"}, {"bwd_hdim128_bf16_noncausal", "bwd_hdim128_bf16_causal"}},
-        {{"bwd_hdim160_fp16_noncausal", "bwd_hdim160_fp16_causal"}, {"bwd_hdim160_bf16_noncausal", "bwd_hdim160_bf16_causal"}},
-        {{"bwd_hdim192_fp16_noncausal", "bwd_hdim192_fp16_causal"}, {"bwd_hdim192_bf16_noncausal", "bwd_hdim192_bf16_causal"}},
-        {{"bwd_hdim224_fp16_noncausal", "bwd_hdim224_fp16_causal"}, {"bwd_hdim224_bf16_noncausal", "bwd_hdim224_bf16_causal"}},
-        {{"bwd_hdim256_fp16_noncausal", "bwd_hdim256_fp16_causal"}, {"bwd_hdim256_bf16_noncausal", "bwd_hdim256_bf16_causal"}}
+        {{"bwd_hdim32_fp16_noncausal", "bwd_hdim32_fp16_causal", "bwd_hdim32_fp16_variants"}, {"bwd_hdim32_bf16_noncausal", "bwd_hdim32_bf16_causal", "bwd_hdim32_bf16_variants"}},
+        {{"bwd_hdim64_fp16_noncausal", "bwd_hdim64_fp16_causal", "bwd_hdim64_fp16_variants"}, {"bwd_hdim64_bf16_noncausal", "bwd_hdim64_bf16_causal", "bwd_hdim64_bf16_variants"}},
+        {{"bwd_hdim96_fp16_noncausal", "bwd_hdim96_fp16_causal", "bwd_hdim96_fp16_variants"}, {"bwd_hdim96_bf16_noncausal", "bwd_hdim96_bf16_causal", "bwd_hdim96_bf16_variants"}},
+        {{"bwd_hdim128_fp16_noncausal", "bwd_hdim128_fp16_causal", "bwd_hdim128_fp16_variants"}, {"bwd_hdim128_bf16_noncausal", "bwd_hdim128_bf16_causal", "bwd_hdim128_bf16_variants"}},
+        {{"bwd_hdim160_fp16_noncausal", "bwd_hdim160_fp16_causal", "bwd_hdim160_fp16_variants"}, {"bwd_hdim160_bf16_noncausal", "bwd_hdim160_bf16_causal", "bwd_hdim160_bf16_variants"}},
+        {{"bwd_hdim192_fp16_noncausal", "bwd_hdim192_fp16_causal", "bwd_hdim192_fp16_variants"}, {"bwd_hdim192_bf16_noncausal", "bwd_hdim192_bf16_causal", "bwd_hdim192_bf16_variants"}},
+        {{"bwd_hdim224_fp16_noncausal", "bwd_hdim224_fp16_causal", "bwd_hdim224_fp16_variants"}, {"bwd_hdim224_bf16_noncausal", "bwd_hdim224_bf16_causal", "bwd_hdim224_bf16_variants"}},
+        {{"bwd_hdim256_fp16_noncausal", "bwd_hdim256_fp16_causal", "bwd_hdim256_fp16_variants"}, {"bwd_hdim256_bf16_noncausal", "bwd_hdim256_bf16_causal", "bwd_hdim256_bf16_variants"}}
     }
 };
 

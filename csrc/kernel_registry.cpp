@@ -12,7 +12,7 @@ constexpr int kNumSlots = kNumKernelHeadDims * kNumDtypes * kNumMasks;
 // keyed by name. Returns -1 for a head dim that has no kernels.
 int slot(const KernelKey& key) {
     for (int i = 0; i < kNumKernelHeadDims; ++i) {
-        if (kKernelHeadDims[i] == key.head_dim) { return (i * kNumDtypes + int(key.is_bf16)) * kNumMasks + int(key.causal); }
+        if (kKernelHeadDims[i] == key.head_dim) { return (i * kNumDtypes + int(key.is_bf16)) * kNumMasks + key.mask(); }
     }
     return -1;
 }

@@ -34,13 +34,13 @@ __forceinline__ __device__ constexpr int key_extent(const T& t) {
     return kQueryIsRow ? int(size<1>(t)) : int(size<0>(t));
 }
 
-template <int kBlockM, int kBlockN, bool kCausal>
+template <int kBlockM, int kBlockN, bool kCausal, bool kWindow = false>
 struct TileMask {
-    BlockBounds<kBlockM, kBlockN, kCausal> bounds;
+    BlockBounds<kBlockM, kBlockN, kCausal, kWindow> bounds;
     int m_block;
     int n_block;
 
-    __forceinline__ __device__ TileMask(const BlockBounds<kBlockM, kBlockN, kCausal>& bounds_, int m_block_,
+    __forceinline__ __device__ TileMask(const BlockBounds<kBlockM, kBlockN, kCausal, kWindow>& bounds_, int m_block_,
                                         int n_block_)
         : bounds(bounds_), m_block(m_block_), n_block(n_block_) {}
 
@@ -54,9 +54,12 @@ struct TileMask {
     __forceinline__ __device__ bool hides_past_diagonal(int q, int k) const {
         const int diag = bounds.diag(m_block, n_block);
         const bool right = kCausal && kBlockN - 1 > diag && k - q > diag;
-        const int left_diag = bounds.left_diag(m_block, n_block);
-        const bool left = kCausal && left_diag > 1 - kBlockM && k - q < left_diag;
-        return right || left;
+        if constexpr (!kWindow) {
+            return right;
+        } else {
+            const int left_diag = bounds.left_diag(m_block, n_block);
+            return right || (left_diag > 1 - kBlockM && k - q < left_diag);
+        }
     }
 
     // Sets every hidden score of the tile (outside the window or past the sequence end) to -inf, so the softmax
@@ -69,7 +72,7 @@ struct TileMask {
         static_assert(decltype(size(scores))::value == decltype(size(coords))::value, "one coordinate per score");
         const int q0 = m_block * kBlockM;
         const int k0 = n_block * kBlockN;
-        const bool left_edge = bounds.crosses_left_edge(m_block, n_block);
+        const bool left_edge = kWindow && bounds.crosses_left_edge(m_block, n_block);
         CUTE_UNROLL
         for (int qi = 0; qi < query_extent<kQueryIsRow>(scores); ++qi) {
             const int q = q0 + query_of<kQueryIsRow>(coords, kQueryIsRow ? qi : 0, kQueryIsRow ? 0 : qi);
@@ -80,7 +83,7 @@ struct TileMask {
                 const int i = kQueryIsRow ? qi : ki;
                 const int j = kQueryIsRow ? ki : qi;
                 const int k = k0 + key_of<kQueryIsRow>(coords, i, j);
-                if (k >= key_limit || k < key_begin) { scores(i, j) = -INFINITY; }
+                if (k >= key_limit || (kWindow && k < key_begin)) { scores(i, j) = -INFINITY; }
             }
         }
     }

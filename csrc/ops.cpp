@@ -24,7 +24,7 @@ STABLE_TORCH_LIBRARY(flash_attn2, m) {
     m.def("plan(str pass_name, int batch, int seqlen_q, int seqlen_k, int nheads, int nheads_k, int head_dim, "
           "bool causal=False, bool deterministic=False, bool varlen=False, int num_splits=0, "
           "str plan_override=\"\", int arch=-1, int num_sms=-1, bool is_bf16=True, int window_left=-1, "
-          "int window_right=-1, bool alibi=False, bool dropout=False) -> str");
+          "int window_right=-1, bool alibi=False, bool dropout=False, float softcap=0.0) -> str");
     m.def("compiled_kernels() -> str[]");
 }
 

@@ -37,6 +37,6 @@ std::tuple<Tensor, Tensor, Tensor> varlen_bwd(const Tensor& dout, const Tensor& 
 std::string plan_op(const std::string& pass_name, int64_t batch, int64_t seqlen_q, int64_t seqlen_k, int64_t nheads,
                     int64_t nheads_k, int64_t head_dim, bool causal, bool deterministic, bool varlen,
                     int64_t num_splits, const std::string& plan_override, int64_t arch, int64_t num_sms, bool is_bf16,
-                    int64_t window_left, int64_t window_right, bool alibi, bool dropout);
+                    int64_t window_left, int64_t window_right, bool alibi, bool dropout, double softcap);
 
 }  // namespace flash

@@ -190,8 +190,9 @@ Plan make_plan(const Problem& p, const Target& t, int num_splits, const PlanOver
     plan.kernel_head_dim = kernel_head_dim(p.head_dim);
     // With a single query row the bottom-right aligned causal mask lets it see every key: run the non-causal
     // kernel instead when the build has it (which also allows packing GQA heads).
-    // A window without a left edge is no restriction for it either.
-    plan.causal = p.causal && !(!p.varlen && p.seqlen_q == 1 && !p.left_window && t.noncausal_built);
+    // Calls with variants run the variants kernel, which is masked (an unbounded window for non-causal ones).
+    plan.variants = p.variants;
+    plan.causal = p.variants || (p.causal && !(!p.varlen && p.seqlen_q == 1 && t.noncausal_built));
     // A dense seqlen_q == 1 problem with GQA/MQA (and no causal mask) runs with the `group` query heads that
     // share a key/value head as `group` query rows of one head, so each CTA reads its key/value head once for
     // the whole group, and the backward gets dK/dV per key/value head directly.
@@ -216,7 +217,8 @@ std::string to_string(const Plan& plan) {
     std::string text = std::string("pass=") + (plan.pass == Pass::kFwd ? "fwd" : "bwd") + ";";
     text += std::string("kernel=") + (plan.wgmma ? "wgmma" : "mma_sync") + ";";
     text += field("kernel_head_dim", plan.kernel_head_dim) + field("block_m", plan.block_m) +
-            field("block_n", plan.block_n) + field("causal", plan.causal) + field("gqa_pack", plan.gqa_pack) +
+            field("block_n", plan.block_n) + field("causal", plan.causal) + field("variants", plan.variants) +
+            field("gqa_pack", plan.gqa_pack) +
             field("num_splits", plan.num_splits) + field("short_key_tile", plan.short_key_tile) +
             field("short_query_tile", plan.short_query_tile) + field("heads_per_cta", plan.heads_per_cta) +
             field("key_blocks_per_cta", plan.key_blocks_per_cta) + field("dkv_fp32_slices", plan.dkv_fp32_slices);

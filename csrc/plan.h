@@ -29,6 +29,7 @@ struct Problem {
     bool left_window = false;  // the window has a left edge: a key block may be seen by no query
     bool positional = false;   // ALiBi, dropout or a window (not plain causal): query heads keep their own positions (no GQA packing)
     bool dropout = false;      // the forward cannot split keys (the mask follows absolute key positions)
+    bool variants = false;     // a bounded window (other than causal's), softcap, ALiBi or dropout: the variants kernel
 };
 
 // The GPU and what the build holds for it.
@@ -55,7 +56,9 @@ struct Plan {
     Pass pass;
     bool wgmma;           // the Hopper (warpgroup-MMA) kernels, else mma.sync
     int kernel_head_dim;  // the compiled head dim that runs
-    bool causal;          // the mask that runs: causal with one dense query row sees every key, and runs unmasked
+    bool causal;          // the mask that runs: causal with one dense query row sees every key, and runs unmasked;
+                          // the variants kernel is masked
+    bool variants;        // the variants kernel (window, softcap, ALiBi, dropout), else a plain one
     int64_t gqa_pack;     // > 1: the query heads of a key/value head run as that many query rows of one head
     int block_m;          // query rows per block (per step, backward)
     int block_n;          // keys per block

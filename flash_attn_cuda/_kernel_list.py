@@ -2,10 +2,12 @@
 
 HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 DTYPES = ('fp16', 'bf16')
-MASKS = ('noncausal', 'causal')
+MASKS = ('noncausal', 'causal', 'variants')
 PASSES = ('fwd', 'bwd')
 
 
-def kernel_name(pass_: str, head_dim: int, dtype: str, causal: bool) -> str:
-    """The name of the kernel of one pass ("fwd" or "bwd"), kernel head dim, dtype ("fp16" or "bf16") and mask."""
-    return '{pass_}_hdim{head_dim}_{dtype}_{mask}'.format(pass_=pass_, head_dim=head_dim, dtype=dtype, mask=MASKS[int(causal)])
+def kernel_name(pass_: str, head_dim: int, dtype: str, causal: bool, variants: bool = False) -> str:
+    """The name of the kernel of one pass ("fwd" or "bwd"), kernel head dim, dtype ("fp16" or "bf16") and mask
+    (variants: the kernel of window, softcap, ALiBi and dropout calls, whatever causal says)."""
+    mask = MASKS[2] if variants else MASKS[int(causal)]
+    return '{pass_}_hdim{head_dim}_{dtype}_{mask}'.format(pass_=pass_, head_dim=head_dim, dtype=dtype, mask=mask)

@@ -51,7 +51,8 @@ def _bwd_fake(dout, q, k, v, out, softmax_lse, softmax_scale, causal, determinis
 
 @torch.library.register_fake("flash_attn2::varlen_fwd")
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                     deterministic=False, plan_override="", window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None):
+                     deterministic=False, plan_override="", window_left=-1, window_right=-1, softcap=0.0,
+                     alibi_slopes=None, dropout_p=0.0, rng_state=None):
     total_q, nheads, head_dim = q.shape
     out = q.new_empty((total_q, nheads, head_dim))
     softmax_lse = q.new_empty((nheads, total_q), dtype=torch.float32)
@@ -60,7 +61,8 @@ def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
 @torch.library.register_fake("flash_attn2::varlen_bwd")
 def _varlen_bwd_fake(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                     softmax_scale, causal, deterministic=False, plan_override="", window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None):
+                     softmax_scale, causal, deterministic=False, plan_override="", window_left=-1, window_right=-1,
+                     softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -100,14 +102,16 @@ def kernel_head_dim(head_dim: int) -> int:
     raise ValueError(f"head_dim must be at most {KERNEL_HEAD_DIMS[-1]}, got {head_dim}")
 
 
-def kernel_available(head_dim: int, dtype: torch.dtype, causal: bool, backward: bool = False) -> bool:
+def kernel_available(head_dim: int, dtype: torch.dtype, causal: bool, backward: bool = False,
+                     variants: bool = False) -> bool:
     """Whether this build contains the forward kernel (and, with ``backward``, also the backward kernel)
-    that a call with these settings needs."""
+    that a call with these settings needs (``variants``: a call with a window, softcap, ALiBi or dropout)."""
     if dtype not in _DTYPE_NAMES:
         return False
     passes = ("fwd", "bwd") if backward else ("fwd",)
     names = compiled_kernels()
-    return all(kernel_name(pass_, kernel_head_dim(head_dim), _DTYPE_NAMES[dtype], causal) in names for pass_ in passes)
+    return all(kernel_name(pass_, kernel_head_dim(head_dim), _DTYPE_NAMES[dtype], causal, variants) in names
+               for pass_ in passes)
 
 
 # Autograd. The backward ops have none of their own (no double backward, as in flash-attn 2.x). As there, the

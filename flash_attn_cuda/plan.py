@@ -41,7 +41,8 @@ class Plan:
     kernel_head_dim: int  # the compiled head dim that runs
     block_m: int  # query rows per block (per step of the backward)
     block_n: int  # keys per block
-    causal: bool  # the mask that runs: a causal call with one query row runs unmasked
+    causal: bool  # the mask that runs: a causal call with one query row runs unmasked; variants run masked
+    variants: bool  # the variants kernel (window, softcap, ALiBi, dropout)
     gqa_pack: int  # query heads packed as rows of their key/value head (1: none)
     num_splits: int  # forward: key splits (1: none)
     short_key_tile: bool  # forward: the Hopper short-key tile
@@ -98,7 +99,7 @@ def plan(pass_: str, *, batch: int, seqlen_q: int, seqlen_k: int, nheads: int, n
          causal: bool = False, deterministic: bool = False, varlen: bool = False, num_splits: int = 0,
          override: str = "", arch: Optional[int] = None, num_sms: Optional[int] = None,
          dtype: torch.dtype = torch.bfloat16, window_size: tuple = (-1, -1), alibi: bool = False,
-         dropout: bool = False) -> Plan:
+         dropout: bool = False, softcap: float = 0.0) -> Plan:
     """The plan of one pass ("fwd" or "bwd") of a call with these sizes.
 
     For varlen calls, ``batch`` is the number of sequences and the lengths are the maxima. ``override`` is a
@@ -106,13 +107,13 @@ def plan(pass_: str, *, batch: int, seqlen_q: int, seqlen_k: int, nheads: int, n
     GPU; left as None they are the current CUDA device's, and the plan is that of this build. Given, the plan
     is computed for that GPU and a build with every kernel family (no GPU needed). ``dtype`` matters only for
     what the build holds (a causal call with one query row runs the non-causal kernel when it is built).
-    ``window_size``, ``alibi`` (slopes given) and ``dropout`` (dropout_p > 0) are the call's variants, which
-    the plan heeds: a window runs the masked kernel, and positional variants rule out GQA packing and dropout
-    key splits.
+    ``window_size``, ``alibi`` (slopes given), ``dropout`` (dropout_p > 0) and ``softcap`` are the call's
+    variants, which the plan heeds: any of them runs the variants kernel, positional ones rule out GQA packing,
+    and dropout rules out key splits.
     """
     text = torch.ops.flash_attn2.plan(pass_, batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, bool(causal),
                                       bool(deterministic), bool(varlen), int(num_splits), override,
                                       -1 if arch is None else int(arch), -1 if num_sms is None else int(num_sms),
                                       dtype == torch.bfloat16, int(window_size[0]), int(window_size[1]), bool(alibi),
-                                      bool(dropout))
+                                      bool(dropout), float(softcap))
     return _parse(text)

@@ -86,18 +86,20 @@ def test_compiled_kernels_are_generated_files():
 
 def test_compiled_kernels_come_in_whole_groups():
     # setup.py compiles whole (head dim, dtype) groups (FLASH_ATTN2_HDIMS x FLASH_ATTN2_DTYPES): both passes and
-    # both masks of each, so a kernel missing from the registry shows as a hole in its group.
+    # every mask of each (non-causal, causal, and the variants kernel), so a kernel missing from the registry shows
+    # as a hole in its group.
+    masks = ("causal", "noncausal", "variants")
     names = set(torch.ops.flash_attn2.compiled_kernels())
     groups = set()
     for name in names:
         pass_, hdim, dtype, mask = name.split("_")
-        assert pass_ in ("fwd", "bwd") and mask in ("causal", "noncausal") and dtype in TORCH_DTYPES, name
+        assert pass_ in ("fwd", "bwd") and mask in masks and dtype in TORCH_DTYPES, name
         groups.add((int(hdim[len("hdim"):]), dtype))
-    expected = {f"{p}_hdim{d}_{t}_{m}" for d, t in groups for p in ("fwd", "bwd") for m in ("causal", "noncausal")}
+    expected = {f"{p}_hdim{d}_{t}_{m}" for d, t in groups for p in ("fwd", "bwd") for m in masks}
     assert names == expected, sorted(expected ^ names)
     # The generated list names them the same way.
-    assert {_kernel_list.kernel_name(p, d, t, c) for d, t in groups for p in ("fwd", "bwd")
-            for c in (False, True)} == expected
+    assert {_kernel_list.kernel_name(p, d, t, c, variants) for d, t in groups for p in ("fwd", "bwd")
+            for c, variants in ((False, False), (True, False), (True, True))} == expected
 
 
 def test_kernel_available_on_a_known_build(monkeypatch):

@@ -393,3 +393,62 @@ def test_schemas_take_plan_arguments():
     for name in ("bwd", "varlen_fwd", "varlen_bwd"):
         schema = str(getattr(torch.ops.flash_attn2, name).default._schema)
         assert 'str plan_override=""' in schema and "num_splits" not in schema, schema
+
+
+# ---------------------------------------------------------------- attention variants
+
+
+def make_variant(pass_="fwd", gpu=H200, *, window_size=(-1, -1), alibi=False, dropout=False, softcap=0.0, **sizes):
+    sizes = {"batch": 2, "seqlen_q": 512, "seqlen_k": 512, "nheads": 8, "nheads_k": 8, "head_dim": 128, **sizes}
+    return plan(pass_, **sizes, window_size=window_size, alibi=alibi, dropout=dropout, softcap=softcap, **gpu)
+
+
+@pytest.mark.parametrize("pass_", ["fwd", "bwd"])
+@pytest.mark.parametrize("gpu", [H200, A100], ids=["h200", "a100"])
+@pytest.mark.parametrize("variant, runs_variants", [
+    ({}, False),
+    ({"causal": True, "window_size": (-1, 0)}, False),  # causal
+    ({"window_size": (-1, 0)}, False),  # the same mask, without causal=True
+    ({"causal": True, "window_size": (-1, 7)}, False),  # causal fixes right at 0
+    ({"window_size": (128, 0)}, True),
+    ({"window_size": (-1, 5)}, True),
+    ({"softcap": 30.0}, True),
+    ({"alibi": True}, True),
+    ({"dropout": True}, True),
+])
+def test_variants_run_the_variants_kernel(pass_, gpu, variant, runs_variants):
+    # Any variant runs the variants kernel, which is masked; a call with none runs a plain kernel, on the same
+    # kernel family either way.
+    p = make_variant(pass_, gpu, **variant)
+    assert p.variants == runs_variants, p
+    if runs_variants:
+        assert p.causal, p
+    assert p.kernel == make_variant(pass_, gpu).kernel
+
+
+@pytest.mark.parametrize("variant, packs", [({"softcap": 30.0}, False), ({"alibi": True}, False),
+                                            ({"dropout": True}, False), ({"window_size": (16, 0)}, False),
+                                            ({"causal": True}, True), ({}, True)])
+def test_gqa_packing_with_variants(variant, packs):
+    # ALiBi and dropout read each query head's own position, windows need the masked kernel: no packing. Softcap
+    # would allow it, but runs the (masked) variants kernel, which does not pack.
+    p = make_variant("fwd", seqlen_q=1, seqlen_k=4096, nheads=32, nheads_k=4, **variant)
+    assert (p.gqa_pack == 8) == packs, p
+
+
+def test_dropout_rules_out_key_splits():
+    # The dropout mask follows absolute key positions: no split, even when forced.
+    shape = {"batch": 1, "seqlen_q": 1, "seqlen_k": 65536, "nheads": 8, "nheads_k": 8}
+    assert make_variant("fwd", **shape).num_splits > 1
+    assert make_variant("fwd", dropout=True, **shape).num_splits == 1
+    forced_plan = plan("fwd", **shape, head_dim=128, num_splits=4, dropout=True, **H200)
+    assert forced_plan.num_splits == 1
+    assert make_variant("fwd", softcap=5.0, window_size=(1024, 0), **shape).num_splits > 1
+
+
+def test_left_window_walks_one_key_block():
+    # Under a left window edge a key block may have no query: the Hopper backward keeps one key block per CTA.
+    shape = {"batch": 1, "seqlen_q": 16, "seqlen_k": 32768, "nheads": 8, "nheads_k": 8}
+    assert make_variant("bwd", **shape).key_blocks_per_cta > 1
+    assert make_variant("bwd", window_size=(256, 0), **shape).key_blocks_per_cta == 1
+    assert make_variant("bwd", window_size=(-1, 64), **shape).key_blocks_per_cta > 1

@@ -149,9 +149,12 @@ def shape_id(shape):
 
 
 def require_kernels(head_dim, dtype):
-    """Skips unless both masks are compiled: windows run the masked (causal) kernels, the rest the unmasked."""
+    """Skips unless every mask is compiled: calls with variants run the variants kernels, plain ones (a window of
+    (-1, 0), say, which is causal) the plain masked or unmasked kernels."""
     require_fwd_bwd_kernels(head_dim, dtype, False)
     require_fwd_bwd_kernels(head_dim, dtype, True)
+    if not flash_attn_cuda.kernel_available(head_dim, dtype, True, backward=True, variants=True):
+        pytest.skip(f"variants kernels for head_dim={head_dim} {dtype} not compiled")
 
 
 def alibi_slopes(kind, batch, nheads, device="cuda"):
@@ -234,7 +237,7 @@ def check_variant_plans(q, k, variant, slopes, force, *, deterministic=False, le
                  head_dim=-(-q.shape[-1] // 8) * 8, causal=variant.causal,
                  deterministic=deterministic and pass_ == "bwd", varlen=lens is not None, num_splits=num_splits,
                  override=override_string(**choices), dtype=q.dtype, window_size=variant.window,
-                 alibi=slopes is not None, dropout=variant.dropout_p > 0)
+                 alibi=slopes is not None, dropout=variant.dropout_p > 0, softcap=variant.softcap)
         assert p.kernel == plain[pass_].kernel, (p, plain[pass_])
         plans[pass_] = p
     if num_splits and lens is None and not variant.dropout_p:

@@ -2,4 +2,4 @@
 #define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
 #include "../flash_bwd_launch.h"
 
-FLASH_REGISTER_KERNEL(run_bwd, cutlass::bfloat16_t, true, 160, false, bwd_hdim160_bf16_noncausal)
+FLASH_REGISTER_KERNEL(run_bwd, cutlass::bfloat16_t, true, 160, false, false, bwd_hdim160_bf16_noncausal)

@@ -2,4 +2,4 @@
 #define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
 #include "../flash_bwd_launch.h"
 
-FLASH_REGISTER_KERNEL(run_bwd, cutlass::half_t, false, 96, true, bwd_hdim96_fp16_causal)
+FLASH_REGISTER_KERNEL(run_bwd, cutlass::half_t, false, 96, true, false, bwd_hdim96_fp16_causal)

@@ -378,7 +378,8 @@ HOPPER_PATHS = {
 def test_forced_paths(path, dropout):
     force, (b, sq, sk, h, hk) = HOPPER_PATHS[path]
     if dropout and "num_splits" in force:
-        pytest.skip("split-KV with dropout runs where the heuristic splits (test_dropout_decode_split)")
+        pytest.skip("dropout never splits the keys (the plan keeps one split; test_plan_cpu checks it), "
+                    "and test_dropout_decode_split runs a shape whose plain call splits")
     require_kernels(128, torch.bfloat16)
     # No left window edge: under one, the Hopper backward keeps one key block per CTA whatever key_blocks says.
     variant = V(window=(-1, 50), softcap=20.0, alibi="batch_heads", dropout_p=0.2 if dropout else 0.0)

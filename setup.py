@@ -287,7 +287,8 @@ def build_extensions():
 
     # Host code: every csrc/*.cpp (module, ops, checks, plan, fwd, bwd, the registry, the torch glue, ...).
     host = sorted(str(path.relative_to(ROOT)) for path in (ROOT / "csrc").glob("*.cpp"))
-    sources = [*host, "csrc/build_info.cu", "csrc/flash_bwd_aux.cu", "csrc/flash_fwd_combine.cu"]
+    sources = [*host, "csrc/build_info.cu", "csrc/flash_bwd_aux.cu", "csrc/flash_fwd_combine.cu",
+               "csrc/kvcache_prep.cu"]
     fixed_sources = len(sources)
     sources += kernel_sources(hdims, dtypes)
 

@@ -18,15 +18,39 @@ __forceinline__ __device__ int sequence_of_cta(const FwdParams& params) { return
 
 struct BlockInfo {
     int q_start;   // first row of the sequence in q (0 for dense batches)
-    int k_start;   // first row of the sequence in k and v
+    int k_start;   // first row of the sequence in k and v (paged: of its pages, FwdParams::block_table_ptr)
     int seqlen_q;  // this sequence's lengths
     int seqlen_k;
+    int k_batch;   // the batch row of k and v that holds the sequence (a cache's kv_batch_idx), else b
 
     __forceinline__ __device__ BlockInfo(const FwdParams& params, int b)
         : q_start(start(params.cu_seqlens_q, b, params.total_q)),
           k_start(start(params.cu_seqlens_k, b, params.total_k)),
           seqlen_q(length(params.cu_seqlens_q, b, params.total_q, params.seqlen_q)),
-          seqlen_k(length(params.cu_seqlens_k, b, params.total_k, params.seqlen_k)) {}
+          seqlen_k(length(params.cu_seqlens_k, b, params.total_k, params.seqlen_k)),
+          k_batch(b) {}
+
+    // The variants kernels' sequences, which may read a KV cache (FwdParams, "KV caches"): keys end at
+    // seqlens_k + seqlen_k_new, start at leftpad_k, lie in batch row kv_batch_idx, or in the sequence's pages,
+    // whose rows start at 0. All clamped to the cache: at most k_capacity keys, leftpad at most the end.
+    __forceinline__ __device__ static BlockInfo of_cache(const FwdParams& params, int b) {
+        BlockInfo info(params, b);
+        if (params.block_table_ptr != nullptr) { info.k_start = 0; }
+        if (params.kv_batch_idx_ptr != nullptr) {
+            info.k_batch = min(max(params.kv_batch_idx_ptr[b], 0), params.kv_batches - 1);
+        }
+        if (params.seqlens_k_ptr != nullptr) {
+            const int cached = min(max(params.seqlens_k_ptr[b], 0), params.k_capacity);
+            info.seqlen_k = min(cached + params.seqlen_k_new, params.k_capacity);
+        }
+        info.seqlen_k = min(info.seqlen_k, params.k_capacity);
+        if (params.leftpad_k_ptr != nullptr) {
+            const int leftpad = min(max(params.leftpad_k_ptr[b], 0), info.seqlen_k);
+            info.k_start += leftpad;
+            info.seqlen_k -= leftpad;
+        }
+        return info;
+    }
 
     template <typename Element>
     __forceinline__ __device__ auto q_view(const FwdParams& p, int b, int h) const {

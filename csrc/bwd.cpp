@@ -16,7 +16,7 @@ std::tuple<Tensor, Tensor, Tensor> bwd_impl(const Tensor& dout, const Tensor& q,
                                             bool causal, bool deterministic, const std::string& plan_override,
                                             const Varlen* varlen, const Variants& variants) {
     check_qkv(q, k, v);
-    if (varlen != nullptr) { check_varlen(*varlen, q, k); }
+    if (varlen != nullptr) { check_varlen(*varlen, q, k.size(1), "total_k"); }
     check_bwd_inputs(dout, q, out, softmax_lse, lse_shape(q, varlen));
     check_scale(softmax_scale);
     check_variants(variants, q, varlen != nullptr ? varlen->batch() : q.size(0));

@@ -1,5 +1,6 @@
 #include "checks.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "device_info.h"
@@ -68,7 +69,7 @@ void check_qkv(const Tensor& q, const Tensor& k, const Tensor& v) {
     check_layout(v, "v");
 }
 
-void check_varlen(const Varlen& varlen, const Tensor& q, const Tensor& k) {
+void check_varlen(const Varlen& varlen, const Tensor& q, int64_t max_keys, const char* keys_name) {
     for (const auto& [t, name] : {std::pair<const Tensor&, const char*>{varlen.cu_seqlens_q, "cu_seqlens_q"},
                                   std::pair<const Tensor&, const char*>{varlen.cu_seqlens_k, "cu_seqlens_k"}}) {
         FLASH_CHECK_ARG(t.scalar_type() == ScalarType::Int, name, " must be int32, got ", t.scalar_type());
@@ -85,8 +86,127 @@ void check_varlen(const Varlen& varlen, const Tensor& q, const Tensor& k) {
                       ", got ", num(varlen.batch()));
     FLASH_CHECK_ARG(varlen.max_seqlen_q >= 0 && varlen.max_seqlen_q <= q.size(1),
                       "max_seqlen_q must be in [0, total_q = ", num(q.size(1)), "], got ", num(varlen.max_seqlen_q));
-    FLASH_CHECK_ARG(varlen.max_seqlen_k >= 0 && varlen.max_seqlen_k <= k.size(1),
-                      "max_seqlen_k must be in [0, total_k = ", num(k.size(1)), "], got ", num(varlen.max_seqlen_k));
+    FLASH_CHECK_ARG(varlen.max_seqlen_k >= 0 && varlen.max_seqlen_k <= max_keys, "max_seqlen_k must be in [0, ",
+                    keys_name, " = ", num(max_keys), "], got ", num(varlen.max_seqlen_k));
+}
+
+namespace {
+
+// An int32 (batch,) argument of a KV-cache call.
+void check_per_sequence(const std::optional<Tensor>& t, const char* name, int64_t batch, const Tensor& q) {
+    if (!t.has_value()) { return; }
+    FLASH_CHECK_ARG(t->scalar_type() == ScalarType::Int, name, " must be int32, got ", t->scalar_type());
+    FLASH_CHECK_ARG(t->dim() == 1 && t->size(0) == batch, name, " must have shape (batch,) = (", num(batch), ",), got ",
+                    shape_str(t->sizes()));
+    FLASH_CHECK_ARG(t->is_contiguous(), name, " must be contiguous");
+    FLASH_CHECK_ARG(same_device(*t, q), name, " must be on the device of q (", device_str(q), "), got ", device_str(*t));
+}
+
+}  // namespace
+
+void check_kvcache(const KVCache& cache, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                   const Varlen* varlen) {
+    FLASH_CHECK_ARG(q.dim() == 4, "q must have shape (batch, seqlen_q, nheads, head_dim), got ", num(q.dim()), " dims");
+    const char* cache_shape = cache.paged() ? "(num_pages, page_size, nheads_k, head_dim) with a block_table"
+                                            : "(batch_cache, seqlen_cache, nheads_k, head_dim)";
+    FLASH_CHECK_ARG(k_cache.dim() == 4, "k_cache must have shape ", cache_shape, ", got ", num(k_cache.dim()), " dims");
+    FLASH_CHECK_ARG(same_sizes(v_cache.sizes(), k_cache.sizes()), "v_cache must have the shape of k_cache ",
+                    shape_str(k_cache.sizes()), ", got ", shape_str(v_cache.sizes()));
+    const auto dtype = q.scalar_type();
+    FLASH_CHECK_ARG(dtype == ScalarType::Half || dtype == ScalarType::BFloat16, "q must be float16 or bfloat16, got ", dtype);
+    FLASH_CHECK_ARG(k_cache.scalar_type() == dtype, "k_cache must have the dtype of q (", dtype, "), got ",
+                    k_cache.scalar_type());
+    FLASH_CHECK_ARG(v_cache.scalar_type() == dtype, "v_cache must have the dtype of q (", dtype, "), got ",
+                    v_cache.scalar_type());
+    const int64_t batch = varlen != nullptr ? varlen->batch() : q.size(0);
+    const int64_t nheads = q.size(2);
+    const int64_t head_dim = q.size(3);
+    const int64_t nheads_k = k_cache.size(2);
+    FLASH_CHECK_ARG(k_cache.size(3) == head_dim, "k_cache must have the head_dim of q (", num(head_dim), "), got ",
+                    num(k_cache.size(3)));
+    FLASH_CHECK_ARG(head_dim > 0 && head_dim <= kMaxHeadDim && head_dim % 8 == 0,
+                    "head_dim must be a multiple of 8 in [8, 256] (flash_attn_with_kvcache pads other sizes), got ",
+                    num(head_dim));
+    FLASH_CHECK_ARG(nheads_k > 0 && nheads % nheads_k == 0, "nheads (", num(nheads), ") must be a multiple of nheads_k (",
+                    num(nheads_k), ")");
+    FLASH_CHECK_ARG(batch <= INT32_MAX, "batch must be at most ", num(INT32_MAX), ", got ", num(batch));
+    FLASH_CHECK_ARG(nheads <= kMaxGridZ, "nheads must be at most ", num(kMaxGridZ), ", got ", num(nheads));
+    FLASH_CHECK_ARG(k_cache.size(0) >= 1 && k_cache.size(0) <= INT32_MAX, "k_cache must have between 1 and ",
+                    num(INT32_MAX), " ", cache.paged() ? "pages" : "batch rows", ", got ", num(k_cache.size(0)));
+    constexpr int64_t kMaxSeqlen = INT32_MAX - 256;
+    if (cache.paged()) {
+        const Tensor& table = *cache.block_table;
+        FLASH_CHECK_ARG(table.scalar_type() == ScalarType::Int, "block_table must be int32, got ", table.scalar_type());
+        FLASH_CHECK_ARG(table.dim() == 2 && table.size(0) == batch, "block_table must have shape (batch, max_pages) = (",
+                        num(batch), ", max_pages), got ", shape_str(table.sizes()));
+        FLASH_CHECK_ARG(table.size(1) <= 1 || table.stride(1) == 1, "block_table must have a contiguous last dimension");
+        FLASH_CHECK_ARG(same_device(table, q), "block_table must be on the device of q (", device_str(q), "), got ",
+                        device_str(table));
+        const int64_t page_size = k_cache.size(1);
+        FLASH_CHECK_ARG(page_size > 0 && page_size % 16 == 0,
+                        "k_cache: the page size (dim 1 of a paged cache) must be a positive multiple of 16, got ",
+                        num(page_size));
+        FLASH_CHECK_ARG(!cache.batch_idx.has_value(),
+                        "cache_batch_idx cannot be combined with block_table (the block table maps sequences to pages)");
+    }
+    const int64_t capacity = cache.capacity(k_cache);
+    FLASH_CHECK_ARG(capacity <= kMaxSeqlen, "the cache must hold at most ", num(kMaxSeqlen), " rows per sequence, got ",
+                    num(capacity));
+    if (!cache.paged() && varlen == nullptr && !cache.batch_idx.has_value()) {
+        FLASH_CHECK_ARG(k_cache.size(0) >= batch, "k_cache must have a batch row per sequence of q (", num(batch),
+                        "), got ", num(k_cache.size(0)), "; or pass cache_batch_idx");
+    }
+    check_per_sequence(cache.seqlens, "cache_seqlens", batch, q);
+    check_per_sequence(cache.batch_idx, "cache_batch_idx", batch, q);
+    check_per_sequence(cache.leftpad, "cache_leftpad", batch, q);
+    FLASH_CHECK_ARG(cache.k_new.has_value() == cache.v_new.has_value(), "k and v must be given together");
+    if (cache.appends()) {
+        FLASH_CHECK_ARG(cache.seqlens.has_value(), "cache_seqlens must be given with k and v (where to append them)");
+        for (const auto& [t, name] : {std::pair<const Tensor&, const char*>{*cache.k_new, "k"},
+                                      std::pair<const Tensor&, const char*>{*cache.v_new, "v"}}) {
+            FLASH_CHECK_ARG(t.dim() == 4 && t.size(0) == batch && t.size(2) == nheads_k && t.size(3) == head_dim, name,
+                            " must have shape (batch, seqlen_new, nheads_k, head_dim) = (", num(batch), ", seqlen_new, ",
+                            num(nheads_k), ", ", num(head_dim), "), got ", shape_str(t.sizes()));
+            FLASH_CHECK_ARG(t.scalar_type() == dtype, name, " must have the dtype of q (", dtype, "), got ", t.scalar_type());
+            FLASH_CHECK_ARG(same_device(t, q), name, " must be on the device of q (", device_str(q), "), got ",
+                            device_str(t));
+        }
+        FLASH_CHECK_ARG(cache.v_new->size(1) == cache.k_new->size(1), "v must have the seqlen_new of k (",
+                        num(cache.k_new->size(1)), "), got ", num(cache.v_new->size(1)));
+        FLASH_CHECK_ARG(cache.k_new->size(1) <= capacity, "k: seqlen_new (", num(cache.k_new->size(1)),
+                        ") must fit in the cache (", num(capacity), " rows per sequence)");
+    }
+    FLASH_CHECK_ARG(cache.rotary_cos.has_value() == cache.rotary_sin.has_value(),
+                    "rotary_cos and rotary_sin must be given together");
+    if (cache.rotary()) {
+        FLASH_CHECK_ARG(cache.appends(), "rotary_cos and rotary_sin need k and v (rotary embedding applies to the new keys)");
+        const Tensor& cos = *cache.rotary_cos;
+        const Tensor& sin = *cache.rotary_sin;
+        FLASH_CHECK_ARG(cos.dim() == 2, "rotary_cos must have shape (seqlen_ro, rotary_dim / 2), got ",
+                        shape_str(cos.sizes()));
+        FLASH_CHECK_ARG(same_sizes(sin.sizes(), cos.sizes()), "rotary_sin must have the shape of rotary_cos ",
+                        shape_str(cos.sizes()), ", got ", shape_str(sin.sizes()));
+        const int64_t rotary_dim = 2 * cos.size(1);
+        FLASH_CHECK_ARG(rotary_dim > 0 && rotary_dim <= head_dim, "rotary_cos: rotary_dim (2 * ", num(cos.size(1)),
+                        ") must be in [2, head_dim = ", num(head_dim), "]");
+        const int64_t positions = std::max<int64_t>(capacity, 1);
+        FLASH_CHECK_ARG(cos.size(0) >= positions, "rotary_cos must have a row per cache position (at least ",
+                        num(positions), "), got ", num(cos.size(0)));
+        for (const auto& [t, name] : {std::pair<const Tensor&, const char*>{cos, "rotary_cos"},
+                                      std::pair<const Tensor&, const char*>{sin, "rotary_sin"}}) {
+            FLASH_CHECK_ARG(t.scalar_type() == dtype, name, " must have the dtype of q (", dtype, "), got ", t.scalar_type());
+            FLASH_CHECK_ARG(t.is_contiguous(), name, " must be contiguous");
+            FLASH_CHECK_ARG(same_device(t, q), name, " must be on the device of q (", device_str(q), "), got ",
+                            device_str(t));
+        }
+    }
+    check_layout(q, "q");
+    check_layout(k_cache, "k_cache");
+    check_layout(v_cache, "v_cache");
+    if (cache.appends()) {
+        check_layout(*cache.k_new, "k");
+        check_layout(*cache.v_new, "v");
+    }
 }
 
 void check_varlen_rank(const Tensor& t, const char* name, const char* shape) {

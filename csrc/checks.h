@@ -43,13 +43,43 @@ struct Variants {
     bool window(bool causal) const { return window_left >= 0 || right(causal) > 0; }
 };
 
+// A call that reads a KV cache: fwd_kvcache's arguments, or varlen_fwd_paged's block table alone (flash-attn 2.x
+// semantics). The caches are k and v of the call: (batch rows, capacity, nheads_k, head_dim), or paged
+// (num_pages, page_size, nheads_k, head_dim).
+struct KVCache {
+    const std::optional<Tensor>& k_new;        // (batch, seqlen_new, nheads_k, head_dim): appended in place
+    const std::optional<Tensor>& v_new;
+    const std::optional<Tensor>& rotary_cos;   // (seqlen_ro, rotary_dim / 2), q's dtype
+    const std::optional<Tensor>& rotary_sin;
+    const std::optional<Tensor>& seqlens;      // int32 (batch,): the cached keys of each sequence (cache_seqlens)
+    const std::optional<Tensor>& batch_idx;    // int32 (batch,): the cache batch row of each sequence
+    const std::optional<Tensor>& leftpad;      // int32 (batch,): the first cache row of each sequence
+    const std::optional<Tensor>& block_table;  // int32 (batch, max_pages)
+    bool rotary_interleaved;
+
+    bool paged() const { return block_table.has_value(); }
+    bool appends() const { return k_new.has_value(); }
+    bool rotary() const { return rotary_cos.has_value(); }
+    // Rows one sequence's cache holds: the cache's seqlen, or max_pages * page_size.
+    int64_t capacity(const Tensor& k_cache) const {
+        return paged() ? block_table->size(1) * k_cache.size(1) : k_cache.size(1);
+    }
+};
+
+// Checks a KV-cache call: q 4-D (varlen: the (1, total_q, ...) view), the caches, and every cache argument;
+// no device synchronization (the contents of cache_seqlens, cache_batch_idx, cache_leftpad and block_table are
+// clamped by the kernels).
+void check_kvcache(const KVCache& cache, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                   const Varlen* varlen);
+
 // Checks the variants of a call on q (4-D) with `batch` sequences; no device synchronization.
 void check_variants(const Variants& variants, const Tensor& q, int64_t batch);
 
 // q, k, v: 4-D (varlen: the (1, total, heads, head_dim) views).
 void check_qkv(const Tensor& q, const Tensor& k, const Tensor& v);
-// Only what needs no device synchronization: the contents of cu_seqlens are clamped by the kernels.
-void check_varlen(const Varlen& varlen, const Tensor& q, const Tensor& k);
+// Only what needs no device synchronization: the contents of cu_seqlens are clamped by the kernels. max_seqlen_k
+// is at most max_keys, the rows of k (keys_name names them in the message).
+void check_varlen(const Varlen& varlen, const Tensor& q, int64_t max_keys, const char* keys_name);
 // Before the varlen tensors are viewed as 4-D: `shape` names the expected one in the message.
 void check_varlen_rank(const Tensor& t, const char* name, const char* shape);
 void check_scale(double softmax_scale);

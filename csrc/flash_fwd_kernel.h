@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cmath>
+#include <type_traits>
 
 #include <cute/tensor.hpp>
 
@@ -90,7 +91,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const _
     Tensor tOrVt_view = smem_thr_copy_V.retile_D(tOrVt);
 
     const int q_rows_left = tile.q_rows_left();
-    auto load_kv = [&](auto& tSrc, auto& tDst, int n_block) {
+    // is_v: std::true_type for V, std::false_type for K (which a paged cache needs to know).
+    auto load_kv = [&](auto& tSrc, auto& tDst, int n_block, auto is_v) {
+        if constexpr (kVariants) {
+            if (params.block_table_ptr != nullptr) {
+                tile.template copy_paged<decltype(is_v)::value>(params, gmem_tiled_copy, tSrc(_, _, _, 0), tDst,
+                                                                tKVcKV, n_block);
+                return;
+            }
+        }
         copy_zfill(gmem_tiled_copy, tSrc(_, _, _, n_block), tDst, tKVcKV, binfo.seqlen_k - n_block * kBlockN,
                    params.head_dim);
     };
@@ -101,7 +110,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const _
     const int n_block_begin = tile.n_block_begin();
     int n_block = tile.n_block_end() - 1;
     copy_zfill(gmem_tiled_copy, tQgQ, tQsQ, tQcQ, q_rows_left, params.head_dim);
-    if (n_block >= n_block_begin) { load_kv(tKgK, tKsK, n_block); }
+    if (n_block >= n_block_begin) { load_kv(tKgK, tKsK, n_block, std::false_type{}); }
     cp_async_fence();
 
     Tensor acc_o_rc = as_rowcol(acc_o);  // (rows, kHeadDim cols)
@@ -112,7 +121,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const _
         clear(acc_s);
         cp_async_wait<0>();
         __syncthreads();  // K is in smem, and every warp has finished reading the previous V.
-        load_kv(tVgV, tVsV, n_block);
+        load_kv(tVgV, tVsV, n_block, std::true_type{});
         cp_async_fence();
 
         gemm_smem_smem(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK, smem_tiled_copy_Q, smem_tiled_copy_K, tSrQ_view,
@@ -128,7 +137,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const _
         cp_async_wait<0>();
         __syncthreads();  // V is in smem, and every warp has finished reading K.
         if (n_block > n_block_begin) {
-            load_kv(tKgK, tKsK, n_block - 1);
+            load_kv(tKgK, tKsK, n_block - 1, std::false_type{});
             cp_async_fence();
         }
 

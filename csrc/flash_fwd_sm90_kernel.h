@@ -96,6 +96,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kCtasPerSm)
     auto load_kv = [&](int n_block, int stage) {
         Tensor tKsK = gmem_thr_copy.partition_D(sK_stage(stage));  // (CPY, CPY_N, CPY_K)
         Tensor tVsV = gmem_thr_copy.partition_D(sV_stage(stage));  // (CPY, CPY_N, CPY_K)
+        if constexpr (kVariants) {
+            if (params.block_table_ptr != nullptr) {
+                tile.template copy_paged<false>(params, gmem_tiled_copy, tKgK(_, _, _, 0), tKsK, tKVcKV, n_block);
+                tile.template copy_paged<true>(params, gmem_tiled_copy, tVgV(_, _, _, 0), tVsV, tKVcKV, n_block);
+                return;
+            }
+        }
         const int rows_left = binfo.seqlen_k - n_block * kBlockN;
         copy_zfill(gmem_tiled_copy, tKgK(_, _, _, n_block), tKsK, tKVcKV, rows_left, params.head_dim);
         copy_zfill(gmem_tiled_copy, tVgV(_, _, _, n_block), tVsV, tKVcKV, rows_left, params.head_dim);

@@ -65,6 +65,23 @@ struct FwdParams {
     uint32_t dropout_threshold;  // an element is dropped when its 32 random bits are below it
     float dropout_keep_scale;    // 1 / (1 - dropout_p)
 
+    // KV caches (fwd_kvcache, varlen_fwd_paged), read by the variants kernels only (BlockInfo::of_cache). Key rows
+    // count in a sequence's own cache: its row of k_ptr (batch stride), or, paged, the rows of its pages in
+    // block-table order. Every index read from a tensor is clamped, so no value makes a kernel leave the cache.
+    const int* __restrict__ seqlens_k_ptr;     // nullptr, or (batch,) int32: sequence b's keys end at cache row
+                                               // seqlens_k_ptr[b] + seqlen_k_new (fwd_kvcache's cache_seqlens)
+    int seqlen_k_new;                          // keys this call appends (kvcache_prep.cu wrote them before the kernel)
+    const int* __restrict__ leftpad_k_ptr;     // nullptr, or (batch,) int32: sequence b's keys start at this row
+    const int* __restrict__ kv_batch_idx_ptr;  // nullptr, or (batch,) int32: sequence b reads this batch row of the cache
+    int kv_batches;                            // batch rows of the cache (kv_batch_idx_ptr is clamped to them)
+    int k_capacity;                            // rows a sequence's cache holds; its keys end at most here
+    // Paged caches: k_ptr and v_ptr hold (num_pages, page_size, num_heads_k, head_dim) with the page stride in
+    // k_batch_stride / v_batch_stride; row r of sequence b lies in page block_table[b][r / page_size].
+    const int* __restrict__ block_table_ptr;   // nullptr (not paged), or (batch, max_pages) int32
+    index_t block_table_batch_stride;
+    int page_size;                             // a multiple of 16
+    int num_pages;
+
     bool use_wgmma;  // the plan runs the Hopper (warpgroup-MMA) kernels
     bool short_key_tiles;  // with use_wgmma: the forward runs FwdSm90ShortKeysTileConfig (the plan checked it exists)
 

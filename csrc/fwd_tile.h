@@ -9,6 +9,7 @@
 #include "block.h"
 #include "block_info.h"
 #include "flash_params.h"
+#include "paged_kv.h"
 #include "utils.h"  // copy_to_gmem
 
 namespace flash {
@@ -36,8 +37,11 @@ struct FwdTile {
         : batch_idx(sequence_of_cta(params)),
           head_idx(blockIdx.z),
           head_idx_k(head_idx / (params.num_heads / params.num_heads_k)),
-          binfo(params, batch_idx),
+          binfo(kWindow ? BlockInfo::of_cache(params, batch_idx) : BlockInfo(params, batch_idx)),
           bounds(BlockBounds<kBlockM, kBlockN, kCausal, kWindow>::of_sequence(params, binfo)) {
+        if constexpr (kWindow) {
+            if (params.gqa_pack > 1) { fold_window_into_keys(params); }
+        }
         const int num_m_blocks = int(gridDim.x) / params.num_splits;
         const int split = int(blockIdx.x) / num_m_blocks;
         const int m = int(blockIdx.x) - split * num_m_blocks;
@@ -49,6 +53,20 @@ struct FwdTile {
             binfo.k_start += first_key;
             binfo.seqlen_k -= first_key;
         }
+    }
+
+    // The variants kernels run packed GQA heads (Plan::gqa_pack) only for one query per head, and without ALiBi
+    // or dropout (whose values follow each head's position): every row is then that one query, at position
+    // seqlen_k - 1, and sees keys [seqlen_k - 1 - window_left, seqlen_k) (a right edge lies past the last key).
+    // The bounds' rule would place row r at position r + seqlen_k - gqa_pack instead, so the window's left edge
+    // becomes the start of the keys, and the bounds take both sides as unbounded (left seqlen_k, right seqlen_q
+    // put every row's edges past the keys) over what is left.
+    __forceinline__ __device__ void fold_window_into_keys(const FwdParams& params) {
+        const int first_key = max(0, binfo.seqlen_k - 1 - params.window_left);
+        binfo.k_start += first_key;
+        binfo.seqlen_k -= first_key;
+        bounds = BlockBounds<kBlockM, kBlockN, kCausal, kWindow>(binfo.seqlen_q, binfo.seqlen_k, binfo.seqlen_k,
+                                                                 binfo.seqlen_q);
     }
 
     // Key split of this CTA, in [0, params.num_splits). Recomputed in the epilogue rather than kept in a
@@ -72,11 +90,49 @@ struct FwdTile {
     template <class Element, int kHeadDim>
     __forceinline__ __device__ auto gmem_qkv(const FwdParams& params) const {
         Tensor mQ = binfo.q_view<Element>(params, batch_idx, head_idx);    // (seqlen_q, head_dim)
-        Tensor mK = binfo.k_view<Element>(params, batch_idx, head_idx_k);  // (seqlen_k, head_dim)
-        Tensor mV = binfo.v_view<Element>(params, batch_idx, head_idx_k);  // (seqlen_k, head_dim)
+        Tensor mK = binfo.k_view<Element>(params, binfo.k_batch, head_idx_k);  // (seqlen_k, head_dim)
+        Tensor mV = binfo.v_view<Element>(params, binfo.k_batch, head_idx_k);  // (seqlen_k, head_dim)
         return make_tuple(local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0)),
                           local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0)),
                           local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0)));
+    }
+
+    // Loads key block n_block of K (kIsV false) or V from a paged cache into shared memory with cp.async, as
+    // copy_zfill would from a dense one: tile rows >= rows_left and columns >= head_dim read as zeros. Each of the
+    // thread's rows finds its page on its own, so a block may span any number of pages of any multiple of 16
+    // rows, in any order. like: the thread's (CPY, CPY_N, CPY_K) partition of one dense block, whose CPY mode
+    // (8 contiguous elements) the chunks reuse; coords: the tile positions of that partition.
+    template <bool kIsV, class TiledCopy, class LikeTensor, class DstTensor, class CoordTensor>
+    __forceinline__ __device__ void copy_paged(const FwdParams& params, const TiledCopy& tiled_copy,
+                                               const LikeTensor& like, DstTensor& dst, const CoordTensor& coords,
+                                               int n_block) const {
+        using Element = typename DstTensor::value_type;
+        const PagedRows pages(params, batch_idx);
+        const Element* head = static_cast<const Element*>(kIsV ? params.v_ptr : params.k_ptr) +
+                              head_idx_k * (kIsV ? params.v_head_stride : params.k_head_stride);
+        const index_t page_stride = kIsV ? params.v_batch_stride : params.k_batch_stride;
+        const index_t row_stride = kIsV ? params.v_row_stride : params.k_row_stride;
+        const int first_row = binfo.k_start + n_block * kBlockN;  // of the sequence's pages
+        const int rows_left = binfo.seqlen_k - n_block * kBlockN;
+        // Not unrolled: the loads run inside the main loop, with the accumulators live, and an unrolled loop's
+        // hoisted table reads and row pointers made the Hopper kernel spill.
+        CUTE_NO_UNROLL
+        for (int m = 0; m < size<1>(like); ++m) {
+            const int row = get<0>(coords(0, m, 0));
+            const bool row_ok = row < rows_left;
+            // Rows past the end never read the block table, whose row may end there.
+            const Element* row_ptr = head;
+            if (row_ok) {
+                const PagedRows::Slot slot = pages.locate(first_row + row);
+                row_ptr = head + slot.page * page_stride + slot.row * row_stride;
+            }
+            CUTE_UNROLL
+            for (int k = 0; k < size<2>(like); ++k) {
+                const int col = get<1>(coords(0, m, k));
+                Tensor src = make_tensor(make_gmem_ptr(row_ptr + col), like(_, m, k).layout());  // (CPY)
+                copy(tiled_copy.with(row_ok && col < params.head_dim), src, dst(_, m, k));
+            }
+        }
     }
 
     // The epilogue of both forward kernels, once the output accumulator is normalized. acc_o_rc: the thread's

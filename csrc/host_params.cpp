@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cfloat>
+#include <climits>
 #include <cmath>
 
 namespace flash {
@@ -38,6 +39,7 @@ Problem problem_of(Pass pass, const Tensor& q, const Tensor& k, bool causal, boo
     problem.varlen = varlen != nullptr;
     problem.left_window = variants.window_left >= 0;
     problem.positional = variants.window(causal) || variants.alibi() || variants.dropout();
+    problem.head_positions = variants.alibi() || variants.dropout();
     problem.dropout = variants.dropout();
     problem.variants = problem.positional || variants.softcap > 0.0;
     return problem;
@@ -112,6 +114,9 @@ void set_fwd_params(FwdParams& params, const View4& q, const View4& k, const Vie
         params.seqlen_k = static_cast<int>(varlen->max_seqlen_k);
         params.q_batch_stride = params.k_batch_stride = params.v_batch_stride = params.o_batch_stride = 0;
     }
+    // No cache (set_cache_params in fwd.cpp sets these for one): no limit on keys beyond the ones above.
+    params.k_capacity = INT32_MAX;
+    params.kv_batches = params.batch;
     params.gqa_pack = static_cast<int>(plan.gqa_pack);
     params.use_wgmma = plan.wgmma;
     params.short_key_tiles = plan.short_key_tile;

@@ -196,8 +196,12 @@ Plan make_plan(const Problem& p, const Target& t, int num_splits, const PlanOver
     // A dense seqlen_q == 1 problem with GQA/MQA (and no causal mask) runs with the `group` query heads that
     // share a key/value head as `group` query rows of one head, so each CTA reads its key/value head once for
     // the whole group, and the backward gets dK/dV per key/value head directly.
-    // Not with ALiBi or dropout, which read each query head's own position.
-    const bool pack = !p.varlen && !plan.causal && !p.positional && p.seqlen_q == 1 && p.nheads_k > 0 &&
+    // Not with ALiBi or dropout, which read each query head's own position. The forward's variants kernel packs
+    // too (decoding from a KV cache, windows, softcap): it reads the one query's window as a range of keys
+    // (FwdTile::fold_window_into_keys).
+    const bool packable = !plan.causal && !p.positional;
+    const bool variants_packable = p.pass == Pass::kFwd && plan.variants && !p.head_positions;
+    const bool pack = !p.varlen && (packable || variants_packable) && p.seqlen_q == 1 && p.nheads_k > 0 &&
                       p.nheads > p.nheads_k;
     plan.gqa_pack = pack ? p.nheads / p.nheads_k : 1;
     plan.wgmma = t.cc_major == 9 && t.cc_minor == 0 && !t.wgmma_disabled && o.wgmma != 0;

@@ -28,8 +28,10 @@ struct Problem {
     bool varlen;
     bool left_window = false;  // the window has a left edge: a key block may be seen by no query
     bool positional = false;   // ALiBi, dropout or a window (not plain causal): query heads keep their own positions (no GQA packing)
+    bool head_positions = false;  // ALiBi or dropout, which follow each query head's own position: never GQA packing
     bool dropout = false;      // the forward cannot split keys (the mask follows absolute key positions)
-    bool variants = false;     // a bounded window (other than causal's), softcap, ALiBi or dropout: the variants kernel
+    bool variants = false;     // a bounded window (other than causal's), softcap, ALiBi, dropout or a KV cache: the
+                               // variants kernel
 };
 
 // The GPU and what the build holds for it.

@@ -22,6 +22,7 @@ else:
         flash_attn_varlen_func,
         flash_attn_varlen_kvpacked_func,
         flash_attn_varlen_qkvpacked_func,
+        flash_attn_with_kvcache,
     )
     from .padding import pad_input, unpad_input
 
@@ -37,6 +38,7 @@ __all__ = [
     "flash_attn_varlen_func",
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_with_kvcache",
     "pad_input",
     "unpad_input",
     "compiled_kernels",

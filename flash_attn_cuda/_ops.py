@@ -66,6 +66,28 @@ def _varlen_bwd_fake(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
+@torch.library.register_fake("flash_attn2::fwd_kvcache")
+def _fwd_kvcache_fake(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+                      cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=1.0, causal=False,
+                      window_left=-1, window_right=-1, softcap=0.0, rotary_interleaved=True, alibi_slopes=None,
+                      num_splits=0, plan_override=""):
+    # The caches are mutated in place (the schema says so); the outputs are new.
+    batch, seqlen_q, nheads, head_dim = q.shape
+    out = q.new_empty((batch, seqlen_q, nheads, head_dim))
+    softmax_lse = q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
+    return out, softmax_lse
+
+
+@torch.library.register_fake("flash_attn2::varlen_fwd_paged")
+def _varlen_fwd_paged_fake(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
+                           softmax_scale, causal, plan_override="", window_left=-1, window_right=-1, softcap=0.0,
+                           alibi_slopes=None):
+    total_q, nheads, head_dim = q.shape
+    out = q.new_empty((total_q, nheads, head_dim))
+    softmax_lse = q.new_empty((nheads, total_q), dtype=torch.float32)
+    return out, softmax_lse
+
+
 # Dropout's rng_state: int64 (2,) [seed, offset] on the device, drawn from torch's generator for each call. An op
 # of its own, tagged nondeterministic_seeded, so that under torch.compile it runs as in eager mode (Inductor would
 # otherwise lower torch.randint to its own generator, and compiled and eager runs of one seed would differ), is

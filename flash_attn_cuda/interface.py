@@ -160,7 +160,10 @@ def flash_attn_varlen_func(
             the kernels never read cu_seqlens on the host, so the call is CUDA-graph safe).
         causal, window_size, alibi_slopes: per sequence, aligned to the bottom-right corner of its own score
             matrix; (batch, nheads) slopes are indexed by sequence. Dropout masks are per sequence too.
-        block_table: paged KV cache; not supported yet.
+        block_table: int32 (batch, max_pages) for paged keys and values (inference only: no backward, no
+            dropout). k and v are then caches of pages (num_pages, page_size, nheads_k, head_dim), page_size a
+            multiple of 16; sequence b's keys are its first cu_seqlens_k[b + 1] - cu_seqlens_k[b] rows, found in
+            pages block_table[b, 0], block_table[b, 1], ... (any pages, in any order).
         The other arguments are as in flash_attn_func.
 
     Returns:
@@ -169,7 +172,8 @@ def flash_attn_varlen_func(
         max_seqlen_k rounded up to 128), each sequence's from the top-left corner (None without dropout).
     """
     if block_table is not None:
-        raise NotImplementedError("block_table: a paged KV cache is not implemented yet")
+        return _varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                             softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs, block_table)
     variants = _variants(q, dropout_p, window_size, softcap, alibi_slopes)
     q_in, k_in, scale_in = q, k, softmax_scale
     q, k, v, softmax_scale, head_dim, compiling = _prepare(q, k, v, softmax_scale, 3, "(total, nheads, head_dim)")
@@ -187,6 +191,161 @@ def flash_attn_varlen_func(
                                       int(max_seqlen_q), int(max_seqlen_k))
         return out, softmax_lse, s_dmask
     return out
+
+
+def _check_cache_operands(q, k_cache, v_cache, q_rank, q_layout, names=("k_cache", "v_cache")):
+    """Checks the ranks and head dims of a cache call's q and caches (named `names` in messages); returns the head
+    dim."""
+    if not isinstance(q, torch.Tensor) or q.dim() != q_rank:
+        raise ValueError(f"q must be a {q_rank}-D tensor {q_layout}")
+    for name, t in zip(names, (k_cache, v_cache)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D tensor (batch_cache, seqlen_cache, nheads_k, head_dim), or "
+                             "(num_pages, page_size, nheads_k, head_dim) with a block_table")
+    head_dim = q.shape[-1]
+    if k_cache.shape[-1] != head_dim or v_cache.shape[-1] != head_dim:
+        raise ValueError(f"{names[0]} and {names[1]} must have the head_dim of q ({head_dim}), got "
+                         f"{k_cache.shape[-1]} and {v_cache.shape[-1]}")
+    if not 0 < head_dim <= 256:
+        raise ValueError(f"head_dim must be in [1, 256], got {head_dim}")
+    return head_dim
+
+
+def _pad_head_dim(x, head_dim):
+    """x with its head dim zero-padded to a multiple of 8 (a new tensor), or x itself when it is one already."""
+    if x is None or head_dim % _ALIGN_ELEMS == 0:
+        return x
+    return F.pad(x, (0, _ALIGN_ELEMS - head_dim % _ALIGN_ELEMS))
+
+
+def _varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                  softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs, block_table):
+    """flash_attn_varlen_func with a block_table: varlen queries against paged caches, forward only."""
+    head_dim = _check_cache_operands(q, k_cache, v_cache, 3, "(total_q, nheads, head_dim)", ("k", "v"))
+    if dropout_p != 0.0:
+        raise ValueError(f"dropout_p must be 0 with block_table (paged calls are for inference), got {dropout_p}")
+    if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad):
+        raise ValueError("block_table: paged keys and values have no backward pass; call under torch.no_grad() or "
+                         "with tensors that do not require grad")
+    left, right, softcap, alibi_slopes, _, _ = _variants(q, 0.0, window_size, softcap, alibi_slopes)
+    if softmax_scale is None:
+        softmax_scale = head_dim ** -0.5
+    elif softmax_scale < 0:
+        q, softmax_scale = -q, -softmax_scale
+    compiling = torch.compiler.is_compiling()
+    q = _kernel_ready(q, head_dim, compiling)
+    k_cache, v_cache = _pad_head_dim(k_cache, head_dim), _pad_head_dim(v_cache, head_dim)
+    out, softmax_lse = torch.ops.flash_attn2.varlen_fwd_paged(
+        q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), block_table,
+        float(softmax_scale), bool(causal), forced()[1], left, right, softcap, alibi_slopes)
+    if out.shape[-1] != head_dim:
+        out = out[..., :head_dim]
+    return (out, softmax_lse, None) if return_attn_probs else out
+
+
+def flash_attn_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    cache_seqlens=None,
+    cache_batch_idx=None,
+    cache_leftpad=None,
+    block_table=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    rotary_interleaved=True,
+    alibi_slopes=None,
+    num_splits=0,
+    return_softmax_lse=False,
+):
+    """Attention against a KV cache, for decoding and for prefill into a cache (inference: no backward pass).
+
+    When k and v are given they are first written into k_cache and v_cache in place, sequence b's at cache rows
+    cache_seqlens[b], cache_seqlens[b] + 1, ...; attention then covers the cache up to its new length. The call
+    never copies the caches to the host or reads their lengths there, so a decoding step can be captured in a
+    CUDA graph and replayed as the lengths grow, and torch.compile traces it whole.
+
+    Args:
+        q: (batch, seqlen_q, nheads, head_dim), float16 or bfloat16.
+        k_cache, v_cache: (batch_cache, seqlen_cache, nheads_k, head_dim), or with block_table a paged cache
+            (num_pages, page_size, nheads_k, head_dim) with page_size any multiple of 16. nheads must be a
+            multiple of nheads_k (MQA/GQA; with one query row the heads that share a key/value head are computed
+            together, so each cache row is read once).
+        k, v: optional (batch, seqlen_new, nheads_k, head_dim): keys and values to append (cache_seqlens needed).
+            Rows that would fall past the cache's end are dropped.
+        rotary_cos, rotary_sin: optional (seqlen_ro, rotary_dim / 2) in q's dtype, with seqlen_ro at least the
+            cache's rows per sequence and rotary_dim even and at most head_dim; only with k and v. Rotary
+            embedding rotates the new keys at their cache positions, and q at positions cache_seqlens[b] + i when
+            causal or windowed, else all of a sequence's query rows at cache_seqlens[b] (flash-attn 2.x's rule).
+            The rotated keys are what the cache stores.
+        rotary_interleaved: rotate element pairs (0, 1), (2, 3), ... (GPT-J) when True, else pairs
+            (i, i + rotary_dim / 2) (GPT-NeoX). Elements past rotary_dim are left as they are.
+        cache_seqlens: int, or int32 (batch,): the keys already in each sequence's cache (before the append).
+            None: the whole cache. An int is checked against the cache's size; a tensor is read on the device
+            only, and lengths past the cache are clamped to it.
+        cache_batch_idx: optional int32 (batch,): the batch row of the cache that sequence b uses (not with
+            block_table). Without it, sequence b uses row b.
+        cache_leftpad: optional int32 (batch,): sequence b's keys start at that cache row (left padding);
+            cache_seqlens still counts from row 0.
+        block_table: optional int32 (batch, max_pages): the pages of sequence b in order, any pages in any order.
+        softmax_scale, causal, window_size, softcap, alibi_slopes: as in flash_attn_func, with positions aligned
+            to the bottom-right corner of each sequence's own (seqlen_q, keys) score matrix.
+        num_splits: key splits per query block (0: chosen from the shape and the GPU; 1: none).
+        return_softmax_lse: also return the float32 (batch, nheads, seqlen_q) log-sum-exp.
+
+    head_dim may be any size up to 256; with a size that is not a multiple of 8 the caches are padded into
+    copies and the appended rows copied back (slow, but correct).
+
+    Returns:
+        out (batch, seqlen_q, nheads, head_dim), or (out, softmax_lse) with return_softmax_lse.
+    """
+    head_dim = _check_cache_operands(q, k_cache, v_cache, 4, "(batch, seqlen_q, nheads, head_dim)")
+    left, right, softcap, alibi_slopes, _, _ = _variants(q, 0.0, window_size, softcap, alibi_slopes)
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together")
+    paged = isinstance(block_table, torch.Tensor) and block_table.dim() == 2
+    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        new = 0 if k is None else k.shape[1]
+        if not 0 <= cache_seqlens <= capacity - new:
+            raise ValueError(f"cache_seqlens ({cache_seqlens}) plus the {new} appended rows must fit in the cache "
+                             f"({capacity} rows per sequence)")
+        cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("rotary_cos and rotary_sin must be given together")
+    if isinstance(rotary_cos, torch.Tensor) and isinstance(rotary_sin, torch.Tensor) and rotary_cos.dim() == 2:
+        if 2 * rotary_cos.shape[1] > head_dim:
+            raise ValueError(f"rotary_cos: rotary_dim (2 * {rotary_cos.shape[1]}) must be at most head_dim "
+                             f"({head_dim})")
+        rotary_cos, rotary_sin = rotary_cos.contiguous(), rotary_sin.contiguous()
+    if softmax_scale is None:
+        softmax_scale = head_dim ** -0.5
+    elif softmax_scale < 0:
+        # Rotary embedding is linear, so rotating -q gives -(rotated q).
+        q, softmax_scale = -q, -softmax_scale
+    compiling = torch.compiler.is_compiling()
+    q = _kernel_ready(q, head_dim, compiling)
+    if k is not None:
+        k, v = _kernel_ready(k, head_dim, compiling), _kernel_ready(v, head_dim, compiling)
+    k_cache_in, v_cache_in = k_cache, v_cache
+    k_cache, v_cache = _pad_head_dim(k_cache, head_dim), _pad_head_dim(v_cache, head_dim)
+    forced_splits, plan_override = forced()
+    out, softmax_lse = torch.ops.flash_attn2.fwd_kvcache(
+        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+        block_table, float(softmax_scale), bool(causal), left, right, softcap, bool(rotary_interleaved), alibi_slopes,
+        int(num_splits) if num_splits else forced_splits, plan_override)
+    if k_cache is not k_cache_in and k is not None:
+        k_cache_in.copy_(k_cache[..., :head_dim])
+        v_cache_in.copy_(v_cache[..., :head_dim])
+    if out.shape[-1] != head_dim:
+        out = out[..., :head_dim]
+    return (out, softmax_lse) if return_softmax_lse else out
 
 
 def _unpack(packed, dim, count, name, layout):

@@ -157,3 +157,110 @@ def attention_ref(q, k, v, softmax_scale=None, causal=False, upcast=True, window
     v = v.repeat_interleave(group, dim=2)
     out = torch.einsum("bhqk,bkhd->bqhd", probs, v)
     return out, lse
+
+
+# ---- KV caches (flash_attn_with_kvcache) ----
+
+
+def apply_rotary(x, cos, sin, positions, interleaved=True):
+    """Rotary embedding of x at the given positions, computed in x's dtype (cast cos and sin to it first).
+
+    Args:
+        x: (batch, seqlen, nheads, head_dim).
+        cos, sin: (seqlen_ro, rotary_dim / 2); rotary_dim <= head_dim.
+        positions: int (batch, seqlen): the position of each row of x.
+        interleaved: rotate pairs (2i, 2i + 1) (GPT-J) if True, else (i, i + rotary_dim / 2) (GPT-NeoX).
+
+    Returns:
+        x with its first rotary_dim features of each row rotated by the angle of its position: a pair (x0, x1)
+        becomes (x0 cos - x1 sin, x0 sin + x1 cos); the other features unchanged.
+    """
+    half = cos.shape[1]
+    rotary_dim = 2 * half
+    c = cos.to(x.dtype)[positions].unsqueeze(2)  # (batch, seqlen, 1, half)
+    s = sin.to(x.dtype)[positions].unsqueeze(2)
+    rot = x[..., :rotary_dim]
+    if interleaved:
+        x0, x1 = rot[..., 0::2], rot[..., 1::2]
+        rotated = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2)
+    else:
+        x0, x1 = rot[..., :half], rot[..., half:]
+        rotated = torch.cat((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1)
+    return torch.cat((rotated, x[..., rotary_dim:]), dim=-1)
+
+
+def rotary_per_row(causal, window_size, seqlen_q, capacity, alibi):
+    """Whether flash_attn_with_kvcache rotates query row i at cache_seqlens[b] + i (True) or every row at
+    cache_seqlens[b]: per row when causal (one query row without ALiBi counts as not causal) or when the window is
+    bounded on a side (a side at or past the cache's capacity counting as unbounded), as in flash-attn 2.x."""
+    left, right = window_size
+    left = -1 if left >= capacity else left
+    right = -1 if right >= capacity else right
+    is_causal = causal and not (seqlen_q == 1 and not alibi)
+    return is_causal or left >= 0 or right >= 0
+
+
+def _cache_rows(cache, b, block_table, cache_batch_idx):
+    """Sequence b's cache rows (capacity, nheads_k, head_dim) as a view (dense) or gathered copy (paged)."""
+    if block_table is not None:
+        return cache[block_table[b].long()].flatten(0, 1)
+    row = b if cache_batch_idx is None else int(cache_batch_idx[b])
+    return cache[row]
+
+
+def kvcache_ref(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+                cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
+                window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, upcast=True):
+    """flash_attn_with_kvcache in plain PyTorch, one sequence at a time (small sizes only).
+
+    Args: as flash_attn_with_kvcache, with cache_seqlens an int32 tensor (or None) and indices in range (the
+        kernels clamp bad ones; this does not). upcast: compute everything (rotary included) in float32,
+        otherwise in the inputs' dtype (the low-precision baseline).
+
+    Returns:
+        (out, lse, k_cache, v_cache): out (batch, seqlen_q, nheads, head_dim) and lse (batch, nheads, seqlen_q) as
+        attention_ref's; the caches after the append, new tensors (float32 with upcast) with the caches' shape.
+    """
+    dtype = torch.float32 if upcast else q.dtype
+    q, k_cache, v_cache = q.to(dtype), k_cache.to(dtype).clone(), v_cache.to(dtype).clone()
+    batch, seqlen_q, nheads, head_dim = q.shape
+    capacity = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
+    if cache_seqlens is None:
+        cached = torch.full((batch,), capacity, dtype=torch.long)
+    else:
+        cached = cache_seqlens.long().cpu()
+    seqlen_new = 0
+    if k is not None:
+        k, v = k.to(dtype), v.to(dtype)
+        seqlen_new = k.shape[1]
+        if rotary_cos is not None:
+            positions = cached.to(q.device)[:, None] + torch.arange(seqlen_new, device=q.device)
+            k = apply_rotary(k, rotary_cos, rotary_sin, positions, rotary_interleaved)
+            per_row = rotary_per_row(causal, window_size, seqlen_q, capacity, alibi_slopes is not None)
+            offsets = torch.arange(seqlen_q, device=q.device) if per_row else torch.zeros(seqlen_q, dtype=torch.long,
+                                                                                          device=q.device)
+            q = apply_rotary(q, rotary_cos, rotary_sin, cached.to(q.device)[:, None] + offsets, rotary_interleaved)
+        for b in range(batch):
+            rows = torch.arange(int(cached[b]), int(cached[b]) + seqlen_new)
+            if block_table is not None:
+                pages = block_table[b].long().cpu()[rows // k_cache.shape[1]]
+                k_cache[pages, rows % k_cache.shape[1]] = k[b]
+                v_cache[pages, rows % v_cache.shape[1]] = v[b]
+            else:
+                row = b if cache_batch_idx is None else int(cache_batch_idx[b])
+                k_cache[row, rows] = k[b]
+                v_cache[row, rows] = v[b]
+    outs, lses = [], []
+    for b in range(batch):
+        end = min(int(cached[b]) + seqlen_new, capacity)
+        start = 0 if cache_leftpad is None else int(cache_leftpad[b])
+        keys = _cache_rows(k_cache, b, block_table, cache_batch_idx)[start:end]
+        values = _cache_rows(v_cache, b, block_table, cache_batch_idx)[start:end]
+        slopes = alibi_slopes
+        if alibi_slopes is not None and alibi_slopes.dim() == 2:
+            slopes = alibi_slopes[b]
+        out, lse = attention_ref(q[b:b + 1], keys[None], values[None], softmax_scale, causal, upcast=False,
+                                 window_size=window_size, softcap=softcap, alibi_slopes=slopes)
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses), k_cache, v_cache

@@ -212,7 +212,82 @@ def variants():
     return calls
 
 
-SECTIONS = [dense, varlen, split_kv, gqa_walk, key_blocks, short_queries, fwd_regular_tile, variants]
+def kvcache():
+    """flash_attn_with_kvcache and paged varlen attention: dense caches (with cache_batch_idx into a cache with more
+    batch rows) and paged ones (page sizes 16 and 48, shuffled tables with unused pages), appends across page edges
+    with rotary embedding (both layouts, full and partial), left padding, GQA decode packing, windows, softcap,
+    ALiBi, forced key splits, both kernel families, every kernel head dim; then each call again with out-of-range
+    page indices, batch indices, lengths and left padding (which the kernels must clamp), 2^31 - 1 among them.
+    Returns the calls."""
+    from flash_attn_cuda import flash_attn_with_kvcache
+
+    def i32(*values):
+        return torch.tensor(values, dtype=torch.int32, device="cuda")
+
+    big, small = 2**31 - 1, -(2**31)
+    calls = 0
+    # (page size, kernel family, forced splits, query rows, window, softcap, ALiBi)
+    configs = ((None, "mma_sync", 0, 1, (-1, -1), 0.0, False), (None, None, 3, 7, (20, -1), 5.0, False),
+               (16, None, 0, 1, (30, 4), 5.0, False), (48, "mma_sync", 5, 7, (-1, -1), 0.0, True))
+    for head_dim, dtype in itertools.product(KERNEL_HEAD_DIMS, (torch.float16, torch.bfloat16)):
+        if not flash_attn_cuda.kernel_available(head_dim, dtype, True, variants=True):
+            continue
+        for i, (page_size, kernel, splits, seqlen_q, window, softcap, alibi) in enumerate(configs):
+            batch, capacity, new, nheads, nheads_k = 3, 96, 5, 8, 2
+            table = batch_idx = None
+            if page_size:
+                num_pages = batch * capacity // page_size + 3
+                shape = (num_pages, page_size, nheads_k, head_dim)
+                table = torch.randperm(num_pages, device="cuda")[: batch * capacity // page_size].view(batch, -1)
+                table = table.to(torch.int32)
+            else:
+                shape = (batch + 2, capacity, nheads_k, head_dim)
+                batch_idx = torch.randperm(batch + 2, device="cuda")[:batch].to(torch.int32)
+            k_cache, v_cache = (torch.randn(shape, device="cuda", dtype=dtype) for _ in range(2))
+            q = torch.randn(batch, seqlen_q, nheads, head_dim, device="cuda", dtype=dtype)
+            k, v = (torch.randn(batch, new, nheads_k, head_dim, device="cuda", dtype=dtype) for _ in range(2))
+            rotary_dim = head_dim if i % 2 else head_dim // 2
+            angle = torch.rand(capacity + seqlen_q, rotary_dim // 2, device="cuda") * 6.3
+            cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+            slopes = torch.rand(batch, nheads, device="cuda") if alibi else None
+            seqlens = i32((page_size or 16) - 2, 0, capacity - new)
+            leftpad = i32(3, 0, 40)
+            kwargs = dict(rotary_cos=cos, rotary_sin=sin, block_table=table, causal=i % 2 == 1, window_size=window,
+                          softcap=softcap, rotary_interleaved=i % 2 == 0, alibi_slopes=slopes)
+            with force_plan(num_splits=splits, kernel=kernel):
+                flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, cache_batch_idx=batch_idx,
+                                        cache_leftpad=leftpad, **kwargs)
+                if page_size:
+                    table[0, 0], table[1, -1], table[2, 1] = -5, num_pages + 7, big
+                else:
+                    batch_idx = i32(batch + 10, -3, big)
+                for bad_seqlens, bad_leftpad in (((big, -5, capacity + 9), (big, small, 2 * capacity)),
+                                                 ((big - 1, small, capacity - 1), (-1, 0, big))):
+                    flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=i32(*bad_seqlens),
+                                            cache_batch_idx=batch_idx, cache_leftpad=i32(*bad_leftpad), **kwargs)
+            calls += 3
+        for page_size in (16, 48):
+            # Paged varlen: an empty sequence, and then a table with out-of-range pages.
+            lens_q, lens_k = [3, 0, 17, 5], [40, 0, 90, 0]
+            pages_per_seq = -(-max(lens_k) // page_size) + 1
+            num_pages = len(lens_q) * pages_per_seq + 2
+            table = torch.randperm(num_pages, device="cuda")[: len(lens_q) * pages_per_seq].view(len(lens_q), -1)
+            table = table.to(torch.int32)
+            k_cache, v_cache = (torch.randn(num_pages, page_size, 2, head_dim, device="cuda", dtype=dtype)
+                                for _ in range(2))
+            q = torch.randn(sum(lens_q), 6, head_dim, device="cuda", dtype=dtype)
+            cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32, device="cuda")
+                          for n in (lens_q, lens_k))
+            for bad in (False, True):
+                if bad:
+                    table[0, 0], table[2, 1], table[1, 0] = -7, num_pages + 3, big
+                flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
+                                       window_size=(50, -1), softcap=4.0, block_table=table)
+                calls += 1
+    return calls
+
+
+SECTIONS = [dense, varlen, split_kv, gqa_walk, key_blocks, short_queries, fwd_regular_tile, variants, kvcache]
 
 
 def main():

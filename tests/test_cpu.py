@@ -633,8 +633,9 @@ def test_varlen_rejects_cpu_tensors():
         torch.ops.flash_attn2.varlen_fwd(*varlen_args(), 0.125, False)
 
 
-def test_varlen_block_table_not_implemented():
-    with pytest.raises(NotImplementedError, match="block_table"):
+def test_varlen_block_table_needs_paged_caches():
+    # With a block_table, k and v are caches of pages (4-D); the 3-D varlen k is refused by name.
+    with pytest.raises(ValueError, match="k must be a 4-D tensor"):
         flash_attn_cuda.flash_attn_varlen_func(*varlen_args(), block_table=torch.zeros(1, 1, dtype=torch.int32))
 
 

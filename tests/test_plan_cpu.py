@@ -426,14 +426,16 @@ def test_variants_run_the_variants_kernel(pass_, gpu, variant, runs_variants):
     assert p.kernel == make_variant(pass_, gpu).kernel
 
 
-@pytest.mark.parametrize("variant, packs", [({"softcap": 30.0}, False), ({"alibi": True}, False),
-                                            ({"dropout": True}, False), ({"window_size": (16, 0)}, False),
-                                            ({"causal": True}, True), ({}, True)])
-def test_gqa_packing_with_variants(variant, packs):
-    # ALiBi and dropout read each query head's own position, windows need the masked kernel: no packing. Softcap
-    # would allow it, but runs the (masked) variants kernel, which does not pack.
-    p = make_variant("fwd", seqlen_q=1, seqlen_k=4096, nheads=32, nheads_k=4, **variant)
-    assert (p.gqa_pack == 8) == packs, p
+@pytest.mark.parametrize("variant, packs_fwd, packs_bwd", [
+    ({"softcap": 30.0}, True, False), ({"alibi": True}, False, False), ({"dropout": True}, False, False),
+    ({"window_size": (16, 0)}, True, False), ({"window_size": (16, 16), "softcap": 5.0}, True, False),
+    ({"causal": True}, True, True), ({}, True, True)])
+def test_gqa_packing_with_variants(variant, packs_fwd, packs_bwd):
+    # ALiBi and dropout read each query head's own position: no packing. The forward's variants kernel packs the
+    # others, reading the one query's window as a range of keys; the backward's variants kernels do not pack.
+    for pass_, packs in (("fwd", packs_fwd), ("bwd", packs_bwd)):
+        p = make_variant(pass_, seqlen_q=1, seqlen_k=4096, nheads=32, nheads_k=4, **variant)
+        assert (p.gqa_pack == 8) == packs, (pass_, p)
 
 
 def test_dropout_rules_out_key_splits():

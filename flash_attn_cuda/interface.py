@@ -275,8 +275,8 @@ def flash_attn_with_kvcache(
         q: (batch, seqlen_q, nheads, head_dim), float16 or bfloat16.
         k_cache, v_cache: (batch_cache, seqlen_cache, nheads_k, head_dim), or with block_table a paged cache
             (num_pages, page_size, nheads_k, head_dim) with page_size any multiple of 16. nheads must be a
-            multiple of nheads_k (MQA/GQA; with one query row the heads that share a key/value head are computed
-            together, so each cache row is read once).
+            multiple of nheads_k (MQA/GQA; with one query row and no ALiBi the heads that share a key/value head are
+            computed together, so each cache row is read once).
         k, v: optional (batch, seqlen_new, nheads_k, head_dim): keys and values to append (cache_seqlens needed).
             Rows that would fall past the cache's end are dropped.
         rotary_cos, rotary_sin: optional (seqlen_ro, rotary_dim / 2) in q's dtype, with seqlen_ro at least the

@@ -95,8 +95,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const _
     auto load_kv = [&](auto& tSrc, auto& tDst, int n_block, auto is_v) {
         if constexpr (kVariants) {
             if (params.block_table_ptr != nullptr) {
-                tile.template copy_paged<decltype(is_v)::value>(params, gmem_tiled_copy, tSrc(_, _, _, 0), tDst,
-                                                                tKVcKV, n_block);
+                constexpr bool kIsV = decltype(is_v)::value;
+                // Rolled: unrolled, this kernel's sm_90a build spilled (8 bytes at head dim 128).
+                tile.template copy_paged<!kIsV, kIsV, false>(params, gmem_tiled_copy, tSrc(_, _, _, 0), tDst, tDst,
+                                                             tKVcKV, n_block);
                 return;
             }
         }

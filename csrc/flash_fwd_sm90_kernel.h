@@ -98,8 +98,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kCtasPerSm)
         Tensor tVsV = gmem_thr_copy.partition_D(sV_stage(stage));  // (CPY, CPY_N, CPY_K)
         if constexpr (kVariants) {
             if (params.block_table_ptr != nullptr) {
-                tile.template copy_paged<false>(params, gmem_tiled_copy, tKgK(_, _, _, 0), tKsK, tKVcKV, n_block);
-                tile.template copy_paged<true>(params, gmem_tiled_copy, tVgV(_, _, _, 0), tVsV, tKVcKV, n_block);
+                // Unrolled with one warpgroup: the 128-row tiles spill with it (80 bytes at head dim 128).
+                tile.template copy_paged<true, true, Traits::kNWarpgroups == 1>(params, gmem_tiled_copy,
+                                                                                tKgK(_, _, _, 0), tKsK, tVsV, tKVcKV,
+                                                                                n_block);
                 return;
             }
         }

@@ -123,6 +123,7 @@ std::tuple<Tensor, Tensor> fwd_impl(const Tensor& q, const Tensor& k, const Tens
         // Keys per sequence are known on the device only: plan for a full cache (the kernels split what is there).
         if (varlen == nullptr) { problem.seqlen_k = cache->capacity(k); }
         problem.variants = true;
+        problem.paged = cache->paged();
     }
     const Plan plan = plan_call(problem, q, static_cast<int>(num_splits), override, find_fwd_launcher);
     const FwdLauncher launcher = require_fwd_launcher(q, plan);

@@ -97,40 +97,54 @@ struct FwdTile {
                           local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0)));
     }
 
-    // Loads key block n_block of K (kIsV false) or V from a paged cache into shared memory with cp.async, as
-    // copy_zfill would from a dense one: tile rows >= rows_left and columns >= head_dim read as zeros. Each of the
-    // thread's rows finds its page on its own, so a block may span any number of pages of any multiple of 16
-    // rows, in any order. like: the thread's (CPY, CPY_N, CPY_K) partition of one dense block, whose CPY mode
-    // (8 contiguous elements) the chunks reuse; coords: the tile positions of that partition.
-    template <bool kIsV, class TiledCopy, class LikeTensor, class DstTensor, class CoordTensor>
+    // Loads key block n_block of K, V or both from a paged cache into shared memory with cp.async, as copy_zfill
+    // would from a dense one: tile rows >= rows_left and columns >= head_dim read as zeros. Each row finds its page
+    // through PagedKeyBlock, so a block may span any number of pages of any multiple of 16 rows, in any order;
+    // loading K and V together finds each row's page once. like: the thread's (CPY, CPY_N, CPY_K) partition of one
+    // dense block, whose CPY mode (8 contiguous elements) the chunks reuse; coords: the tile positions of that
+    // partition; dst_k, dst_v: the thread's partitions of the shared-memory stages (the one not loaded is unused).
+    // Every thread of the CTA calls it (warp shuffles).
+    // kUnrolled: unroll the row loop, which halves its instructions (shared-memory addresses become constants) but
+    // keeps every row's pointers live at once; for kernels with registers to spare.
+    template <bool kLoadK, bool kLoadV, bool kUnrolled, class TiledCopy, class LikeTensor, class DstK, class DstV,
+              class CoordTensor>
     __forceinline__ __device__ void copy_paged(const FwdParams& params, const TiledCopy& tiled_copy,
-                                               const LikeTensor& like, DstTensor& dst, const CoordTensor& coords,
-                                               int n_block) const {
-        using Element = typename DstTensor::value_type;
-        const PagedRows pages(params, batch_idx);
-        const Element* head = static_cast<const Element*>(kIsV ? params.v_ptr : params.k_ptr) +
-                              head_idx_k * (kIsV ? params.v_head_stride : params.k_head_stride);
-        const index_t page_stride = kIsV ? params.v_batch_stride : params.k_batch_stride;
-        const index_t row_stride = kIsV ? params.v_row_stride : params.k_row_stride;
-        const int first_row = binfo.k_start + n_block * kBlockN;  // of the sequence's pages
+                                               const LikeTensor& like, DstK& dst_k, DstV& dst_v,
+                                               const CoordTensor& coords, int n_block) const {
+        static_assert(kLoadK || kLoadV);
+        using Element = typename DstK::value_type;
         const int rows_left = binfo.seqlen_k - n_block * kBlockN;
-        // Not unrolled: the loads run inside the main loop, with the accumulators live, and an unrolled loop's
-        // hoisted table reads and row pointers made the Hopper kernel spill.
-        CUTE_NO_UNROLL
-        for (int m = 0; m < size<1>(like); ++m) {
+        const PagedKeyBlock<kBlockN> block(params, batch_idx, binfo.k_start + n_block * kBlockN,
+                                           min(rows_left, kBlockN));
+        const Element* k_head = static_cast<const Element*>(params.k_ptr) + head_idx_k * params.k_head_stride;
+        const Element* v_head = static_cast<const Element*>(params.v_ptr) + head_idx_k * params.v_head_stride;
+        constexpr int kRows = decltype(size<1>(like))::value;
+#pragma unroll(kUnrolled ? kRows : 1)
+        for (int m = 0; m < kRows; ++m) {
             const int row = get<0>(coords(0, m, 0));
             const bool row_ok = row < rows_left;
-            // Rows past the end never read the block table, whose row may end there.
-            const Element* row_ptr = head;
-            if (row_ok) {
-                const PagedRows::Slot slot = pages.locate(first_row + row);
-                row_ptr = head + slot.page * page_stride + slot.row * row_stride;
-            }
+            const typename PagedKeyBlock<kBlockN>::Slot slot = block.locate(row);
+            // Pages and rows are never negative: as unsigned 32-bit factors they cost one wide multiply each.
+            const uint64_t page = uint32_t(slot.page);
+            const uint64_t in_page = uint32_t(slot.in_page);
+            // Rows past the end read nothing (zero fill) and keep the head's pointer, not one from a table entry
+            // the block did not fetch.
+            const Element* k_row = row_ok ? k_head + (page * params.k_batch_stride + in_page * params.k_row_stride)
+                                          : k_head;
+            const Element* v_row = row_ok ? v_head + (page * params.v_batch_stride + in_page * params.v_row_stride)
+                                          : v_head;
             CUTE_UNROLL
             for (int k = 0; k < size<2>(like); ++k) {
                 const int col = get<1>(coords(0, m, k));
-                Tensor src = make_tensor(make_gmem_ptr(row_ptr + col), like(_, m, k).layout());  // (CPY)
-                copy(tiled_copy.with(row_ok && col < params.head_dim), src, dst(_, m, k));
+                const bool ok = row_ok && col < params.head_dim;
+                if constexpr (kLoadK) {
+                    Tensor src = make_tensor(make_gmem_ptr(k_row + col), like(_, m, k).layout());  // (CPY)
+                    copy(tiled_copy.with(ok), src, dst_k(_, m, k));
+                }
+                if constexpr (kLoadV) {
+                    Tensor src = make_tensor(make_gmem_ptr(v_row + col), like(_, m, k).layout());  // (CPY)
+                    copy(tiled_copy.with(ok), src, dst_v(_, m, k));
+                }
             }
         }
     }

@@ -59,6 +59,6 @@ std::string plan_op(const std::string& pass_name, int64_t batch, int64_t seqlen_
                     int64_t nheads_k, int64_t head_dim, bool causal, bool deterministic, bool varlen,
                     int64_t num_splits, const std::string& plan_override, int64_t arch, int64_t num_sms, bool is_bf16,
                     int64_t window_left, int64_t window_right, bool alibi, bool dropout, double softcap,
-                    bool kvcache);
+                    bool kvcache, bool paged);
 
 }  // namespace flash

@@ -87,9 +87,17 @@ void plan_fwd(const Problem& p, const Target& t, int forced_splits, const PlanOv
     const int64_t seqlen_q = p.seqlen_q * plan.gqa_pack;  // the kernel's sizes, after packing
     const int64_t nheads = p.nheads / plan.gqa_pack;
     plan.wgmma = plan.wgmma && t.wgmma_fwd_built;
+    // Decoding from a paged cache also takes the short-key tile. Each key row finds its page (FwdTile::copy_paged),
+    // which costs far more instructions per key than a dense load; with the queries in one 64-row warpgroup, the
+    // 128-row tile's second warpgroup only loads, and its CTA's load and compute phases take turns. Two 64-row
+    // CTAs per SM overlap one's loads with the other's compute: paged decoding 1.24-1.41x the dense cache's time
+    // on the 128-row tile, 1.02-1.09x on this one (H200, perf log 41). Dense caches keep the 128-row tile, within
+    // a few percent either way.
+    const bool paged_decode = p.paged && seqlen_q <= 64;
     plan.short_key_tile =
         plan.wgmma && fwd_has_short_key_tile(plan.kernel_head_dim) &&
-        choose(o.short_keys, p.seqlen_k <= (plan.causal ? kFwdShortKeysMaxCausal : kFwdShortKeysMax));
+        choose(o.short_keys,
+               paged_decode || p.seqlen_k <= (plan.causal ? kFwdShortKeysMaxCausal : kFwdShortKeysMax));
     const FwdBlockShape shape = fwd_block_shape(plan.kernel_head_dim, plan.causal, plan.wgmma, plan.short_key_tile);
     plan.block_m = shape.block_m;
     plan.block_n = shape.block_n;

@@ -32,6 +32,7 @@ struct Problem {
     bool dropout = false;      // the forward cannot split keys (the mask follows absolute key positions)
     bool variants = false;     // a bounded window (other than causal's), softcap, ALiBi, dropout or a KV cache: the
                                // variants kernel
+    bool paged = false;        // the keys are in a paged KV cache (block_table)
 };
 
 // The GPU and what the build holds for it.

@@ -12,7 +12,7 @@ std::string plan_op(const std::string& pass_name, int64_t batch, int64_t seqlen_
                     int64_t nheads_k, int64_t head_dim, bool causal, bool deterministic, bool varlen,
                     int64_t num_splits, const std::string& plan_override, int64_t arch, int64_t num_sms, bool is_bf16,
                     int64_t window_left, int64_t window_right, bool alibi, bool dropout, double softcap,
-                    bool kvcache) {
+                    bool kvcache, bool paged) {
     FLASH_CHECK_ARG(pass_name == "fwd" || pass_name == "bwd", "pass_name must be 'fwd' or 'bwd', got '", pass_name, "'");
     FLASH_CHECK_ARG(batch >= 0 && seqlen_q >= 0 && seqlen_k >= 0, "batch, seqlen_q and seqlen_k must be >= 0");
     FLASH_CHECK_ARG(nheads_k > 0 && nheads > 0 && nheads % nheads_k == 0, "nheads (", num(nheads),
@@ -27,9 +27,11 @@ std::string plan_op(const std::string& pass_name, int64_t batch, int64_t seqlen_
     const bool masked = causal || window_left >= 0 || window_right >= 0;
     const bool positional = window_left >= 0 || (!causal && window_right > 0) || alibi || dropout;
     FLASH_CHECK_ARG(!kvcache || pass_name == "fwd", "kvcache: a KV cache has a forward pass only");
-    const Problem problem{pass_name == "fwd" ? Pass::kFwd : Pass::kBwd, batch, seqlen_q, seqlen_k, nheads, nheads_k,
+    FLASH_CHECK_ARG(!paged || kvcache, "paged: a paged cache is a KV cache (kvcache=True)");
+    Problem problem{pass_name == "fwd" ? Pass::kFwd : Pass::kBwd, batch, seqlen_q, seqlen_k, nheads, nheads_k,
                           head_dim, masked, deterministic, varlen, window_left >= 0, positional, alibi || dropout,
                           dropout, positional || softcap > 0.0 || kvcache};
+    problem.paged = paged;
     Target target{};
     if (arch < 0) {
         FLASH_CHECK_ARG(num_sms < 0, "num_sms needs arch");

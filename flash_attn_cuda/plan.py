@@ -99,7 +99,7 @@ def plan(pass_: str, *, batch: int, seqlen_q: int, seqlen_k: int, nheads: int, n
          causal: bool = False, deterministic: bool = False, varlen: bool = False, num_splits: int = 0,
          override: str = "", arch: Optional[int] = None, num_sms: Optional[int] = None,
          dtype: torch.dtype = torch.bfloat16, window_size: tuple = (-1, -1), alibi: bool = False,
-         dropout: bool = False, softcap: float = 0.0, kvcache: bool = False) -> Plan:
+         dropout: bool = False, softcap: float = 0.0, kvcache: bool = False, paged: bool = False) -> Plan:
     """The plan of one pass ("fwd" or "bwd") of a call with these sizes.
 
     For varlen calls, ``batch`` is the number of sequences and the lengths are the maxima. ``override`` is a
@@ -111,11 +111,11 @@ def plan(pass_: str, *, batch: int, seqlen_q: int, seqlen_k: int, nheads: int, n
     variants, which the plan heeds: any of them runs the variants kernel, ALiBi and dropout rule out GQA packing
     (windows too, in the backward), and dropout rules out key splits. ``kvcache``: a forward that reads a KV cache
     (flash_attn_with_kvcache, or paged varlen), which runs the variants kernel; ``seqlen_k`` is then the cache's
-    capacity per sequence.
+    capacity per sequence. ``paged``: that cache is paged (``block_table``; needs ``kvcache``).
     """
     text = torch.ops.flash_attn2.plan(pass_, batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, bool(causal),
                                       bool(deterministic), bool(varlen), int(num_splits), override,
                                       -1 if arch is None else int(arch), -1 if num_sms is None else int(num_sms),
                                       dtype == torch.bfloat16, int(window_size[0]), int(window_size[1]), bool(alibi),
-                                      bool(dropout), float(softcap), bool(kvcache))
+                                      bool(dropout), float(softcap), bool(kvcache), bool(paged))
     return _parse(text)

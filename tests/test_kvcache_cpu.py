@@ -355,6 +355,33 @@ def test_kvcache_kernel_families():
     assert p.kernel == "mma_sync" and p.variants
 
 
+@pytest.mark.parametrize("extra", [dict(), dict(causal=True), dict(window_size=(1000, 0)), dict(nheads_k=32)],
+                         ids=["plain", "causal", "window", "mha"])
+def test_paged_decode_takes_the_short_key_tile(extra):
+    """On Hopper at head dim 128, decoding from a paged cache (queries within one 64-row warpgroup, after GQA
+    packing) runs the 64-row, two-CTAs-per-SM tile; the dense cache keeps the 128-row tile."""
+    args = dict(batch=1, seqlen_k=65536) | extra
+    paged = kv_plan(paged=True, **args)
+    assert paged.short_key_tile and (paged.block_m, paged.block_n) == (64, 64), paged
+    dense = kv_plan(**args)
+    assert not dense.short_key_tile and (dense.block_m, dense.block_n) == (128, 128), dense
+    assert not kv_plan(paged=True, override="short_keys=0", **args).short_key_tile
+
+
+def test_paged_short_key_tile_only_where_it_applies():
+    assert kv_plan(paged=True, seqlen_q=16).short_key_tile  # 16 query rows (no packing past one row)
+    assert kv_plan(paged=True, nheads=64, nheads_k=1).short_key_tile  # one row, 64 heads packed: 64 rows
+    assert not kv_plan(paged=True, nheads=65, nheads_k=1).short_key_tile  # 65 packed rows
+    assert not kv_plan(paged=True, seqlen_q=65).short_key_tile
+    assert kv_plan(paged=True, varlen=True, seqlen_q=8, seqlen_k=65536).short_key_tile  # paged prefill, short
+    assert not kv_plan(paged=True, varlen=True, seqlen_q=512, seqlen_k=65536).short_key_tile
+    assert not kv_plan(paged=True, head_dim=64).short_key_tile  # no such tile at head dim 64
+    assert not kv_plan(paged=True, gpu=A100).short_key_tile  # mma.sync
+    assert not kv_plan(paged=True, override="kernel=mma_sync").short_key_tile
+    with pytest.raises((ValueError, RuntimeError), match="paged"):
+        plan("fwd", batch=1, seqlen_q=1, seqlen_k=128, nheads=4, nheads_k=4, head_dim=64, paged=True, **H200)
+
+
 def test_kvcache_plan_is_forward_only():
     with pytest.raises((ValueError, RuntimeError), match="kvcache"):
         plan("bwd", batch=1, seqlen_q=1, seqlen_k=128, nheads=4, nheads_k=4, head_dim=64, kvcache=True, **H200)

@@ -311,7 +311,7 @@ def check_plan(call, kernel="default", num_splits=0):
     p = plan("fwd", batch=case.batch, seqlen_q=case.seqlen_q, seqlen_k=call.capacity, nheads=case.nheads,
              nheads_k=case.nheads_k, head_dim=round8(case.head_dim), causal=case.causal, num_splits=num_splits,
              override=override_string(**kernel_force(kernel)), dtype=call.dtype, window_size=case.window,
-             alibi=case.alibi is not None, softcap=case.softcap, kvcache=True)
+             alibi=case.alibi is not None, softcap=case.softcap, kvcache=True, paged=case.page_size is not None)
     assert p.variants, p
     if kernel != "default":
         assert p.kernel == kernel, p
@@ -319,6 +319,10 @@ def check_plan(call, kernel="default", num_splits=0):
         assert p.num_splits == num_splits, p
     packs = case.seqlen_q == 1 and case.nheads > case.nheads_k and case.alibi is None
     assert p.gqa_pack == (case.nheads // case.nheads_k if packs else 1), p
+    # Paged decoding on Hopper at head dim 128 runs the short-key tile, whose paged loads are unrolled.
+    short = (case.page_size is not None and p.kernel == "wgmma" and p.kernel_head_dim == 128
+             and case.seqlen_q * p.gqa_pack <= 64)
+    assert not short or p.short_key_tile, p
     return p
 
 
@@ -421,6 +425,27 @@ def test_paged_page_edges(page_size, edge, pair):
     dtype, kernel = pair
     case = dataclasses.replace(page_edge_case(page_size, edge), head_dim=64 if kernel == "default" else 128)
     run_case(case, dtype, kernel)
+
+
+# Paged decoding at head dim 128 runs the Hopper short-key tile (64 rows, two CTAs per SM), whose paged loads are
+# unrolled (check_plan asserts the tile). Long caches so that only the paged rule picks it; left padding and a
+# window folded into the keys start key blocks off the page grid.
+PAGED_DECODE = {
+    "gqa-window-leftpad": Case(batch=3, seqlen_q=1, seqlen_new=1, cache_seqlens=(700, 33, 1000), leftpad=(5, 0, 77),
+                               capacity=1100, nheads=8, nheads_k=2, head_dim=128, window=(300, 0), rotary_dim=64),
+    "mha-softcap-gain": Case(batch=2, seqlen_q=1, seqlen_new=0, cache_seqlens=(1999, 517), capacity=2000, nheads=4,
+                             nheads_k=4, head_dim=128, softcap=20.0, gain=16.0),
+    "mqa-causal-rows": Case(batch=2, seqlen_q=5, seqlen_new=5, cache_seqlens=(1301, 0), capacity=1400, nheads=8,
+                            nheads_k=1, head_dim=128, causal=True),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("page_size", [16, 48, 256])
+@pytest.mark.parametrize("name", list(PAGED_DECODE))
+def test_paged_decode_short_key_tile(name, page_size, dtype):
+    case = dataclasses.replace(PAGED_DECODE[name], page_size=page_size)
+    run_case(case, dtype, num_splits=3 if page_size == 48 else 0)
 
 
 # ---------------------------------------------------------------- cache_batch_idx and cache_leftpad
@@ -624,7 +649,7 @@ def run_varlen_paged(lens_q, lens_k, h, hk, d, dtype, page_size, kernel="default
     slopes = make_slopes(alibi, batch, h)
     p = plan("fwd", batch=batch, seqlen_q=max(lens_q), seqlen_k=max(lens_k), nheads=h, nheads_k=hk,
              head_dim=round8(d), causal=causal, varlen=True, override=override_string(**kernel_force(kernel)),
-             dtype=dtype, window_size=window, alibi=alibi is not None, softcap=softcap, kvcache=True)
+             dtype=dtype, window_size=window, alibi=alibi is not None, softcap=softcap, kvcache=True, paged=True)
     assert p.variants and p.gqa_pack == 1 and p.num_splits == 1, p
     if kernel != "default":
         assert p.kernel == kernel, p

@@ -104,8 +104,8 @@ struct FwdTile {
     // dense block, whose CPY mode (8 contiguous elements) the chunks reuse; coords: the tile positions of that
     // partition; dst_k, dst_v: the thread's partitions of the shared-memory stages (the one not loaded is unused).
     // Every thread of the CTA calls it (warp shuffles).
-    // kUnrolled: unroll the row loop, which halves its instructions (shared-memory addresses become constants) but
-    // keeps every row's pointers live at once; for kernels with registers to spare.
+    // kUnrolled: unroll the row loop, which turns the shared-memory addresses into constants but keeps every row's
+    // pointers live at once; for kernels with registers to spare.
     template <bool kLoadK, bool kLoadV, bool kUnrolled, class TiledCopy, class LikeTensor, class DstK, class DstV,
               class CoordTensor>
     __forceinline__ __device__ void copy_paged(const FwdParams& params, const TiledCopy& tiled_copy,

@@ -24,7 +24,8 @@ STABLE_TORCH_LIBRARY(flash_attn2, m) {
     m.def("plan(str pass_name, int batch, int seqlen_q, int seqlen_k, int nheads, int nheads_k, int head_dim, "
           "bool causal=False, bool deterministic=False, bool varlen=False, int num_splits=0, "
           "str plan_override=\"\", int arch=-1, int num_sms=-1, bool is_bf16=True, int window_left=-1, "
-          "int window_right=-1, bool alibi=False, bool dropout=False, float softcap=0.0, bool kvcache=False, bool paged=False) -> str");
+          "int window_right=-1, bool alibi=False, bool dropout=False, float softcap=0.0, bool kvcache=False, "
+          "bool paged=False) -> str");
     m.def("fwd_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k=None, Tensor? v=None, "
           "Tensor? rotary_cos=None, Tensor? rotary_sin=None, Tensor? cache_seqlens=None, Tensor? cache_batch_idx=None, "
           "Tensor? cache_leftpad=None, Tensor? block_table=None, float softmax_scale=1.0, bool causal=False, "

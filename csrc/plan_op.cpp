@@ -29,8 +29,8 @@ std::string plan_op(const std::string& pass_name, int64_t batch, int64_t seqlen_
     FLASH_CHECK_ARG(!kvcache || pass_name == "fwd", "kvcache: a KV cache has a forward pass only");
     FLASH_CHECK_ARG(!paged || kvcache, "paged: a paged cache is a KV cache (kvcache=True)");
     Problem problem{pass_name == "fwd" ? Pass::kFwd : Pass::kBwd, batch, seqlen_q, seqlen_k, nheads, nheads_k,
-                          head_dim, masked, deterministic, varlen, window_left >= 0, positional, alibi || dropout,
-                          dropout, positional || softcap > 0.0 || kvcache};
+                    head_dim, masked, deterministic, varlen, window_left >= 0, positional, alibi || dropout,
+                    dropout, positional || softcap > 0.0 || kvcache};
     problem.paged = paged;
     Target target{};
     if (arch < 0) {

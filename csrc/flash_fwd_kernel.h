@@ -118,7 +118,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const _
     Tensor acc_o_rc = as_rowcol(acc_o);  // (rows, kHeadDim cols)
     OnlineSoftmax<decltype(size<0>(acc_o_rc))::value> softmax(params.softmax_scale_log2);
 
-    for (; n_block >= n_block_begin; --n_block) {
+    // One key block: S = Q K^T, the mask when kMasked (std::true_type or std::false_type), the online softmax, and
+    // O += P V.
+    auto step = [&](int n_block, auto masked) {
+        constexpr bool kMasked = decltype(masked)::value;
         Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA, MMA_M, MMA_N)
         clear(acc_s);
         cp_async_wait<0>();
@@ -133,8 +136,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const _
             apply_score_mod</*kQueryIsRow=*/true>(score_mod, scores, tScS_rc,
                                                    {m_block * kBlockM, n_block * kBlockN, tile.head_idx});
         }
-        const TileMask<kBlockM, kBlockN, kCausal, kVariants> mask(bounds, m_block, n_block);
-        if (mask.needs_mask()) { mask.template apply</*kQueryIsRow=*/true>(scores, tScS_rc); }
+        if constexpr (kMasked) {
+            const TileMask<kBlockM, kBlockN, kCausal, kVariants> mask(bounds, m_block, n_block);
+            if (mask.needs_mask()) { mask.template apply</*kQueryIsRow=*/true>(scores, tScS_rc); }
+        }
 
         cp_async_wait<0>();
         __syncthreads();  // V is in smem, and every warp has finished reading K.
@@ -152,6 +157,20 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const _
         Tensor rP = convert_fragment<Element>(acc_s);
         Tensor tOrP = make_tensor(rP.data(), acc_as_a_operand_layout(rP.layout()));  // (MMA, MMA_M, MMA_K)
         gemm_reg_smem(tiled_mma, acc_o, tOrP, tOrVt, tOsVt, smem_tiled_copy_V, tOrVt_view);
+    };
+    if constexpr (kVariants) {
+        // A window's left edge masks the last blocks visited too: every step checks.
+        for (; n_block >= n_block_begin; --n_block) { step(n_block, std::true_type{}); }
+    } else {
+        // The plain kernels' masked tiles (the sequence end, the causal diagonal) are the first ones visited; the
+        // steps after them carry no mask code. Checked in every step, the mask was compiled into predicated
+        // instructions that every step issued.
+        for (; n_block >= n_block_begin && TileMask<kBlockM, kBlockN, kCausal, false>(bounds, m_block, n_block)
+                                               .needs_mask();
+             --n_block) {
+            step(n_block, std::true_type{});
+        }
+        for (; n_block >= n_block_begin; --n_block) { step(n_block, std::false_type{}); }
     }
 
     // Epilogue: normalize once, stage O through shared memory (Q's buffer) for 16 B global stores; a

@@ -194,7 +194,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
 
     const int m_blocks_max = (params.seqlen_q + kBlockM - 1) / kBlockM;
     int* dq_semaphore = params.dq_semaphore_ptr + (index_t(batch_idx) * params.num_heads + head_idx) * m_blocks_max;
-    for (int m_block = m_block_begin; m_block < m_block_end; ++m_block) {
+    // One query block: S and dP, P and dS (with the mask when kMasked: std::true_type or std::false_type), then
+    // dQ, dV and dK.
+    auto step = [&](int m_block, auto masked) __attribute__((always_inline)) {
+        constexpr bool kMasked = decltype(masked)::value;
         const int stage = kStagesQ == 2 ? (m_block - m_block_begin) & 1 : 0;
         const int q_rows_left = binfo.seqlen_q - m_block * kBlockM;
         cp_async_wait<0>();
@@ -221,9 +224,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
         const float* dsum_stage = s_dsum + stage * kBlockM;
         const ScorePos pos{m_block * kBlockM, n_block * kBlockN, head_idx};
         auto lse_log2_of = [&](int row) { return row < q_rows_left ? lse_stage[row] * float(M_LOG2E) : INFINITY; };
-        compute_p</*kQueryIsRow=*/true, HideP::kBeforeExp, kVariants>(
-            scores, tScS_rc, TileMask<kBlockM, kBlockN, kCausal, kVariants>(bounds, m_block, n_block), score_mod, pos,
-            params.softmax_scale_log2, lse_log2_of);
+        if constexpr (kMasked) {
+            const TileMask<kBlockM, kBlockN, kCausal, kVariants> mask(bounds, m_block, n_block);
+            compute_p</*kQueryIsRow=*/true, HideP::kBeforeExp, kVariants>(scores, tScS_rc, mask, score_mod, pos,
+                                                                         params.softmax_scale_log2, lse_log2_of);
+        } else {
+            compute_p</*kQueryIsRow=*/true, HideP::kBeforeExp, kVariants>(scores, tScS_rc, NoTileMask{}, score_mod,
+                                                                         pos, params.softmax_scale_log2, lse_log2_of);
+        }
         if (kVariants && dropout.active()) { dropout.template apply</*kQueryIsRow=*/true, /*kNegate=*/true>(scores, tScS_rc, pos.q0, pos.k0); }
         compute_ds</*kQueryIsRow=*/true, kVariants>(dp, scores, tScS_rc, [&](int row) { return dsum_stage[row]; },
                                          DsMods{score_mod, head_idx}, pos, lse_log2_of);
@@ -281,6 +289,24 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
             }
             accumulate_dq();
         }
+    };
+    // The plain kernels' masked tiles (the causal diagonal, or every tile of the key block holding the sequence
+    // end) are the first ones visited, so they can run in a loop of their own and the steps after them carry no
+    // mask code (rows past seqlen_q need none: their LSE reads as +inf). Not in the variants kernel, where a
+    // window's left edge masks the last query blocks too; and not at head dim 64 non-causal, where the second
+    // copy of the step body cost 20 bytes of spills and made the kernel 3% slower (perf log 44), so that every
+    // step checks.
+    constexpr bool kSplitSteps = !kVariants && (kCausal || kHeadDim != 64);
+    int m_block = m_block_begin;
+    if constexpr (!kSplitSteps) {
+        for (; m_block < m_block_end; ++m_block) { step(m_block, std::true_type{}); }
+    } else {
+        for (; m_block < m_block_end && TileMask<kBlockM, kBlockN, kCausal, false>(bounds, m_block, n_block)
+                                            .needs_mask();
+             ++m_block) {
+            step(m_block, std::true_type{});
+        }
+        for (; m_block < m_block_end; ++m_block) { step(m_block, std::false_type{}); }
     }
     cp_async_wait<0>();  // K and V are still in flight when no query block sees this key block.
 

@@ -148,7 +148,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const _
             cp_async_fence();
         }
 
-        softmax.update(scores, acc_o_rc);
+        softmax.template update</*kSkipUnmoved=*/true>(scores, acc_o_rc);
         // Dropout after the row sums, which are those of the undropped softmax (the LSE's).
         if (kVariants && dropout.active()) {
             dropout.template apply</*kQueryIsRow=*/true, /*kNegate=*/false>(scores, tScS_rc, m_block * kBlockM,

@@ -106,4 +106,15 @@ struct TileMask {
     }
 };
 
+// The mask of a tile known to hide nothing: kernels whose step loops run the masked tiles apart pass it to the
+// others, so they carry no mask code.
+struct NoTileMask {
+    __forceinline__ __device__ static constexpr bool needs_mask() { return false; }
+    __forceinline__ __device__ static constexpr bool hides_past_diagonal(int, int) { return false; }
+    template <bool kQueryIsRow, class ScoreTensor, class CoordTensor>
+    __forceinline__ __device__ void apply(ScoreTensor&, const CoordTensor&) const {}
+    template <bool kQueryIsRow, class PTensor, class CoordTensor>
+    __forceinline__ __device__ void hide_keys_past_end(PTensor&, const CoordTensor&) const {}
+};
+
 }  // namespace flash

@@ -11,6 +11,8 @@
 // key is visible and the window is never read.
 #pragma once
 
+#include <type_traits>
+
 #include <cute/tensor.hpp>
 
 #include "block_info.h"
@@ -147,5 +149,21 @@ struct BlockBounds {
         return {0, end};
     }
 };
+
+// Visits blocks from `from` towards `to` (excluded) in steps of kStep (+1 or -1), calling step(block, masked):
+// masked is std::true_type while needs_mask(block) holds and std::false_type from the first block that needs
+// none. The plain kernels visit their masked tiles (the sequence end, the causal diagonal) first, so the steps
+// after them can be compiled without mask code. With kSplit false every block gets std::true_type.
+template <int kStep, bool kSplit, class NeedsMask, class Step>
+__forceinline__ __device__ void visit_masked_first(int from, int to, const NeedsMask& needs_mask,
+                                                   const Step& step) {
+    static_assert(kStep == 1 || kStep == -1);
+    auto more = [&](int block) { return kStep > 0 ? block < to : block > to; };
+    int block = from;
+    if constexpr (kSplit) {
+        for (; more(block) && needs_mask(block); block += kStep) { step(block, std::true_type{}); }
+    }
+    for (; more(block); block += kStep) { step(block, std::bool_constant<!kSplit>{}); }
+}
 
 }  // namespace flash

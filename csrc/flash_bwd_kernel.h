@@ -247,38 +247,62 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
         // its first query block while the later key blocks (which start further down) are already ahead of
         // it; ascending order would make the long first key block hold back every other one.
         const int dq_turn = reversed ? bounds.n_block_end(m_block) - 1 - n_block : n_block;
-        auto accumulate_dq = [&] {
+        auto wait_dq_turn = [&] {
             if (params.deterministic) {
                 if (tidx == 0) {
                     while (load_acquire(dq_semaphore + m_block) != dq_turn) {}
                 }
                 __syncthreads();
             }
-            CUTE_UNROLL
-            for (int chunk = 0; chunk < kHeadDim / kDqChunk; ++chunk) {
-                Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kDqChunk>>{});  // (MMA, MMA_M, MMA_D)
-                clear(acc_dq);
-                Tensor tQsKt_chunk = tQsKt(_, _, _, chunk);
-                gemm_smem_smem(mma_dq, acc_dq, tQrdS, tQrKt, tQsdS, tQsKt_chunk, copy_a_dq, copy_b_dq, tQrdS_view,
-                               tQrKt_view);
-                Tensor tdQgdQ = tdQgdQaccum(_, _, _, chunk, m_block);
-                CUTE_UNROLL
-                for (int i = 0; i < size(acc_dq); i += 2) { red_add_pair(&tdQgdQ(i), acc_dq(i), acc_dq(i + 1)); }
-            }
+        };
+        auto pass_dq_turn = [&] {
             if (params.deterministic) {
                 __threadfence();
                 __syncthreads();
                 if (tidx == 0) { store_release(dq_semaphore + m_block, dq_turn + 1); }
             }
         };
+        // dQ of one chunk of head-dim columns, (kBlockM, kDqChunk).
+        auto dq_gemm = [&](auto& acc_dq, int chunk) {
+            clear(acc_dq);
+            Tensor tQsKt_chunk = tQsKt(_, _, _, chunk);
+            gemm_smem_smem(mma_dq, acc_dq, tQrdS, tQrKt, tQsdS, tQsKt_chunk, copy_a_dq, copy_b_dq, tQrdS_view,
+                           tQrKt_view);
+        };
+        // Adds part `part` of `parts` equal runs of a chunk's dQ into dq_accum.
+        auto add_dq = [&](const auto& acc_dq, int chunk, int part, auto parts) {
+            constexpr int kPairs = decltype(size(acc_dq))::value / 2;
+            constexpr int kParts = decltype(parts)::value;
+            static_assert(kPairs % kParts == 0);
+            Tensor tdQgdQ = tdQgdQaccum(_, _, _, chunk, m_block);
+            CUTE_UNROLL
+            for (int j = part * (kPairs / kParts); j < (part + 1) * (kPairs / kParts); ++j) {
+                red_add_pair(&tdQgdQ(2 * j), acc_dq(2 * j), acc_dq(2 * j + 1));
+            }
+        };
 
-        // With two stages dQ goes first, so its reductions drain while dV and dK compute. With one stage the
-        // next Q and dO load as soon as the dV and dK GEMMs are done with this block's, overlapping dQ.
-        if constexpr (kStagesQ == 2) { accumulate_dq(); }
+        // The first dQ chunk is computed before the dV GEMM, and its reductions are spread over that GEMM's
+        // k-steps. Issued in one burst, they filled the memory queues and held back the next GEMM's ldmatrix
+        // (1.9-4.6% slower at head dims 64 and 128, perf log 49). With one Q stage the next Q and dO load
+        // once the dV and dK GEMMs are done with this block's; the remaining chunks then overlap that load.
+        // Only one chunk runs ahead: its accumulator is live next to dK and dV.
+        constexpr int kDqChunks = kHeadDim / kDqChunk;
+        constexpr int kDqChunksFirst = kStagesQ == 2 ? kDqChunks : kDqChunks - 1;
+        static_assert(kDqChunksFirst <= 1);
         Tensor tKVsdOt_stage = at_stage<kQElems>(tKVsdOt, stage);
         Tensor tKVsQt_stage = at_stage<kQElems>(tKVsQt, stage);
-        gemm_smem_smem(mma_dkv, acc_dv, tKVrPt, tKVrdOt, tKVsPt, tKVsdOt_stage, copy_a_dkv, copy_b_dkv, tKVrPt_view,
-                       tKVrdOt_view);
+        if constexpr (kDqChunksFirst == 1) {
+            wait_dq_turn();
+            Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kDqChunk>>{});  // (MMA, MMA_M, MMA_D)
+            dq_gemm(acc_dq, 0);
+            constexpr auto kDvSteps = size<2>(tKVrPt);
+            gemm_smem_smem(mma_dkv, acc_dv, tKVrPt, tKVrdOt, tKVsPt, tKVsdOt_stage, copy_a_dkv, copy_b_dkv,
+                           tKVrPt_view, tKVrdOt_view, [&](int k) { add_dq(acc_dq, 0, k, kDvSteps); });
+        } else {
+            gemm_smem_smem(mma_dkv, acc_dv, tKVrPt, tKVrdOt, tKVsPt, tKVsdOt_stage, copy_a_dkv, copy_b_dkv,
+                           tKVrPt_view, tKVrdOt_view);
+        }
+        if constexpr (kDqChunksFirst == kDqChunks) { pass_dq_turn(); }
         gemm_smem_smem(mma_dkv, acc_dk, tKVrdSt, tKVrQt, tKVsdSt, tKVsQt_stage, copy_a_dkv, copy_b_dkv,
                        tKVrdSt_view, tKVrQt_view);
         if constexpr (kStagesQ == 1) {
@@ -287,27 +311,25 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
                 load_q_do(m_block + 1, 0);
                 cp_async_fence();
             }
-            accumulate_dq();
+            if constexpr (kDqChunksFirst == 0) { wait_dq_turn(); }
+            CUTE_UNROLL
+            for (int chunk = kDqChunksFirst; chunk < kDqChunks; ++chunk) {
+                Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kDqChunk>>{});  // (MMA, MMA_M, MMA_D)
+                dq_gemm(acc_dq, chunk);
+                add_dq(acc_dq, chunk, 0, _1{});
+            }
+            pass_dq_turn();
         }
     };
     // The plain kernels' masked tiles (the causal diagonal, or every tile of the key block holding the sequence
-    // end) are the first ones visited, so they can run in a loop of their own and the steps after them carry no
-    // mask code (rows past seqlen_q need none: their LSE reads as +inf). Not in the variants kernel, where a
-    // window's left edge masks the last query blocks too; and not at head dim 64 non-causal, where the second
-    // copy of the step body cost 20 bytes of spills and made the kernel 3% slower (perf log 44), so that every
-    // step checks.
+    // end) are the first ones visited, so the steps after them carry no mask code (rows past seqlen_q need none:
+    // their LSE reads as +inf). Not in the variants kernel, where a window's left edge masks the last query
+    // blocks too; and not at head dim 64 non-causal, where the second copy of the step body cost 20 bytes of
+    // spills and made the kernel 3% slower (perf log 44), so that every step checks.
     constexpr bool kSplitSteps = !kVariants && (kCausal || kHeadDim != 64);
-    int m_block = m_block_begin;
-    if constexpr (!kSplitSteps) {
-        for (; m_block < m_block_end; ++m_block) { step(m_block, std::true_type{}); }
-    } else {
-        for (; m_block < m_block_end && TileMask<kBlockM, kBlockN, kCausal, false>(bounds, m_block, n_block)
-                                            .needs_mask();
-             ++m_block) {
-            step(m_block, std::true_type{});
-        }
-        for (; m_block < m_block_end; ++m_block) { step(m_block, std::false_type{}); }
-    }
+    visit_masked_first</*kStep=*/1, kSplitSteps>(
+        m_block_begin, m_block_end,
+        [&](int m) { return TileMask<kBlockM, kBlockN, kCausal, kVariants>(bounds, m, n_block).needs_mask(); }, step);
     cp_async_wait<0>();  // K and V are still in flight when no query block sees this key block.
 
     // dK picks up the softmax scale here (dS is the gradient of the scaled scores); dQ gets it when its

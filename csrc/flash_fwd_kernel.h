@@ -120,7 +120,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const _
 
     // One key block: S = Q K^T, the mask when kMasked (std::true_type or std::false_type), the online softmax, and
     // O += P V.
-    auto step = [&](int n_block, auto masked) {
+    auto step = [&](int n_block, auto masked) __attribute__((always_inline)) {
         constexpr bool kMasked = decltype(masked)::value;
         Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA, MMA_M, MMA_N)
         clear(acc_s);
@@ -158,20 +158,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const _
         Tensor tOrP = make_tensor(rP.data(), acc_as_a_operand_layout(rP.layout()));  // (MMA, MMA_M, MMA_K)
         gemm_reg_smem(tiled_mma, acc_o, tOrP, tOrVt, tOsVt, smem_tiled_copy_V, tOrVt_view);
     };
-    if constexpr (kVariants) {
-        // A window's left edge masks the last blocks visited too: every step checks.
-        for (; n_block >= n_block_begin; --n_block) { step(n_block, std::true_type{}); }
-    } else {
-        // The plain kernels' masked tiles (the sequence end, the causal diagonal) are the first ones visited; the
-        // steps after them carry no mask code. Checked in every step, the mask was compiled into predicated
-        // instructions that every step issued.
-        for (; n_block >= n_block_begin && TileMask<kBlockM, kBlockN, kCausal, false>(bounds, m_block, n_block)
-                                               .needs_mask();
-             --n_block) {
-            step(n_block, std::true_type{});
-        }
-        for (; n_block >= n_block_begin; --n_block) { step(n_block, std::false_type{}); }
-    }
+    // A window's left edge masks the last blocks visited too, so the variants kernel checks in every step. In the
+    // plain kernels a mask checked in every step was compiled into predicated instructions that every step issued.
+    visit_masked_first</*kStep=*/-1, /*kSplit=*/!kVariants>(
+        n_block, n_block_begin - 1,
+        [&](int n) { return TileMask<kBlockM, kBlockN, kCausal, kVariants>(bounds, m_block, n).needs_mask(); }, step);
 
     // Epilogue: normalize once, stage O through shared memory (Q's buffer) for 16 B global stores; a
     // split-KV CTA writes its fp32 partials instead.

@@ -110,11 +110,8 @@ struct TileMask {
 // others, so they carry no mask code.
 struct NoTileMask {
     __forceinline__ __device__ static constexpr bool needs_mask() { return false; }
-    __forceinline__ __device__ static constexpr bool hides_past_diagonal(int, int) { return false; }
     template <bool kQueryIsRow, class ScoreTensor, class CoordTensor>
     __forceinline__ __device__ void apply(ScoreTensor&, const CoordTensor&) const {}
-    template <bool kQueryIsRow, class PTensor, class CoordTensor>
-    __forceinline__ __device__ void hide_keys_past_end(PTensor&, const CoordTensor&) const {}
 };
 
 }  // namespace flash

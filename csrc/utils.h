@@ -56,13 +56,21 @@ __forceinline__ __device__ float quad_allreduce(float x, Op op) {
     return x;
 }
 
+// The default after_k of gemm_smem_smem: nothing.
+struct NoAfterK {
+    __forceinline__ __device__ void operator()(int) const {}
+};
+
 // acc += A B^T with A and B in shared memory; the ldmatrix of k-slice i+1 is issued before the
-// MMAs of slice i so shared-memory latency hides behind tensor-core work.
+// MMAs of slice i so shared-memory latency hides behind tensor-core work. after_k(k) runs after the MMAs
+// of slice k: work placed there is issued among the GEMM's instructions instead of in one burst before or
+// after it (ptxas keeps asm statements such as ldmatrix and red in source order).
 template <class TiledMma, class AccTensor, class RegA, class RegB, class SmemA, class SmemB, class CopyA,
-          class CopyB>
+          class CopyB, class AfterK = NoAfterK>
 __forceinline__ __device__ void gemm_smem_smem(const TiledMma& tiled_mma, AccTensor& acc, RegA& tCrA, RegB& tCrB,
                                                const SmemA& tCsA, const SmemB& tCsB, const CopyA& copy_a,
-                                               const CopyB& copy_b, auto& tCrA_view, auto& tCrB_view) {
+                                               const CopyB& copy_b, auto& tCrA_view, auto& tCrB_view,
+                                               AfterK after_k = {}) {
     copy(copy_a, tCsA(_, _, _0{}), tCrA_view(_, _, _0{}));
     copy(copy_b, tCsB(_, _, _0{}), tCrB_view(_, _, _0{}));
     CUTE_UNROLL
@@ -72,6 +80,7 @@ __forceinline__ __device__ void gemm_smem_smem(const TiledMma& tiled_mma, AccTen
             copy(copy_b, tCsB(_, _, k + 1), tCrB_view(_, _, k + 1));
         }
         cute::gemm(tiled_mma, tCrA(_, _, k), tCrB(_, _, k), acc);
+        after_k(k);
     }
 }
 

@@ -100,7 +100,8 @@ def test_seqlens(seqlens, head_dim, causal, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", KERNEL_HEAD_DIMS)
-@pytest.mark.parametrize("sq, sk", [(17, 1023), (1023, 113), (257, 257)], ids=lambda v: str(v))
+@pytest.mark.parametrize("sq, sk", [(17, 1023), (1023, 113), (257, 257), (2, 5), (5, 2)],
+                         ids=lambda v: str(v))
 def test_mma_sync_backward_forced(sq, sk, head_dim, causal, dtype):
     # Hopper runs the warpgroup-MMA backward for these head dims; the mma.sync one (what Ampere runs) must
     # stay correct there too.

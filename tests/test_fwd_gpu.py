@@ -172,7 +172,8 @@ def test_head_dims(b, sq, sk, h, hk, head_dim, causal, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", KERNEL_HEAD_DIMS)
-@pytest.mark.parametrize("seqlens", [(113, 1023), (1023, 113), (17, 17)], ids=seqlen_id)
+@pytest.mark.parametrize("seqlens", [(113, 1023), (1023, 113), (17, 17), (2, 5), (5, 2)],
+                         ids=seqlen_id)
 def test_mma_sync_kernels_forced(seqlens, head_dim, causal, dtype):
     # Hopper GPUs run the warpgroup-MMA kernels; the mma.sync ones (what Ampere runs) must stay correct there too.
     require_kernel(head_dim, dtype, causal)

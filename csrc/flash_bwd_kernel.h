@@ -281,11 +281,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
             }
         };
 
-        // The first dQ chunk is computed before the dV GEMM, and its reductions are spread over that GEMM's
-        // k-steps. Issued in one burst, they filled the memory queues and held back the next GEMM's ldmatrix
-        // (1.9-4.6% slower at head dims 64 and 128, perf log 49). With one Q stage the next Q and dO load
-        // once the dV and dK GEMMs are done with this block's; the remaining chunks then overlap that load.
-        // Only one chunk runs ahead: its accumulator is live next to dK and dV.
+        // The first dQ chunk is computed before the dV GEMM, and its reductions go into that GEMM's basic block,
+        // a run after each k-step. In a block of their own, ended by deterministic mode's branch, the step was
+        // 1.8-4.7% slower at head dims 64 and 128 (perf log 49-50); ptxas still issues them in one run at the
+        // end of the dQ GEMM, and spreading them further or tying them to the k-steps was slower (51-52).
+        // With one Q stage the next Q and dO load once the dV and dK GEMMs are done with this block's; the
+        // remaining chunks then overlap that load. Only one chunk runs ahead: its accumulator is live next to
+        // dK and dV.
         constexpr int kDqChunks = kHeadDim / kDqChunk;
         constexpr int kDqChunksFirst = kStagesQ == 2 ? kDqChunks : kDqChunks - 1;
         static_assert(kDqChunksFirst <= 1);

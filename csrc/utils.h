@@ -63,8 +63,8 @@ struct NoAfterK {
 
 // acc += A B^T with A and B in shared memory; the ldmatrix of k-slice i+1 is issued before the
 // MMAs of slice i so shared-memory latency hides behind tensor-core work. after_k(k) runs after the MMAs
-// of slice k: work placed there is issued among the GEMM's instructions instead of in one burst before or
-// after it (ptxas keeps asm statements such as ldmatrix and red in source order).
+// of slice k, in the GEMM's basic block; ptxas still schedules it by its dependencies, so work that needs
+// nothing from the GEMM may be issued ahead of it (perf log 50).
 template <class TiledMma, class AccTensor, class RegA, class RegB, class SmemA, class SmemB, class CopyA,
           class CopyB, class AfterK = NoAfterK>
 __forceinline__ __device__ void gemm_smem_smem(const TiledMma& tiled_mma, AccTensor& acc, RegA& tCrA, RegB& tCrB,

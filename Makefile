@@ -24,7 +24,7 @@ bench:
 	$(PYTHON) bench/mma_peak.py && $(PYTHON) bench/bench_fwd.py
 
 generate:
-	$(PYTHON) csrc/generate_kernels.py
+	$(PYTHON) csrc/generate.py
 
 clean:
 	rm -rf build dist wheelhouse *.egg-info flash_attn_cuda/_C*.so flash_attn_cuda/_autograd_torch*.so flash_attn_cuda/_build_info.py

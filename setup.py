@@ -39,7 +39,7 @@ from setuptools import find_packages, setup
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "csrc"))
-from generate_kernels import DTYPES, HEAD_DIMS, MASKS, PASSES, kernel_name  # noqa: E402
+from generate import DTYPES, HEAD_DIMS, MASKS, PASSES, kernel_name  # noqa: E402
 
 # The package version without its local tag; the one place it is set.
 BASE_VERSION = "0.2.0"
@@ -113,9 +113,9 @@ def kernel_selection():
 def kernel_sources(hdims, dtypes):
     sources = []
     for pass_, hdim, dtype, mask in itertools.product(PASSES, hdims, dtypes, MASKS):
-        path = Path("csrc") / "instantiations" / f"{kernel_name(pass_, hdim, dtype, mask)}.cu"
+        path = Path("csrc") / "generated" / "instantiations" / f"{kernel_name(pass_, hdim, dtype, mask)}.cu"
         if not (ROOT / path).is_file():
-            raise RuntimeError(f"{path} is missing; run `python csrc/generate_kernels.py`")
+            raise RuntimeError(f"{path} is missing; run `python csrc/generate.py`")
         sources.append(str(path))
     return sources
 
@@ -233,7 +233,7 @@ def torch_minor_of(torch_dir: Path) -> str:
 
 
 def autograd_extensions(glibc_symver: str, py_limited: str):
-    """The C++ autograd libraries, one per torch minor version (csrc/autograd/autograd.cpp): the stable ABI has
+    """The C++ autograd libraries, one per torch minor version (csrc/host/autograd/autograd.cpp): the stable ABI has
     no autograd, so each is built against that version's own headers and loaded only into it. Returns
     (extensions, the torch minor versions they serve)."""
     from setuptools import Extension
@@ -255,8 +255,8 @@ def autograd_extensions(glibc_symver: str, py_limited: str):
         name = "_autograd_torch" + minor.replace(".", "_")
         extensions.append(Extension(
             name=f"flash_attn_cuda.{name}",
-            sources=["csrc/autograd/autograd.cpp"],
-            include_dirs=[str(ROOT / "csrc" / "compat"), str(include), str(include / "torch" / "csrc" / "api" / "include")],
+            sources=["csrc/host/autograd/autograd.cpp"],
+            include_dirs=[str(ROOT / "csrc" / "host" / "compat"), str(include), str(include / "torch" / "csrc" / "api" / "include")],
             extra_compile_args={"cxx": ["-O3", "-std=c++20", "-fvisibility=hidden", py_limited, "-include",
                                         glibc_symver, f"-DFLASH_ATTN2_AUTOGRAD_MODULE={name}"]},
             # Only for the DT_NEEDED entries: the symbols resolve at load time against the torch already in
@@ -285,10 +285,11 @@ def build_extensions():
     cuda_version = nvcc_version()
     version = f"{BASE_VERSION}+cu{cuda_version.split('.')[0]}"
 
-    # Host code: every csrc/*.cpp (module, ops, checks, plan, fwd, bwd, the registry, the torch glue, ...).
-    host = sorted(str(path.relative_to(ROOT)) for path in (ROOT / "csrc").glob("*.cpp"))
-    sources = [*host, "csrc/build_info.cu", "csrc/flash_bwd_aux.cu", "csrc/flash_fwd_combine.cu",
-               "csrc/kvcache_prep.cu"]
+    # Host code (csrc/host/*.cpp: module, ops, checks, plan, fwd, bwd, the torch glue; csrc/launch/*.cpp: the
+    # registry), then the small kernels and the build probe, compiled with the kernels' flags.
+    host = sorted(str(path.relative_to(ROOT)) for room in ("host", "launch") for path in (ROOT / "csrc" / room).glob("*.cpp"))
+    sources = [*host, "csrc/launch/build_info.cu", "csrc/kernels/flash_bwd_aux.cu", "csrc/kernels/flash_fwd_combine.cu",
+               "csrc/kernels/kvcache_prep.cu"]
     fixed_sources = len(sources)
     sources += kernel_sources(hdims, dtypes)
 
@@ -296,8 +297,8 @@ def build_extensions():
     # Py_LIMITED_API: torch's BuildExtension adds the same define (same spelling) for py_limited_api extensions.
     abi_flags = [torch_target_define()]
     py_limited = f"-DPy_LIMITED_API=0x{PY_LIMITED_API[0]:02X}{PY_LIMITED_API[1]:02X}0000"
-    # csrc/compat/glibc_symver.h: dlsym at its glibc 2.2.5/2.17 version (see there), for manylinux_2_28.
-    glibc_symver = str(ROOT / "csrc" / "compat" / "glibc_symver.h")
+    # csrc/host/compat/glibc_symver.h: dlsym at its glibc 2.2.5/2.17 version (see there), for manylinux_2_28.
+    glibc_symver = str(ROOT / "csrc" / "host" / "compat" / "glibc_symver.h")
     # -fvisibility=hidden: the stable ABI's types are hidden, and so are ours then; only PyInit__C is exported.
     cxx_flags = ["-O3", "-std=c++20", "-fvisibility=hidden", *abi_flags, py_limited, "-include", glibc_symver]
     print(f"flash_attn_cuda {version}: archs={archs} ptx={ptx_archs} kernels={len(sources) - fixed_sources} "
@@ -318,14 +319,14 @@ def build_extensions():
     ext = CUDAExtension(
         name="flash_attn_cuda._C",
         sources=sources,
-        # csrc/compat first: it replaces one system header (see csrc/compat/sys/single_threaded.h).
-        include_dirs=[str(ROOT / "csrc" / "compat"), str(ROOT / "csrc"), cutlass_include_dir()],
+        # csrc/host/compat first: it replaces one system header (see csrc/host/compat/sys/single_threaded.h).
+        include_dirs=[str(ROOT / "csrc" / "host" / "compat"), str(ROOT / "csrc"), cutlass_include_dir()],
         extra_compile_args={"cxx": cxx_flags, "nvcc": [*nvcc_flags(archs, ptx_archs, nvcc_threads), *abi_flags]},
         py_limited_api=True,
     )
     # The link line: objects, then extra_link_args, where the libraries CUDAExtension picked (libtorch's, c10's,
     # libcudart) move, after --as-needed, so that _C.so depends only on those whose symbols it uses (the stable
-    # shim's). libdl stays needed whatever: it defines dlsym on glibc < 2.34 (csrc/compat/glibc_symver.h).
+    # shim's). libdl stays needed whatever: it defines dlsym on glibc < 2.34 (csrc/host/compat/glibc_symver.h).
     # --strip-debug drops the debug info that Python's CFLAGS (-g) ask for.
     ext.extra_link_args = ["-Wl,--as-needed", *(f"-l{lib}" for lib in ext.libraries),
                            "-Wl,--no-as-needed", "-l:libdl.so.2", "-Wl,--strip-debug"]

@@ -3,7 +3,7 @@
 The op library (_C) uses only PyTorch's stable ABI, so one build loads into every torch from 2.11 on; that ABI
 has no autograd. Autograd of fwd and varlen_fwd comes from one of two places:
 
-- C++ (csrc/autograd/autograd.cpp): a small library per torch minor version, built against that version's
+- C++ (csrc/host/autograd/autograd.cpp): a small library per torch minor version, built against that version's
   headers (setup.py's FLASH_ATTN2_AUTOGRAD_TORCH) and loaded only into it, as _autograd_torch<major>_<minor>.
   This is today's host cost: the backward node is recorded without leaving C++.
 - Python, on a torch the build has no such library for (or with FLASH_ATTN2_PYTHON_AUTOGRAD=1 in the

@@ -1,6 +1,6 @@
 """Launch plans: which kernel, tile and work split a call runs, and how tests force one.
 
-The host computes one plan per call from the shapes, the GPU and the build (``csrc/plan.h``); the same
+The host computes one plan per call from the shapes, the GPU and the build (``csrc/host/plan.h``); the same
 function answers ``torch.ops.flash_attn2.plan``, so a test that forces a path can assert that the call takes
 it. Overrides are op arguments, never environment variables: ``num_splits`` (the dense forward's key splits,
 as flash-attn's ``num_splits``) and ``plan_override``, a test-and-benchmark string of ``key=value`` pairs

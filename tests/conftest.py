@@ -16,7 +16,7 @@ from flash_attn_cuda.reference import attention_ref
 
 # ---------------------------------------------------------------- shared constants
 #
-# The kernel head dims and dtypes come from the generated kernel list (csrc/generate_kernels.py), so a head dim
+# The kernel head dims and dtypes come from the generated kernel list (csrc/generate.py), so a head dim
 # or dtype added there reaches every test.
 
 KERNEL_HEAD_DIMS = list(_kernel_list.HEAD_DIMS)

@@ -18,7 +18,7 @@ from flash_attn_cuda.reference import attention_ref
 fwd = torch.ops.flash_attn2.fwd
 # Validation errors may be any of these; what matters is that the message names the argument.
 BAD_INPUT = (RuntimeError, ValueError, TypeError)
-INSTANTIATIONS = Path(__file__).resolve().parent.parent / "csrc" / "instantiations"
+INSTANTIATIONS = Path(__file__).resolve().parent.parent / "csrc" / "generated" / "instantiations"
 TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -79,7 +79,7 @@ def test_compiled_kernels_are_generated_files():
     assert isinstance(names, list) and names and all(isinstance(n, str) for n in names)
     assert len(names) == len(set(names)), sorted(names)
     if not INSTANTIATIONS.is_dir():
-        pytest.skip("no csrc/instantiations next to the tests")
+        pytest.skip("no csrc/generated/instantiations next to the tests")
     files = {path.stem for path in INSTANTIATIONS.glob("*.cu")}
     assert set(names) <= files, sorted(set(names) - files)
 

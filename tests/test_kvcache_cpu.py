@@ -470,7 +470,7 @@ def test_meta_fwd_kvcache():
 
 # ---------------------------------------------------------------- argument checks before the device check
 #
-# On CPU tensors every check of flash_attn_with_kvcache (Python) and of the op (csrc/checks.cpp check_kvcache) runs
+# On CPU tensors every check of flash_attn_with_kvcache (Python) and of the op (csrc/host/checks.cpp check_kvcache) runs
 # before the device check, which then reports "q must be a CUDA tensor": a message that names none of the
 # arguments below, so a check that did not fire fails the match.
 

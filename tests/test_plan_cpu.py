@@ -2,7 +2,7 @@
 
 With ``arch`` and ``num_sms`` given, the plan is computed for that GPU and a build with every kernel family, so
 these tests need the built extension but no GPU and no kernel (CI builds head dim 64 bf16 for sm_80 only).
-H200 is (90, 132 SMs), A100 (80, 108). Tile sizes are asserted only where csrc/tile_size.h defines them for the host.
+H200 is (90, 132 SMs), A100 (80, 108). Tile sizes are asserted only where csrc/launch/tile_size.h defines them for the host.
 """
 
 import pytest

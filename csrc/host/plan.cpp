@@ -1,0 +1,241 @@
+#include "host/plan.h"
+
+#include <algorithm>
+#include <climits>
+#include <cstdlib>
+
+#include "launch/flash_params.h"
+#include "launch/tile_size.h"
+
+namespace flash {
+namespace {
+
+// ---- Forward: split-KV ----
+
+constexpr int kMaxAutoSplits = 64;  // the heuristic's cap
+// The heuristic splits only seqlen_k >= kMinKeysToSplit, into splits of at least kMinKeysPerSplit keys. Below
+// 1024 keys the kernel time a split saves is under the host time its partials and combine launch cost (perf
+// log 18); at 1024 causal keys and 1-4 heads, 4 splits take 23 us of GPU time to 12 (perf log 22).
+constexpr int kMinKeysToSplit = 1024;
+constexpr int kMinKeysPerSplit = 256;
+
+// Split-KV heuristic. The forward grid has one CTA per (query block, sequence, head), each streaming all of
+// its keys; when that grid is smaller than the GPU, SMs idle (decode and short-query shapes). Splitting the
+// keys num_splits ways multiplies the CTAs and divides each one's key blocks, at the price of an fp32 partial
+// per split and a combine kernel. Model: `slots` CTAs (SMs x CTAs resident per SM) run at once and a CTA costs
+// its number of key blocks, so num_splits = s takes ceil(ctas * s / slots) waves of ceil(n_blocks / s) blocks.
+// No split once the grid fills 80% of the slots; otherwise the smallest s whose time is within 5% of the best,
+// with at least kMinKeysPerSplit keys per split, s <= kMaxAutoSplits, and no split below kMinKeysToSplit keys.
+// Causal query blocks differ in cost, which the model ignores; their splits share only the keys each block
+// sees (FwdTile).
+int choose_num_splits(int64_t ctas, int64_t seqlen_k, const FwdBlockShape& shape, int64_t slots) {
+    if (ctas <= 0 || ctas * 5 >= slots * 4 || seqlen_k < kMinKeysToSplit) { return 1; }
+    const int64_t n_blocks = (seqlen_k + shape.block_n - 1) / shape.block_n;
+    const int64_t max_splits = std::min<int64_t>({kMaxAutoSplits, seqlen_k / kMinKeysPerSplit, n_blocks});
+    auto time = [&](int64_t splits) {
+        return (ctas * splits + slots - 1) / slots * ((n_blocks + splits - 1) / splits);
+    };
+    int64_t best_time = time(1);
+    for (int64_t splits = 2; splits <= max_splits; ++splits) { best_time = std::min(best_time, time(splits)); }
+    for (int64_t splits = 1; splits <= max_splits; ++splits) {
+        if (time(splits) * 20 <= best_time * 21) { return static_cast<int>(splits); }
+    }
+    return 1;
+}
+
+// ---- Forward: the Hopper short-key tile ----
+
+// seqlen_k at or below which the forward runs FwdSm90ShortKeysTileConfig where one exists. Causal up to 1024,
+// where a 128-row block on the diagonal computes up to twice the scores it keeps; non-causal only up to 512,
+// where the overlap pays for reading each K/V block twice and rescaling twice as often (perf log 31).
+constexpr int kFwdShortKeysMaxCausal = 1024;
+constexpr int kFwdShortKeysMax = 512;
+
+// ---- Backward ----
+
+// seqlen_q at or below which the Hopper backward runs its 16-row query tile where the head dim has one: a
+// 64-row tile would compute mostly padding.
+constexpr int kBwdShortQueriesMax = 16;
+constexpr int kMaxAutoKeyBlocks = 16;  // choose_key_blocks_per_cta's cap
+
+// Key blocks per CTA of the Hopper backward of head dims <= 128. With at most two query-block steps per key
+// block (short queries against long keys) a CTA's time goes mostly to loading K and V and storing dK and dV,
+// one after the other, and the grid runs many waves of such CTAs. A CTA that walks j consecutive key blocks
+// loads the next one's K and V while it computes and stores the current one. Model: `slots` CTAs run at once
+// and a CTA costs j + 1 key-block times (its first load is not hidden); the smallest j of least time, up to
+// kMaxAutoKeyBlocks, that still leaves two waves of CTAs. That cap came after one wave at j = 8 measured
+// slower on bench_skinny's GQA decode row; a later A/B put most of that loss on the loop code instead, so the
+// cap is unproven (perf log 28, 29). Longer queries keep one key block per CTA: their steps hide the loads.
+int choose_key_blocks_per_cta(int64_t n_blocks, int64_t ctas_per_key_block, int64_t steps_per_key_block,
+                              int64_t slots) {
+    if (steps_per_key_block > 2 || n_blocks <= 1) { return 1; }
+    auto time = [&](int64_t j) { return ((n_blocks + j - 1) / j * ctas_per_key_block + slots - 1) / slots * (j + 1); };
+    const int64_t max_j = std::min<int64_t>({kMaxAutoKeyBlocks, n_blocks, n_blocks * ctas_per_key_block / (2 * slots)});
+    int64_t best = 1;
+    for (int64_t j = 2; j <= max_j; ++j) {
+        if (time(j) < time(best)) { best = j; }
+    }
+    return static_cast<int>(best);
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Whether the forced value (-1: none) or else the default picks the choice.
+bool choose(int forced, bool by_default) { return forced == -1 ? by_default : forced == 1; }
+
+void plan_fwd(const Problem& p, const Target& t, int forced_splits, const PlanOverride& o, Plan& plan) {
+    const int64_t seqlen_q = p.seqlen_q * plan.gqa_pack;  // the kernel's sizes, after packing
+    const int64_t nheads = p.nheads / plan.gqa_pack;
+    plan.wgmma = plan.wgmma && t.wgmma_fwd_built;
+    // Decoding from a paged cache also takes the short-key tile. Each key row finds its page (FwdTile::copy_paged),
+    // which costs far more instructions per key than a dense load; with the queries in one 64-row warpgroup, the
+    // 128-row tile's second warpgroup only loads, and its CTA's load and compute phases take turns. Two 64-row
+    // CTAs per SM overlap one's loads with the other's compute: paged decoding 1.24-1.41x the dense cache's time
+    // on the 128-row tile, 1.02-1.09x on this one (H200, perf log 41). Dense caches keep the 128-row tile, within
+    // a few percent either way.
+    const bool paged_decode = p.paged && seqlen_q <= 64;
+    plan.short_key_tile =
+        plan.wgmma && fwd_has_short_key_tile(plan.kernel_head_dim) &&
+        choose(o.short_keys,
+               paged_decode || p.seqlen_k <= (plan.causal ? kFwdShortKeysMaxCausal : kFwdShortKeysMax));
+    const FwdBlockShape shape = fwd_block_shape(plan.kernel_head_dim, plan.causal, plan.wgmma, plan.short_key_tile);
+    plan.block_m = shape.block_m;
+    plan.block_n = shape.block_n;
+    // Split-KV runs on dense batches only, and without dropout.
+    int splits = 1;
+    if (!p.varlen && !p.dropout) {
+        splits = forced_splits > 0 ? forced_splits
+                                   : choose_num_splits(ceil_div(seqlen_q, shape.block_m) * p.batch * nheads, p.seqlen_k,
+                                                       shape, int64_t(std::max(t.num_sms, 1)) * shape.ctas_per_sm);
+    }
+    // The launch grid's x is query blocks (at least 64 rows each) times splits.
+    const int64_t max_for_grid = std::max<int64_t>(1, INT32_MAX / ceil_div(std::max<int64_t>(seqlen_q, 1), 64));
+    plan.num_splits = static_cast<int>(std::min<int64_t>(splits, max_for_grid));
+}
+
+void plan_bwd(const Problem& p, const Target& t, const PlanOverride& o, Plan& plan) {
+    const int64_t seqlen_q = p.seqlen_q * plan.gqa_pack;  // the kernel's sizes, after packing
+    const int64_t nheads = p.nheads / plan.gqa_pack;
+    const int hd = plan.kernel_head_dim;
+    // Deterministic mode runs the mma.sync kernel, whose key blocks add into dQ in a fixed order.
+    plan.wgmma = plan.wgmma && t.wgmma_bwd_built && !p.deterministic;
+    plan.short_query_tile = plan.wgmma && bwd_sm90_has_short_query_tile(hd) &&
+                            choose(o.short_queries, seqlen_q <= kBwdShortQueriesMax);
+    plan.block_m = plan.wgmma ? bwd_sm90_block_m(hd, plan.short_query_tile) : bwd_block_m(hd);
+    plan.block_n = plan.wgmma ? bwd_sm90_block_n(hd) : bwd_block_n(hd);
+    // GQA/MQA: on Hopper one CTA walks every query head of its key/value head, summing dK and dV in registers,
+    // as long as that grid (group times smaller) still gives every SM a CTA. Otherwise one dK/dV slice per query
+    // head, summed afterwards from fp32 slices so that each gradient is rounded once.
+    const bool grouped = nheads != p.nheads_k;
+    const bool walk = grouped && plan.wgmma &&
+                      choose(o.gqa_walk, ceil_div(p.seqlen_k, plan.block_n) * p.batch * p.nheads_k >= t.num_sms);
+    plan.heads_per_cta = walk ? static_cast<int>(nheads / p.nheads_k) : 1;
+    plan.dkv_fp32_slices = grouped && !walk;
+    plan.key_blocks_per_cta = 1;
+    // Under a window's left edge a key block may have no steps, and then starts none of its successor's loads
+    // (BwdSm90Block): one key block per CTA.
+    if (plan.wgmma && bwd_sm90_walks_key_blocks(hd) && !p.left_window) {
+        plan.key_blocks_per_cta =
+            o.key_blocks > 0 ? o.key_blocks
+                             : choose_key_blocks_per_cta(ceil_div(p.seqlen_k, plan.block_n),
+                                                         p.batch * (nheads / plan.heads_per_cta),
+                                                         plan.heads_per_cta * ceil_div(seqlen_q, plan.block_m),
+                                                         std::max(t.num_sms, 1));
+    }
+}
+
+// "name=value" with value an integer in [lo, hi]; false when malformed.
+bool parse_int(std::string_view text, int lo, int hi, int& out) {
+    if (text.empty() || text.size() > 9) { return false; }
+    int value = 0;
+    for (char c : text) {
+        if (c < '0' || c > '9') { return false; }
+        value = value * 10 + (c - '0');
+    }
+    if (value < lo || value > hi) { return false; }
+    out = value;
+    return true;
+}
+
+}  // namespace
+
+std::string parse_plan_override(std::string_view text, PlanOverride& out) {
+    out = PlanOverride{};
+    size_t start = 0;
+    while (start < text.size()) {
+        size_t end = text.find(';', start);
+        if (end == std::string_view::npos) { end = text.size(); }
+        const std::string_view item = text.substr(start, end - start);
+        start = end + 1;
+        if (item.empty()) { continue; }
+        const size_t eq = item.find('=');
+        const std::string where = "plan_override: '" + std::string(item) + "'";
+        if (eq == std::string_view::npos) { return where + " is not key=value"; }
+        const std::string_view key = item.substr(0, eq);
+        const std::string_view value = item.substr(eq + 1);
+        bool ok = false;
+        if (key == "kernel") {
+            ok = value == "wgmma" || value == "mma_sync";
+            out.wgmma = value == "wgmma";
+            if (!ok) { return where + ": kernel must be wgmma or mma_sync"; }
+        } else if (key == "gqa_walk" || key == "short_keys" || key == "short_queries") {
+            int& field = key == "gqa_walk" ? out.gqa_walk : key == "short_keys" ? out.short_keys : out.short_queries;
+            if (!parse_int(value, 0, 1, field)) { return where + ": " + std::string(key) + " must be 0 or 1"; }
+        } else if (key == "key_blocks") {
+            if (!parse_int(value, 1, kMaxForcedKeyBlocks, out.key_blocks)) {
+                return where + ": key_blocks must be an integer in [1, " + std::to_string(kMaxForcedKeyBlocks) + "]";
+            }
+        } else {
+            return where + ": unknown key (kernel, gqa_walk, key_blocks, short_keys, short_queries)";
+        }
+    }
+    return "";
+}
+
+Plan make_plan(const Problem& p, const Target& t, int num_splits, const PlanOverride& o) {
+    Plan plan{};
+    plan.pass = p.pass;
+    plan.kernel_head_dim = kernel_head_dim(p.head_dim);
+    // With a single query row the bottom-right aligned causal mask lets it see every key: run the non-causal
+    // kernel instead when the build has it (which also allows packing GQA heads).
+    // Calls with variants run the variants kernel, which is masked (an unbounded window for non-causal ones).
+    plan.variants = p.variants;
+    plan.causal = p.variants || (p.causal && !(!p.varlen && p.seqlen_q == 1 && t.noncausal_built));
+    // A dense seqlen_q == 1 problem with GQA/MQA (and no causal mask) runs with the `group` query heads that
+    // share a key/value head as `group` query rows of one head, so each CTA reads its key/value head once for
+    // the whole group, and the backward gets dK/dV per key/value head directly.
+    // Not with ALiBi or dropout, which read each query head's own position. The forward's variants kernel packs
+    // too (decoding from a KV cache, windows, softcap): it reads the one query's window as a range of keys
+    // (FwdTile::fold_window_into_keys).
+    const bool packable = !plan.causal && !p.positional;
+    const bool variants_packable = p.pass == Pass::kFwd && plan.variants && !p.head_positions;
+    const bool pack = !p.varlen && (packable || variants_packable) && p.seqlen_q == 1 && p.nheads_k > 0 &&
+                      p.nheads > p.nheads_k;
+    plan.gqa_pack = pack ? p.nheads / p.nheads_k : 1;
+    plan.wgmma = t.cc_major == 9 && t.cc_minor == 0 && !t.wgmma_disabled && o.wgmma != 0;
+    plan.num_splits = 1;
+    plan.heads_per_cta = 1;
+    plan.key_blocks_per_cta = 1;
+    if (p.pass == Pass::kFwd) {
+        plan_fwd(p, t, num_splits, o, plan);
+    } else {
+        plan_bwd(p, t, o, plan);
+    }
+    return plan;
+}
+
+std::string to_string(const Plan& plan) {
+    auto field = [](const char* name, int64_t value) { return std::string(name) + "=" + std::to_string(value) + ";"; };
+    std::string text = std::string("pass=") + (plan.pass == Pass::kFwd ? "fwd" : "bwd") + ";";
+    text += std::string("kernel=") + (plan.wgmma ? "wgmma" : "mma_sync") + ";";
+    text += field("kernel_head_dim", plan.kernel_head_dim) + field("block_m", plan.block_m) +
+            field("block_n", plan.block_n) + field("causal", plan.causal) + field("variants", plan.variants) +
+            field("gqa_pack", plan.gqa_pack) +
+            field("num_splits", plan.num_splits) + field("short_key_tile", plan.short_key_tile) +
+            field("short_query_tile", plan.short_query_tile) + field("heads_per_cta", plan.heads_per_cta) +
+            field("key_blocks_per_cta", plan.key_blocks_per_cta) + field("dkv_fp32_slices", plan.dkv_fp32_slices);
+    text.pop_back();
+    return text;
+}
+
+}  // namespace flash

@@ -1,0 +1,156 @@
+// The backward's recompute of P from the saved LSE, and of dS from dP: one pair of functions for the three
+// backward paths (the mma.sync kernel, and both Hopper kernels, whose narrow one works on transposed S^T and
+// dP^T tiles and issues the dV GEMM between the two calls). Accumulators come as (rows, cols) views with a
+// matching coordinate view; kQueryIsRow says which coordinate is the query. The loops run queries outer and
+// keys inner in either orientation, so each query's LSE and D are read once. The variants enter through the
+// ScoreMod (applied before the mask), Dropout (the kernels mark dropped values of P between the two calls, by
+// sign) and DsMods.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include "kernels/mask.h"
+#include "kernels/dropout.h"
+#include "kernels/score_mod.h"
+#include "kernels/utils.h"  // convert_fragment
+
+namespace flash {
+
+using namespace cute;
+
+// Where compute_p hides the masked elements (P = 0 either way; both are exact):
+// - kBeforeExp: masked tiles get -inf scores before the exp (TileMask::apply), behind one branch per tile.
+//   The mma.sync kernel, which has registers to spare.
+// - kInExp: the exp loop selects 0 past the diagonal (TileMask::hides_past_diagonal), and keys past the
+//   sequence end get P = 0 in a fix-up after it (TileMask::hide_keys_past_end). The Hopper kernels run at
+//   the register limit: in this form their exp loops keep their registers (perf log 36; a key-end test in
+//   the exp loop made the hdim 128 kernel spill in the step loop).
+enum class HideP { kBeforeExp, kInExp };
+
+// s: the scores S (or S^T), overwritten with P = exp2(s * scale_log2 - lse_log2_of(q)), where lse_log2_of(q)
+// is the LSE of tile query q times log2(e). coords: the tile positions of s's values; mask: this tile's
+// TileMask; score_mod applies first (kVariants only), at the tile's absolute position pos.
+template <bool kQueryIsRow, HideP kHide, bool kVariants, class Mask, class STensor, class CoordTensor, class LseLog2Of>
+__forceinline__ __device__ void compute_p(STensor& s, const CoordTensor& coords, const Mask& mask,
+                                          const ScoreMod& score_mod, const ScorePos& pos, float scale_log2,
+                                          LseLog2Of lse_log2_of) {
+    static_assert(decltype(size(s))::value == decltype(size(coords))::value, "one coordinate per value");
+    if constexpr (kVariants) { apply_score_mod<kQueryIsRow>(score_mod, s, coords, pos); }
+    if constexpr (kHide == HideP::kBeforeExp) {
+        if (mask.needs_mask()) { mask.template apply<kQueryIsRow>(s, coords); }
+    }
+    CUTE_UNROLL
+    for (int qi = 0; qi < query_extent<kQueryIsRow>(s); ++qi) {
+        const int q = query_of<kQueryIsRow>(coords, kQueryIsRow ? qi : 0, kQueryIsRow ? 0 : qi);
+        const float lse_log2 = lse_log2_of(q);
+        CUTE_UNROLL
+        for (int ki = 0; ki < key_extent<kQueryIsRow>(s); ++ki) {
+            const int i = kQueryIsRow ? qi : ki;
+            const int j = kQueryIsRow ? ki : qi;
+            if constexpr (kHide == HideP::kInExp) {
+                const bool hidden = mask.hides_past_diagonal(q, key_of<kQueryIsRow>(coords, i, j));
+                s(i, j) = hidden ? 0.f : exp2f(s(i, j) * scale_log2 - lse_log2);
+            } else {
+                s(i, j) = exp2f(s(i, j) * scale_log2 - lse_log2);
+            }
+        }
+    }
+    if constexpr (kHide == HideP::kInExp) { mask.template hide_keys_past_end<kQueryIsRow>(s, coords); }
+}
+
+// What compute_ds needs of the variants of a call, for query head `head`: read from params where used, as
+// ScoreMod does.
+struct DsMods {
+    const ScoreMod& score_mod;
+    int head;
+
+    __forceinline__ __device__ bool dropout() const { return score_mod.params.dropout_threshold != 0u; }
+    __forceinline__ __device__ bool softcap() const { return score_mod.softcap(); }
+    __forceinline__ __device__ bool any() const { return dropout() || softcap(); }
+};
+
+// dS of one tile with the variants of mods (compute_ds's branch; see there).
+template <bool kQueryIsRow, class DpTensor, class PTensor, class CoordTensor, class DsumOf, class LseLog2Of>
+__forceinline__ __device__ void compute_ds_variants(DpTensor& dp, const PTensor& p, const CoordTensor& coords,
+                                                    DsumOf dsum_of, const DsMods& mods, const ScorePos& pos,
+                                                    LseLog2Of lse_log2_of) {
+    const FwdParams& params = mods.score_mod.params;
+    const bool dropout = mods.dropout();
+    const bool softcap = mods.softcap();
+    const float keep_scale = params.dropout_keep_scale;
+    const float inv_scale_log2 = 1.f / params.softmax_scale_log2;
+    const float slope = softcap && mods.score_mod.alibi() ? mods.score_mod.slope(mods.head) : 0.f;
+    CUTE_UNROLL
+    for (int qi = 0; qi < query_extent<kQueryIsRow>(dp); ++qi) {
+        const int q = query_of<kQueryIsRow>(coords, kQueryIsRow ? qi : 0, kQueryIsRow ? 0 : qi);
+        const float dsum = dsum_of(q);
+        const float lse_log2 = softcap ? lse_log2_of(q) : 0.f;
+        CUTE_UNROLL
+        for (int ki = 0; ki < key_extent<kQueryIsRow>(dp); ++ki) {
+            const int i = kQueryIsRow ? qi : ki;
+            const int j = kQueryIsRow ? ki : qi;
+            float pv = p(i, j);
+            float dpv = dp(i, j);
+            if (dropout) {
+                dpv = pv >= 0.f ? dpv * keep_scale : 0.f;
+                pv = fabsf(pv);
+            }
+            float ds = pv * (dpv - dsum);
+            if (softcap && pv > 0.f) {
+                const float t = (__log2f(pv) + lse_log2) * inv_scale_log2 +
+                                slope * mods.score_mod.distance(pos.q0 + q, pos.k0 + key_of<kQueryIsRow>(coords, i, j));
+                ds *= 1.f - t * t;
+            }
+            dp(i, j) = ds;
+        }
+    }
+}
+
+// dp: dP (or dP^T), overwritten with dS = P (dP - dsum_of(q)), the gradient of the scaled scores, where
+// dsum_of(q) is D = rowsum(dO * O) of tile query q. p: P from compute_p, in the same orientation.
+// In kVariants kernels, with the variants of mods (a uniform branch to compute_ds_variants):
+// - dropout: O sums kept P / (1 - p) times V, so dP of a kept value is scaled by 1 / (1 - p) and a dropped
+//   one's is 0, while D and P stay those of the undropped softmax: dS = |P| (kept ? dP / (1 - p) - D : -D).
+// - softcap: the score is c tanh(x) with x = softmax_scale q.k / c, so dS picks up 1 - tanh^2. tanh is
+//   recovered from P = exp2(u scale_log2 - lse_log2), u = tanh - slope * distance: u = (log2 P + lse_log2) /
+//   scale_log2. Where P is 0 (masked or underflowed) dS is 0 whatever the derivative, and it is skipped.
+//   The recovery's error is that of log2 and of the fp32 LSE, far below the input dtype's rounding.
+// pos: the tile's absolute position; lse_log2_of as in compute_p.
+template <bool kQueryIsRow, bool kVariants, class DpTensor, class PTensor, class CoordTensor, class DsumOf,
+          class LseLog2Of>
+__forceinline__ __device__ void compute_ds(DpTensor& dp, const PTensor& p, const CoordTensor& coords, DsumOf dsum_of,
+                                           const DsMods& mods, const ScorePos& pos, LseLog2Of lse_log2_of) {
+    static_assert(decltype(size(dp))::value == decltype(size(p))::value &&
+                  decltype(size(dp))::value == decltype(size(coords))::value, "dP, P and coords of one tile");
+    if constexpr (kVariants) {
+        if (mods.any()) {
+            compute_ds_variants<kQueryIsRow>(dp, p, coords, dsum_of, mods, pos, lse_log2_of);
+            return;
+        }
+    }
+    CUTE_UNROLL
+    for (int qi = 0; qi < query_extent<kQueryIsRow>(dp); ++qi) {
+        const float dsum = dsum_of(query_of<kQueryIsRow>(coords, kQueryIsRow ? qi : 0, kQueryIsRow ? 0 : qi));
+        CUTE_UNROLL
+        for (int ki = 0; ki < key_extent<kQueryIsRow>(dp); ++ki) {
+            const int i = kQueryIsRow ? qi : ki;
+            const int j = kQueryIsRow ? ki : qi;
+            dp(i, j) = p(i, j) * (dp(i, j) - dsum);
+        }
+    }
+}
+
+// P converted to Element for dV += P^T dO: as it is, or with dropout (P sign-encoded) its kept values and 0 for
+// the dropped ones; the kernels apply dropout's 1 / (1 - p) to dV once, at its store. p itself is left as it is
+// (the Hopper narrow kernel still needs the signs for dS).
+template <typename Element, class PTensor>
+__forceinline__ __device__ auto convert_fragment_kept(const PTensor& p, bool dropout) {
+    auto converted = convert_fragment<Element>(p);
+    if (dropout) {
+        CUTE_UNROLL
+        for (int i = 0; i < size(p); ++i) { converted(i) = static_cast<Element>(fmaxf(p(i), 0.f)); }
+    }
+    return converted;
+}
+
+}  // namespace flash

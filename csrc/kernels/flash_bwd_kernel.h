@@ -1,0 +1,357 @@
+// FlashAttention-2 backward kernel body. One CTA owns kBlockN keys of one (sequence, query head) and
+// walks the query blocks that can see them. P is recomputed from the saved LSE; dK and dV stay in
+// registers for the whole walk, and each step's dQ contribution is added to an fp32 buffer with atomics.
+#pragma once
+
+#include <cmath>
+
+#include <cute/tensor.hpp>
+
+#include "kernels/block.h"
+#include "kernels/block_info.h"
+#include "kernels/bwd_p_ds.h"
+#include "launch/flash_params.h"
+#include "kernels/global_ops.h"
+#include "kernels/kernel_traits_bwd.h"
+#include "kernels/mask.h"
+#include "kernels/score_mod.h"
+#include "kernels/utils.h"
+
+namespace flash {
+
+using namespace cute;
+
+// kVariants: as in flash_fwd_kernel.h.
+template <class Traits, bool kCausal, bool kVariants>
+__global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const __grid_constant__ BwdParams params) {
+    using Element = typename Traits::Element;
+    constexpr int kBlockM = Traits::kBlockM;
+    constexpr int kBlockN = Traits::kBlockN;
+    constexpr int kHeadDim = Traits::kHeadDim;
+    constexpr int kStagesQ = Traits::kStagesQ;
+    constexpr int kQElems = Traits::kSmemQElems;
+    constexpr int kDqChunk = Traits::kDqChunk;
+
+    // Deterministic causal runs key blocks from the last (fewest query blocks) to the first; see accumulate_dq.
+    const bool reversed = kCausal && params.deterministic;
+    const int n_block = reversed ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
+    const int batch_idx = sequence_of_cta(params);
+    const int head_idx = blockIdx.z;
+    const int head_idx_k = head_idx / (params.num_heads / params.num_heads_k);
+    const int tidx = threadIdx.x;
+    const BlockInfo binfo(params, batch_idx);
+    // Varlen grids are sized for the longest sequence; this one may have no keys here.
+    if (n_block * kBlockN >= binfo.seqlen_k) { return; }
+    const auto bounds = BlockBounds<kBlockM, kBlockN, kCausal, kVariants>::of_sequence(params, binfo);
+    const ScoreMod score_mod(params, batch_idx, binfo);
+    const Dropout dropout(params, batch_idx, head_idx);
+    const int m_block_begin = bounds.m_block_begin(n_block);  // the query blocks that see this key block
+    const int m_block_end = bounds.m_block_end(n_block);
+
+    const index_t lse_offset = binfo.lse_offset(params, batch_idx, head_idx);
+    const float* lse_row = params.lse_ptr + lse_offset;
+    const float* dsum_row = params.dsum_ptr + lse_offset;
+    // dq_accum rows are kHeadDim wide and each sequence owns whole query blocks of them: compile-time
+    // strides, so the reductions need neither address arithmetic nor bounds checks (rows past seqlen_q and
+    // columns past head_dim only ever receive zeros).
+    float* dq_head = params.dq_accum_ptr + binfo.dq_accum_row(params, batch_idx, head_idx) * kHeadDim;
+
+    Tensor mQ = binfo.q_view<Element>(params, batch_idx, head_idx);      // (seqlen_q, head_dim)
+    Tensor mdO = binfo.do_view<Element>(params, batch_idx, head_idx);    // (seqlen_q, head_dim)
+    Tensor mK = binfo.k_view<Element>(params, batch_idx, head_idx_k);    // (seqlen_k, head_dim)
+    Tensor mV = binfo.v_view<Element>(params, batch_idx, head_idx_k);    // (seqlen_k, head_dim)
+    Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, 0));    // (kBlockM, kHeadDim, m)
+    Tensor gdO = local_tile(mdO, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, 0));  // (kBlockM, kHeadDim, m)
+    Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));  // (kBlockN, kHeadDim)
+    Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));  // (kBlockN, kHeadDim)
+
+    // Shared memory: Q and dO (kStagesQ stages each), K, V, P, dS, then the LSE and D rows of each stage.
+    extern __shared__ __align__(128) char smem[];
+    Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Traits::SmemLayoutQ{});  // (kBlockM, kHeadDim)
+    Tensor sdO = make_tensor(sQ.data() + kStagesQ * kQElems, typename Traits::SmemLayoutQ{});  // (kBlockM, kHeadDim)
+    Tensor sK = make_tensor(sdO.data() + kStagesQ * kQElems, typename Traits::SmemLayoutKV{});  // (kBlockN, kHeadDim)
+    Tensor sV = make_tensor(sK.data() + size(sK), typename Traits::SmemLayoutKV{});    // (kBlockN, kHeadDim)
+    Tensor sP = make_tensor(sV.data() + size(sV), typename Traits::SmemLayoutPdS{});   // (kBlockM, kBlockN)
+    Tensor sdS = make_tensor(sP.data() + size(sP), typename Traits::SmemLayoutPdS{});  // (kBlockM, kBlockN)
+    float* s_lse = reinterpret_cast<float*>(raw_pointer_cast((sdS.data() + size(sdS)).get()));  // (kStagesQ, kBlockM)
+    float* s_dsum = s_lse + kStagesQ * kBlockM;                                                   // (kStagesQ, kBlockM)
+    Tensor sQt = make_tensor(sQ.data(), typename Traits::SmemLayoutQt{});      // (kHeadDim, kBlockM)
+    Tensor sdOt = make_tensor(sdO.data(), typename Traits::SmemLayoutQt{});    // (kHeadDim, kBlockM)
+    Tensor sKt = make_tensor(sK.data(), typename Traits::SmemLayoutKt{});      // (kHeadDim, kBlockN)
+    Tensor sPt = make_tensor(sP.data(), typename Traits::SmemLayoutPdSt{});    // (kBlockN, kBlockM)
+    Tensor sdSt = make_tensor(sdS.data(), typename Traits::SmemLayoutPdSt{});  // (kBlockN, kBlockM)
+
+    Tensor cQ = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});   // (kBlockM, kHeadDim)
+    Tensor cKV = make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{});  // (kBlockN, kHeadDim)
+    Tensor cS = make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{});    // (kBlockM, kBlockN)
+
+    // Global -> shared copies.
+    typename Traits::GmemTiledCopyLoad gmem_tiled_copy;
+    auto gmem_thr_copy = gmem_tiled_copy.get_thread_slice(tidx);
+    Tensor tQgQ = gmem_thr_copy.partition_S(gQ);     // (CPY, CPY_M, CPY_K, m)
+    Tensor tQsQ = gmem_thr_copy.partition_D(sQ);     // (CPY, CPY_M, CPY_K)
+    Tensor tdOgdO = gmem_thr_copy.partition_S(gdO);  // (CPY, CPY_M, CPY_K, m)
+    Tensor tdOsdO = gmem_thr_copy.partition_D(sdO);  // (CPY, CPY_M, CPY_K)
+    Tensor tQcQ = gmem_thr_copy.partition_S(cQ);     // (CPY, CPY_M, CPY_K)
+    Tensor tKgK = gmem_thr_copy.partition_S(gK);     // (CPY, CPY_N, CPY_K)
+    Tensor tKsK = gmem_thr_copy.partition_D(sK);     // (CPY, CPY_N, CPY_K)
+    Tensor tVgV = gmem_thr_copy.partition_S(gV);     // (CPY, CPY_N, CPY_K)
+    Tensor tVsV = gmem_thr_copy.partition_D(sV);     // (CPY, CPY_N, CPY_K)
+    Tensor tKVcKV = gmem_thr_copy.partition_S(cKV);  // (CPY, CPY_N, CPY_K)
+
+    static_assert(Traits::kNThreads >= 2 * kBlockM);
+    auto load_q_do = [&](int m_block, int stage) {
+        const int rows_left = binfo.seqlen_q - m_block * kBlockM;
+        Tensor tQsQ_stage = at_stage<kQElems>(tQsQ, stage);
+        Tensor tdOsdO_stage = at_stage<kQElems>(tdOsdO, stage);
+        copy_zfill(gmem_tiled_copy, tQgQ(_, _, _, m_block), tQsQ_stage, tQcQ, rows_left, params.head_dim);
+        copy_zfill(gmem_tiled_copy, tdOgdO(_, _, _, m_block), tdOsdO_stage, tQcQ, rows_left, params.head_dim);
+        // LSE by the first kBlockM threads, D by the next kBlockM; rows past seqlen_q read as 0.
+        if (tidx < 2 * kBlockM) {
+            const int row = tidx % kBlockM;
+            const bool valid = row < rows_left;
+            const float* src = (tidx < kBlockM ? lse_row : dsum_row) + (valid ? m_block * kBlockM + row : 0);
+            float* dst = (tidx < kBlockM ? s_lse : s_dsum) + stage * kBlockM + row;
+            cp_async_f32_zfill(dst, src, valid);
+        }
+    };
+
+    // S = Q K^T and dP = dO V^T, (kBlockM, kBlockN).
+    typename Traits::TiledMmaSdP mma_sdp;
+    auto thr_mma_sdp = mma_sdp.get_thread_slice(tidx);
+    auto copy_a_sdp = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, mma_sdp);
+    auto copy_b_sdp = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, mma_sdp);
+    auto thr_copy_a_sdp = copy_a_sdp.get_thread_slice(tidx);
+    auto thr_copy_b_sdp = copy_b_sdp.get_thread_slice(tidx);
+    Tensor tSrQ = thr_mma_sdp.partition_fragment_A(sQ);    // (MMA, MMA_M, MMA_K)
+    Tensor tSrdO = thr_mma_sdp.partition_fragment_A(sdO);  // (MMA, MMA_M, MMA_K)
+    Tensor tSrK = thr_mma_sdp.partition_fragment_B(sK);    // (MMA, MMA_N, MMA_K)
+    Tensor tSrV = thr_mma_sdp.partition_fragment_B(sV);    // (MMA, MMA_N, MMA_K)
+    Tensor tSsQ = thr_copy_a_sdp.partition_S(sQ);
+    Tensor tSsdO = thr_copy_a_sdp.partition_S(sdO);
+    Tensor tSsK = thr_copy_b_sdp.partition_S(sK);
+    Tensor tSsV = thr_copy_b_sdp.partition_S(sV);
+    Tensor tSrQ_view = thr_copy_a_sdp.retile_D(tSrQ);
+    Tensor tSrdO_view = thr_copy_a_sdp.retile_D(tSrdO);
+    Tensor tSrK_view = thr_copy_b_sdp.retile_D(tSrK);
+    Tensor tSrV_view = thr_copy_b_sdp.retile_D(tSrV);
+    Tensor tScS = thr_mma_sdp.partition_C(cS);  // (MMA, MMA_M, MMA_N) positions in the tile
+    Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol_layout(tScS.layout()));  // (rows, cols)
+    auto copy_store_sdp = make_tiled_copy_C(typename Traits::SmemCopyAtomStore{}, mma_sdp);
+    auto thr_copy_store_sdp = copy_store_sdp.get_thread_slice(tidx);
+    Tensor tPsP = thr_copy_store_sdp.partition_D(sP);
+    Tensor tPsdS = thr_copy_store_sdp.partition_D(sdS);
+
+    // dV += P^T dO and dK += dS^T Q, (kBlockN, kHeadDim).
+    typename Traits::TiledMmadKV mma_dkv;
+    auto thr_mma_dkv = mma_dkv.get_thread_slice(tidx);
+    auto copy_a_dkv = make_tiled_copy_A(typename Traits::SmemCopyAtomT{}, mma_dkv);
+    auto copy_b_dkv = make_tiled_copy_B(typename Traits::SmemCopyAtomT{}, mma_dkv);
+    auto thr_copy_a_dkv = copy_a_dkv.get_thread_slice(tidx);
+    auto thr_copy_b_dkv = copy_b_dkv.get_thread_slice(tidx);
+    Tensor tKVrPt = thr_mma_dkv.partition_fragment_A(sPt);    // (MMA, MMA_N, MMA_K over queries)
+    Tensor tKVrdSt = thr_mma_dkv.partition_fragment_A(sdSt);  // (MMA, MMA_N, MMA_K)
+    Tensor tKVrdOt = thr_mma_dkv.partition_fragment_B(sdOt);  // (MMA, MMA_D, MMA_K)
+    Tensor tKVrQt = thr_mma_dkv.partition_fragment_B(sQt);    // (MMA, MMA_D, MMA_K)
+    Tensor tKVsPt = thr_copy_a_dkv.partition_S(sPt);
+    Tensor tKVsdSt = thr_copy_a_dkv.partition_S(sdSt);
+    Tensor tKVsdOt = thr_copy_b_dkv.partition_S(sdOt);
+    Tensor tKVsQt = thr_copy_b_dkv.partition_S(sQt);
+    Tensor tKVrPt_view = thr_copy_a_dkv.retile_D(tKVrPt);
+    Tensor tKVrdSt_view = thr_copy_a_dkv.retile_D(tKVrdSt);
+    Tensor tKVrdOt_view = thr_copy_b_dkv.retile_D(tKVrdOt);
+    Tensor tKVrQt_view = thr_copy_b_dkv.retile_D(tKVrQt);
+    Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});  // (MMA, MMA_N, MMA_D)
+    Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});  // (MMA, MMA_N, MMA_D)
+    clear(acc_dk);
+    clear(acc_dv);
+
+    // dQ = dS K, (kBlockM, kDqChunk) per chunk of head-dim columns.
+    typename Traits::TiledMmadQ mma_dq;
+    auto thr_mma_dq = mma_dq.get_thread_slice(tidx);
+    auto copy_a_dq = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, mma_dq);
+    auto copy_b_dq = make_tiled_copy_B(typename Traits::SmemCopyAtomT{}, mma_dq);
+    auto thr_copy_a_dq = copy_a_dq.get_thread_slice(tidx);
+    auto thr_copy_b_dq = copy_b_dq.get_thread_slice(tidx);
+    Tensor sKt_chunks = local_tile(sKt, Shape<Int<kDqChunk>, Int<kBlockN>>{}, make_coord(_, 0));  // (kDqChunk, kBlockN, chunk)
+    Tensor tQrdS = thr_mma_dq.partition_fragment_A(sdS);                 // (MMA, MMA_M, MMA_K over keys)
+    Tensor tQrKt = thr_mma_dq.partition_fragment_B(sKt_chunks(_, _, 0));  // (MMA, MMA_D, MMA_K)
+    Tensor tQsdS = thr_copy_a_dq.partition_S(sdS);
+    Tensor tQsKt = thr_copy_b_dq.partition_S(sKt_chunks);  // (CPY, CPY_D, CPY_K, chunk)
+    Tensor tQrdS_view = thr_copy_a_dq.retile_D(tQrdS);
+    Tensor tQrKt_view = thr_copy_b_dq.retile_D(tQrKt);
+    Tensor gdQaccum = make_tensor(make_gmem_ptr(dq_head),
+                                  make_layout(make_shape(Int<kBlockM>{}, Int<kHeadDim>{}, m_block_end),
+                                              make_stride(Int<kHeadDim>{}, _1{}, Int<kBlockM * kHeadDim>{})));  // (kBlockM, kHeadDim, m)
+    Tensor gdQaccum_chunks = local_tile(gdQaccum, Shape<Int<kBlockM>, Int<kDqChunk>>{}, make_coord(0, _, _));  // (kBlockM, kDqChunk, chunk, m)
+    Tensor tdQgdQaccum = thr_mma_dq.partition_C(gdQaccum_chunks);  // (MMA, MMA_M, MMA_D, chunk, m)
+
+    const int k_rows_left = binfo.seqlen_k - n_block * kBlockN;
+    copy_zfill(gmem_tiled_copy, tKgK, tKsK, tKVcKV, k_rows_left, params.head_dim);
+    copy_zfill(gmem_tiled_copy, tVgV, tVsV, tKVcKV, k_rows_left, params.head_dim);
+    if (m_block_begin < m_block_end) { load_q_do(m_block_begin, 0); }
+    cp_async_fence();
+
+    const int m_blocks_max = (params.seqlen_q + kBlockM - 1) / kBlockM;
+    int* dq_semaphore = params.dq_semaphore_ptr + (index_t(batch_idx) * params.num_heads + head_idx) * m_blocks_max;
+    // One query block: S and dP, P and dS (with the mask when kMasked: std::true_type or std::false_type), then
+    // dQ, dV and dK.
+    auto step = [&](int m_block, auto masked) __attribute__((always_inline)) {
+        constexpr bool kMasked = decltype(masked)::value;
+        const int stage = kStagesQ == 2 ? (m_block - m_block_begin) & 1 : 0;
+        const int q_rows_left = binfo.seqlen_q - m_block * kBlockM;
+        cp_async_wait<0>();
+        __syncthreads();  // Q and dO of this block have landed; every warp is done with the last P, dS and stage.
+        if (kStagesQ == 2 && m_block + 1 < m_block_end) {
+            load_q_do(m_block + 1, stage ^ 1);
+            cp_async_fence();
+        }
+
+        Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});   // (MMA, MMA_M, MMA_N)
+        Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA, MMA_M, MMA_N)
+        clear(acc_s);
+        clear(acc_dp);
+        Tensor tSsQ_stage = at_stage<kQElems>(tSsQ, stage);
+        Tensor tSsdO_stage = at_stage<kQElems>(tSsdO, stage);
+        gemm_smem_smem(mma_sdp, acc_s, tSrQ, tSrK, tSsQ_stage, tSsK, copy_a_sdp, copy_b_sdp, tSrQ_view, tSrK_view);
+        gemm_smem_smem(mma_sdp, acc_dp, tSrdO, tSrV, tSsdO_stage, tSsV, copy_a_sdp, copy_b_sdp, tSrdO_view,
+                       tSrV_view);
+
+        Tensor scores = as_rowcol(acc_s);  // (rows, cols)
+        Tensor dp = as_rowcol(acc_dp);     // (rows, cols)
+        // P = exp(s * scale - lse) in base 2; rows past seqlen_q get lse = +inf, so P = 0 there. Then dS.
+        const float* lse_stage = s_lse + stage * kBlockM;
+        const float* dsum_stage = s_dsum + stage * kBlockM;
+        const ScorePos pos{m_block * kBlockM, n_block * kBlockN, head_idx};
+        auto lse_log2_of = [&](int row) { return row < q_rows_left ? lse_stage[row] * float(M_LOG2E) : INFINITY; };
+        if constexpr (kMasked) {
+            const TileMask<kBlockM, kBlockN, kCausal, kVariants> mask(bounds, m_block, n_block);
+            compute_p</*kQueryIsRow=*/true, HideP::kBeforeExp, kVariants>(scores, tScS_rc, mask, score_mod, pos,
+                                                                         params.softmax_scale_log2, lse_log2_of);
+        } else {
+            compute_p</*kQueryIsRow=*/true, HideP::kBeforeExp, kVariants>(scores, tScS_rc, NoTileMask{}, score_mod,
+                                                                         pos, params.softmax_scale_log2, lse_log2_of);
+        }
+        if (kVariants && dropout.active()) { dropout.template apply</*kQueryIsRow=*/true, /*kNegate=*/true>(scores, tScS_rc, pos.q0, pos.k0); }
+        compute_ds</*kQueryIsRow=*/true, kVariants>(dp, scores, tScS_rc, [&](int row) { return dsum_stage[row]; },
+                                         DsMods{score_mod, head_idx}, pos, lse_log2_of);
+        Tensor rP = convert_fragment_kept<Element>(acc_s, kVariants && dropout.active());
+        Tensor rdS = convert_fragment<Element>(acc_dp);
+        copy(copy_store_sdp, thr_copy_store_sdp.retile_S(rP), tPsP);
+        copy(copy_store_sdp, thr_copy_store_sdp.retile_S(rdS), tPsdS);
+        __syncthreads();  // P and dS are visible to all warps.
+
+        // dQ = dS K, added into dq_accum. In deterministic mode the key blocks that see a query block add into
+        // it in a fixed order, each waiting for its predecessor, which has a lower CTA index and so was
+        // scheduled first. Non-causal: ascending key blocks. Causal: descending, so each key block starts at
+        // its first query block while the later key blocks (which start further down) are already ahead of
+        // it; ascending order would make the long first key block hold back every other one.
+        const int dq_turn = reversed ? bounds.n_block_end(m_block) - 1 - n_block : n_block;
+        auto wait_dq_turn = [&] {
+            if (params.deterministic) {
+                if (tidx == 0) {
+                    while (load_acquire(dq_semaphore + m_block) != dq_turn) {}
+                }
+                __syncthreads();
+            }
+        };
+        auto pass_dq_turn = [&] {
+            if (params.deterministic) {
+                __threadfence();
+                __syncthreads();
+                if (tidx == 0) { store_release(dq_semaphore + m_block, dq_turn + 1); }
+            }
+        };
+        // dQ of one chunk of head-dim columns, (kBlockM, kDqChunk).
+        auto dq_gemm = [&](auto& acc_dq, int chunk) {
+            clear(acc_dq);
+            Tensor tQsKt_chunk = tQsKt(_, _, _, chunk);
+            gemm_smem_smem(mma_dq, acc_dq, tQrdS, tQrKt, tQsdS, tQsKt_chunk, copy_a_dq, copy_b_dq, tQrdS_view,
+                           tQrKt_view);
+        };
+        // Adds part `part` of `parts` equal runs of a chunk's dQ into dq_accum.
+        auto add_dq = [&](const auto& acc_dq, int chunk, int part, auto parts) {
+            constexpr int kPairs = decltype(size(acc_dq))::value / 2;
+            constexpr int kParts = decltype(parts)::value;
+            static_assert(kPairs % kParts == 0);
+            Tensor tdQgdQ = tdQgdQaccum(_, _, _, chunk, m_block);
+            CUTE_UNROLL
+            for (int j = part * (kPairs / kParts); j < (part + 1) * (kPairs / kParts); ++j) {
+                red_add_pair(&tdQgdQ(2 * j), acc_dq(2 * j), acc_dq(2 * j + 1));
+            }
+        };
+
+        // The first dQ chunk is computed before the dV GEMM, and its reductions go into that GEMM's basic block,
+        // a run after each k-step. In a block of their own, ended by deterministic mode's branch, the step was
+        // 1.8-4.7% slower at head dims 64 and 128 (perf log 49-50); ptxas still issues them in one run at the
+        // end of the dQ GEMM, and spreading them further or tying them to the k-steps was slower (51-52).
+        // With one Q stage the next Q and dO load once the dV and dK GEMMs are done with this block's; the
+        // remaining chunks then overlap that load. Only one chunk runs ahead: its accumulator is live next to
+        // dK and dV.
+        constexpr int kDqChunks = kHeadDim / kDqChunk;
+        constexpr int kDqChunksFirst = kStagesQ == 2 ? kDqChunks : kDqChunks - 1;
+        static_assert(kDqChunksFirst <= 1);
+        Tensor tKVsdOt_stage = at_stage<kQElems>(tKVsdOt, stage);
+        Tensor tKVsQt_stage = at_stage<kQElems>(tKVsQt, stage);
+        if constexpr (kDqChunksFirst == 1) {
+            wait_dq_turn();
+            Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kDqChunk>>{});  // (MMA, MMA_M, MMA_D)
+            dq_gemm(acc_dq, 0);
+            constexpr auto kDvSteps = size<2>(tKVrPt);
+            gemm_smem_smem(mma_dkv, acc_dv, tKVrPt, tKVrdOt, tKVsPt, tKVsdOt_stage, copy_a_dkv, copy_b_dkv,
+                           tKVrPt_view, tKVrdOt_view, [&](int k) { add_dq(acc_dq, 0, k, kDvSteps); });
+        } else {
+            gemm_smem_smem(mma_dkv, acc_dv, tKVrPt, tKVrdOt, tKVsPt, tKVsdOt_stage, copy_a_dkv, copy_b_dkv,
+                           tKVrPt_view, tKVrdOt_view);
+        }
+        if constexpr (kDqChunksFirst == kDqChunks) { pass_dq_turn(); }
+        gemm_smem_smem(mma_dkv, acc_dk, tKVrdSt, tKVrQt, tKVsdSt, tKVsQt_stage, copy_a_dkv, copy_b_dkv,
+                       tKVrdSt_view, tKVrQt_view);
+        if constexpr (kStagesQ == 1) {
+            if (m_block + 1 < m_block_end) {
+                __syncthreads();  // every warp is done with Q, dO and their LSE and D rows
+                load_q_do(m_block + 1, 0);
+                cp_async_fence();
+            }
+            if constexpr (kDqChunksFirst == 0) { wait_dq_turn(); }
+            CUTE_UNROLL
+            for (int chunk = kDqChunksFirst; chunk < kDqChunks; ++chunk) {
+                Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kDqChunk>>{});  // (MMA, MMA_M, MMA_D)
+                dq_gemm(acc_dq, chunk);
+                add_dq(acc_dq, chunk, 0, _1{});
+            }
+            pass_dq_turn();
+        }
+    };
+    // The plain kernels' masked tiles (the causal diagonal, or every tile of the key block holding the sequence
+    // end) are the first ones visited, so the steps after them carry no mask code (rows past seqlen_q need none:
+    // their LSE reads as +inf). Not in the variants kernel, where a window's left edge masks the last query
+    // blocks too; and not at head dim 64 non-causal, where the second copy of the step body cost 20 bytes of
+    // spills and made the kernel 3% slower (perf log 44), so that every step checks.
+    constexpr bool kSplitSteps = !kVariants && (kCausal || kHeadDim != 64);
+    visit_masked_first</*kStep=*/1, kSplitSteps>(
+        m_block_begin, m_block_end,
+        [&](int m) { return TileMask<kBlockM, kBlockN, kCausal, kVariants>(bounds, m, n_block).needs_mask(); }, step);
+    cp_async_wait<0>();  // K and V are still in flight when no query block sees this key block.
+
+    // dK picks up the softmax scale here (dS is the gradient of the scaled scores); dQ gets it when its
+    // fp32 buffer is converted. dV picks up dropout's 1 / (1 - p) (1 without dropout): it summed kept P unscaled.
+    Tensor tKVcdKV = thr_mma_dkv.partition_C(cKV);
+    auto store_dk_dv = [&](auto out_type) {
+        using Out = decltype(out_type);
+        Tensor mdK = binfo.dk_view<Out>(params, batch_idx, head_idx);  // (seqlen_k, head_dim)
+        Tensor mdV = binfo.dv_view<Out>(params, batch_idx, head_idx);  // (seqlen_k, head_dim)
+        Tensor gdK = local_tile(mdK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));  // (kBlockN, kHeadDim)
+        Tensor gdV = local_tile(mdV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));  // (kBlockN, kHeadDim)
+        store_acc<Out>(acc_dk, tKVcdKV, gdK, k_rows_left, params.head_dim, params.softmax_scale);
+        store_acc<Out>(acc_dv, tKVcdKV, gdV, k_rows_left, params.head_dim, kVariants ? params.dropout_keep_scale : 1.f);
+    };
+    // GQA slices are summed over each group on the host: kept in fp32 so the sum is rounded once.
+    if (params.dkv_fp32) {
+        store_dk_dv(float{});
+    } else {
+        store_dk_dv(Element{});
+    }
+}
+
+}  // namespace flash

@@ -1,0 +1,578 @@
+// FlashAttention-2 backward kernels for Hopper (sm_90a) on warpgroup MMAs. The schedule is that of
+// flash_bwd_kernel.h: one CTA owns kBlockN keys and walks the query blocks that see them, P is recomputed
+// from the LSE, dK and dV stay in registers, and dQ goes to an fp32 buffer by reduction. With GQA/MQA a CTA
+// can also walk every query head of its key/value head (BwdParams::heads_per_cta), so dK and dV are summed
+// over the group in registers instead of through per-query-head fp32 slices. Two variants:
+// - flash_bwd_sm90_kernel (head dims up to 128): each warpgroup owns 64 keys end to end. The score GEMMs
+//   are computed transposed (S^T = K Q^T, dP^T = V dO^T), so P^T and dS^T come out already in the
+//   A-operand registers of dV += P^T dO and dK += dS^T Q; only dS^T goes through shared memory, for dQ.
+// - flash_bwd_sm90_wide_kernel (head dims 160 to 256): dK and dV of 64 keys over the whole head dim
+//   do not fit one warpgroup's registers, so the warpgroups split the keys of S and dP, write P and dS to
+//   shared memory, and split the head dim of dV, dK and dQ.
+// Deterministic mode runs the mma.sync kernel.
+#pragma once
+
+#include <cmath>
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+
+#include "kernels/block.h"
+#include "kernels/block_info.h"
+#include "kernels/bwd_p_ds.h"
+#include "launch/flash_params.h"
+#include "kernels/global_ops.h"
+#include "kernels/kernel_traits_bwd_sm90.h"
+#include "kernels/mask.h"
+#include "kernels/score_mod.h"
+#include "kernels/utils.h"
+#include "kernels/utils_sm90.h"
+
+namespace flash {
+
+using namespace cute;
+
+// One step of a CTA's walk: its number (from 0, counted over all of the CTA's key blocks), query head and
+// query block.
+struct BwdStep {
+    int number;
+    int head;
+    int m_block;
+};
+
+// What both kernels share: the CTA's key blocks and the query blocks that see each, the shared-memory
+// carve-up (Q and dO in kStagesQ stages, K and V, the kernel's scratch tiles, LSE and D per Q stage, then
+// with kStagesKV == 2 the second K/V buffer), the loads, the dQ reduction and the dK/dV store. A CTA walks
+// key blocks [n_block, n_block_stop) one after another (BwdParams::key_blocks_per_cta, kStagesKV == 2 only);
+// the next one's K and V load during the current one's steps, and its first Q and dO during the current one's
+// last step.
+template <class Traits, bool kCausal, bool kVariants>
+struct BwdSm90Block {
+    using Element = typename Traits::Element;
+    static constexpr int kBlockM = Traits::kBlockM;
+    static constexpr int kBlockN = Traits::kBlockN;
+    static constexpr int kHeadDim = Traits::kHeadDim;
+    static constexpr int kQElems = Traits::kSmemQElems;
+    static_assert(Traits::kNThreads >= 2 * kBlockM, "one thread per LSE and per D value of a query block");
+
+    int n_block;       // the current key block
+    int n_block_stop;  // one past the CTA's last key block
+    int kv_stage;      // the K/V buffer of the current key block
+    int batch_idx;
+    int first_head;  // the CTA walks query heads [first_head, first_head + heads_per_cta)
+    int heads_per_cta;
+    int head_idx_k;
+    int dkv_head;    // the dK/dV slice it writes: its query head, or its key/value head when it walks a group
+    BlockInfo binfo;
+    BlockBounds<kBlockM, kBlockN, kCausal, kVariants> bounds;  // the sequence's block ranges and tile masks
+    int m_block_begin;       // the first query block with a row that sees a key of the current block
+    int m_block_begin_next;  // the same for the next key block (its first step loads during the current's last)
+    int m_block_end;         // one past the last (below the query blocks' end only under a window's left edge)
+    // Steps [step_begin, step_end) are the current key block's (query head, query block) pairs, heads outer,
+    // query blocks inner. A key block has no steps when no query sees it (seqlen_q 0, or a window's edges);
+    // a CTA then walks one key block only (the plan keeps key_blocks_per_cta 1 for windows), since a step-less
+    // key block starts none of its successor's loads.
+    int step_begin;
+    int step_end;
+    Element* q_base;    // stage s at q_base + s * kQElems
+    Element* do_base;   // likewise
+    Element* k_base;    // K of K/V stage 0; stage 1's at k_base + kKV1Offset; V right after K in each
+    Element* scratch_base;  // Traits::kSmemScratchElems elements
+    float* s_lse;           // (kStagesQ, kBlockM)
+    float* s_dsum;          // (kStagesQ, kBlockM)
+
+    __forceinline__ __device__ BwdSm90Block(const BwdParams& params, char* smem_raw)
+        : n_block(blockIdx.x * (Traits::kStagesKV > 1 ? params.key_blocks_per_cta : 1)),
+          kv_stage(0),
+          batch_idx(sequence_of_cta(params)),
+          first_head(blockIdx.z * params.heads_per_cta),
+          heads_per_cta(params.heads_per_cta),
+          head_idx_k(first_head / (params.num_heads / params.num_heads_k)),
+          dkv_head(blockIdx.z),
+          binfo(params, batch_idx),
+          bounds(BlockBounds<kBlockM, kBlockN, kCausal, kVariants>::of_sequence(params, binfo)) {
+        n_block_stop =
+            Traits::kStagesKV > 1 ? min(n_block + params.key_blocks_per_cta, bounds.n_blocks()) : n_block + 1;
+        m_block_end = bounds.m_block_end(n_block);
+        m_block_begin = kVariants ? min(bounds.m_block_begin(n_block), m_block_end) : bounds.m_block_begin(n_block);
+        m_block_begin_next = bounds.m_block_begin(n_block + 1);
+        step_begin = 0;
+        step_end = steps_of(m_block_begin);
+        q_base = reinterpret_cast<Element*>(smem_raw);
+        do_base = q_base + Traits::kStagesQ * kQElems;
+        k_base = do_base + Traits::kStagesQ * kQElems;
+        scratch_base = k_base + 2 * Traits::kSmemKVElems;
+        s_lse = reinterpret_cast<float*>(scratch_base + Traits::kSmemScratchElems);
+        s_dsum = s_lse + Traits::kStagesQ * kBlockM;
+    }
+
+    // Steps of a key block whose first query block is first_m_block.
+    __forceinline__ __device__ int steps_of(int first_m_block) const { return heads_per_cta * (m_block_end - first_m_block); }
+
+    // False when the first key block starts past this sequence's end (varlen grids are sized by the longest).
+    __forceinline__ __device__ bool has_keys() const { return n_block * kBlockN < binfo.seqlen_k; }
+    __forceinline__ __device__ int k_rows_left() const { return binfo.seqlen_k - n_block * kBlockN; }
+    // Moves to the CTA's next key block, whose loads this one started; false after the last.
+    __forceinline__ __device__ bool next_key_block() {
+        if (n_block + 1 >= n_block_stop) { return false; }
+        ++n_block;
+        kv_stage ^= 1;
+        if constexpr (kVariants) {
+            m_block_end = bounds.m_block_end(n_block);
+            m_block_begin = min(m_block_begin_next, m_block_end);
+        } else {
+            m_block_begin = m_block_begin_next;
+        }
+        m_block_begin_next = bounds.m_block_begin(n_block + 1);
+        step_begin = step_end;
+        step_end += steps_of(m_block_begin);
+        return true;
+    }
+    // Steps advance by a compare and a select: a division per step cost the backward 2-4% (perf log 21).
+    __forceinline__ __device__ BwdStep first_step() const { return {step_begin, first_head, m_block_begin}; }
+    __forceinline__ __device__ BwdStep next_step(const BwdStep& step) const {
+        const bool wrap = step.m_block + 1 == m_block_end;
+        return {step.number + 1, step.head + int(wrap), wrap ? m_block_begin : step.m_block + 1};
+    }
+
+    template <class Layout>
+    __forceinline__ __device__ static auto smem(Element* p, Layout layout) {
+        return make_tensor(make_smem_ptr(p), layout);
+    }
+    __forceinline__ __device__ auto sQ(int stage) const { return smem(q_base + stage * kQElems, typename Traits::SmemLayoutQ{}); }     // (kBlockM, kHeadDim)
+    __forceinline__ __device__ auto sdO(int stage) const { return smem(do_base + stage * kQElems, typename Traits::SmemLayoutQ{}); }   // (kBlockM, kHeadDim)
+    __forceinline__ __device__ auto sQt(int stage) const { return smem(q_base + stage * kQElems, typename Traits::SmemLayoutQt{}); }   // (kHeadDim, kBlockM)
+    __forceinline__ __device__ auto sdOt(int stage) const { return smem(do_base + stage * kQElems, typename Traits::SmemLayoutQt{}); } // (kHeadDim, kBlockM)
+    static constexpr int kKV1Offset = Traits::kSmemBytesOneKV / int(sizeof(Element)) - 2 * Traits::kStagesQ * kQElems;
+    __forceinline__ __device__ Element* k_stage(int s) const { return k_base + s * kKV1Offset; }
+    __forceinline__ __device__ auto sK(int s) const { return smem(k_stage(s), typename Traits::SmemLayoutKV{}); }    // (kBlockN, kHeadDim)
+    __forceinline__ __device__ auto sV(int s) const { return smem(k_stage(s) + Traits::kSmemKVElems, typename Traits::SmemLayoutKV{}); }  // (kBlockN, kHeadDim)
+    __forceinline__ __device__ auto sKt(int s) const { return smem(k_stage(s), typename Traits::SmemLayoutKt{}); }   // (kHeadDim, kBlockN)
+
+    // Block `block` of kRows rows of two (seqlen, head_dim) views, mA and mB, into the shared-memory tiles sA and
+    // sB with GmemTiledCopy; rows past seqlen and columns past head_dim read as 0.
+    template <class GmemTiledCopy, int kRows, class ViewA, class ViewB, class SmemA, class SmemB>
+    __forceinline__ __device__ static void load_pair(const ViewA& mA, const ViewB& mB, int block, const SmemA& sA,
+                                                     const SmemB& sB, int seqlen, int head_dim, int thread) {
+        GmemTiledCopy gmem_tiled_copy;
+        auto gmem_thr_copy = gmem_tiled_copy.get_thread_slice(thread);
+        Tensor gA = local_tile(mA, Shape<Int<kRows>, Int<kHeadDim>>{}, make_coord(block, 0));  // (kRows, kHeadDim)
+        Tensor gB = local_tile(mB, Shape<Int<kRows>, Int<kHeadDim>>{}, make_coord(block, 0));  // (kRows, kHeadDim)
+        Tensor tAcA = gmem_thr_copy.partition_S(make_identity_tensor(Shape<Int<kRows>, Int<kHeadDim>>{}));  // (CPY, CPY_R, CPY_K)
+        Tensor tAsA = gmem_thr_copy.partition_D(sA);  // (CPY, CPY_R, CPY_K)
+        Tensor tBsB = gmem_thr_copy.partition_D(sB);  // (CPY, CPY_R, CPY_K)
+        const int rows_left = seqlen - block * kRows;
+        copy_zfill(gmem_tiled_copy, gmem_thr_copy.partition_S(gA), tAsA, tAcA, rows_left, head_dim);
+        copy_zfill(gmem_tiled_copy, gmem_thr_copy.partition_S(gB), tBsB, tAcA, rows_left, head_dim);
+    }
+
+    // K and V of key block n into K/V stage s.
+    __forceinline__ __device__ void load_kv(const BwdParams& params, int n, int s, int thread) const {
+        load_pair<typename Traits::GmemTiledCopyLoad, kBlockN>(
+            binfo.k_view<Element>(params, batch_idx, head_idx_k), binfo.v_view<Element>(params, batch_idx, head_idx_k),
+            n, sK(s), sV(s), binfo.seqlen_k, params.head_dim, thread);
+    }
+
+    // Q, dO, LSE and D of step `step` into stage. Rows past seqlen_q read as 0, LSE and D included: with
+    // zero Q and dO rows that gives P = 1 and dS = 0 there, so nothing reaches dV, dK or a stored dQ row,
+    // and the kernels need no query-end mask.
+    __forceinline__ __device__ void load_q_do(const BwdParams& params, const BwdStep& step, int stage, int thread) const {
+        const int head_idx = step.head;
+        const int m_block = step.m_block;
+        load_pair<typename Traits::GmemTiledCopyQ, kBlockM>(
+            binfo.q_view<Element>(params, batch_idx, head_idx), binfo.do_view<Element>(params, batch_idx, head_idx),
+            m_block, sQ(stage), sdO(stage), binfo.seqlen_q, params.head_dim, thread);
+        const int rows_left = binfo.seqlen_q - m_block * kBlockM;
+        // LSE by the first kBlockM threads, D by the next kBlockM.
+        if (thread < 2 * kBlockM) {
+            const index_t lse_offset = binfo.lse_offset(params, batch_idx, head_idx);
+            const int row = thread % kBlockM;
+            const bool valid = row < rows_left;
+            const float* src = (thread < kBlockM ? params.lse_ptr : params.dsum_ptr) + lse_offset +
+                               (valid ? m_block * kBlockM + row : 0);
+            float* dst = (thread < kBlockM ? s_lse : s_dsum) + stage * kBlockM + row;
+            cp_async_f32_zfill(dst, src, valid);
+        }
+    }
+
+    // K, V and the first step's Q, dO, LSE and D, in flight when the loop starts.
+    __forceinline__ __device__ void load_first(const BwdParams& params, int thread) const {
+        load_kv(params, n_block, kv_stage, thread);
+        if (step_end > 0) { load_q_do(params, first_step(), 0, thread); }
+        cp_async_fence();
+    }
+
+    // Whether the CTA has a key block after the current one.
+    __forceinline__ __device__ bool has_next_key_block() const { return Traits::kStagesKV > 1 && n_block + 1 < n_block_stop; }
+
+    // Starts loading the next key block's K and V into the other K/V stage, as its own cp.async group, once
+    // every warpgroup is done with the key block that used that stage last. Called before the current key
+    // block's steps. cp.async groups complete in order, so the load stays pending only through the first
+    // step: a one-step key block (short queries) overlaps it with its whole step and dK/dV store, and a
+    // longer one takes it in at its second step's wait.
+    __forceinline__ __device__ void load_next_kv(const BwdParams& params, int thread) const {
+        __syncthreads();
+        load_kv(params, n_block + 1, kv_stage ^ 1, thread);
+        cp_async_fence();
+    }
+
+    // Opens step `step` and returns its stage: waits for its loads, makes them visible to wgmma, syncs the
+    // CTA (so every warpgroup is done with the previous step's shared-memory tiles), and starts loading the
+    // next step (the next key block's first after the last) into the other stage. The first step of a key
+    // block whose successor's K and V are in flight (load_next_kv, the newest cp.async group) leaves that
+    // group pending.
+    __forceinline__ __device__ int begin_step(const BwdParams& params, const BwdStep& step, bool kv_in_flight,
+                                              int thread) const {
+        const int stage = step.number & 1;
+        if (kv_in_flight && step.number == step_begin) {
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        // cp.async writes are generic-proxy stores; wgmma reads shared memory through the async proxy.
+        cutlass::arch::fence_view_async_shared();
+        __syncthreads();
+        const bool last = step.number + 1 == step_end;
+        if (!last || has_next_key_block()) {
+            const BwdStep next = last ? BwdStep{step_end, first_head, m_block_begin_next} : next_step(step);
+            load_q_do(params, next, stage ^ 1, thread);
+            cp_async_fence();
+        }
+        return stage;
+    }
+
+    // Query head head_idx's dQ accumulator as (kBlockM, kHeadDim) tiles.
+    __forceinline__ __device__ auto gdQaccum(const BwdParams& params, int head_idx) const {
+        float* dq_head = params.dq_accum_ptr + binfo.dq_accum_row(params, batch_idx, head_idx) * kHeadDim;
+        return make_tensor(make_gmem_ptr(dq_head),
+                           make_layout(make_shape(Int<kBlockM>{}, Int<kHeadDim>{}, m_block_end),
+                                       make_stride(Int<kHeadDim>{}, _1{}, Int<kBlockM * kHeadDim>{})));  // (kBlockM, kHeadDim, m)
+    }
+
+    // Adds step's dQ (acc_dq, partitioned by thr_mma_dq) into dq_accum, skipping the rows past seqlen_q: with
+    // short queries every key block's CTA would otherwise add a block of mostly zero rows into the same L2
+    // lines. A test of each value's row, which folds to a few compares per step (a thread holds two rows of
+    // each 64-row wgmma tile, or four query columns of a transposed one); testing the values for zero instead
+    // cost the anchor shapes 2-4% (perf log 31).
+    // acc_dq is (kBlockM, kHeadDim), added a pair of adjacent columns at a time, or with
+    // Traits::kDqTransposed (kHeadDim, kBlockM), whose adjacent values lie in different rows of dq_accum.
+    template <class ThrMma, class Acc>
+    __forceinline__ __device__ void add_dq(const BwdParams& params, const ThrMma& thr_mma_dq, const Acc& acc_dq,
+                                           const BwdStep& step) const {
+        Tensor gdQ = gdQaccum(params, step.head)(_, _, step.m_block);  // (kBlockM, kHeadDim)
+        const int rows_left = binfo.seqlen_q - step.m_block * kBlockM;
+        if constexpr (Traits::kDqTransposed) {
+            Tensor gdQt = make_tensor(gdQ.data(), make_layout(Shape<Int<kHeadDim>, Int<kBlockM>>{},
+                                                              Stride<_1, Int<kHeadDim>>{}));  // (kHeadDim, kBlockM)
+            Tensor tdQgdQ = thr_mma_dq.partition_C(gdQt);  // (MMA, MMA_D, MMA_M)
+            Tensor tdQcdQ = thr_mma_dq.partition_C(make_identity_tensor(Shape<Int<kHeadDim>, Int<kBlockM>>{}));  // (MMA, MMA_D, MMA_M)
+            CUTE_UNROLL
+            for (int i = 0; i < size(acc_dq); ++i) { red_add_if(get<1>(tdQcdQ(i)) < rows_left, &tdQgdQ(i), acc_dq(i)); }
+        } else {
+            Tensor tdQgdQ = thr_mma_dq.partition_C(gdQ);  // (MMA, MMA_M, MMA_D)
+            Tensor tdQcdQ = thr_mma_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));  // (MMA, MMA_M, MMA_D)
+            CUTE_UNROLL
+            for (int i = 0; i < size(acc_dq); i += 2) {
+                red_add_pair_if(get<0>(tdQcdQ(i)) < rows_left, &tdQgdQ(i), acc_dq(i), acc_dq(i + 1));
+            }
+        }
+    }
+
+    // Writes the key block's dK and dV. dK picks up the softmax scale here; dQ gets it when its fp32 buffer is
+    // converted. Element outputs go through the current K/V buffer, which is free once every warpgroup's
+    // GEMMs of the key block are done: stmatrix in, 16 B stores out. Stored straight from the accumulators
+    // (4 B per thread and store, half of each 32 B sector) they took most of a short-query CTA's time (perf
+    // log 34). fp32 outputs (GQA slices per query head) would not fit the buffer and keep the direct stores.
+    template <class TiledMma, class Acc>
+    __forceinline__ __device__ void store_dk_dv(const BwdParams& params, const TiledMma& mma_dkv, Acc& acc_dk,
+                                                Acc& acc_dv, int thread) const {
+        // No step waited for this key block's K and V when it had none; the wide kernel exits right after.
+        if (step_end == step_begin) { cp_async_wait<0>(); }
+        auto thr_mma = mma_dkv.get_thread_slice(thread);
+        Tensor cdKV = make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{});  // (kBlockN, kHeadDim)
+        if (params.dkv_fp32) {
+            Tensor tdKVcdKV = thr_mma.partition_C(cdKV);  // (MMA, MMA_N, MMA_D)
+            auto gdKV = [&](auto view) {
+                return local_tile(view, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));  // (kBlockN, kHeadDim)
+            };
+            Tensor gdK = gdKV(binfo.dk_view<float>(params, batch_idx, dkv_head));
+            Tensor gdV = gdKV(binfo.dv_view<float>(params, batch_idx, dkv_head));
+            store_acc<float>(acc_dk, tdKVcdKV, gdK, k_rows_left(), params.head_dim, params.softmax_scale);
+            store_acc<float>(acc_dv, tdKVcdKV, gdV, k_rows_left(), params.head_dim,
+                             kVariants ? params.dropout_keep_scale : 1.f);
+            return;
+        }
+        __syncthreads();  // every warpgroup's wgmmas that read this K/V buffer have completed
+        CUTE_UNROLL
+        for (int i = 0; i < size(acc_dk); ++i) { acc_dk(i) *= params.softmax_scale; }
+        if constexpr (kVariants) {
+            CUTE_UNROLL
+            for (int i = 0; i < size(acc_dv); ++i) { acc_dv(i) *= params.dropout_keep_scale; }  // it summed kept P unscaled
+        }
+        Tensor rdK = convert_fragment<Element>(acc_dk);
+        Tensor rdV = convert_fragment<Element>(acc_dv);
+        auto smem_tiled_copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_dkv);
+        auto smem_thr_copy = smem_tiled_copy.get_thread_slice(thread);
+        copy(smem_tiled_copy, smem_thr_copy.retile_S(rdK), smem_thr_copy.partition_D(sK(kv_stage)));
+        copy(smem_tiled_copy, smem_thr_copy.retile_S(rdV), smem_thr_copy.partition_D(sV(kv_stage)));
+        __syncthreads();
+        typename Traits::GmemTiledCopyStore gmem_tiled_copy;
+        auto gmem_thr_copy = gmem_tiled_copy.get_thread_slice(thread);
+        Tensor tdKVcdKV = gmem_thr_copy.partition_D(cdKV);  // (CPY, CPY_N, CPY_D)
+        Tensor gdK = local_tile(binfo.dk_view<Element>(params, batch_idx, dkv_head), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                                make_coord(n_block, 0));  // (kBlockN, kHeadDim)
+        Tensor gdV = local_tile(binfo.dv_view<Element>(params, batch_idx, dkv_head), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                                make_coord(n_block, 0));  // (kBlockN, kHeadDim)
+        copy_to_gmem(gmem_tiled_copy, gmem_thr_copy.partition_S(sK(kv_stage)), gmem_thr_copy.partition_D(gdK), tdKVcdKV,
+                     k_rows_left(), params.head_dim);
+        copy_to_gmem(gmem_tiled_copy, gmem_thr_copy.partition_S(sV(kv_stage)), gmem_thr_copy.partition_D(gdV), tdKVcdKV,
+                     k_rows_left(), params.head_dim);
+    }
+};
+
+// Per-thread partitions inside the main loops are made from opaque_int(tidx): their addresses are then
+// recomputed each step (a few integer ops) instead of being hoisted out of the loop, where, next to the dK
+// and dV accumulators, they would spill.
+
+// kVariants: as in flash_fwd_kernel.h.
+template <class Traits, bool kCausal, bool kVariants>
+__global__ void __launch_bounds__(Traits::kNThreads, 1)
+    flash_bwd_sm90_kernel(const __grid_constant__ BwdParams params) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using Element = typename Traits::Element;
+    constexpr int kBlockM = Traits::kBlockM;
+    constexpr int kBlockN = Traits::kBlockN;
+    constexpr int kHeadDim = Traits::kHeadDim;
+
+    extern __shared__ __align__(1024) char smem_bwd_sm90[];  // 128 B swizzle atoms repeat every 1 KiB
+    BwdSm90Block<Traits, kCausal, kVariants> blk(params, smem_bwd_sm90);
+    if (!blk.has_keys()) { return; }
+    const int tidx = threadIdx.x;
+    const ScoreMod score_mod(params, blk.batch_idx, blk.binfo);
+
+    Tensor sdSt = blk.smem(blk.scratch_base, typename Traits::SmemLayoutdSt{});  // (kBlockN, kBlockM)
+    Tensor sdS = blk.smem(blk.scratch_base, typename Traits::SmemLayoutdS{});    // (kBlockM, kBlockN)
+    Tensor cSt = make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{});      // (kBlockN, kBlockM)
+
+    // S^T and dP^T, (kBlockN, kBlockM): A operands K and V are fixed per key block; B operands Q and dO
+    // change per stage.
+    typename Traits::TiledMmaSdP mma_sdp;
+    auto smem_tiled_copy_dst = make_tiled_copy_C(typename Traits::SmemCopyAtomdSt{}, mma_sdp);
+
+    // dV and dK, (kBlockN, kHeadDim), held in registers across a key block's steps.
+    typename Traits::TiledMmadKV mma_dkv;
+    Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});  // (MMA, MMA_N, MMA_D)
+    Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});  // (MMA, MMA_N, MMA_D)
+
+    // dQ, (kBlockM, kHeadDim) per query block (transposed with Traits::kDqTransposed), added into dq_accum.
+    typename Traits::TiledMmadQ mma_dq;
+
+    blk.load_first(params, tidx);
+    do {  // key blocks of this CTA
+        clear(acc_dk);
+        clear(acc_dv);
+        const int kv_stage = blk.kv_stage;
+        const bool kv_in_flight = blk.has_next_key_block() && blk.step_end > blk.step_begin;  // no steps: no K/V needed
+        if (kv_in_flight) { blk.load_next_kv(params, tidx); }
+        auto thr_mma_kv = mma_sdp.get_thread_slice(tidx);
+        Tensor tSrK = thr_mma_kv.make_fragment_A(thr_mma_kv.partition_A(blk.sK(kv_stage)));  // (MMA, MMA_N, MMA_K)
+        Tensor tSrV = thr_mma_kv.make_fragment_A(thr_mma_kv.partition_A(blk.sV(kv_stage)));  // (MMA, MMA_N, MMA_K)
+        for (BwdStep step = blk.first_step(); step.number < blk.step_end; step = blk.next_step(step)) {
+            const int loop_tidx = opaque_int(tidx);
+            const int stage = blk.begin_step(params, step, kv_in_flight, loop_tidx);
+            const int m_block = step.m_block;
+
+            // Both score GEMMs are in flight together; P^T is computed while dP^T finishes.
+            auto thr_mma_sdp = mma_sdp.get_thread_slice(loop_tidx);
+            Tensor acc_st = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});   // (MMA, MMA_N, MMA_M)
+            Tensor acc_dpt = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});  // (MMA, MMA_N, MMA_M)
+            Tensor tSrQ = thr_mma_sdp.make_fragment_B(thr_mma_sdp.partition_B(blk.sQ(stage)));    // (MMA, MMA_M, MMA_K)
+            Tensor tSrdO = thr_mma_sdp.make_fragment_B(thr_mma_sdp.partition_B(blk.sdO(stage)));  // (MMA, MMA_M, MMA_K)
+            warpgroup_gemm_issue</*kZeroInit=*/true>(mma_sdp, tSrK, tSrQ, acc_st);
+            warpgroup_gemm_issue</*kZeroInit=*/true>(mma_sdp, tSrV, tSrdO, acc_dpt);
+
+            // (key row, query column) of each accumulator value.
+            Tensor tStcSt = thr_mma_sdp.partition_C(cSt);                                            // (MMA, MMA_N, MMA_M)
+            Tensor tStcSt_rc = make_tensor(tStcSt.data(), gmma_acc_rowcol_layout(tStcSt.layout()));  // (key rows, query cols)
+            const TileMask<kBlockM, kBlockN, kCausal, kVariants> mask(blk.bounds, m_block, blk.n_block);
+            const float* lse_stage = blk.s_lse + stage * kBlockM;
+            const float* dsum_stage = blk.s_dsum + stage * kBlockM;
+
+            // P^T = exp2(s * scale * log2(e) - lse * log2(e)).
+            warpgroup_wait_for<1>(acc_st);
+            Tensor st = gmma_as_rowcol(acc_st);  // (key rows, query cols)
+            const ScorePos pos{m_block * kBlockM, blk.n_block * kBlockN, step.head};
+            auto lse_log2_of = [&](int col) { return lse_stage[col] * float(M_LOG2E); };
+            compute_p</*kQueryIsRow=*/false, HideP::kInExp, kVariants>(st, tStcSt_rc, mask, score_mod, pos,
+                                                            params.softmax_scale_log2, lse_log2_of);
+            const Dropout step_dropout(params, blk.batch_idx, step.head);
+            if (kVariants && step_dropout.active()) {
+                step_dropout.template apply</*kQueryIsRow=*/false, /*kNegate=*/true>(st, tStcSt_rc, pos.q0, pos.k0);
+            }
+            Tensor rPt = convert_fragment_kept<Element>(acc_st, kVariants && step_dropout.active());
+            Tensor tKVrPt = make_tensor(rPt.data(), gmma_acc_as_a_operand_layout(rPt.layout()));  // (MMA, MMA_N, MMA_K)
+            auto thr_mma_dkv = mma_dkv.get_thread_slice(loop_tidx);
+            Tensor tKVrdOt = thr_mma_dkv.make_fragment_B(thr_mma_dkv.partition_B(blk.sdOt(stage)));  // (MMA, MMA_D, MMA_K)
+            warpgroup_gemm_issue</*kZeroInit=*/false>(mma_dkv, tKVrPt, tKVrdOt, acc_dv);
+
+            // dS^T = P^T (dP^T - D), the gradient of the scaled scores.
+            warpgroup_wait_for<1>(acc_dpt);
+            Tensor dpt = gmma_as_rowcol(acc_dpt);  // (key rows, query cols)
+            compute_ds</*kQueryIsRow=*/false, kVariants>(dpt, st, tStcSt_rc, [&](int col) { return dsum_stage[col]; },
+                                              DsMods{score_mod, step.head}, pos, lse_log2_of);
+            Tensor rdSt = convert_fragment<Element>(acc_dpt);
+            Tensor tKVrdSt = make_tensor(rdSt.data(), gmma_acc_as_a_operand_layout(rdSt.layout()));  // (MMA, MMA_N, MMA_K)
+
+            // dS^T to shared memory for the dQ GEMM, whose rows (queries) span both warpgroups' keys.
+            auto smem_thr_copy_dst = smem_tiled_copy_dst.get_thread_slice(loop_tidx);
+            Tensor tdStrdSt = smem_thr_copy_dst.retile_S(rdSt);     // (CPY, CPY_N, CPY_M)
+            Tensor tdStsdSt = smem_thr_copy_dst.partition_D(sdSt);  // (CPY, CPY_N, CPY_M)
+            copy(smem_tiled_copy_dst, tdStrdSt, tdStsdSt);
+            cutlass::arch::fence_view_async_shared();
+
+            Tensor tKVrQt = thr_mma_dkv.make_fragment_B(thr_mma_dkv.partition_B(blk.sQt(stage)));  // (MMA, MMA_D, MMA_K)
+            warpgroup_gemm_issue</*kZeroInit=*/false>(mma_dkv, tKVrdSt, tKVrQt, acc_dk);
+
+            __syncthreads();  // all of dS^T is in shared memory
+            auto thr_mma_dq = mma_dq.get_thread_slice(loop_tidx);
+            // The accumulator is complete before it is returned: a copy of registers that a wgmma still
+            // writes would be undefined.
+            auto dq_gemm = [&]() {
+                if constexpr (Traits::kDqTransposed) {
+                    Tensor tQrKt = thr_mma_dq.make_fragment_A(thr_mma_dq.partition_A(blk.sKt(kv_stage)));  // (MMA, MMA_D, MMA_K)
+                    Tensor tQrdS = thr_mma_dq.make_fragment_B(thr_mma_dq.partition_B(sdS));              // (MMA, MMA_M, MMA_K)
+                    Tensor acc = partition_fragment_C(mma_dq, Shape<Int<kHeadDim>, Int<kBlockM>>{});      // (MMA, MMA_D, MMA_M)
+                    warpgroup_gemm_issue</*kZeroInit=*/true>(mma_dq, tQrKt, tQrdS, acc);
+                    warpgroup_wait_for<0>(acc);
+                    return acc;
+                } else {
+                    Tensor tQrdS = thr_mma_dq.make_fragment_A(thr_mma_dq.partition_A(sdS));              // (MMA, MMA_M, MMA_K)
+                    Tensor tQrKt = thr_mma_dq.make_fragment_B(thr_mma_dq.partition_B(blk.sKt(kv_stage)));  // (MMA, MMA_D, MMA_K)
+                    Tensor acc = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});      // (MMA, MMA_M, MMA_D)
+                    warpgroup_gemm_issue</*kZeroInit=*/true>(mma_dq, tQrdS, tQrKt, acc);
+                    warpgroup_wait_for<0>(acc);
+                    return acc;
+                }
+            };
+            Tensor acc_dq = dq_gemm();
+            warpgroup_fence_operand(acc_dv);
+            warpgroup_fence_operand(acc_dk);
+            warpgroup_fence_operand(rPt);
+            warpgroup_fence_operand(rdSt);
+            blk.add_dq(params, thr_mma_dq, acc_dq, step);
+        }
+        // With one step per key block, the next one's K and V and first Q and dO are in flight during the store.
+        blk.store_dk_dv(params, mma_dkv, acc_dk, acc_dv, opaque_int(tidx));
+    } while (blk.next_key_block());
+    cp_async_wait<0>();  // no cp.async may land in shared memory after the CTA exits
+#endif
+}
+
+template <class Traits, bool kCausal, bool kVariants>
+__global__ void __launch_bounds__(Traits::kNThreads, 1)
+    flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdParams params) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using Element = typename Traits::Element;
+    constexpr int kBlockM = Traits::kBlockM;
+    constexpr int kBlockN = Traits::kBlockN;
+    constexpr int kHeadDim = Traits::kHeadDim;
+
+    extern __shared__ __align__(1024) char smem_bwd_sm90[];  // 128 B swizzle atoms repeat every 1 KiB
+    const BwdSm90Block<Traits, kCausal, kVariants> blk(params, smem_bwd_sm90);
+    static_assert(Traits::kStagesKV == 1, "one key block per CTA");
+    if (!blk.has_keys()) { return; }
+    const int tidx = threadIdx.x;
+    const ScoreMod score_mod(params, blk.batch_idx, blk.binfo);
+
+    Element* p_base = blk.scratch_base;
+    Element* ds_base = blk.scratch_base + Traits::kSmemPElems;
+    Tensor sP = blk.smem(p_base, typename Traits::SmemLayoutP{});     // (kBlockM, kBlockN)
+    Tensor sdS = blk.smem(ds_base, typename Traits::SmemLayoutP{});   // (kBlockM, kBlockN)
+    Tensor sPt = blk.smem(p_base, typename Traits::SmemLayoutPt{});   // (kBlockN, kBlockM)
+    Tensor sdSt = blk.smem(ds_base, typename Traits::SmemLayoutPt{}); // (kBlockN, kBlockM)
+    Tensor cS = make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{});  // (kBlockM, kBlockN)
+
+    // S and dP, (kBlockM, kBlockN), each warpgroup kBlockN / 2 keys.
+    typename Traits::TiledMmaSdP mma_sdp;
+    auto smem_tiled_copy_pds = make_tiled_copy_C(typename Traits::SmemCopyAtomPdS{}, mma_sdp);
+
+    // dV and dK, (kBlockN, kHeadDim), each warpgroup half the head dim, held in registers across the loop.
+    typename Traits::TiledMmadKV mma_dkv;
+    Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});  // (MMA, MMA_N, MMA_D)
+    Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});  // (MMA, MMA_N, MMA_D)
+    clear(acc_dk);
+    clear(acc_dv);
+
+    // dQ, (kBlockM, kHeadDim) per query block, each warpgroup half the head dim, added into dq_accum.
+    typename Traits::TiledMmadQ mma_dq;
+
+    blk.load_first(params, tidx);
+    for (BwdStep step = blk.first_step(); step.number < blk.step_end; step = blk.next_step(step)) {
+        const int loop_tidx = opaque_int(tidx);
+        const int stage = blk.begin_step(params, step, /*kv_in_flight=*/false, loop_tidx);
+        const int m_block = step.m_block;
+
+        auto thr_mma_sdp = mma_sdp.get_thread_slice(loop_tidx);
+        Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});   // (MMA, MMA_M, MMA_N)
+        Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA, MMA_M, MMA_N)
+        Tensor tSrQ = thr_mma_sdp.make_fragment_A(thr_mma_sdp.partition_A(blk.sQ(stage)));    // (MMA, MMA_M, MMA_K)
+        Tensor tSrdO = thr_mma_sdp.make_fragment_A(thr_mma_sdp.partition_A(blk.sdO(stage)));  // (MMA, MMA_M, MMA_K)
+        Tensor tSrK = thr_mma_sdp.make_fragment_B(thr_mma_sdp.partition_B(blk.sK(0)));        // (MMA, MMA_N, MMA_K)
+        Tensor tSrV = thr_mma_sdp.make_fragment_B(thr_mma_sdp.partition_B(blk.sV(0)));        // (MMA, MMA_N, MMA_K)
+        warpgroup_gemm_issue</*kZeroInit=*/true>(mma_sdp, tSrQ, tSrK, acc_s);
+        warpgroup_gemm_issue</*kZeroInit=*/true>(mma_sdp, tSrdO, tSrV, acc_dp);
+
+        // (query row, key column) of each accumulator value.
+        Tensor tScS = thr_mma_sdp.partition_C(cS);                                          // (MMA, MMA_M, MMA_N)
+        Tensor tScS_rc = make_tensor(tScS.data(), gmma_acc_rowcol_layout(tScS.layout()));  // (query rows, key cols)
+        const TileMask<kBlockM, kBlockN, kCausal, kVariants> mask(blk.bounds, m_block, blk.n_block);
+
+        // P = exp2(s * scale * log2(e) - lse * log2(e)), then dS = P (dP - D).
+        warpgroup_wait_for<1>(acc_s);
+        Tensor s = gmma_as_rowcol(acc_s);  // (query rows, key cols)
+        const ScorePos pos{m_block * kBlockM, blk.n_block * kBlockN, step.head};
+        auto lse_log2_of = [&](int row) { return blk.s_lse[stage * kBlockM + row] * float(M_LOG2E); };
+        compute_p</*kQueryIsRow=*/true, HideP::kInExp, kVariants>(s, tScS_rc, mask, score_mod, pos, params.softmax_scale_log2,
+                                                       lse_log2_of);
+        const Dropout step_dropout(params, blk.batch_idx, step.head);
+        if (kVariants && step_dropout.active()) {
+            step_dropout.template apply</*kQueryIsRow=*/true, /*kNegate=*/true>(s, tScS_rc, pos.q0, pos.k0);
+        }
+        warpgroup_wait_for<0>(acc_dp);
+        Tensor dp = gmma_as_rowcol(acc_dp);  // (query rows, key cols)
+        compute_ds</*kQueryIsRow=*/true, kVariants>(dp, s, tScS_rc, [&](int row) { return blk.s_dsum[stage * kBlockM + row]; },
+                                         DsMods{score_mod, step.head}, pos, lse_log2_of);
+
+        // P and dS to shared memory: the next three GEMMs read them across both warpgroups' keys.
+        auto smem_thr_copy_pds = smem_tiled_copy_pds.get_thread_slice(loop_tidx);
+        Tensor rP = convert_fragment_kept<Element>(acc_s, kVariants && step_dropout.active());
+        Tensor rdS = convert_fragment<Element>(acc_dp);
+        copy(smem_tiled_copy_pds, smem_thr_copy_pds.retile_S(rP), smem_thr_copy_pds.partition_D(sP));
+        copy(smem_tiled_copy_pds, smem_thr_copy_pds.retile_S(rdS), smem_thr_copy_pds.partition_D(sdS));
+        cutlass::arch::fence_view_async_shared();
+        __syncthreads();  // all of P and dS are in shared memory
+
+        // dQ first, so its reduction into global memory overlaps the dV and dK GEMMs.
+        auto thr_mma_dq = mma_dq.get_thread_slice(loop_tidx);
+        Tensor tQrdS = thr_mma_dq.make_fragment_A(thr_mma_dq.partition_A(sdS));        // (MMA, MMA_M, MMA_K)
+        Tensor tQrKt = thr_mma_dq.make_fragment_B(thr_mma_dq.partition_B(blk.sKt(0)));  // (MMA, MMA_D, MMA_K)
+        Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (MMA, MMA_M, MMA_D)
+        warpgroup_gemm_issue</*kZeroInit=*/true>(mma_dq, tQrdS, tQrKt, acc_dq);
+        auto thr_mma_dkv = mma_dkv.get_thread_slice(loop_tidx);
+        Tensor tKVrPt = thr_mma_dkv.make_fragment_A(thr_mma_dkv.partition_A(sPt));                // (MMA, MMA_N, MMA_K)
+        Tensor tKVrdSt = thr_mma_dkv.make_fragment_A(thr_mma_dkv.partition_A(sdSt));              // (MMA, MMA_N, MMA_K)
+        Tensor tKVrdOt = thr_mma_dkv.make_fragment_B(thr_mma_dkv.partition_B(blk.sdOt(stage)));  // (MMA, MMA_D, MMA_K)
+        Tensor tKVrQt = thr_mma_dkv.make_fragment_B(thr_mma_dkv.partition_B(blk.sQt(stage)));    // (MMA, MMA_D, MMA_K)
+        warpgroup_gemm_issue</*kZeroInit=*/false>(mma_dkv, tKVrPt, tKVrdOt, acc_dv);
+        warpgroup_gemm_issue</*kZeroInit=*/false>(mma_dkv, tKVrdSt, tKVrQt, acc_dk);
+        warpgroup_wait_for<2>(acc_dq);
+        blk.add_dq(params, thr_mma_dq, acc_dq, step);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_dv);
+        warpgroup_fence_operand(acc_dk);
+    }
+    blk.store_dk_dv(params, mma_dkv, acc_dk, acc_dv, tidx);
+#endif
+}
+
+}  // namespace flash

@@ -1,0 +1,90 @@
+// Tile shapes, MMA and copy atoms, and shared-memory layouts of the mma.sync backward kernel
+// (flash_bwd_kernel.h), which only consumes these types.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_types.h>
+
+#include "kernels/kernel_traits_fwd.h"  // the MMA atom, swizzle atom and global-copy layout both passes share
+
+namespace flash {
+
+using namespace cute;
+
+// Warp layout of one backward GEMM with a (kExtentM, kExtentN) output on 8 warps: 2x4 when N splits into
+// 64-column slices and M into 32-row slices, else 4x2. Each warp then owns a 32x32 or larger piece
+// whenever the tile allows, so every ldmatrix feeds at least two MMAs.
+template <class MmaAtom, int kExtentM, int kExtentN>
+struct BwdWarpTiling {
+    static constexpr int kWarpsN = (kExtentN % 64 == 0 && kExtentM < 128) ? 4 : 2;
+    static constexpr int kWarpsM = 8 / kWarpsN;
+    static_assert(kExtentM % (16 * kWarpsM) == 0 && kExtentN % (16 * kWarpsN) == 0, "tile must cover the warp layout");
+    using TiledMma = TiledMMA<MmaAtom, Layout<Shape<Int<kWarpsM>, Int<kWarpsN>, _1>>,
+                              Tile<Int<16 * kWarpsM>, Int<16 * kWarpsN>, _16>>;
+};
+
+// Backward: one CTA owns kBlockN keys of one query head and walks the query blocks of kBlockM rows.
+// Five GEMMs with three shapes, each with its own warp layout: S = Q K^T and dP = dO V^T are
+// (kBlockM, kBlockN); dV += P^T dO and dK += dS^T Q are (kBlockN, kHeadDim); dQ = dS K is
+// (kBlockM, kHeadDim). Operands a GEMM needs transposed are read through transposed shared-memory
+// views with transposing ldmatrix.
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_>
+struct BwdKernelTraits {
+    using Element = Element_;
+    static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kBlockM = kBlockM_;
+    static constexpr int kBlockN = kBlockN_;
+    static constexpr int kNWarps = 8;
+    static constexpr int kNThreads = kNWarps * 32;
+
+    static_assert(kHeadDim % 32 == 0 && kBlockM % 64 == 0 && kBlockN % 64 == 0, "tiles must cover the warp layouts");
+
+    using MmaAtom = typename FwdKernelTraits<Element, kHeadDim, 64, 64, 4>::MmaAtom;
+    using TiledMmaSdP = typename BwdWarpTiling<MmaAtom, kBlockM, kBlockN>::TiledMma;
+    using TiledMmadKV = typename BwdWarpTiling<MmaAtom, kBlockN, kHeadDim>::TiledMma;
+    using TiledMmadQ = typename BwdWarpTiling<MmaAtom, kBlockM, kHeadDim>::TiledMma;
+
+    // dQ is produced kDqChunk head-dim columns at a time. Its accumulator lives next to dK and dV
+    // (kBlockN * kHeadDim / 128 registers); at head dim 256 one full-width dQ would push that past 255.
+    static constexpr int kDqChunk = kHeadDim > 224 ? kHeadDim / 2 : kHeadDim;
+    static_assert(kDqChunk % (16 * BwdWarpTiling<MmaAtom, kBlockM, kHeadDim>::kWarpsN) == 0);
+
+    using SmemAtomD = typename FwdKernelTraits<Element, kHeadDim, 64, 64, 4>::SmemLayoutAtom;  // rows of head_dim
+    using SmemAtomN = decltype(composition(Swizzle<3, 3, 3>{}, Layout<Shape<_8, _64>, Stride<_64, _1>>{}));  // rows of keys
+
+    using SmemLayoutQ = decltype(tile_to_shape(SmemAtomD{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));   // also dO
+    using SmemLayoutKV = decltype(tile_to_shape(SmemAtomD{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));  // K and V
+    using SmemLayoutPdS = decltype(tile_to_shape(SmemAtomN{}, Shape<Int<kBlockM>, Int<kBlockN>>{}));  // P and dS
+    // Transposed views: (kHeadDim, kBlockM) of Q and dO, (kHeadDim, kBlockN) of K, (kBlockN, kBlockM) of P and dS.
+    using SmemLayoutQt = decltype(composition(
+        SmemLayoutQ{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockM>>{}, Stride<Int<kBlockM>, _1>{})));
+    using SmemLayoutKt = decltype(composition(
+        SmemLayoutKV{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Stride<Int<kBlockN>, _1>{})));
+    using SmemLayoutPdSt = decltype(composition(
+        SmemLayoutPdS{}, make_layout(Shape<Int<kBlockN>, Int<kBlockM>>{}, Stride<Int<kBlockM>, _1>{})));
+
+    static constexpr int kSmemQElems = cosize_v<SmemLayoutQ>;
+    static constexpr int kSmemKVElems = cosize_v<SmemLayoutKV>;
+    static constexpr int kSmemPdSElems = cosize_v<SmemLayoutPdS>;
+    // Per stage: Q and dO tiles, then the LSE and D of their rows (fp32).
+    static constexpr int kSmemStageBytes = 2 * kSmemQElems * int(sizeof(Element)) + 2 * kBlockM * int(sizeof(float));
+    static constexpr int kSmemFixedBytes = (2 * kSmemKVElems + 2 * kSmemPdSElems) * int(sizeof(Element));
+    // Q and dO are double-buffered (the next query block loads while this one computes) when that fits in
+    // the 163 KiB an sm_80 CTA may use; otherwise the next block loads during the dQ GEMM.
+    static constexpr int kSmemLimitBytes = 163 * 1024;
+    static constexpr int kStagesQ = kSmemFixedBytes + 2 * kSmemStageBytes <= kSmemLimitBytes ? 2 : 1;
+    static constexpr int kSmemBytes = kSmemFixedBytes + kStagesQ * kSmemStageBytes;
+    static_assert(kSmemBytes <= kSmemLimitBytes);
+
+    using SmemCopyAtom = Copy_Atom<SM75_U32x4_LDSM_N, Element>;
+    using SmemCopyAtomT = Copy_Atom<SM75_U16x8_LDSM_T, Element>;
+    using SmemCopyAtomStore = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<32>, Element>;
+
+    static constexpr int kGmemThreadsPerRow = FwdKernelTraits<Element, kHeadDim, 64, 64, 4>::kGmemThreadsPerRow;
+    using GmemTiledCopyLoad = decltype(make_tiled_copy(
+        Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint128_t>, Element>{},
+        Layout<Shape<Int<kNThreads / kGmemThreadsPerRow>, Int<kGmemThreadsPerRow>>, Stride<Int<kGmemThreadsPerRow>, _1>>{},
+        Layout<Shape<_1, _8>>{}));
+};
+
+}  // namespace flash

@@ -1,0 +1,84 @@
+// Score modifiers: softcap and ALiBi, functions of each raw score (the Q K^T dot product, before the softmax
+// scale) and its absolute position, applied before the mask. Both are runtime choices (FwdParams), tested once
+// per tile: an inactive modifier costs its uniform branch and nothing in the element loops.
+//
+// The kernels' exp2 factor is FwdParams::softmax_scale_log2 = score_scale * log2(e), so a modifier returns the
+// score in units of score_scale: without softcap, q.k itself minus slope / softmax_scale * distance; with
+// softcap c, tanh(q.k * softmax_scale / c) minus slope / c * distance (score_scale = c), which is the
+// flash-attn 2.x score c * tanh(scale * q.k / c) - slope * |p - j| divided by c.
+//
+// Positions are those of the kernel's key frame: a split-KV CTA sees its share of the keys re-based to key 0
+// with seqlen_k shrunk by as much (BlockBounds::split_keys), so ALiBi's bottom-right aligned distance
+// |q + seqlen_k - seqlen_q - k| is unchanged by it.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include "kernels/block_info.h"
+#include "launch/flash_params.h"
+#include "kernels/mask.h"
+
+namespace flash {
+
+using namespace cute;
+
+// The absolute position of a tile: its first query row and first key, and the query head.
+struct ScorePos {
+    int q0;
+    int k0;
+    int head;
+};
+
+// tanh through one exp2 and one reciprocal, both MUFU operations: tanh(x) = 1 - 2 / (1 + e^(2x)). Its
+// absolute error stays near float32 rounding (tanh.approx.f32 is off by up to 2^-11, which a softcap of 30
+// turns into a 1.5% error in P). Saturates to +-1 for large |x| (exp2 gives inf or 0).
+__forceinline__ __device__ float accurate_fast_tanh(float x) {
+    return 1.f - 2.f / (1.f + exp2f(x * float(2.0 * M_LOG2E)));
+}
+
+// The score modifiers of one sequence. It keeps a reference to the kernel's __grid_constant__ params, whose
+// fields the modifiers read where they are used (constant-bank operands): a copy in registers, live through the
+// main loops, made the register-bound backward kernels spill.
+struct ScoreMod {
+    const FwdParams& params;
+    int batch_idx;
+    int position_offset;  // seqlen_k - seqlen_q of the sequence: query q's position is q + position_offset
+
+    __forceinline__ __device__ ScoreMod(const FwdParams& params_, int batch_idx_, const BlockInfo& binfo)
+        : params(params_), batch_idx(batch_idx_), position_offset(binfo.seqlen_k - binfo.seqlen_q) {}
+
+    __forceinline__ __device__ bool softcap() const { return params.softcap_prescale > 0.f; }
+    __forceinline__ __device__ bool alibi() const { return params.alibi_slopes_ptr != nullptr; }
+    // ALiBi's slope of query head `head`, in modified-score units (divided by score_scale).
+    __forceinline__ __device__ float slope(int head) const {
+        return params.alibi_slopes_ptr[batch_idx * params.alibi_batch_stride + head] / params.score_scale;
+    }
+    // The (positive) ALiBi penalty of query q and key k per unit of slope.
+    __forceinline__ __device__ float distance(int q, int k) const { return float(abs(q + position_offset - k)); }
+};
+
+// Applies score_mod to every score of a tile. scores: (rows, cols) view of the accumulator; coords: the matching
+// tile positions, the query along mode 0 when kQueryIsRow, else along mode 1.
+template <bool kQueryIsRow, class ScoreTensor, class CoordTensor>
+__forceinline__ __device__ void apply_score_mod(const ScoreMod& score_mod, ScoreTensor& scores,
+                                                const CoordTensor& coords, const ScorePos& pos) {
+    if (score_mod.softcap()) {
+        CUTE_UNROLL
+        for (int i = 0; i < size(scores); ++i) {
+            scores(i) = accurate_fast_tanh(scores(i) * score_mod.params.softcap_prescale);
+        }
+    }
+    if (score_mod.alibi()) {
+        const float slope = score_mod.slope(pos.head);
+        CUTE_UNROLL
+        for (int i = 0; i < size<0>(scores); ++i) {
+            CUTE_UNROLL
+            for (int j = 0; j < size<1>(scores); ++j) {
+                scores(i, j) -= slope * score_mod.distance(pos.q0 + query_of<kQueryIsRow>(coords, i, j),
+                                                           pos.k0 + key_of<kQueryIsRow>(coords, i, j));
+            }
+        }
+    }
+}
+
+}  // namespace flash

@@ -1,0 +1,94 @@
+// Online softmax over key blocks, kept in registers. Scores arrive unscaled; the softmax scale is
+// folded into the exp2 argument (one FFMA per score), and the output accumulator stays
+// unnormalized until finalize().
+#pragma once
+
+#include <cmath>
+
+#include <cute/tensor.hpp>
+
+#include "kernels/utils.h"
+
+namespace flash {
+
+using namespace cute;
+
+template <int kRows>
+struct OnlineSoftmax {
+    // Per thread: the rows it holds in its accumulator fragments.
+    Tensor<ArrayEngine<float, kRows>, Layout<Int<kRows>>> row_max;
+    Tensor<ArrayEngine<float, kRows>, Layout<Int<kRows>>> row_sum;  // partial: this thread's columns only
+    float scale_log2;
+
+    __forceinline__ __device__ explicit OnlineSoftmax(float softmax_scale_log2) : scale_log2(softmax_scale_log2) {
+        fill(row_max, -INFINITY);
+        fill(row_sum, 0.f);
+    }
+
+    // Turns scores (rows, cols) into unnormalized probabilities exp2(s*scale - max*scale),
+    // rescaling acc_o (rows, head_dim cols) by how much each row's running max moved.
+    // kSkipUnmoved: the warp rescales only when some row of one of its lanes moved its max (a vote). The
+    // correction of an unmoved row is exp2(0) = 1 exactly, so skipping changes no bit. In the mma.sync forward
+    // ptxas predicates the rescale on the vote instead of branching around it, so its FMULs issue either way; but
+    // it then interleaves them with the P V MMAs, and at head dim 128 that kernel spills half as much (84 bytes of
+    // stores against 176) and runs 2-7% faster than with the unconditional rescale (perf log 45). The vote is per
+    // warp, so a warp's lanes must hold whole rows, as in the mma.sync kernel.
+    template <bool kSkipUnmoved = false, class ScoreTensor, class AccOTensor>
+    __forceinline__ __device__ void update(ScoreTensor& scores, AccOTensor& acc_o) {
+        static_assert(decltype(size<0>(scores))::value == kRows);
+        float max_scaled[kRows];
+        float correction[kRows];
+        bool moved = false;
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+            float block_max = row_max(r);
+            CUTE_UNROLL
+            for (int c = 0; c < size<1>(scores); ++c) { block_max = fmaxf(block_max, scores(r, c)); }
+            block_max = quad_allreduce(block_max, [](float a, float b) { return fmaxf(a, b); });
+            // A row that has seen only masked keys keeps max = -inf; subtracting 0 instead keeps
+            // exp2(-inf) = 0 rather than NaN.
+            max_scaled[r] = block_max == -INFINITY ? 0.f : block_max * scale_log2;
+            correction[r] = exp2f(row_max(r) * scale_log2 - max_scaled[r]);
+            moved |= block_max != row_max(r);
+            row_max(r) = block_max;
+        }
+        if (!kSkipUnmoved || __any_sync(0xffffffffu, moved)) {
+            CUTE_UNROLL
+            for (int r = 0; r < kRows; ++r) {
+                row_sum(r) *= correction[r];
+                CUTE_UNROLL
+                for (int c = 0; c < size<1>(acc_o); ++c) { acc_o(r, c) *= correction[r]; }
+            }
+        }
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+            float sum = 0.f;
+            CUTE_UNROLL
+            for (int c = 0; c < size<1>(scores); ++c) {
+                scores(r, c) = exp2f(scores(r, c) * scale_log2 - max_scaled[r]);
+                sum += scores(r, c);
+            }
+            row_sum(r) += sum;
+        }
+    }
+
+    // Divides acc_o by the row sums once (and multiplies it by out_scale: dropout's 1 / (1 - p)) and returns each
+    // row's natural-log LSE; score_scale is the factor that scale_log2 holds times log2(e).
+    // Rows that saw no key get output 0 and LSE +inf (so a later exp(s - lse) is 0).
+    template <class AccOTensor>
+    __forceinline__ __device__ auto finalize(AccOTensor& acc_o, float score_scale, float out_scale) {
+        Tensor lse = make_tensor<float>(Shape<Int<kRows>>{});
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+            const float sum = quad_allreduce(row_sum(r), [](float a, float b) { return a + b; });
+            const bool empty = sum == 0.f;
+            const float inv_sum = empty ? 0.f : out_scale / sum;
+            lse(r) = empty ? INFINITY : row_max(r) * score_scale + __logf(sum);
+            CUTE_UNROLL
+            for (int c = 0; c < size<1>(acc_o); ++c) { acc_o(r, c) *= inv_sum; }
+        }
+        return lse;
+    }
+};
+
+}  // namespace flash

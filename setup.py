@@ -49,7 +49,7 @@ TORCH_TARGET_VERSION = (2, 11)
 PY_LIMITED_API = (3, 10)
 
 # Peak resident memory of one nvcc job on one instantiation (sm_80 + sm_90a + PTX), with margin: 6.07 GiB measured
-# for the head-dim-96 backward files on the H200 machine (bench/results/h200/build_wheel_h200_partial.txt).
+# for the head-dim-96 backward files on an H200 host (nvcc 13.0; docs/design-notes.md, 'nvcc memory per job').
 GB_PER_NVCC_JOB = 6.5
 
 SASS_ARCHS = ("80", "86", "89", "90", "100", "120")
@@ -170,7 +170,9 @@ def nvcc_flags(archs, ptx_archs, nvcc_threads):
     tile = os.environ.get("FLASH_ATTN2_BWD_TILE")  # "M,N": tile-tuning builds only
     if tile:
         if not re.fullmatch(r"(64|128),(64|128)", tile):
-            raise RuntimeError(f"FLASH_ATTN2_BWD_TILE={tile!r}: expected 'M,N' with M and N in {{64, 128}}, e.g. '128,128'")
+            raise RuntimeError(
+                f"FLASH_ATTN2_BWD_TILE={tile!r}: expected 'M,N' with M and N in {{64, 128}}, e.g. '128,128'"
+            )
         m, n = (int(x) for x in tile.split(","))
         flags += [f"-DFLASH_BWD_TILE_M={m}", f"-DFLASH_BWD_TILE_N={n}"]
     if os.environ.get("FLASH_ATTN2_PTXAS_VERBOSE") == "1":
@@ -200,8 +202,9 @@ def nvcc_version() -> str:
 
     if not CUDA_HOME:
         raise RuntimeError("no CUDA toolkit found: set CUDA_HOME or put nvcc on PATH")
-    out = subprocess.run([os.path.join(CUDA_HOME, "bin", "nvcc"), "--version"], check=True, capture_output=True,
-                         text=True).stdout
+    out = subprocess.run(
+        [os.path.join(CUDA_HOME, "bin", "nvcc"), "--version"], check=True, capture_output=True, text=True
+    ).stdout
     match = re.search(r"release (\d+)\.(\d+)", out)
     if not match:
         raise RuntimeError(f"cannot read the CUDA release from `nvcc --version`:\n{out}")
@@ -225,7 +228,7 @@ def write_build_info(info: dict) -> None:
 
 
 def torch_minor_of(torch_dir: Path) -> str:
-    """"2.11" for a torch package directory, from its version.py."""
+    """ "2.11" for a torch package directory, from its version.py."""
     match = re.search(r"^__version__\s*=\s*['\"](\d+)\.(\d+)", (torch_dir / "version.py").read_text(), re.M)
     if not match:
         raise RuntimeError(f"{torch_dir}/version.py: no __version__ found")
@@ -236,8 +239,8 @@ def autograd_extensions(glibc_symver: str, py_limited: str):
     """The C++ autograd libraries, one per torch minor version (csrc/host/autograd/autograd.cpp): the stable ABI has
     no autograd, so each is built against that version's own headers and loaded only into it. Returns
     (extensions, the torch minor versions they serve)."""
-    from setuptools import Extension
     import torch
+    from setuptools import Extension
 
     raw = os.environ.get("FLASH_ATTN2_AUTOGRAD_TORCH", "")
     if raw.strip().lower() == "none":
@@ -253,18 +256,34 @@ def autograd_extensions(glibc_symver: str, py_limited: str):
         if minor in minors:
             raise RuntimeError(f"FLASH_ATTN2_AUTOGRAD_TORCH names torch {minor} twice")
         name = "_autograd_torch" + minor.replace(".", "_")
-        extensions.append(Extension(
-            name=f"flash_attn_cuda.{name}",
-            sources=["csrc/host/autograd/autograd.cpp"],
-            include_dirs=[str(ROOT / "csrc" / "host" / "compat"), str(include), str(include / "torch" / "csrc" / "api" / "include")],
-            extra_compile_args={"cxx": ["-O3", "-std=c++20", "-fvisibility=hidden", py_limited, "-include",
-                                        glibc_symver, f"-DFLASH_ATTN2_AUTOGRAD_MODULE={name}"]},
-            # Only for the DT_NEEDED entries: the symbols resolve at load time against the torch already in
-            # the process, which is the version the headers came from (_ops.py loads no other).
-            extra_link_args=["-Wl,--as-needed", f"-L{torch_lib}", "-ltorch_cpu", "-lc10", "-Wl,--strip-debug"],
-            py_limited_api=True,
-            language="c++",
-        ))
+        extensions.append(
+            Extension(
+                name=f"flash_attn_cuda.{name}",
+                sources=["csrc/host/autograd/autograd.cpp"],
+                include_dirs=[
+                    str(ROOT / "csrc" / "host" / "compat"),
+                    str(ROOT / "csrc"),
+                    str(include),
+                    str(include / "torch" / "csrc" / "api" / "include"),
+                ],
+                extra_compile_args={
+                    "cxx": [
+                        "-O3",
+                        "-std=c++20",
+                        "-fvisibility=hidden",
+                        py_limited,
+                        "-include",
+                        glibc_symver,
+                        f"-DFLASH_ATTN2_AUTOGRAD_MODULE={name}",
+                    ]
+                },
+                # Only for the DT_NEEDED entries: the symbols resolve at load time against the torch already in
+                # the process, which is the version the headers came from (_ops.py loads no other).
+                extra_link_args=["-Wl,--as-needed", f"-L{torch_lib}", "-ltorch_cpu", "-lc10", "-Wl,--strip-debug"],
+                py_limited_api=True,
+                language="c++",
+            )
+        )
         minors.append(minor)
     return extensions, tuple(minors)
 
@@ -272,8 +291,8 @@ def autograd_extensions(glibc_symver: str, py_limited: str):
 def build_extensions():
     """The extensions, and the metadata of the build: (ext_modules, version)."""
     locate_cuda_home()
-    from torch.utils.cpp_extension import CUDAExtension
     import torch
+    from torch.utils.cpp_extension import CUDAExtension
 
     archs = env_list("FLASH_ATTN2_CUDA_ARCHS", ("80", "90"), SASS_ARCHS, allow_none=True)
     ptx_archs = env_list("FLASH_ATTN2_PTX_ARCHS", ("80",), PTX_ARCHS, allow_none=True)
@@ -286,10 +305,20 @@ def build_extensions():
     version = f"{BASE_VERSION}+cu{cuda_version.split('.')[0]}"
 
     # Host code (csrc/host/*.cpp: module, ops, checks, plan, fwd, bwd, the torch glue; csrc/launch/*.cpp: the
-    # registry), then the small kernels and the build probe, compiled with the kernels' flags.
-    host = sorted(str(path.relative_to(ROOT)) for room in ("host", "launch") for path in (ROOT / "csrc" / room).glob("*.cpp"))
-    sources = [*host, "csrc/launch/build_info.cu", "csrc/kernels/flash_bwd_aux.cu", "csrc/kernels/flash_fwd_combine.cu",
-               "csrc/kernels/kvcache_prep.cu"]
+    # registry; csrc/generated/*.cpp: the op registrations), then the small kernels and the build probe, compiled
+    # with the kernels' flags.
+    host = sorted(
+        str(path.relative_to(ROOT))
+        for room in ("host", "launch", "generated")
+        for path in (ROOT / "csrc" / room).glob("*.cpp")
+    )
+    sources = [
+        *host,
+        "csrc/launch/build_info.cu",
+        "csrc/kernels/flash_bwd_aux.cu",
+        "csrc/kernels/flash_fwd_combine.cu",
+        "csrc/kernels/kvcache_prep.cu",
+    ]
     fixed_sources = len(sources)
     sources += kernel_sources(hdims, dtypes)
 
@@ -301,21 +330,25 @@ def build_extensions():
     glibc_symver = str(ROOT / "csrc" / "host" / "compat" / "glibc_symver.h")
     # -fvisibility=hidden: the stable ABI's types are hidden, and so are ours then; only PyInit__C is exported.
     cxx_flags = ["-O3", "-std=c++20", "-fvisibility=hidden", *abi_flags, py_limited, "-include", glibc_symver]
-    print(f"flash_attn_cuda {version}: archs={archs} ptx={ptx_archs} kernels={len(sources) - fixed_sources} "
-          f"MAX_JOBS={os.environ['MAX_JOBS']}")
+    print(
+        f"flash_attn_cuda {version}: archs={archs} ptx={ptx_archs} kernels={len(sources) - fixed_sources} "
+        f"MAX_JOBS={os.environ['MAX_JOBS']}"
+    )
 
     autograd_exts, autograd_minors = autograd_extensions(glibc_symver, py_limited)
-    write_build_info({
-        "VERSION": version,
-        "TORCH_VERSION": torch.__version__,
-        "CUDA_VERSION": cuda_version,
-        "TORCH_TARGET_VERSION": "{}.{}".format(*TORCH_TARGET_VERSION),
-        "ARCHS": tuple(sass_target(a) for a in archs),
-        "PTX_ARCHS": tuple(ptx_archs),
-        "HEAD_DIMS": tuple(hdims),
-        "DTYPES": tuple(dtypes),
-        "AUTOGRAD_TORCH": autograd_minors,
-    })
+    write_build_info(
+        {
+            "VERSION": version,
+            "TORCH_VERSION": torch.__version__,
+            "CUDA_VERSION": cuda_version,
+            "TORCH_TARGET_VERSION": "{}.{}".format(*TORCH_TARGET_VERSION),
+            "ARCHS": tuple(sass_target(a) for a in archs),
+            "PTX_ARCHS": tuple(ptx_archs),
+            "HEAD_DIMS": tuple(hdims),
+            "DTYPES": tuple(dtypes),
+            "AUTOGRAD_TORCH": autograd_minors,
+        }
+    )
     ext = CUDAExtension(
         name="flash_attn_cuda._C",
         sources=sources,
@@ -328,8 +361,13 @@ def build_extensions():
     # libcudart) move, after --as-needed, so that _C.so depends only on those whose symbols it uses (the stable
     # shim's). libdl stays needed whatever: it defines dlsym on glibc < 2.34 (csrc/host/compat/glibc_symver.h).
     # --strip-debug drops the debug info that Python's CFLAGS (-g) ask for.
-    ext.extra_link_args = ["-Wl,--as-needed", *(f"-l{lib}" for lib in ext.libraries),
-                           "-Wl,--no-as-needed", "-l:libdl.so.2", "-Wl,--strip-debug"]
+    ext.extra_link_args = [
+        "-Wl,--as-needed",
+        *(f"-l{lib}" for lib in ext.libraries),
+        "-Wl,--no-as-needed",
+        "-l:libdl.so.2",
+        "-Wl,--strip-debug",
+    ]
     ext.libraries = []
     return [ext, *autograd_exts], version
 

@@ -18,8 +18,8 @@ Rows of each shape (each implementation gets its own copy of the data, laid out 
   ours_append     a decoding step with append: k, v of one new token written at row s - 1 (cache_seqlens = s - 1)
                   and then attended to; the new row equals the row already there, so the cache never changes
   ours_func       flash_attn_func(q, k, v) on the contiguous cache: the plain kernel, without cache support
-  sdpa_flash      torch SDPA under sdpa_kernel(FLASH_ATTENTION), q (b, h, 1, d), k and v (b, hk, s, d) contiguous,
-                  enable_gqa=True for GQA
+  sdpa_flash      torch SDPA under sdpa_kernel(FLASH_ATTENTION), q (b, h, 1, d), k and v (b, hk, s, d), each the
+                  transposed view of its own (b, s, h, d) copy (the layout models give SDPA), enable_gqa=True for GQA
   sdpa_cudnn      the same under CUDNN_ATTENTION
   copy            dst.copy_(src) of a buffer of N bytes, N = the shape's K+V bytes: the HBM reference
 
@@ -42,6 +42,7 @@ With --cuda-graph each call is captured once in a CUDA graph and the replays are
     python bench/bench_decode.py --dtype fp16 --shapes b1_64k --page-sizes 16,256
     python bench/bench_decode.py --dry-run          # the shapes, bytes and memory needed; no GPU
 """
+
 import argparse
 import contextlib
 import json
@@ -69,13 +70,14 @@ SHAPES = {
     "b32_4k": (32, 4096, NHEADS, 32),
 }
 DEFAULT_PAGE_SIZES = (16, 64, 256)
-OVERSIZE = 1.25           # capacity of the oversize cache over the rows in use
-COPY_FRAC_TARGET = 0.90   # ours contiguous: K+V read rate over the copy's read+write rate
+OVERSIZE = 1.25  # capacity of the oversize cache over the rows in use
+COPY_FRAC_TARGET = 0.90  # ours contiguous: K+V read rate over the copy's read+write rate
 PAGED_RATIO_TARGET = 1.10  # paged time over contiguous time
-SANITY_REL_TOL = 0.05     # a loose "same function" check, not the correctness rule (tests/ is)
+SANITY_REL_TOL = 0.05  # a loose "same function" check, not the correctness rule (tests/ is)
 
 
 # ---------------------------------------------------------------------------------------------- arguments
+
 
 def int_list(text):
     return [int(x) for x in text.split(",") if x.strip()]
@@ -87,14 +89,30 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=5, help="turns each implementation takes per shape (median)")
     p.add_argument("--rep", type=int, default=30, help="timed calls per turn (at least 20)")
     p.add_argument("--warmup", type=int, default=5, help="untimed calls before each turn's timed calls")
-    p.add_argument("--shapes", type=lambda s: [x for x in s.split(",") if x], default=list(SHAPES),
-                   help=f"comma-separated subset of {','.join(SHAPES)}")
-    p.add_argument("--page-sizes", type=int_list, default=list(DEFAULT_PAGE_SIZES),
-                   help="comma-separated page sizes of the paged rows (multiples of 16)")
-    p.add_argument("--cuda-graph", action="store_true",
-                   help="time replays of a CUDA graph of each call instead of eager calls (no host overhead)")
-    p.add_argument("--out-dir", "--out", dest="out_dir", default=None,
-                   help="default bench/results/<gpu>/, e.g. bench/results/h200/")
+    p.add_argument(
+        "--shapes",
+        type=lambda s: [x for x in s.split(",") if x],
+        default=list(SHAPES),
+        help=f"comma-separated subset of {','.join(SHAPES)}",
+    )
+    p.add_argument(
+        "--page-sizes",
+        type=int_list,
+        default=list(DEFAULT_PAGE_SIZES),
+        help="comma-separated page sizes of the paged rows (multiples of 16)",
+    )
+    p.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="time replays of a CUDA graph of each call instead of eager calls (no host overhead)",
+    )
+    p.add_argument(
+        "--out-dir",
+        "--out",
+        dest="out_dir",
+        default=None,
+        help="default bench/results/<gpu>/, e.g. bench/results/h200/",
+    )
     p.add_argument("--strict", action="store_true", help="exit with status 2 when a target is missed")
     p.add_argument("--dry-run", action="store_true", help="print the shapes, bytes and memory needed; no GPU")
     a = p.parse_args(argv)
@@ -113,21 +131,27 @@ def parse_args(argv=None):
 
 # ------------------------------------------------------------------------------------------------ shapes
 
+
 def impl_names(page_sizes):
-    return (["ours"] + [f"ours_paged{ps}" for ps in page_sizes]
-            + ["ours_oversize", "ours_append", "ours_func", "sdpa_flash", "sdpa_cudnn", "copy"])
+    return (
+        ["ours"]
+        + [f"ours_paged{ps}" for ps in page_sizes]
+        + ["ours_oversize", "ours_append", "ours_func", "sdpa_flash", "sdpa_cudnn", "copy"]
+    )
 
 
 def impl_label(name):
     if name.startswith("ours_paged"):
-        return f"ours, paged {name[len('ours_paged'):]}"
-    return {"ours": "ours, contiguous",
-            "ours_oversize": f"ours, contiguous, {OVERSIZE:g}x cache",
-            "ours_append": "ours, append 1 token + decode",
-            "ours_func": "ours, flash_attn_func (no cache)",
-            "sdpa_flash": "SDPA flash (contiguous)",
-            "sdpa_cudnn": "SDPA cuDNN (contiguous)",
-            "copy": "copy, N bytes (read + write)"}[name]
+        return f"ours, paged {name[len('ours_paged') :]}"
+    return {
+        "ours": "ours, contiguous",
+        "ours_oversize": f"ours, contiguous, {OVERSIZE:g}x cache",
+        "ours_append": "ours, append 1 token + decode",
+        "ours_func": "ours, flash_attn_func (no cache)",
+        "sdpa_flash": "SDPA flash (contiguous)",
+        "sdpa_cudnn": "SDPA cuDNN (contiguous)",
+        "copy": "copy, N bytes (read + write)",
+    }[name]
 
 
 def kv_bytes(shape, elem_size):
@@ -157,16 +181,21 @@ def dry_run(args):
         n = kv_bytes(shape, esize)
         # ~4 TB/s of read+write copy traffic: an attention call about N / 3.6 TB/s, the copy 2N / 4 TB/s.
         est = calls * n / 3.6e12 + args.rounds * (args.warmup + args.rep) * 2 * n / 4e12
-        print(f"  {shape:10s} {shape_title(shape, esize)}; needs about "
-              f"{memory_needed(shape, esize, args.page_sizes) / 2**30:.1f} GiB; timed calls about {est:.1f} s")
+        print(
+            f"  {shape:10s} {shape_title(shape, esize)}; needs about "
+            f"{memory_needed(shape, esize, args.page_sizes) / 2**30:.1f} GiB; timed calls about {est:.1f} s"
+        )
     bad = [ps for ps in args.page_sizes for s in args.shapes if SHAPES[s][1] % ps or ps % 16]
     if bad:
-        print(f"  page sizes {sorted(set(bad))} do not divide a shape's keys or are not multiples of 16: those "
-              "rows will be n/a")
+        print(
+            f"  page sizes {sorted(set(bad))} do not divide a shape's keys or are not multiples of 16: those "
+            "rows will be n/a"
+        )
     print(f"Outputs: {args.out_dir or 'bench/results/<gpu>'}/decode_<gpu-slug>_{args.dtype}.json, .md, .png")
 
 
 # ------------------------------------------------------------------------------------------------ runners
+
 
 def err_text(exc):
     return f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:300]
@@ -207,8 +236,12 @@ def make_runners(lib, lib_err, shape, args, dtype):
         pool_v = torch.empty_like(pool_k)
         pool_k[perm] = k.reshape(b * pages, ps, hk, d)
         pool_v[perm] = v.reshape(b * pages, ps, hk, d)
-        ours(name, lambda pk=pool_k, pv=pool_v, t=table: lib.flash_attn_with_kvcache(
-            q, pk, pv, cache_seqlens=seqlens, block_table=t))
+        ours(
+            name,
+            lambda pk=pool_k, pv=pool_v, t=table: lib.flash_attn_with_kvcache(
+                q, pk, pv, cache_seqlens=seqlens, block_table=t
+            ),
+        )
 
     cap = int(round(s * OVERSIZE))
     k_big = torch.zeros(b, cap, hk, d, device=DEVICE, dtype=dtype)
@@ -218,7 +251,7 @@ def make_runners(lib, lib_err, shape, args, dtype):
     ours("ours_oversize", lambda: lib.flash_attn_with_kvcache(q, k_big, v_big, cache_seqlens=seqlens))
 
     # The appended token is the cache's last row itself: the append rewrites that row with the same values.
-    k_new, v_new = k[:, s - 1:s].clone(), v[:, s - 1:s].clone()
+    k_new, v_new = k[:, s - 1 : s].clone(), v[:, s - 1 : s].clone()
     seqlens_before = seqlens - 1
     ours("ours_append", lambda: lib.flash_attn_with_kvcache(q, k, v, k=k_new, v=v_new, cache_seqlens=seqlens_before))
 
@@ -226,13 +259,15 @@ def make_runners(lib, lib_err, shape, args, dtype):
     # variants kernel costs over it.
     ours("ours_func", lambda: lib.flash_attn_func(q, k, v))
 
-    qt = q.transpose(1, 2).contiguous()
-    kt = k.transpose(1, 2).contiguous()
-    vt = v.transpose(1, 2).contiguous()
+    # SDPA's own copy, as the transposed views of (b, s, h, d) tensors that models give it (common.sdpa_view).
+    qt, kt, vt = (common.sdpa_view(x) for x in (q, k, v))
     extra = {"enable_gqa": True} if h != hk else {}
     for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
-        runners[name] = (lambda be=backend: sdpa_kernel([be]),
-                         lambda: F.scaled_dot_product_attention(qt, kt, vt, **extra), "bhsd")
+        runners[name] = (
+            lambda be=backend: sdpa_kernel([be]),
+            lambda: F.scaled_dot_product_attention(qt, kt, vt, **extra),
+            "bhsd",
+        )
 
     n_elems = kv_bytes(shape, 1)  # K+V elements: 2 * b * s * hk * d
     src = torch.randn(n_elems, device=DEVICE, dtype=dtype, generator=gen)
@@ -312,8 +347,9 @@ def sanity_check(row, outs):
         diff = (a - b).abs().max().item()
         row["checks"][name] = {"vs": ref, "max_abs_diff": diff, "rel_to_max": diff / scale}
         if not diff / scale <= SANITY_REL_TOL:  # also catches NaN
-            row["warnings"].append(f"{name} differs from {ref}: max|diff| = {diff:.3g} ({diff / scale:.1%} of "
-                                   "max|out|)")
+            row["warnings"].append(
+                f"{name} differs from {ref}: max|diff| = {diff:.3g} ({diff / scale:.1%} of max|out|)"
+            )
 
 
 def time_rounds(timers, row, args):
@@ -322,7 +358,7 @@ def time_rounds(timers, row, args):
     times = {name: [] for name in timers}
     names = list(timers)
     for r in range(args.rounds if names else 0):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             if name in row["errors"]:
                 continue
             ctx, fn = timers[name]
@@ -342,10 +378,24 @@ def time_rounds(timers, row, args):
 def new_row(shape, args, esize, err=None):
     b, s, h, hk = SHAPES[shape]
     names = impl_names(args.page_sizes)
-    row = {"shape": shape, "batch": b, "seqlen": s, "nheads": h, "nheads_k": hk, "hdim": HDIM, "dtype": args.dtype,
-           "kv_bytes": kv_bytes(shape, esize), "oversize_capacity": int(round(s * OVERSIZE)),
-           "impls": names, "labels": {n: impl_label(n) for n in names}, "ms": {n: None for n in names},
-           "rounds_ms": {}, "errors": {}, "warnings": [], "checks": {}}
+    row = {
+        "shape": shape,
+        "batch": b,
+        "seqlen": s,
+        "nheads": h,
+        "nheads_k": hk,
+        "hdim": HDIM,
+        "dtype": args.dtype,
+        "kv_bytes": kv_bytes(shape, esize),
+        "oversize_capacity": int(round(s * OVERSIZE)),
+        "impls": names,
+        "labels": {n: impl_label(n) for n in names},
+        "ms": {n: None for n in names},
+        "rounds_ms": {},
+        "errors": {},
+        "warnings": [],
+        "checks": {},
+    }
     if err:
         row["errors"] = {n: err for n in names}
     return row
@@ -363,6 +413,7 @@ def bench_shape(lib, lib_err, shape, args, dtype, esize):
 
 # ------------------------------------------------------------------------------------------------ derived
 
+
 def finish_row(row, page_sizes):
     """GB/s, fraction of the copy's rate, time over ours, and the two targets' verdicts."""
     n, ms = row["kv_bytes"], row["ms"]
@@ -374,10 +425,17 @@ def finish_row(row, page_sizes):
     for name, t in ms.items():
         frac[name] = gbps[name] / copy if gbps[name] and copy else None
         rel[name] = t / ms["ours"] if t and ms.get("ours") else None
-    row.update(gbps=gbps, frac_copy=frac, time_over_ours=rel,
-               copy_read_only_gbps=n / (ms["copy"] * 1e-3) / 1e9 if ms.get("copy") else None)
-    verdict = {"ours_frac_copy": frac.get("ours"),
-               "ours_pass": None if frac.get("ours") is None else frac["ours"] >= COPY_FRAC_TARGET, "paged": {}}
+    row.update(
+        gbps=gbps,
+        frac_copy=frac,
+        time_over_ours=rel,
+        copy_read_only_gbps=n / (ms["copy"] * 1e-3) / 1e9 if ms.get("copy") else None,
+    )
+    verdict = {
+        "ours_frac_copy": frac.get("ours"),
+        "ours_pass": None if frac.get("ours") is None else frac["ours"] >= COPY_FRAC_TARGET,
+        "paged": {},
+    }
     for ps in page_sizes:
         x = rel.get(f"ours_paged{ps}")
         verdict["paged"][str(ps)] = {"time_over_ours": x, "pass": None if x is None else x <= PAGED_RATIO_TARGET}
@@ -388,6 +446,7 @@ def finish_row(row, page_sizes):
 
 
 # ------------------------------------------------------------------------------------------------ reports
+
 
 def f_us(ms):
     return "n/a" if ms is None else f"{ms * 1e3:.1f}"
@@ -402,42 +461,62 @@ def verdict_cell(value, ok):
 
 
 def markdown(meta, rows, page_sizes):
-    lines = [f"# {meta['title']}", "",
-             f"{meta['gpu']} ({meta.get('sm_count', '?')} SMs), commit {meta['commit']}, {meta['date']}, "
-             f"torch {meta['torch']} (CUDA {meta['cuda']}), cuDNN {meta['cudnn']}.", "",
-             meta["method"], "",
-             f"## Targets: ours contiguous >= {COPY_FRAC_TARGET:.2f} of the copy's bandwidth; paged time <= "
-             f"{PAGED_RATIO_TARGET:.2f} x contiguous", "",
-             "| shape | ours GB/s (K+V read) | copy GB/s (read + write) | ours / copy | "
-             + " | ".join(f"paged {ps} / contiguous" for ps in page_sizes) + " | verdict |",
-             "|---" * (5 + len(page_sizes)) + "|"]
+    lines = [
+        f"# {meta['title']}",
+        "",
+        f"{meta['gpu']} ({meta.get('sm_count', '?')} SMs), commit {meta['commit']}, {meta['date']}, "
+        f"torch {meta['torch']} (CUDA {meta['cuda']}), cuDNN {meta['cudnn']}.",
+        "",
+        meta["method"],
+        "",
+        f"## Targets: ours contiguous >= {COPY_FRAC_TARGET:.2f} of the copy's bandwidth; paged time <= "
+        f"{PAGED_RATIO_TARGET:.2f} x contiguous",
+        "",
+        "| shape | ours GB/s (K+V read) | copy GB/s (read + write) | ours / copy | "
+        + " | ".join(f"paged {ps} / contiguous" for ps in page_sizes)
+        + " | verdict |",
+        "|---" * (5 + len(page_sizes)) + "|",
+    ]
     for r in rows:
         v = r["verdict"]
         cells = [verdict_cell(v["ours_frac_copy"], v["ours_pass"])]
         for ps in page_sizes:
             p = v["paged"][str(ps)]
             cells.append(verdict_cell(p["time_over_ours"], p["pass"]))
-        lines.append(f"| {r['shape']} | {f_num(r['gbps'].get('ours'), '{:.0f}')} | "
-                     f"{f_num(r['gbps'].get('copy'), '{:.0f}')} | " + " | ".join(cells)
-                     + f" | {'PASS' if v['pass'] else 'FAIL'} |")
+        lines.append(
+            f"| {r['shape']} | {f_num(r['gbps'].get('ours'), '{:.0f}')} | "
+            f"{f_num(r['gbps'].get('copy'), '{:.0f}')} | "
+            + " | ".join(cells)
+            + f" | {'PASS' if v['pass'] else 'FAIL'} |"
+        )
     n_pass = sum(1 for r in rows if r["verdict"]["pass"])
-    lines += ["", f"Overall: {'PASS' if rows and n_pass == len(rows) else 'FAIL'} ({n_pass} of {len(rows)} shapes "
-              "meet both targets; n/a counts as a miss).", ""]
+    lines += [
+        "",
+        f"Overall: {'PASS' if rows and n_pass == len(rows) else 'FAIL'} ({n_pass} of {len(rows)} shapes "
+        "meet both targets; n/a counts as a miss).",
+        "",
+    ]
     for r in rows:
         esize = r["kv_bytes"] // (2 * r["batch"] * r["seqlen"] * r["nheads_k"] * r["hdim"])
-        lines += [f"## {r['shape']}: {shape_title(r['shape'], esize)}", "",
-                  "| implementation | time us | GB/s | of copy | / ours | rounds us (min-max) |",
-                  "|---|---|---|---|---|---|"]
+        lines += [
+            f"## {r['shape']}: {shape_title(r['shape'], esize)}",
+            "",
+            "| implementation | time us | GB/s | of copy | / ours | rounds us (min-max) |",
+            "|---|---|---|---|---|---|",
+        ]
         for name in r["impls"]:
             rounds = r["rounds_ms"].get(name) or []
             spread = f"{min(rounds) * 1e3:.1f}-{max(rounds) * 1e3:.1f}" if rounds else "n/a"
-            lines.append(f"| {r['labels'][name]} | {f_us(r['ms'][name])} | {f_num(r['gbps'][name], '{:.0f}')} | "
-                         f"{f_num(r['frac_copy'][name], '{:.3f}')} | {f_num(r['time_over_ours'][name], '{:.3f}')} "
-                         f"| {spread} |")
+            lines.append(
+                f"| {r['labels'][name]} | {f_us(r['ms'][name])} | {f_num(r['gbps'][name], '{:.0f}')} | "
+                f"{f_num(r['frac_copy'][name], '{:.3f}')} | {f_num(r['time_over_ours'][name], '{:.3f}')} "
+                f"| {spread} |"
+            )
         extra = []
         if r["ms"].get("ours_append") and r["ms"].get("ours"):
-            extra.append(f"append cost: {(r['ms']['ours_append'] - r['ms']['ours']) * 1e3:+.1f} us over the "
-                         "decode alone")
+            extra.append(
+                f"append cost: {(r['ms']['ours_append'] - r['ms']['ours']) * 1e3:+.1f} us over the decode alone"
+            )
         if r.get("copy_read_only_gbps"):
             extra.append(f"copy counted as N / t (read only): {r['copy_read_only_gbps']:.0f} GB/s")
         if extra:
@@ -455,6 +534,7 @@ def markdown(meta, rows, page_sizes):
 def plot(path, meta, rows):
     """Per shape, each implementation's K+V read rate as a fraction of the copy's read+write rate."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -466,8 +546,13 @@ def plot(path, meta, rows):
         bars = ax.barh(range(len(names)), ys, color=colors)
         for bar, n in zip(bars, names):
             t = r["ms"].get(n)
-            ax.text(bar.get_width() + 0.01, bar.get_y() + bar.get_height() / 2,
-                    "n/a" if t is None else f"{t * 1e3:.0f} us", va="center", fontsize=7)
+            ax.text(
+                bar.get_width() + 0.01,
+                bar.get_y() + bar.get_height() / 2,
+                "n/a" if t is None else f"{t * 1e3:.0f} us",
+                va="center",
+                fontsize=7,
+            )
         ax.axvline(COPY_FRAC_TARGET, color="tab:red", linestyle="--", label=f"target {COPY_FRAC_TARGET:.2f}")
         ax.axvline(1.0, color="black", linewidth=0.8)
         ax.set_yticks(range(len(names)), [r["labels"][n] for n in names], fontsize=7)
@@ -503,17 +588,24 @@ def write_reports(out_dir, meta, rows, page_sizes):
 
 # --------------------------------------------------------------------------------------------------- main
 
+
 def progress_line(row):
-    cells = [f"{n} n/a" if row["ms"][n] is None else f"{n} {f_us(row['ms'][n])} us ({row['frac_copy'][n] or 0:.2f})"
-             for n in row["impls"]]
-    return (f"{row['shape']}: " + "  ".join(cells)
-            + "".join(f"\n    {n}: {e}" for n, e in row["errors"].items())
-            + "".join(f"\n    WARNING {w}" for w in row["warnings"]))
+    cells = [
+        f"{n} n/a" if row["ms"][n] is None else f"{n} {f_us(row['ms'][n])} us ({row['frac_copy'][n] or 0:.2f})"
+        for n in row["impls"]
+    ]
+    return (
+        f"{row['shape']}: "
+        + "  ".join(cells)
+        + "".join(f"\n    {n}: {e}" for n, e in row["errors"].items())
+        + "".join(f"\n    WARNING {w}" for w in row["warnings"])
+    )
 
 
 def load_ours():
     try:
         import flash_attn_cuda
+
         return flash_attn_cuda, None
     except Exception as exc:
         print(f"[decode] WARNING: cannot import flash_attn_cuda ({type(exc).__name__}: {exc}); ours will be n/a")
@@ -532,22 +624,34 @@ def main(argv=None):
     esize = torch.finfo(dtype).bits // 8
     lib, lib_err = load_ours()
     meta = common.stamp()
-    meta.update(title=f"Decoding against a KV cache ({args.dtype}, head dim {HDIM}, seqlen_q 1)", dtype=args.dtype,
-                hdim=HDIM, nheads=NHEADS, rounds=args.rounds, rep=args.rep, warmup=args.warmup,
-                page_sizes=args.page_sizes, shapes=args.shapes, cuda_graph=args.cuda_graph, oversize=OVERSIZE,
-                targets={"ours_frac_copy_min": COPY_FRAC_TARGET, "paged_time_over_ours_max": PAGED_RATIO_TARGET})
+    meta.update(
+        title=f"Decoding against a KV cache ({args.dtype}, head dim {HDIM}, seqlen_q 1)",
+        dtype=args.dtype,
+        hdim=HDIM,
+        nheads=NHEADS,
+        rounds=args.rounds,
+        rep=args.rep,
+        warmup=args.warmup,
+        page_sizes=args.page_sizes,
+        shapes=args.shapes,
+        cuda_graph=args.cuda_graph,
+        oversize=OVERSIZE,
+        targets={"ours_frac_copy_min": COPY_FRAC_TARGET, "paged_time_over_ours_max": PAGED_RATIO_TARGET},
+    )
     meta["method"] = (
         "q is (b, 1, 32, 128); N = K+V bytes of the keys in use. GB/s: N / t for attention rows, 2N / t for the copy "
         "(dst.copy_(src) of N bytes reads N and writes N); 'of copy' is a row's GB/s over the copy's; '/ ours' is "
         "the row's time over ours contiguous. ours: flash_attn_with_kvcache with cache_seqlens an int32 device "
         "tensor (the whole cache used); paged P: the same keys in pages of P rows, block_table shuffled; cache "
         f"{OVERSIZE:g}x: capacity {OVERSIZE:g} x the keys used; append: k, v of one token written at row s - 1, "
-        "then decoding. SDPA flash / cuDNN: torch SDPA's FLASH_ATTENTION / CUDNN_ATTENTION backends on contiguous "
-        "(b, h, s, d) tensors (enable_gqa=True for GQA). An untimed warm-up round over all rows, then each cell "
-        f"the median over {args.rounds} rounds in which the rows take turns (round r starts with the r-th), each "
-        f"round the median of {args.rep} calls timed by CUDA events after {args.warmup} warm-up calls"
+        "then decoding. SDPA flash / cuDNN: torch SDPA's FLASH_ATTENTION / CUDNN_ATTENTION backends on the "
+        "(b, h, s, d) transposed views of (b, s, h, d) tensors, as models call it (enable_gqa=True for GQA). An "
+        f"untimed warm-up round over all rows, then each cell the median over {args.rounds} rounds in which the "
+        f"rows take turns (round r starts with the r-th), each round the median of {args.rep} calls timed by CUDA "
+        f"events after {args.warmup} warm-up calls"
         + (", each call a CUDA graph replay" if args.cuda_graph else "")
-        + ". The caches exceed the 50 MB L2, so no flush is needed. n/a: failed or unsupported (see Failures).")
+        + ". The caches exceed the 50 MB L2, so no flush is needed. n/a: failed or unsupported (see Failures)."
+    )
     print(f"[decode] {meta['gpu']} commit {meta['commit']} torch {meta['torch']} cuDNN {meta['cudnn']}")
     rows = []
     for shape in args.shapes:

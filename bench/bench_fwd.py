@@ -4,6 +4,7 @@ EFFICIENT_ATTENTION backends, in one run, on the anchor shapes (batch*seqlen tok
     python bench/mma_peak.py && python bench/bench_fwd.py            # full anchor grid, bf16
     python bench/bench_fwd.py --quick --hdims 128                     # a few shapes
 """
+
 import argparse
 import contextlib
 import os
@@ -31,8 +32,13 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    p.add_argument("--pass", dest="pass_", choices=["fwd", "bwd", "fwd_bwd"], default="fwd",
-                   help="time the forward, the backward alone, or both")
+    p.add_argument(
+        "--pass",
+        dest="pass_",
+        choices=["fwd", "bwd", "fwd_bwd"],
+        default="fwd",
+        help="time the forward, the backward alone, or both",
+    )
     p.add_argument("--hdims", type=ints, default=[64, 128, 256])
     p.add_argument("--seqlens", type=ints, default=None, help="default 512,1024,...,16384 (--quick: 2048,8192,16384)")
     p.add_argument("--causal", choices=["both", "yes", "no"], default="both")
@@ -59,19 +65,21 @@ def parse_args(argv=None):
 def load_ours():
     try:
         import flash_attn_cuda
+
         return flash_attn_cuda, None
     except Exception as exc:
         print(f"[bench] WARNING: cannot import flash_attn_cuda ({type(exc).__name__}: {exc}); 'ours' will be n/a")
         return None, f"import failed: {type(exc).__name__}: {exc}"
 
 
-def timed_pass(fn, inputs, pass_):
+def timed_pass(fn, inputs, pass_, sdpa=False):
     """The callable to time for a pass: fn itself, its backward alone (the forward graph is built once and
-    kept), or forward and backward together. Returns (callable, output)."""
+    kept), or forward and backward together. dout has out's layout: contiguous (b, s, h, d) for ours, for SDPA
+    (sdpa=True) the transposed view of a (b, s, h, d) tensor (common.sdpa_grad). Returns (callable, output)."""
     if pass_ == "fwd":
         return fn, None
     out = fn()
-    dout = torch.randn_like(out)
+    dout = common.sdpa_grad(out) if sdpa else torch.randn_like(out)
     if pass_ == "bwd":
         return (lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True)), out
     return (lambda: torch.autograd.grad(fn(), inputs, dout)), out
@@ -88,10 +96,16 @@ def mma_sync_plan():
 
 
 def make_runners(lib, lib_err, q, k, v, qt, kt, vt, causal, impls):
-    """name -> (context factory, fn returning the output in (b, s, h, d)) or an error string."""
+    """name -> (context factory, fn, its inputs, whether it is SDPA) or an error string. fn returns ours' output
+    in (b, s, h, d) and SDPA's in (b, h, s, d); q, k, v are (b, s, h, d), and qt, kt, vt SDPA's transposed views
+    of (b, s, h, d) tensors (common.sdpa_view)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-                "efficient": SDPBackend.EFFICIENT_ATTENTION}
+
+    backends = {
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    }
     runners = {}
     for name in impls:
         if name in ("ours", "ours_det", "ours_mma"):
@@ -103,11 +117,23 @@ def make_runners(lib, lib_err, q, k, v, qt, kt, vt, causal, impls):
                 runners[name] = f"kernel not compiled (hdim {hdim}, {dtype}, causal={causal})"
             else:
                 ctx = mma_sync_plan() if name == "ours_mma" else contextlib.nullcontext
-                runners[name] = ctx if isinstance(ctx, str) else (
-                    ctx, lambda det=det: lib.flash_attn_func(q, k, v, causal=causal, deterministic=det), (q, k, v))
+                runners[name] = (
+                    ctx
+                    if isinstance(ctx, str)
+                    else (
+                        ctx,
+                        lambda det=det: lib.flash_attn_func(q, k, v, causal=causal, deterministic=det),
+                        (q, k, v),
+                        False,
+                    )
+                )
         else:
-            runners[name] = (lambda b=backends[name]: sdpa_kernel([b]),
-                             lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal), (qt, kt, vt))
+            runners[name] = (
+                lambda b=backends[name]: sdpa_kernel([b]),
+                lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal),
+                (qt, kt, vt),
+                True,
+            )
     return runners
 
 
@@ -116,12 +142,12 @@ def prepare_one(runner, pass_="fwd"):
     into the error message."""
     if isinstance(runner, str):
         return None, None, None, runner
-    ctx, fn, inputs = runner
+    ctx, fn, inputs, sdpa = runner
     with warnings.catch_warnings(record=True) as caught, ctx():
         warnings.simplefilter("always")
         try:
             out = fn().detach()
-            timed, _ = timed_pass(fn, inputs, pass_)
+            timed, _ = timed_pass(fn, inputs, pass_, sdpa)
             return ctx, timed, out, None
         except Exception as exc:
             err = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
@@ -131,16 +157,17 @@ def prepare_one(runner, pass_="fwd"):
 
 
 def time_rounds(timers, row, args):
-    """Times each (context, callable) of timers in turn, args.rounds times; row["ms"] gets each one's median
-    over its rounds and row["rounds_ms"] the rounds. A runner that fails is left out of later rounds.
+    """Times each (context, callable) of timers in turn: an untimed warm-up round (round -1, each runner one
+    full turn, its time dropped), then args.rounds rounds; row["ms"] gets each one's median over its rounds and
+    row["rounds_ms"] the rounds. A runner that fails is left out of later rounds.
 
     On the H200 the first timing after the pause between shapes runs faster than the ones after it (perf log
-    35); the median leaves that round out. Round r starts with the r-th runner, so that no runner always
-    follows the same one."""
+    35); the warm-up round absorbs it, and the median leaves out any later outlier. Round r starts with the r-th
+    runner, so that no runner always follows the same one."""
     times = {name: [] for name in timers}
     names = list(timers)
-    for r in range(args.rounds if names else 0):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+    for r in range(-1, args.rounds if names else -1):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             if name not in timers:
                 continue
             ctx, timed = timers[name]
@@ -150,7 +177,7 @@ def time_rounds(timers, row, args):
             if err:
                 row["errors"][name] = err
                 del timers[name]
-            else:
+            elif r >= 0:
                 times[name].append(ms)
     for name, ms in times.items():
         row["ms"][name] = statistics.median(ms) if ms and name not in row["errors"] else None
@@ -164,22 +191,33 @@ def shape_of(args, hdim, seqlen):
 def new_row(args, hdim, causal, seqlen, err=None):
     """A row with every implementation n/a; err, if given, is recorded as every implementation's failure."""
     batch, nheads = shape_of(args, hdim, seqlen)
-    return {"pass": args.pass_, "dtype": args.dtype, "hdim": hdim, "causal": causal, "batch": batch, "seqlen": seqlen,
-            "nheads": nheads, "flops": common.attn_flops(batch, nheads, seqlen, seqlen, hdim, causal, args.pass_),
-            "ms": {k: None for k in args.impls}, "warnings": [],
-            "errors": {k: err.splitlines()[0][:300] for k in args.impls} if err else {}}
+    return {
+        "pass": args.pass_,
+        "dtype": args.dtype,
+        "hdim": hdim,
+        "causal": causal,
+        "batch": batch,
+        "seqlen": seqlen,
+        "nheads": nheads,
+        "flops": common.attn_flops(batch, nheads, seqlen, seqlen, hdim, causal, args.pass_),
+        "ms": {k: None for k in args.impls},
+        "warnings": [],
+        "errors": {k: err.splitlines()[0][:300] for k in args.impls} if err else {},
+    }
 
 
 def bench_shape(lib, lib_err, dtype_name, hdim, causal, seqlen, args):
     dtype = DTYPES[dtype_name]
     batch, nheads = shape_of(args, hdim, seqlen)
     gen = torch.Generator(device="cuda").manual_seed(hdim * 100003 + seqlen * 7 + int(causal))
-    # Fresh random data (never zeros) in both layouts, made contiguous before timing so no copy is timed.
-    q, k, v = (torch.randn(batch, seqlen, nheads, hdim, device="cuda", dtype=dtype, generator=gen) for _ in range(3))
-    qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
-    if args.pass_ != "fwd":
-        for x in (q, k, v, qt, kt, vt):
-            x.requires_grad_()
+    # Fresh random data (never zeros), made before timing: (b, s, h, d) for ours, and for SDPA its own copy as the
+    # transposed views of (b, s, h, d) tensors, the layout models give it (common.sdpa_view).
+    grad = args.pass_ != "fwd"
+    q, k, v = (
+        torch.randn(batch, seqlen, nheads, hdim, device="cuda", dtype=dtype, generator=gen).requires_grad_(grad)
+        for _ in range(3)
+    )
+    qt, kt, vt = (common.sdpa_view(x) for x in (q, k, v))
     row = new_row(args, hdim, causal, seqlen)
     outs, timers = {}, {}
     for name, runner in make_runners(lib, lib_err, q, k, v, qt, kt, vt, causal, args.impls).items():
@@ -210,20 +248,34 @@ def main(argv=None):
     lib, lib_err = load_ours()
     meta = common.stamp()
     title = {"fwd": "Forward", "bwd": "Backward", "fwd_bwd": "Forward + backward"}[args.pass_]
-    meta.update({"title": f"{title} attention, {args.dtype}", "pass": args.pass_, "dtype": args.dtype,
-                 "tokens": args.tokens, "hidden": args.hidden, "warmup": args.warmup, "rep": max(args.rep, 20),
-                 "rounds": args.rounds})
-    meta["method"] = (f"{args.dtype}, batch x seqlen = {args.tokens} tokens, hidden {args.hidden} "
-                      f"(nheads = {args.hidden} / hdim). TFLOP/s by the FA2 convention: 4*b*h*s^2*d, halved when "
-                      f"causal, x2.5 for the backward, x3.5 for forward + backward. Each cell: the median over "
-                      f"{args.rounds} rounds in which the implementations take turns (round r starts with the r-th), "
-                      f"each round the median of {max(args.rep, 20)} timed calls (CUDA events) after {args.warmup} "
-                      f"warm-up calls. Inputs contiguous in each layout (ours (b,s,h,d), SDPA (b,h,s,d)). flash / "
-                      f"cudnn / efficient: torch SDPA backends FLASH_ATTENTION / CUDNN_ATTENTION / "
-                      f"EFFICIENT_ATTENTION. n/a: failed or unsupported.")
+    meta.update(
+        {
+            "title": f"{title} attention, {args.dtype}",
+            "pass": args.pass_,
+            "dtype": args.dtype,
+            "tokens": args.tokens,
+            "hidden": args.hidden,
+            "warmup": args.warmup,
+            "rep": max(args.rep, 20),
+            "rounds": args.rounds,
+        }
+    )
+    meta["method"] = (
+        f"{args.dtype}, batch x seqlen = {args.tokens} tokens, hidden {args.hidden} "
+        f"(nheads = {args.hidden} / hdim). TFLOP/s by the FA2 convention: 4*b*h*s^2*d, halved when "
+        f"causal, x2.5 for the backward, x3.5 for forward + backward. After an untimed warm-up round, "
+        f"each cell: the median over {args.rounds} rounds in which the implementations take turns "
+        f"(round r starts with the r-th), each round the median of {max(args.rep, 20)} timed calls "
+        f"(CUDA events) after {args.warmup} warm-up calls. Inputs: ours (b,s,h,d) contiguous; SDPA "
+        f"the (b,h,s,d) transposed views of (b,s,h,d) tensors, as models call it (dout too, in out's "
+        f"layout). flash / cudnn / efficient: torch SDPA backends FLASH_ATTENTION / CUDNN_ATTENTION / "
+        f"EFFICIENT_ATTENTION. n/a: failed or unsupported."
+    )
     peak = common.load_mma_peak(args.mma_peak or os.path.join(args.out_dir, "mma_peak.json"), meta["gpu"])
-    print(f"[bench] {meta['gpu']} commit {meta['commit']} torch {meta['torch']} cuDNN {meta['cudnn']}; mma.sync peak: "
-          + (f"{peak['tflops']:.0f} TFLOP/s" if peak else "not measured"))
+    print(
+        f"[bench] {meta['gpu']} commit {meta['commit']} torch {meta['torch']} cuDNN {meta['cudnn']}; mma.sync peak: "
+        + (f"{peak['tflops']:.0f} TFLOP/s" if peak else "not measured")
+    )
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
     rows = []
     for hdim in args.hdims:
@@ -235,10 +287,13 @@ def main(argv=None):
                     row = new_row(args, hdim, causal, seqlen, f"{type(exc).__name__}: {exc}")
                 row = common.finish_row(row, args.impls, peak["tflops"] if peak else None)
                 rows.append(row)
-                print(f"hdim {hdim:3d} {'causal    ' if causal else 'non-causal'} s={seqlen:5d} b={row['batch']:3d}: "
-                      + "  ".join(f"{k} {common.fmt_num(row['tflops'][k])}" for k in args.impls)
-                      + "".join(f"\n    {k}: {e}" for k, e in row["errors"].items())
-                      + "".join(f"\n    WARNING {w}" for w in row["warnings"]), flush=True)
+                print(
+                    f"hdim {hdim:3d} {'causal    ' if causal else 'non-causal'} s={seqlen:5d} b={row['batch']:3d}: "
+                    + "  ".join(f"{k} {common.fmt_num(row['tflops'][k])}" for k in args.impls)
+                    + "".join(f"\n    {k}: {e}" for k, e in row["errors"].items())
+                    + "".join(f"\n    WARNING {w}" for w in row["warnings"]),
+                    flush=True,
+                )
     name = f"{args.pass_}_{meta['gpu_slug']}" + ("" if args.dtype == "bf16" else f"_{args.dtype}")
     print()
     print(common.write_reports(args.out_dir, name, meta, rows, args.impls, peak))

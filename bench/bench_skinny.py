@@ -4,6 +4,7 @@ Forward and backward; writes JSON, markdown and a PNG to --out-dir.
 
     python bench/bench_skinny.py --dtype bf16
 """
+
 import argparse
 import json
 import os
@@ -50,96 +51,135 @@ def main(argv=None):
     p.add_argument("--out-dir", default=None, help="default bench/results/<gpu>/, e.g. bench/results/h200/")
     a = p.parse_args(argv)
     a.out_dir = common.out_dir(a.out_dir)
-    import flash_attn_cuda
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import flash_attn_cuda
 
     dtype = DTYPES[a.dtype]
     meta = common.stamp()
-    meta.update(dtype=a.dtype)
+    meta.update(dtype=a.dtype, warmup=a.warmup, rep=max(a.rep, 20), rounds=a.rounds)
     print(f"[skinny] {meta['gpu']} commit {meta['commit']}")
     rows = []
     for label, b, sq, sk, h, hk, d, causal in shapes():
         q = torch.randn(b, sq, h, d, device="cuda", dtype=dtype, requires_grad=True)
         k, v = (torch.randn(b, sk, hk, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
-        # SDPA takes (b, h, s, d) and expands GQA heads itself only with enable_gqa.
-        qt, kt, vt = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
+        # SDPA takes (b, h, s, d): its own copy, as the transposed views of (b, s, h, d) tensors that models give it
+        # (common.sdpa_view). It expands GQA heads itself only with enable_gqa.
+        qt, kt, vt = (common.sdpa_view(t) for t in (q, k, v))
         runners = {
-            "ours": (lambda: flash_attn_cuda.flash_attn_func(q, k, v, causal=causal), (q, k, v)),
-            "flash": (lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=h != hk),
-                      (qt, kt, vt)),
+            "ours": (lambda: flash_attn_cuda.flash_attn_func(q, k, v, causal=causal), (q, k, v), torch.randn_like),
+            "flash": (
+                lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=h != hk),
+                (qt, kt, vt),
+                common.sdpa_grad,
+            ),
         }
         flops = common.attn_flops(b, h, sq, sk, d, causal)
-        row = {"label": label, "batch": b, "seqlen_q": sq, "seqlen_k": sk, "nheads": h, "nheads_k": hk, "hdim": d,
-               "causal": causal, "tflops": {}, "errors": {}}
+        row = {
+            "label": label,
+            "batch": b,
+            "seqlen_q": sq,
+            "seqlen_k": sk,
+            "nheads": h,
+            "nheads_k": hk,
+            "hdim": d,
+            "causal": causal,
+            "tflops": {},
+            "errors": {},
+        }
         # Decoding-sized calls are host-bound, and the host's speed drifts over a run (perf log 35): the
         # implementations take turns, --rounds times, and each cell is the median over its rounds.
         passes, times = {}, {}
         with warnings.catch_warnings(), sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
             warnings.simplefilter("ignore")
-            for name, (fn, inputs) in runners.items():
+            for name, (fn, inputs, grad_like) in runners.items():
                 try:
                     out = fn()
-                    dout = torch.randn_like(out)
+                    dout = grad_like(out)  # in out's layout
                 except Exception as exc:
                     row["errors"][name] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
                     continue
-                passes[name] = {"fwd": fn, "bwd": lambda out=out, inputs=inputs, dout=dout: torch.autograd.grad(
-                    out, inputs, dout, retain_graph=True)}
+                passes[name] = {
+                    "fwd": fn,
+                    "bwd": lambda out=out, inputs=inputs, dout=dout: torch.autograd.grad(
+                        out, inputs, dout, retain_graph=True
+                    ),
+                }
                 times[name] = {"fwd": [], "bwd": []}
             names = list(passes)
-            for r in range(a.rounds if names else 0):
-                # Round r starts with the r-th implementation, so that neither always follows the other.
-                for name in names[r % len(names):] + names[:r % len(names)]:
+            # Round -1 is an untimed warm-up round (each implementation one full turn, its times dropped). Round r
+            # starts with the r-th implementation, so that neither always follows the other.
+            for r in range(-1, a.rounds if names else -1):
+                for name in names[r % len(names) :] + names[: r % len(names)]:
                     fns = passes[name]
                     for pass_, f in list(fns.items()):
                         ms, err = common.try_time(f, a.warmup, a.rep)
                         if err:  # no further rounds for a pass that failed
                             row["errors"][name] = f"{pass_}: {err}"
                             del fns[pass_]
-                        else:
+                        elif r >= 0:
                             times[name][pass_].append(ms)
         row["rounds_ms"] = times
         for name in runners:
             ms = times.get(name, {})
             row["tflops"][name] = {
                 pass_: mult * flops / (statistics.median(ms[pass_]) * 1e-3) / 1e12 if ms.get(pass_) else None
-                for pass_, mult in (("fwd", 1.0), ("bwd", 2.5))}
+                for pass_, mult in (("fwd", 1.0), ("bwd", 2.5))
+            }
         rows.append(row)
         t = row["tflops"]
-        print(f"{label:26s} b={b} sq={sq:5d} sk={sk:5d} h={h:2d}/{hk:2d} d={d:3d} causal={int(causal)}: "
-              + "  ".join(f"{n} fwd {common.fmt_num(t[n]['fwd'])} bwd {common.fmt_num(t[n]['bwd'])}" for n in t)
-              + "".join(f"\n    {n}: {e}" for n, e in row["errors"].items()), flush=True)
+        print(
+            f"{label:26s} b={b} sq={sq:5d} sk={sk:5d} h={h:2d}/{hk:2d} d={d:3d} causal={int(causal)}: "
+            + "  ".join(f"{n} fwd {common.fmt_num(t[n]['fwd'])} bwd {common.fmt_num(t[n]['bwd'])}" for n in t)
+            + "".join(f"\n    {n}: {e}" for n, e in row["errors"].items()),
+            flush=True,
+        )
 
     os.makedirs(a.out_dir, exist_ok=True)
     base = os.path.join(a.out_dir, f"skinny_{meta['gpu_slug']}_{a.dtype}")
     with open(base + ".json", "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    lines = [f"# Short and skinny shapes, {a.dtype}", "",
-             f"{meta['gpu']}, commit {meta['commit']}, {meta['date']}, torch {meta['torch']}. TFLOP/s by the FA2 "
-             "convention (4*b*h*sq*sk*d, halved when causal; bwd 2.5x). flash: SDPA FLASH_ATTENTION. "
-             f"Each cell: the median over {a.rounds} rounds in which the implementations take turns (round r "
-             f"starts with the r-th), each round the median of {max(a.rep, 20)} timed calls after {a.warmup} "
-             "warm-up calls.", "",
-             "| shape | b | sq | sk | heads | hdim | causal | fwd ours | fwd flash | fwd ratio | bwd ours | bwd flash | bwd ratio |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Short and skinny shapes, {a.dtype}",
+        "",
+        f"{meta['gpu']}, commit {meta['commit']}, {meta['date']}, torch {meta['torch']}. TFLOP/s by the FA2 "
+        "convention (4*b*h*sq*sk*d, halved when causal; bwd 2.5x). flash: SDPA FLASH_ATTENTION, on the "
+        "(b, h, s, d) transposed views of (b, s, h, d) tensors (dout too); ours on (b, s, h, d). After an "
+        f"untimed warm-up round, each cell: the median over {a.rounds} rounds in which the implementations "
+        f"take turns (round r starts with the r-th), each round the median of {max(a.rep, 20)} timed calls "
+        f"after {a.warmup} warm-up calls.",
+        "",
+        "| shape | b | sq | sk | heads | hdim | causal | fwd ours | fwd flash | fwd ratio | bwd ours | bwd flash "
+        "| bwd ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         t = r["tflops"]
         cells = []
         for pass_ in ("fwd", "bwd"):
             ours, flash = t["ours"][pass_], t["flash"][pass_]
-            cells += [common.fmt_num(ours), common.fmt_num(flash),
-                      common.fmt_num(ours / flash if ours and flash else None, "{:.2f}")]
-        lines.append(f"| {r['label']} | {r['batch']} | {r['seqlen_q']} | {r['seqlen_k']} | {r['nheads']}/{r['nheads_k']} "
-                     f"| {r['hdim']} | {r['causal']} | " + " | ".join(cells) + " |")
+            cells += [
+                common.fmt_num(ours),
+                common.fmt_num(flash),
+                common.fmt_num(ours / flash if ours and flash else None, "{:.2f}"),
+            ]
+        lines.append(
+            f"| {r['label']} | {r['batch']} | {r['seqlen_q']} | {r['seqlen_k']} | "
+            f"{r['nheads']}/{r['nheads_k']} | {r['hdim']} | {r['causal']} | " + " | ".join(cells) + " |"
+        )
     with open(base + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
-    plot(base + ".png", meta, rows)
+    try:
+        plot(base + ".png", meta, rows)
+    except Exception as exc:  # a missing matplotlib must not lose the numbers (written above)
+        print(f"[skinny] plot skipped: {type(exc).__name__}: {exc}")
     print("\n".join(lines))
 
 
 def plot(path, meta, rows):
     """ours / flash per shape, forward and backward, with the 1.0 line."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -151,11 +191,17 @@ def plot(path, meta, rows):
             ys.append(ours / flash if ours and flash else 0.0)
         ax.bar([i + offset for i in range(len(rows))], ys, 0.4, label=pass_)
     ax.axhline(1.0, color="gray", linestyle="--")
-    ax.set_xticks(range(len(rows)), [f"{r['seqlen_q']}x{r['seqlen_k']} h{r['nheads']} d{r['hdim']}"
-                                     f"{' c' if r['causal'] else ''}" for r in rows], rotation=70, fontsize=7)
+    ax.set_xticks(
+        range(len(rows)),
+        [f"{r['seqlen_q']}x{r['seqlen_k']} h{r['nheads']} d{r['hdim']}{' c' if r['causal'] else ''}" for r in rows],
+        rotation=70,
+        fontsize=7,
+    )
     ax.set_ylabel("ours / SDPA flash")
     ax.legend()
-    ax.set_title(f"short and skinny shapes, {meta['dtype']}: {meta['gpu']}, commit {meta['commit']}", fontsize=9)
+    ax.set_title(
+        f"short and skinny shapes, {meta['dtype']}: {meta['gpu']}, commit {meta['commit']}, {meta['date']}", fontsize=9
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -16,6 +16,7 @@ torch.autograd.grad of a kept output, as bench_fwd.py --pass bwd). Three section
     python bench/bench_variants.py --quick --rounds 3    # fewer shapes
     python bench/bench_variants.py --dry-run             # the shape list and a rough time estimate, no GPU
 """
+
 import argparse
 import contextlib
 import json
@@ -44,16 +45,28 @@ SANITY_REL_TOL = 0.05  # a loose "is it the same function" check against SDPA, n
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sections", type=lambda s: [x for x in s.split(",") if x], default=list(SECTIONS),
-                   help=f"comma-separated subset of {','.join(SECTIONS)}")
+    p.add_argument(
+        "--sections",
+        type=lambda s: [x for x in s.split(",") if x],
+        default=list(SECTIONS),
+        help=f"comma-separated subset of {','.join(SECTIONS)}",
+    )
     p.add_argument("--quick", action="store_true", help="fewer shapes (window: 16384; others: 8192) and repetitions")
     p.add_argument("--rounds", type=int, default=3, help="turns each implementation takes per shape (median)")
     p.add_argument("--warmup", type=int, default=None, help="untimed calls per measurement (default 5, --quick 3)")
     p.add_argument("--rep", type=int, default=None, help="timed calls per measurement, >= 20 (default 30, --quick 20)")
-    p.add_argument("--sdpa-alibi", action="store_true",
-                   help="softcap_alibi: also SDPA EFFICIENT_ATTENTION with and without an explicit ALiBi bias")
-    p.add_argument("--out-dir", "--out", dest="out_dir", default=None,
-                   help="default bench/results/<gpu>/, e.g. bench/results/h200/")
+    p.add_argument(
+        "--sdpa-alibi",
+        action="store_true",
+        help="softcap_alibi: also SDPA EFFICIENT_ATTENTION with and without an explicit ALiBi bias",
+    )
+    p.add_argument(
+        "--out-dir",
+        "--out",
+        dest="out_dir",
+        default=None,
+        help="default bench/results/<gpu>/, e.g. bench/results/h200/",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the shapes and a rough time estimate; no CUDA")
     a = p.parse_args(argv)
     unknown = set(a.sections) - set(SECTIONS)
@@ -67,6 +80,7 @@ def parse_args(argv=None):
 
 
 # ------------------------------------------------------------------------------------------------- shapes
+
 
 def visible_pairs(seqlen_q, seqlen_k, causal, window=(-1, -1)):
     """(query, key) pairs the mask lets through, counted exactly by the spec's rule: query row i sits at
@@ -86,28 +100,35 @@ def visible_pairs(seqlen_q, seqlen_k, causal, window=(-1, -1)):
 
 def impl_specs(group, sdpa_alibi=False):
     """name -> (backend, kwargs): backend "ours" calls flash_attn_func(q, k, v, **kwargs) on (b, s, h, d) tensors,
-    "flash" / "cudnn" / "efficient" call SDPA under that backend on (b, h, s, d) tensors. The kwargs values
+    "flash" / "cudnn" / "efficient" call SDPA under that backend on (b, h, s, d) transposed views of (b, s, h, d)
+    tensors. The kwargs values
     "@alibi_slopes" and "@alibi_bias" stand for tensors made with the inputs."""
     c, sec = group["causal"], group["section"]
     if sec == "window":
-        return {"ours_window": ("ours", {"causal": c, "window_size": tuple(group["window"])}),
-                "ours_full": ("ours", {"causal": c}),
-                "flash_full": ("flash", {"is_causal": c}),
-                "cudnn_full": ("cudnn", {"is_causal": c})}
+        return {
+            "ours_window": ("ours", {"causal": c, "window_size": tuple(group["window"])}),
+            "ours_full": ("ours", {"causal": c}),
+            "flash_full": ("flash", {"is_causal": c}),
+            "cudnn_full": ("cudnn", {"is_causal": c}),
+        }
     if sec == "softcap_alibi":
-        specs = {"ours": ("ours", {"causal": c}),
-                 "ours_softcap": ("ours", {"causal": c, "softcap": SOFTCAP}),
-                 "ours_alibi": ("ours", {"causal": c, "alibi_slopes": "@alibi_slopes"}),
-                 "ours_softcap_alibi": ("ours", {"causal": c, "softcap": SOFTCAP, "alibi_slopes": "@alibi_slopes"})}
+        specs = {
+            "ours": ("ours", {"causal": c}),
+            "ours_softcap": ("ours", {"causal": c, "softcap": SOFTCAP}),
+            "ours_alibi": ("ours", {"causal": c, "alibi_slopes": "@alibi_slopes"}),
+            "ours_softcap_alibi": ("ours", {"causal": c, "softcap": SOFTCAP, "alibi_slopes": "@alibi_slopes"}),
+        }
         if sdpa_alibi:
             # SDPA takes a float mask or is_causal, not both: the causal mask goes into the bias as -inf.
             specs["efficient"] = ("efficient", {"is_causal": c})
             specs["efficient_alibi"] = ("efficient", {"attn_mask": "@alibi_bias"})
         return specs
-    return {"ours": ("ours", {"causal": c}),
-            "ours_dropout": ("ours", {"causal": c, "dropout_p": DROPOUT_P}),
-            "flash": ("flash", {"is_causal": c}),
-            "flash_dropout": ("flash", {"is_causal": c, "dropout_p": DROPOUT_P})}
+    return {
+        "ours": ("ours", {"causal": c}),
+        "ours_dropout": ("ours", {"causal": c, "dropout_p": DROPOUT_P}),
+        "flash": ("flash", {"is_causal": c}),
+        "flash_dropout": ("flash", {"is_causal": c, "dropout_p": DROPOUT_P}),
+    }
 
 
 def build_groups(args):
@@ -115,18 +136,25 @@ def build_groups(args):
     groups = []
 
     def add(section, seqlen, causal, **extra):
-        g = {"section": section, "seqlen": seqlen, "batch": max(1, TOKENS // seqlen), "nheads": NHEADS,
-             "hdim": HDIM, "causal": causal, **extra}
+        g = {
+            "section": section,
+            "seqlen": seqlen,
+            "batch": max(1, TOKENS // seqlen),
+            "nheads": NHEADS,
+            "hdim": HDIM,
+            "causal": causal,
+            **extra,
+        }
         g["impls"] = list(impl_specs(g, args.sdpa_alibi))
         groups.append(g)
 
     if "window" in args.sections:
-        for seqlen in ([16384] if args.quick else [4096, 8192, 16384]):
+        for seqlen in [16384] if args.quick else [4096, 8192, 16384]:
             for window, causal in WINDOWS:
                 add("window", seqlen, causal, window=list(window))
     for section in ("softcap_alibi", "dropout"):
         if section in args.sections:
-            for seqlen in ([8192] if args.quick else [2048, 8192]):
+            for seqlen in [8192] if args.quick else [2048, 8192]:
                 for causal in (False, True):
                     add(section, seqlen, causal)
     return groups
@@ -151,8 +179,11 @@ def add_visible(groups):
     for g in groups:
         if g["section"] == "window":
             s = g["seqlen"]
-            g["visible"] = {"window": visible_pairs(s, s, g["causal"], tuple(g["window"])),
-                            "full": visible_pairs(s, s, g["causal"]), "full_causal": visible_pairs(s, s, True)}
+            g["visible"] = {
+                "window": visible_pairs(s, s, g["causal"], tuple(g["window"])),
+                "full": visible_pairs(s, s, g["causal"]),
+                "full_causal": visible_pairs(s, s, True),
+            }
             g["ideal_fraction"] = g["visible"]["window"] / g["visible"]["full"]
 
 
@@ -166,15 +197,19 @@ def dry_run(groups, args):
             print(f"    {name:20s} {backend:9s} {kw}")
             for pass_ in PASSES:
                 eff = rate[pass_] * (0.6 if name == "ours_window" else 1.0)
-                total += args.rounds * ((args.warmup + args.rep) * impl_flops(g, name, pass_) / eff + 0.02)
-                measurements += args.rounds
-    print(f"\n{len(groups)} groups, {measurements} measurements ({args.rounds} rounds x {args.warmup} warm-up + "
-          f"{args.rep} timed calls each); rough GPU time {total:.0f} s, plus ~20-40 s to start torch and CUDA "
-          "and load the kernels.")
+                # The rounds and the untimed warm-up round before them.
+                total += (args.rounds + 1) * ((args.warmup + args.rep) * impl_flops(g, name, pass_) / eff + 0.02)
+                measurements += args.rounds + 1
+    print(
+        f"\n{len(groups)} groups, {measurements} measurements ({args.rounds} rounds and an untimed warm-up "
+        f"round, {args.warmup} warm-up + {args.rep} timed calls each); rough GPU time {total:.0f} s, plus ~20-40 s "
+        "to start torch and CUDA and load the kernels."
+    )
     print(f"Outputs: {args.out_dir or 'bench/results/<gpu>'}/variants_<gpu-slug>.json, .md, .png")
 
 
 # ------------------------------------------------------------------------------------------------ runners
+
 
 def alibi_slopes(nheads):
     """The ALiBi paper's geometric slopes 2^(-8 (i + 1) / nheads), fp32."""
@@ -196,6 +231,7 @@ def alibi_bias(slopes, seqlen, causal, dtype):
 def load_ours():
     try:
         import flash_attn_cuda
+
         return flash_attn_cuda, None
     except Exception as exc:
         print(f"[variants] WARNING: cannot import flash_attn_cuda ({type(exc).__name__}: {exc}); ours will be n/a")
@@ -203,10 +239,14 @@ def load_ours():
 
 
 def make_runners(lib, lib_err, g, specs, q, k, v, qt, kt, vt):
-    """name -> (context factory, fn, inputs) or an error string."""
+    """name -> (context factory, fn, inputs, grad_like: dout in out's layout) or an error string."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-                "efficient": SDPBackend.EFFICIENT_ATTENTION}
+
+    backends = {
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    }
     extra = {}
     if any(v_ == "@alibi_slopes" for _, kw in specs.values() for v_ in kw.values()):
         extra["@alibi_slopes"] = alibi_slopes(g["nheads"])
@@ -216,11 +256,23 @@ def make_runners(lib, lib_err, g, specs, q, k, v, qt, kt, vt):
     for name, (backend, kw) in specs.items():
         kw = {key: extra.get(val, val) if isinstance(val, str) else val for key, val in kw.items()}
         if backend == "ours":
-            runners[name] = lib_err if lib is None else (
-                contextlib.nullcontext, lambda kw=kw: lib.flash_attn_func(q, k, v, **kw), (q, k, v))
+            runners[name] = (
+                lib_err
+                if lib is None
+                else (
+                    contextlib.nullcontext,
+                    lambda kw=kw: lib.flash_attn_func(q, k, v, **kw),
+                    (q, k, v),
+                    torch.randn_like,
+                )
+            )
         else:
-            runners[name] = (lambda b=backends[backend]: sdpa_kernel([b]),
-                             lambda kw=kw: F.scaled_dot_product_attention(qt, kt, vt, **kw), (qt, kt, vt))
+            runners[name] = (
+                lambda b=backends[backend]: sdpa_kernel([b]),
+                lambda kw=kw: F.scaled_dot_product_attention(qt, kt, vt, **kw),
+                (qt, kt, vt),
+                common.sdpa_grad,
+            )
     return runners
 
 
@@ -231,15 +283,16 @@ def err_text(exc):
 def prepare(runner):
     """(context factory, {pass: callable to time}, output in (b, s, h, d) or SDPA's layout, error). The forward
     is timed under no_grad (as bench_fwd.py's forward, whose inputs need no grad); the backward is
-    torch.autograd.grad of an output made once, its graph kept. SDPA's 'why not' warnings join the error."""
+    torch.autograd.grad of an output made once, its graph kept, with dout in the output's layout (for SDPA the
+    transposed view of a (b, s, h, d) tensor). SDPA's 'why not' warnings join the error."""
     if isinstance(runner, str):
         return None, None, None, runner
-    ctx, fn, inputs = runner
+    ctx, fn, inputs, grad_like = runner
     with warnings.catch_warnings(record=True) as caught, ctx():
         warnings.simplefilter("always")
         try:
             out = fn()
-            dout = torch.randn_like(out)
+            dout = grad_like(out)
 
             def fwd():
                 with torch.no_grad():
@@ -247,6 +300,7 @@ def prepare(runner):
 
             def bwd():
                 return torch.autograd.grad(out, inputs, dout, retain_graph=True)
+
             return ctx, {"fwd": fwd, "bwd": bwd}, out.detach(), None
         except Exception as exc:
             err = err_text(exc)
@@ -256,14 +310,15 @@ def prepare(runner):
 
 
 def time_rounds(timers, row, args):
-    """The implementations take turns, args.rounds times (round r starts with the r-th, so none always follows
-    the same one; on the H200 the first timing after a pause runs fast, perf log 35); in each turn the forward,
-    then the backward. row["ms"][name][pass] is the median over the rounds, row["rounds_ms"] the rounds. A pass
-    that fails is recorded and left out of later rounds."""
+    """The implementations take turns, first in an untimed warm-up round (round -1, each one full turn, its times
+    dropped: on the H200 the first timing after a pause runs fast, perf log 35), then args.rounds times (round r
+    starts with the r-th, so none always follows the same one); in each turn the forward, then the backward.
+    row["ms"][name][pass] is the median over the rounds, row["rounds_ms"] the rounds. A pass that fails is
+    recorded and left out of later rounds."""
     times = {name: {p: [] for p in fns} for name, (_, fns) in timers.items()}
     names = list(timers)
-    for r in range(args.rounds if names else 0):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+    for r in range(-1, args.rounds if names else -1):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             ctx, fns = timers[name]
             for pass_, fn in list(fns.items()):
                 with warnings.catch_warnings(), ctx():
@@ -274,7 +329,7 @@ def time_rounds(timers, row, args):
                     row["errors"][name] = (prev + "; " if prev else "") + f"{pass_}: {err}"
                     del fns[pass_]
                     times[name][pass_] = []
-                else:
+                elif r >= 0:
                     times[name][pass_].append(ms)
     for name, by_pass in times.items():
         for pass_, ms in by_pass.items():
@@ -306,10 +361,10 @@ def bench_group(lib, lib_err, g, args):
     specs = impl_specs(g, args.sdpa_alibi)
     b, s, h, d = g["batch"], g["seqlen"], g["nheads"], g["hdim"]
     gen = torch.Generator(device=DEVICE).manual_seed(s * 7 + int(g["causal"]) + 1009 * SECTIONS.index(g["section"]))
-    # Fresh random data in both layouts, each contiguous, so that no copy is timed.
-    q, k, v = (torch.randn(b, s, h, d, device=DEVICE, dtype=DTYPE, generator=gen).requires_grad_()
-               for _ in range(3))
-    qt, kt, vt = (x.detach().transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
+    # Fresh random data, made before timing: (b, s, h, d) for ours, and for SDPA its own copy as the transposed
+    # views of (b, s, h, d) tensors, the layout models give it (common.sdpa_view).
+    q, k, v = (torch.randn(b, s, h, d, device=DEVICE, dtype=DTYPE, generator=gen).requires_grad_() for _ in range(3))
+    qt, kt, vt = (common.sdpa_view(x) for x in (q, k, v))
     row = new_row(g)
     timers, outs = {}, {}
     for name, runner in make_runners(lib, lib_err, g, specs, q, k, v, qt, kt, vt).items():
@@ -331,6 +386,7 @@ def bench_group(lib, lib_err, g, args):
 
 # ------------------------------------------------------------------------------------------------ derived
 
+
 def ratio(num, den):
     return num / den if num and den else None
 
@@ -344,15 +400,18 @@ def overhead(ms, name, base, pass_):
 def finish_row(row):
     """TFLOP/s per implementation and pass, and the section's ratios (all from the median times)."""
     ms = row["ms"]
-    row["tflops"] = {n: {p: (impl_flops(row, n, p) / (t * 1e-3) / 1e12 if t else None) for p, t in by.items()}
-                     for n, by in ms.items()}
+    row["tflops"] = {
+        n: {p: (impl_flops(row, n, p) / (t * 1e-3) / 1e12 if t else None) for p, t in by.items()}
+        for n, by in ms.items()
+    }
     sec, derived = row["section"], {}
     for p in PASSES:
         if sec == "window":
             # Time of the windowed call over the full-mask call's time: lower is better; ideal_fraction is the floor
             # if time scaled with the visible pairs.
-            derived[p] = {f"window/{n}": ratio(ms["ours_window"][p], ms[n][p])
-                          for n in ("ours_full", "flash_full", "cudnn_full")}
+            derived[p] = {
+                f"window/{n}": ratio(ms["ours_window"][p], ms[n][p]) for n in ("ours_full", "flash_full", "cudnn_full")
+            }
         elif sec == "softcap_alibi":
             # Overhead: variant time over plain time, minus 1 (0.10 = 10% slower).
             derived[p] = {n: overhead(ms, n, "ours", p) for n in ms if n.startswith("ours_")}
@@ -361,15 +420,18 @@ def finish_row(row):
                 derived[p]["ours_alibi/efficient_alibi"] = ratio(ms["efficient_alibi"][p], ms["ours_alibi"][p])
         else:
             # ours/flash as in the README: flash's time over ours (above 1: ours faster).
-            derived[p] = {"ours_dropout": overhead(ms, "ours_dropout", "ours", p),
-                          "flash_dropout": overhead(ms, "flash_dropout", "flash", p),
-                          "ours/flash": ratio(ms["flash"][p], ms["ours"][p]),
-                          "ours_dropout/flash_dropout": ratio(ms["flash_dropout"][p], ms["ours_dropout"][p])}
+            derived[p] = {
+                "ours_dropout": overhead(ms, "ours_dropout", "ours", p),
+                "flash_dropout": overhead(ms, "flash_dropout", "flash", p),
+                "ours/flash": ratio(ms["flash"][p], ms["ours"][p]),
+                "ours_dropout/flash_dropout": ratio(ms["flash_dropout"][p], ms["ours_dropout"][p]),
+            }
     row["derived"] = derived
     return row
 
 
 # ------------------------------------------------------------------------------------------------ reports
+
 
 def fms(v):
     return common.fmt_num(v, "{:.3f}")
@@ -388,72 +450,102 @@ def mask_name(r):
 
 
 def markdown(meta, rows):
-    lines = [f"# {meta['title']}", "",
-             f"{meta['gpu']} ({meta.get('sm_count', '?')} SMs), commit {meta['commit']}, {meta['date']}, "
-             f"torch {meta['torch']} (CUDA {meta['cuda']}), cuDNN {meta['cudnn']}.", "", meta["method"], ""]
+    lines = [
+        f"# {meta['title']}",
+        "",
+        f"{meta['gpu']} ({meta.get('sm_count', '?')} SMs), commit {meta['commit']}, {meta['date']}, "
+        f"torch {meta['torch']} (CUDA {meta['cuda']}), cuDNN {meta['cudnn']}.",
+        "",
+        meta["method"],
+        "",
+    ]
     by_sec = {s: [r for r in rows if r["section"] == s] for s in SECTIONS}
 
     if by_sec["window"]:
-        lines += ["## 1. Sliding window: cost against the full mask", "",
-                  "Times in ms (median). `win/X`: our windowed call's time over X's time with the full mask of the "
-                  "same kind (" + ", ".join(f"{'causal' if c else 'non-causal'} for {w}" for w, c in WINDOWS)
-                  + "); lower is better. "
-                  "`ideal`: visible (query, key) pairs of the window mask over those of the full mask, counted "
-                  "exactly: the fraction if time scaled with the work. `TFLOP/s`: our windowed call's useful work "
-                  "(4*b*h*d*visible pairs, x2.5 backward) over its time.", "",
-                  "| seqlen | batch | window | mask | pass | ours window | ours full | flash full | cudnn full "
-                  "| win/ours | win/flash | win/cudnn | ideal | window TFLOP/s |",
-                  "|---" * 14 + "|"]
+        lines += [
+            "## 1. Sliding window: cost against the full mask",
+            "",
+            "Times in ms (median). `win/X`: our windowed call's time over X's time with the full mask of the "
+            "same kind ("
+            + ", ".join(f"{'causal' if c else 'non-causal'} for {w}" for w, c in WINDOWS)
+            + "); lower is better. "
+            "`ideal`: visible (query, key) pairs of the window mask over those of the full mask, counted "
+            "exactly: the fraction if time scaled with the work. `TFLOP/s`: our windowed call's useful work "
+            "(4*b*h*d*visible pairs, x2.5 backward) over its time.",
+            "",
+            "| seqlen | batch | window | mask | pass | ours window | ours full | flash full | cudnn full "
+            "| win/ours | win/flash | win/cudnn | ideal | window TFLOP/s |",
+            "|---" * 14 + "|",
+        ]
         for r in sorted(by_sec["window"], key=lambda r: (not r["causal"], r["seqlen"])):
             for p in PASSES:
                 m, dv = r["ms"], r["derived"][p]
-                lines.append(f"| {r['seqlen']} | {r['batch']} | ({r['window'][0]}, {r['window'][1]}) | {mask_name(r)} "
-                             f"| {p} | " + " | ".join(fms(m[n][p]) for n in ("ours_window", "ours_full", "flash_full",
-                                                                             "cudnn_full"))
-                             + " | " + " | ".join(fx(dv[f"window/{n}"]) for n in ("ours_full", "flash_full",
-                                                                                  "cudnn_full"))
-                             + f" | {r['ideal_fraction']:.3f} | {common.fmt_num(r['tflops']['ours_window'][p])} |")
+                lines.append(
+                    f"| {r['seqlen']} | {r['batch']} | ({r['window'][0]}, {r['window'][1]}) | {mask_name(r)} "
+                    f"| {p} | "
+                    + " | ".join(fms(m[n][p]) for n in ("ours_window", "ours_full", "flash_full", "cudnn_full"))
+                    + " | "
+                    + " | ".join(fx(dv[f"window/{n}"]) for n in ("ours_full", "flash_full", "cudnn_full"))
+                    + f" | {r['ideal_fraction']:.3f} | {common.fmt_num(r['tflops']['ours_window'][p])} |"
+                )
         lines.append("")
 
     if by_sec["softcap_alibi"]:
         eff = any("efficient_alibi" in r["ms"] for r in by_sec["softcap_alibi"])
-        lines += ["## 2. Softcap and ALiBi: overhead against our plain kernel", "",
-                  f"Times in ms (median); in parentheses the overhead, variant time over plain time minus 1. softcap "
-                  f"{SOFTCAP}; ALiBi slopes 2^(-8(i+1)/h), fp32 (nheads,). `plain TFLOP/s` by the FA2 convention."
-                  + (" `efficient`: SDPA EFFICIENT_ATTENTION, plain, and with ALiBi as an explicit additive bf16 "
-                     "bias (1, h, s, s) (-inf above the diagonal when causal), built before timing; "
-                     "`ours/eff alibi`: its time over our ALiBi time (above 1: ours faster)." if eff else ""), "",
-                  "| seqlen | batch | mask | pass | plain | plain TFLOP/s | softcap | alibi | softcap + alibi |"
-                  + (" efficient | efficient + bias | ours/eff alibi |" if eff else ""),
-                  "|---" * (9 + (3 if eff else 0)) + "|"]
+        lines += [
+            "## 2. Softcap and ALiBi: overhead against our plain kernel",
+            "",
+            f"Times in ms (median); in parentheses the overhead, variant time over plain time minus 1. softcap "
+            f"{SOFTCAP}; ALiBi slopes 2^(-8(i+1)/h), fp32 (nheads,). `plain TFLOP/s` by the FA2 convention."
+            + (
+                " `efficient`: SDPA EFFICIENT_ATTENTION, plain, and with ALiBi as an explicit additive bf16 "
+                "bias (1, h, s, s) (-inf above the diagonal when causal), built before timing; "
+                "`ours/eff alibi`: its time over our ALiBi time (above 1: ours faster)."
+                if eff
+                else ""
+            ),
+            "",
+            "| seqlen | batch | mask | pass | plain | plain TFLOP/s | softcap | alibi | softcap + alibi |"
+            + (" efficient | efficient + bias | ours/eff alibi |" if eff else ""),
+            "|---" * (9 + (3 if eff else 0)) + "|",
+        ]
         for r in sorted(by_sec["softcap_alibi"], key=lambda r: (r["causal"], r["seqlen"])):
             for p in PASSES:
                 m, dv = r["ms"], r["derived"][p]
                 cells = [fms(m["ours"][p]), common.fmt_num(r["tflops"]["ours"][p])]
-                cells += [f"{fms(m[n][p])} ({fpct(dv.get(n))})" for n in ("ours_softcap", "ours_alibi",
-                                                                          "ours_softcap_alibi")]
+                cells += [
+                    f"{fms(m[n][p])} ({fpct(dv.get(n))})" for n in ("ours_softcap", "ours_alibi", "ours_softcap_alibi")
+                ]
                 if eff:
-                    cells += [fms(m.get("efficient", {}).get(p)),
-                              f"{fms(m.get('efficient_alibi', {}).get(p))} ({fpct(dv.get('efficient_alibi'))})",
-                              fx(dv.get("ours_alibi/efficient_alibi"))]
+                    cells += [
+                        fms(m.get("efficient", {}).get(p)),
+                        f"{fms(m.get('efficient_alibi', {}).get(p))} ({fpct(dv.get('efficient_alibi'))})",
+                        fx(dv.get("ours_alibi/efficient_alibi")),
+                    ]
                 lines.append(f"| {r['seqlen']} | {r['batch']} | {mask_name(r)} | {p} | " + " | ".join(cells) + " |")
         lines.append("")
 
     if by_sec["dropout"]:
-        lines += ["## 3. Dropout: overhead, ours and SDPA flash", "",
-                  f"Times in ms (median). dropout_p {DROPOUT_P}. `overhead`: time with dropout over time without, "
-                  "minus 1. `ours/flash`: SDPA FLASH_ATTENTION's time over ours (above 1: ours faster), without and "
-                  "with dropout.", "",
-                  "| seqlen | batch | mask | pass | ours | ours p=0.1 | ours overhead | flash | flash p=0.1 "
-                  "| flash overhead | ours/flash | ours/flash p=0.1 |",
-                  "|---" * 12 + "|"]
+        lines += [
+            "## 3. Dropout: overhead, ours and SDPA flash",
+            "",
+            f"Times in ms (median). dropout_p {DROPOUT_P}. `overhead`: time with dropout over time without, "
+            "minus 1. `ours/flash`: SDPA FLASH_ATTENTION's time over ours (above 1: ours faster), without and "
+            "with dropout.",
+            "",
+            "| seqlen | batch | mask | pass | ours | ours p=0.1 | ours overhead | flash | flash p=0.1 "
+            "| flash overhead | ours/flash | ours/flash p=0.1 |",
+            "|---" * 12 + "|",
+        ]
         for r in sorted(by_sec["dropout"], key=lambda r: (r["causal"], r["seqlen"])):
             for p in PASSES:
                 m, dv = r["ms"], r["derived"][p]
-                lines.append(f"| {r['seqlen']} | {r['batch']} | {mask_name(r)} | {p} | {fms(m['ours'][p])} | "
-                             f"{fms(m['ours_dropout'][p])} | {fpct(dv['ours_dropout'])} | {fms(m['flash'][p])} | "
-                             f"{fms(m['flash_dropout'][p])} | {fpct(dv['flash_dropout'])} | {fx(dv['ours/flash'])} | "
-                             f"{fx(dv['ours_dropout/flash_dropout'])} |")
+                lines.append(
+                    f"| {r['seqlen']} | {r['batch']} | {mask_name(r)} | {p} | {fms(m['ours'][p])} | "
+                    f"{fms(m['ours_dropout'][p])} | {fpct(dv['ours_dropout'])} | {fms(m['flash'][p])} | "
+                    f"{fms(m['flash_dropout'][p])} | {fpct(dv['flash_dropout'])} | {fx(dv['ours/flash'])} | "
+                    f"{fx(dv['ours_dropout/flash_dropout'])} |"
+                )
         lines.append("")
 
     errs = {}
@@ -476,6 +568,7 @@ def seqlen_tick(x):
 def plot(path, meta, rows):
     """Window time fractions against seqlen (fwd, bwd), and the overheads of softcap / ALiBi / dropout."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -491,8 +584,14 @@ def plot(path, meta, rows):
             style = "-" if causal else ":"
             for n, marker, color in (("ours_full", "o", "C0"), ("flash_full", "s", "C1"), ("cudnn_full", "^", "C2")):
                 ys = [r["derived"][p][f"window/{n}"] for r in grp]
-                ax.plot(xs, [float("nan") if y is None else y for y in ys], style, marker=marker, color=color,
-                        label=f"{tag} / {n}")
+                ax.plot(
+                    xs,
+                    [float("nan") if y is None else y for y in ys],
+                    style,
+                    marker=marker,
+                    color=color,
+                    label=f"{tag} / {n}",
+                )
             ax.plot(xs, [r["ideal_fraction"] for r in grp], style, color="gray", label=f"{tag} ideal")
             ax.set_xscale("log", base=2)
             ax.set_xticks(xs, [seqlen_tick(x) for x in xs])
@@ -508,20 +607,36 @@ def plot(path, meta, rows):
         width = 0.8 / max(len(series), 1)
         for i, (n, label) in enumerate(series):
             ys = [r["derived"][p].get(n) for r, p in cells]
-            ax.bar([c + (i - (len(series) - 1) / 2) * width for c in range(len(cells))],
-                   [0.0 if y is None else 100 * y for y in ys], width, label=label)
+            ax.bar(
+                [c + (i - (len(series) - 1) / 2) * width for c in range(len(cells))],
+                [0.0 if y is None else 100 * y for y in ys],
+                width,
+                label=label,
+            )
         ax.axhline(0, color="gray", linewidth=0.8)
-        ax.set_xticks(range(len(cells)), [f"{seqlen_tick(r['seqlen'])} {'c' if r['causal'] else 'nc'} {p}"
-                                          for r, p in cells], rotation=45, fontsize=7)
+        ax.set_xticks(
+            range(len(cells)),
+            [f"{seqlen_tick(r['seqlen'])} {'c' if r['causal'] else 'nc'} {p}" for r, p in cells],
+            rotation=45,
+            fontsize=7,
+        )
         ax.set_ylabel("overhead, % of plain time")
         ax.set_title(title, fontsize=9)
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend(fontsize=7)
 
-    bars(axes[1][0], "softcap_alibi", [("ours_softcap", "softcap"), ("ours_alibi", "alibi"),
-                                       ("ours_softcap_alibi", "softcap + alibi")], "softcap / ALiBi: ours")
-    bars(axes[1][1], "dropout", [("ours_dropout", "ours"), ("flash_dropout", "SDPA flash")],
-         f"dropout p={DROPOUT_P}: overhead")
+    bars(
+        axes[1][0],
+        "softcap_alibi",
+        [("ours_softcap", "softcap"), ("ours_alibi", "alibi"), ("ours_softcap_alibi", "softcap + alibi")],
+        "softcap / ALiBi: ours",
+    )
+    bars(
+        axes[1][1],
+        "dropout",
+        [("ours_dropout", "ours"), ("flash_dropout", "SDPA flash")],
+        f"dropout p={DROPOUT_P}: overhead",
+    )
     fig.suptitle(f"{meta['title']}: {meta['gpu']}, commit {meta['commit']}, {meta['date']}", fontsize=10)
     fig.tight_layout(rect=(0, 0, 1, 0.96))
     fig.savefig(path, dpi=110)
@@ -546,13 +661,18 @@ def write_reports(out_dir, meta, rows):
 
 # --------------------------------------------------------------------------------------------------- main
 
+
 def progress_line(row):
     parts = []
     for n, by in row["ms"].items():
         parts.append(f"{n} {fms(by['fwd'])}/{fms(by['bwd'])}")
-    return (group_label(row) + " (ms fwd/bwd):\n    " + "  ".join(parts)
-            + "".join(f"\n    {n}: {e}" for n, e in row["errors"].items())
-            + "".join(f"\n    WARNING {w}" for w in row["warnings"]))
+    return (
+        group_label(row)
+        + " (ms fwd/bwd):\n    "
+        + "  ".join(parts)
+        + "".join(f"\n    {n}: {e}" for n, e in row["errors"].items())
+        + "".join(f"\n    WARNING {w}" for w in row["warnings"])
+    )
 
 
 def main(argv=None):
@@ -568,18 +688,31 @@ def main(argv=None):
     torch.manual_seed(0)  # dropout's per-call seeds, ours and SDPA's, come from torch's CUDA generator
     lib, lib_err = load_ours()
     meta = common.stamp()
-    meta.update(title="Attention variants: sliding window, softcap, ALiBi, dropout (bf16, hdim 128)", dtype="bf16",
-                tokens=TOKENS, nheads=NHEADS, hdim=HDIM, softcap=SOFTCAP, dropout_p=DROPOUT_P, warmup=args.warmup,
-                rep=args.rep, rounds=args.rounds, quick=args.quick, sections=args.sections)
+    meta.update(
+        title="Attention variants: sliding window, softcap, ALiBi, dropout (bf16, hdim 128)",
+        dtype="bf16",
+        tokens=TOKENS,
+        nheads=NHEADS,
+        hdim=HDIM,
+        softcap=SOFTCAP,
+        dropout_p=DROPOUT_P,
+        warmup=args.warmup,
+        rep=args.rep,
+        rounds=args.rounds,
+        quick=args.quick,
+        sections=args.sections,
+    )
     meta["method"] = (
         f"bf16, {NHEADS} heads, head dim {HDIM}, batch x seqlen = {TOKENS} tokens. fwd: the call under no_grad; "
-        "bwd: torch.autograd.grad of an output made once (graph kept), the backward alone. Each cell: the median "
-        f"over {args.rounds} rounds in which the implementations of a shape take turns (round r starts with the "
-        f"r-th; in each turn the forward, then the backward), each round the median of {args.rep} timed calls "
-        f"(CUDA events) after {args.warmup} warm-up calls. Inputs contiguous in each layout (ours (b,s,h,d), SDPA "
-        "(b,h,s,d)). flash / cudnn / efficient: torch SDPA backends FLASH_ATTENTION / CUDNN_ATTENTION / "
+        "bwd: torch.autograd.grad of an output made once (graph kept), the backward alone. After an untimed "
+        f"warm-up round, each cell: the median over {args.rounds} rounds in which the implementations of a shape "
+        "take turns (round r starts with the r-th; in each turn the forward, then the backward), each round the "
+        f"median of {args.rep} timed calls (CUDA events) after {args.warmup} warm-up calls. Inputs: ours (b,s,h,d) "
+        "contiguous; SDPA the (b,h,s,d) transposed views of (b,s,h,d) tensors, as models call it (dout too, in "
+        "out's layout). flash / cudnn / efficient: torch SDPA backends FLASH_ATTENTION / CUDNN_ATTENTION / "
         "EFFICIENT_ATTENTION. TFLOP/s by the FA2 convention (4*b*h*s^2*d, halved when causal, x2.5 backward) "
-        "unless said otherwise. n/a: failed or unsupported (see Failures).")
+        "unless said otherwise. n/a: failed or unsupported (see Failures)."
+    )
     print(f"[variants] {meta['gpu']} commit {meta['commit']} torch {meta['torch']} cuDNN {meta['cudnn']}")
     rows = []
     for g in groups:

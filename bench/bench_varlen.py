@@ -5,10 +5,12 @@ TFLOP/s count useful work only: sum over sequences of the FA2 FLOPs of that sequ
     python bench/bench_varlen.py                      # bf16, hdim 128, 16 heads, causal and not
     python bench/bench_varlen.py --plot bench/results/h200/varlen_nvidia-h200.json     # redraw a run's PNG
 """
+
 import argparse
 import json
 import os
 import random
+import statistics
 import sys
 import warnings
 
@@ -31,6 +33,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--rep", type=int, default=30)
+    p.add_argument("--rounds", type=int, default=3, help="turns each implementation takes per mask (median)")
     p.add_argument("--out-dir", default=None, help="default bench/results/<gpu>/, e.g. bench/results/h200/")
     return p.parse_args(argv)
 
@@ -38,15 +41,16 @@ def parse_args(argv=None):
 def main(argv=None):
     a = parse_args(argv)
     a.out_dir = common.out_dir(a.out_dir)
-    import flash_attn_cuda
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import flash_attn_cuda
 
     rng = random.Random(a.seed)
     lens = [rng.randint(a.min_len, a.max_len) for _ in range(a.batch)]
     total, max_len, h, d = sum(lens), max(lens), a.heads, a.hdim
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     meta = common.stamp()
-    meta.update(lengths=lens, heads=h, hdim=d, dtype="bf16")
+    meta.update(lengths=lens, heads=h, hdim=d, dtype="bf16", warmup=a.warmup, rep=max(a.rep, 20), rounds=a.rounds)
     print(f"[varlen] {meta['gpu']} commit {meta['commit']}: {a.batch} sequences, {total} tokens, longest {max_len}")
 
     rows = []
@@ -54,60 +58,117 @@ def main(argv=None):
         useful = sum(common.attn_flops(1, h, n, n, d, causal) for n in lens)
         q, k, v = (torch.randn(total, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
         # The padded batch: every sequence in a (batch, max_len) slot.
-        padded = [torch.randn(a.batch, max_len, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                  for _ in range(3)]
-        padded_t = [t.detach().transpose(1, 2).requires_grad_() for t in padded]
+        padded = [
+            torch.randn(a.batch, max_len, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            for _ in range(3)
+        ]
+        # SDPA's own copy of the padded batch, as the transposed views of (b, s, h, d) tensors that models give it
+        # (common.sdpa_view); its dout likewise, in its output's layout.
+        padded_t = [common.sdpa_view(t) for t in padded]
         runners = {
-            "ours_varlen": (lambda: flash_attn_cuda.flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len,
-                                                                           causal=causal), (q, k, v)),
-            "ours_padded": (lambda: flash_attn_cuda.flash_attn_func(*padded, causal=causal), padded),
-            "flash_padded": (lambda: F.scaled_dot_product_attention(*padded_t, is_causal=causal), padded_t),
+            "ours_varlen": (
+                lambda: flash_attn_cuda.flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, causal=causal),
+                (q, k, v),
+                torch.randn_like,
+            ),
+            "ours_padded": (lambda: flash_attn_cuda.flash_attn_func(*padded, causal=causal), padded, torch.randn_like),
+            "flash_padded": (
+                lambda: F.scaled_dot_product_attention(*padded_t, is_causal=causal),
+                padded_t,
+                common.sdpa_grad,
+            ),
         }
-        row = {"causal": causal, "useful_flops_fwd": useful, "ms": {}, "tflops": {}}
-        for name, (fn, inputs) in runners.items():
-            with warnings.catch_warnings(), sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-                warnings.simplefilter("ignore")
-                out = fn()
-                dout = torch.randn_like(out)
-                fwd_ms, _ = common.try_time(fn, a.warmup, a.rep)
-                bwd_ms, _ = common.try_time(lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True),
-                                            a.warmup, a.rep)
-            row["ms"][name] = {"fwd": fwd_ms, "bwd": bwd_ms}
+        row = {"causal": causal, "useful_flops_fwd": useful, "ms": {}, "tflops": {}, "errors": {}}
+        passes, times = {}, {}
+        with warnings.catch_warnings(), sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            warnings.simplefilter("ignore")
+            for name, (fn, inputs, grad_like) in runners.items():
+                try:
+                    out = fn()
+                    dout = grad_like(out)
+                except Exception as exc:
+                    row["errors"][name] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+                    continue
+                passes[name] = {
+                    "fwd": fn,
+                    "bwd": lambda out=out, inputs=inputs, dout=dout: torch.autograd.grad(
+                        out, inputs, dout, retain_graph=True
+                    ),
+                }
+                times[name] = {"fwd": [], "bwd": []}
+            # The implementations take turns: an untimed warm-up round (round -1, each one full turn, its times
+            # dropped), then --rounds rounds, round r starting with the r-th; each cell is the median of its rounds.
+            names = list(passes)
+            for r in range(-1, a.rounds if names else -1):
+                for name in names[r % len(names) :] + names[: r % len(names)]:
+                    fns = passes[name]
+                    for pass_, f in list(fns.items()):
+                        ms, err = common.try_time(f, a.warmup, a.rep)
+                        if err:  # no further rounds for a pass that failed
+                            row["errors"][name] = f"{pass_}: {err}"
+                            del fns[pass_]
+                        elif r >= 0:
+                            times[name][pass_].append(ms)
+        row["rounds_ms"] = times
+        for name in runners:
+            ms = {pass_: statistics.median(t) if t else None for pass_, t in times.get(name, {}).items()}
+            row["ms"][name] = {"fwd": ms.get("fwd"), "bwd": ms.get("bwd")}
             row["tflops"][name] = {
-                "fwd": useful / (fwd_ms * 1e-3) / 1e12 if fwd_ms else None,
-                "bwd": 2.5 * useful / (bwd_ms * 1e-3) / 1e12 if bwd_ms else None,
+                pass_: mult * useful / (row["ms"][name][pass_] * 1e-3) / 1e12 if row["ms"][name][pass_] else None
+                for pass_, mult in (("fwd", 1.0), ("bwd", 2.5))
             }
         rows.append(row)
         t = row["tflops"]
-        print(f"causal={causal}: " + "  ".join(f"{n} fwd {t[n]['fwd']:.0f} bwd {t[n]['bwd']:.0f}" for n in t))
+        print(
+            f"causal={causal}: "
+            + "  ".join(f"{n} fwd {common.fmt_num(t[n]['fwd'])} bwd {common.fmt_num(t[n]['bwd'])}" for n in t)
+            + "".join(f"\n    {n}: {e}" for n, e in row["errors"].items()),
+            flush=True,
+        )
 
     os.makedirs(a.out_dir, exist_ok=True)
     base = os.path.join(a.out_dir, f"varlen_{meta['gpu_slug']}")
     with open(base + ".json", "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     lines = [
-        "# Variable-length batch, bf16", "",
-        f"{meta['gpu']} ({meta.get('sm_count')} SMs), commit {meta['commit']}, {meta['date']}, torch {meta['torch']}.", "",
+        "# Variable-length batch, bf16",
+        "",
+        f"{meta['gpu']} ({meta.get('sm_count')} SMs), commit {meta['commit']}, {meta['date']}, torch {meta['torch']}.",
+        "",
         f"{a.batch} sequences, lengths {lens} ({total} tokens, longest {max_len}), {h} heads, head dim {d}. "
         "TFLOP/s of useful work: the FA2 FLOPs of each sequence summed (fwd 4*h*s^2*d, halved when causal; bwd 2.5x), "
         "divided by the measured time. ours_varlen runs the packed batch; ours_padded and flash_padded (SDPA "
         "FLASH_ATTENTION) run the batch padded to the longest sequence, so their time includes the padding. "
-        f"Median of {max(a.rep, 20)} timed calls after {a.warmup} warm-up calls.", "",
+        "flash_padded gets the (b, h, s, d) transposed views of (b, s, h, d) tensors (dout too), ours (b, s, h, d). "
+        f"After an untimed warm-up round, each cell: the median over {a.rounds} rounds in which the implementations "
+        f"take turns (round r starts with the r-th), each round the median of {max(a.rep, 20)} timed calls after "
+        f"{a.warmup} warm-up calls.",
+        "",
         "| mask | pass | ours_varlen | ours_padded | flash_padded | ours_varlen / flash_padded |",
         "|---|---|---|---|---|---|",
     ]
     for row in rows:
         t = row["tflops"]
         for pass_ in ("fwd", "bwd"):
-            ratio = t["ours_varlen"][pass_] / t["flash_padded"][pass_] if t["flash_padded"][pass_] else None
-            lines.append(f"| {'causal' if row['causal'] else 'non-causal'} | {pass_} | "
-                         + " | ".join(common.fmt_num(t[n][pass_]) for n in ("ours_varlen", "ours_padded", "flash_padded"))
-                         + f" | {common.fmt_num(ratio, '{:.2f}')} |")
+            ours, flash = t["ours_varlen"][pass_], t["flash_padded"][pass_]
+            ratio = ours / flash if ours and flash else None
+            lines.append(
+                f"| {'causal' if row['causal'] else 'non-causal'} | {pass_} | "
+                + " | ".join(common.fmt_num(t[n][pass_]) for n in IMPLS)
+                + f" | {common.fmt_num(ratio, '{:.2f}')} |"
+            )
+    errs = [f"- {'causal' if r['causal'] else 'non-causal'} {n}: {e}" for r in rows for n, e in r["errors"].items()]
+    if errs:
+        lines += ["", "## Failures (recorded as n/a)", "", *errs]
     with open(base + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
-    print("\n".join(lines[-6:]))
-    plot(base + ".png", meta, rows)
-    print(f"[varlen] wrote {base}.json, .md, .png")
+    print("\n".join(lines[lines.index("|---|---|---|---|---|---|") - 1 :]))  # the table, and any failures
+    try:
+        plot(base + ".png", meta, rows)
+        print(f"[varlen] wrote {base}.json, .md, .png")
+    except Exception as exc:  # a missing matplotlib must not lose the numbers (written above)
+        print(f"[varlen] plot skipped: {type(exc).__name__}: {exc}")
+        print(f"[varlen] wrote {base}.json, .md")
 
 
 IMPLS = ("ours_varlen", "ours_padded", "flash_padded")
@@ -116,6 +177,7 @@ IMPLS = ("ours_varlen", "ours_padded", "flash_padded")
 def plot(path, meta, rows):
     """Grouped bars: useful TFLOP/s per (mask, pass), one bar per implementation."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -125,13 +187,17 @@ def plot(path, meta, rows):
     for i, name in enumerate(IMPLS):
         ys = [row["tflops"][name][pass_] or 0.0 for row, pass_ in groups]
         ax.bar([g + (i - 1) * width for g in range(len(groups))], ys, width, label=name)
-    ax.set_xticks(range(len(groups)),
-                  [f"{'causal' if row['causal'] else 'non-causal'} {pass_}" for row, pass_ in groups])
+    ax.set_xticks(
+        range(len(groups)), [f"{'causal' if row['causal'] else 'non-causal'} {pass_}" for row, pass_ in groups]
+    )
     ax.set_ylabel("useful TFLOP/s")
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=9)
-    ax.set_title(f"varlen batch ({len(meta['lengths'])} sequences, hdim {meta['hdim']}): {meta['gpu']}, "
-                 f"commit {meta['commit']}", fontsize=9)
+    ax.set_title(
+        f"varlen batch ({len(meta['lengths'])} sequences, hdim {meta['hdim']}): {meta['gpu']}, "
+        f"commit {meta['commit']}, {meta['date']}",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

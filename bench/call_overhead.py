@@ -17,12 +17,14 @@ Shapes (bf16, head dim 128): "b1_s1024", q, k, v (1, 1024, 4, 128), causal; "dec
 k, v (8, 4096, 4, 128) (GQA 8:1), non-causal. Modes: fwd_nograd (flash_attn_func under torch.no_grad),
 fwd_grad (inputs require grad; the forward call, then the release of its graph, timed apart), fwd_bwd
 (forward call, then out.backward(dout), timed apart and summed), op_alone (torch.ops.flash_attn2.fwd under
-no_grad), op_below (the fwd and bwd ops dispatched below autograd: the op library alone). A trivial op (torch.ops.aten.add on 8-element tensors), timed at the start and the end of each
-worker, shows the host's speed in that process.
+no_grad), op_below (the fwd and bwd ops dispatched below autograd: the op library alone). A trivial op
+(torch.ops.aten.add on 8-element tensors), timed at the start and the end of each worker, shows the host's speed
+in that process.
 
 Writes call_overhead_<gpu-slug>.json and .md to --out-dir (default bench/results/<gpu>/) and prints the table.
 Exit status: 1 if a worker failed (its output is printed), 2 with --strict if a row fails the bar, else 0.
 """
+
 import argparse
 import json
 import os
@@ -41,8 +43,12 @@ if HERE not in sys.path:
 # (label, description, q shape, k/v shape, causal); bf16, head dim 128.
 SHAPES = {
     "b1_s1024": ("batch 1 / 1024 tokens, 4 heads, causal", (1, 1024, 4, 128), (1, 1024, 4, 128), True),
-    "decode": ("decode step: 8 x 1 query vs 4096 keys, 32/4 heads (GQA 8:1)", (8, 1, 32, 128), (8, 4096, 4, 128),
-               False),
+    "decode": (
+        "decode step: 8 x 1 query vs 4096 keys, 32/4 heads (GQA 8:1)",
+        (8, 1, 32, 128),
+        (8, 4096, 4, 128),
+        False,
+    ),
 }
 # Mode -> the phases it times, in the order its step returns them.
 MODES = {
@@ -58,6 +64,7 @@ BAR_REL, BAR_ABS_US = 0.10, 3.0
 
 # ============================================================================================ worker
 
+
 def stats_us(samples_ns):
     """Median, p10, p90, mean, min and count of a list of nanosecond durations, in microseconds."""
     us = sorted(x / 1000.0 for x in samples_ns)
@@ -66,8 +73,14 @@ def stats_us(samples_ns):
         p10, p90 = dec[0], dec[8]
     else:
         p10 = p90 = us[0]
-    return {"median": statistics.median(us), "p10": p10, "p90": p90, "mean": statistics.fmean(us),
-            "min": us[0], "n": len(us)}
+    return {
+        "median": statistics.median(us),
+        "p10": p10,
+        "p90": p90,
+        "mean": statistics.fmean(us),
+        "min": us[0],
+        "n": len(us),
+    }
 
 
 def measure(step, n, warmup, sync_every, sync):
@@ -97,13 +110,16 @@ def make_step(mode, fa, q, k, v, qg, kg, vg, dout, causal, scale):
 
     pc = time.perf_counter_ns
     if mode == "fwd_nograd":
+
         def step():
             t0 = pc()
             out = fa(q, k, v, causal=causal)  # noqa: F841  (freed on return, untimed)
             t1 = pc()
             return (t1 - t0,)
+
         return torch.no_grad, step
     if mode == "fwd_grad":
+
         def step():
             t0 = pc()
             out = fa(qg, kg, vg, causal=causal)
@@ -111,8 +127,10 @@ def make_step(mode, fa, q, k, v, qg, kg, vg, dout, causal, scale):
             del out  # drops the graph: the autograd node and its saved tensors
             t2 = pc()
             return (t1 - t0, t2 - t1)
+
         return contextlib.nullcontext, step
     if mode == "fwd_bwd":
+
         def step():
             qg.grad = kg.grad = vg.grad = None  # untimed: every backward assigns fresh gradients
             t0 = pc()
@@ -121,6 +139,7 @@ def make_step(mode, fa, q, k, v, qg, kg, vg, dout, causal, scale):
             out.backward(dout)
             t2 = pc()
             return (t1 - t0, t2 - t1, t2 - t0)
+
         return contextlib.nullcontext, step
     if mode == "op_alone":
         op = torch.ops.flash_attn2.fwd
@@ -130,6 +149,7 @@ def make_step(mode, fa, q, k, v, qg, kg, vg, dout, causal, scale):
             res = op(q, k, v, scale, causal)  # noqa: F841
             t1 = pc()
             return (t1 - t0,)
+
         return torch.no_grad, step
     if mode == "op_below":
         # The forward and backward ops with no autograd at all (dispatched below it): what the C++ op library
@@ -150,6 +170,7 @@ def make_step(mode, fa, q, k, v, qg, kg, vg, dout, causal, scale):
         def below_autograd():
             with torch.no_grad(), torch._C._AutoDispatchBelowAutograd():
                 yield
+
         return below_autograd, step
     raise ValueError(f"unknown mode {mode!r}")
 
@@ -167,6 +188,7 @@ def reference_step(device):
         res = add(a, b)  # noqa: F841
         t1 = pc()
         return (t1 - t0,)
+
     return step
 
 
@@ -176,21 +198,27 @@ def run_worker(a):
 
     import torch
 
-    import flash_attn_cuda
     import common
+    import flash_attn_cuda
 
     path = os.path.abspath(flash_attn_cuda.__file__)
     lib = getattr(getattr(flash_attn_cuda, "_C", None), "__file__", None)
-    print(f"[worker {a.label}] flash_attn_cuda {getattr(flash_attn_cuda, '__version__', '?')} from {path}"
-          f" (library {lib}), torch {torch.__version__}", flush=True)
+    print(
+        f"[worker {a.label}] flash_attn_cuda {getattr(flash_attn_cuda, '__version__', '?')} from {path}"
+        f" (library {lib}), torch {torch.__version__}",
+        flush=True,
+    )
     if a.expect_dir:
         want = os.path.abspath(a.expect_dir)
         # Either spelling: the path as found on sys.path, or with symlinks resolved on both sides.
-        if (os.path.commonpath([want, path]) != want
-                and os.path.commonpath([os.path.realpath(want), os.path.realpath(path)]) != os.path.realpath(want)):
-            print(f"[worker {a.label}] ERROR: flash_attn_cuda was imported from {path}, not from under {want}: that "
-                  "directory holds no flash_attn_cuda package, or another copy comes first on sys.path",
-                  file=sys.stderr)
+        if os.path.commonpath([want, path]) != want and os.path.commonpath(
+            [os.path.realpath(want), os.path.realpath(path)]
+        ) != os.path.realpath(want):
+            print(
+                f"[worker {a.label}] ERROR: flash_attn_cuda was imported from {path}, not from under {want}: that "
+                "directory holds no flash_attn_cuda package, or another copy comes first on sys.path",
+                file=sys.stderr,
+            )
             return 3
     if os.environ.get("CUDA_LAUNCH_BLOCKING", "0") not in ("", "0"):
         print(f"[worker {a.label}] WARNING: CUDA_LAUNCH_BLOCKING is set: host times include the GPU's", flush=True)
@@ -201,17 +229,28 @@ def run_worker(a):
         device, sync = "meta", (lambda: None)
     else:
         if not torch.cuda.is_available():
-            print(f"[worker {a.label}] ERROR: no CUDA device (use --cpu-smoke to test the script without one)",
-                  file=sys.stderr)
+            print(
+                f"[worker {a.label}] ERROR: no CUDA device (use --cpu-smoke to test the script without one)",
+                file=sys.stderr,
+            )
             return 3
         device, sync = "cuda", torch.cuda.synchronize
     info = common.stamp()
     if a.cpu_smoke:
         info["gpu"] = info["gpu_slug"] = "cpu-smoke"
-    res = {"label": a.label, "expect_dir": a.expect_dir, "file": path, "library": lib,
-           "version": getattr(flash_attn_cuda, "__version__", None), "stamp": info, "device": device,
-           "params": {"n": a.n, "warmup": a.warmup, "sync_every": a.sync_every}, "rows": [], "errors": [],
-           "grad_fn": {}}
+    res = {
+        "label": a.label,
+        "expect_dir": a.expect_dir,
+        "file": path,
+        "library": lib,
+        "version": getattr(flash_attn_cuda, "__version__", None),
+        "stamp": info,
+        "device": device,
+        "params": {"n": a.n, "warmup": a.warmup, "sync_every": a.sync_every},
+        "rows": [],
+        "errors": [],
+        "grad_fn": {},
+    }
     ref = reference_step(device)
 
     def add_row(shape, mode, phases, cols):
@@ -238,10 +277,14 @@ def run_worker(a):
                 with ctx():
                     cols = measure(step, a.n, a.warmup, a.sync_every, sync)
                 add_row(shape, mode, MODES[mode], cols)
-                last = res["rows"][-len(MODES[mode]):]
-                print(f"[worker {a.label}] {shape:9s} {mode:10s} "
-                      + "  ".join(f"{r['phase']} {r['median']:7.2f} us (p10 {r['p10']:.2f}, p90 {r['p90']:.2f})"
-                                  for r in last), flush=True)
+                last = res["rows"][-len(MODES[mode]) :]
+                print(
+                    f"[worker {a.label}] {shape:9s} {mode:10s} "
+                    + "  ".join(
+                        f"{r['phase']} {r['median']:7.2f} us (p10 {r['p10']:.2f}, p90 {r['p90']:.2f})" for r in last
+                    ),
+                    flush=True,
+                )
             except Exception as exc:
                 traceback.print_exc()
                 res["errors"].append(f"{shape} {mode}: {type(exc).__name__}: {exc}".splitlines()[0][:400])
@@ -253,9 +296,12 @@ def run_worker(a):
     with torch.no_grad():
         add_row(REF_SHAPE, REF_MODE, ("end",), measure(ref, a.n, a.warmup, a.sync_every, sync))
     ends = [r for r in res["rows"] if r["shape"] == REF_SHAPE]
-    print(f"[worker {a.label}] trivial op (aten.add): start {ends[0]['median']:.2f} us, "
-          f"end {ends[-1]['median']:.2f} us;"
-          f" grad_fn {res['grad_fn']}", flush=True)
+    print(
+        f"[worker {a.label}] trivial op (aten.add): start {ends[0]['median']:.2f} us, "
+        f"end {ends[-1]['median']:.2f} us;"
+        f" grad_fn {res['grad_fn']}",
+        flush=True,
+    )
     res["wall_s"] = time.perf_counter() - t_start
     text = json.dumps(res)
     if a.json_out:
@@ -295,12 +341,14 @@ def parse_impl(text):
 def dir_commit(path):
     """The short commit of a directory that is the top of a git work tree, else None (a copied package has none)."""
     try:
-        top = subprocess.run(["git", "-C", path, "rev-parse", "--show-toplevel"], capture_output=True, text=True,
-                             timeout=10)
+        top = subprocess.run(
+            ["git", "-C", path, "rev-parse", "--show-toplevel"], capture_output=True, text=True, timeout=10
+        )
         if top.returncode != 0 or os.path.realpath(top.stdout.strip()) != os.path.realpath(path):
             return None
-        head = subprocess.run(["git", "-C", path, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              timeout=10)
+        head = subprocess.run(
+            ["git", "-C", path, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        )
         if head.returncode != 0:
             return None
         return head.stdout.strip() or None
@@ -315,9 +363,28 @@ def tail(text, lines=40):
 def run_one(a, name, path, round_idx, tmp):
     """One worker process; returns (result dict or None, failure message or None)."""
     json_out = os.path.join(tmp, f"{name}_round{round_idx}.json")
-    cmd = [sys.executable, "-u", os.path.abspath(__file__), "--worker", "--label", name, "--expect-dir", path,
-           "--json-out", json_out, "--n", str(a.n), "--warmup", str(a.warmup), "--sync-every", str(a.sync_every),
-           "--shapes", ",".join(a.shapes), "--modes", ",".join(a.modes)]
+    cmd = [
+        sys.executable,
+        "-u",
+        os.path.abspath(__file__),
+        "--worker",
+        "--label",
+        name,
+        "--expect-dir",
+        path,
+        "--json-out",
+        json_out,
+        "--n",
+        str(a.n),
+        "--warmup",
+        str(a.warmup),
+        "--sync-every",
+        str(a.sync_every),
+        "--shapes",
+        ",".join(a.shapes),
+        "--modes",
+        ",".join(a.modes),
+    ]
     if a.cpu_smoke:
         cmd.append("--cpu-smoke")
     env = dict(os.environ, **IMPL_ENV.get(name, {}))
@@ -340,15 +407,20 @@ def run_one(a, name, path, round_idx, tmp):
         res["process_wall_s"] = wall
         res["log"] = out
     if rc == 0 and res is not None:
-        print(f"[call_overhead] round {round_idx + 1} {name}: {wall:.1f} s, flash_attn_cuda from {res['file']}, "
-              f"grad_fn {', '.join(sorted(set(res['grad_fn'].values()))) or 'n/a'}", flush=True)
+        print(
+            f"[call_overhead] round {round_idx + 1} {name}: {wall:.1f} s, flash_attn_cuda from {res['file']}, "
+            f"grad_fn {', '.join(sorted(set(res['grad_fn'].values()))) or 'n/a'}",
+            flush=True,
+        )
         return res, None
     last = [ln for ln in err.splitlines() if ln.strip()]
     msg = f"round {round_idx + 1} {name}: worker exit {rc} after {wall:.1f} s"
     if last:
         msg += f" ({last[-1].strip()[:200]})"
-    print(f"[call_overhead] FAILED {msg}\n--- stdout (tail) ---\n{tail(out)}\n--- stderr (tail) ---\n{tail(err)}\n---",
-          flush=True)
+    print(
+        f"[call_overhead] FAILED {msg}\n--- stdout (tail) ---\n{tail(out)}\n--- stderr (tail) ---\n{tail(err)}\n---",
+        flush=True,
+    )
     return res, msg
 
 
@@ -363,9 +435,15 @@ def aggregate(per_impl):
         for key, rows in acc.items():
             meds = [r["median"] for r in rows]
             cells.setdefault(key, {})[name] = {
-                "median": statistics.median(meds), "round_min": min(meds), "round_max": max(meds),
-                "p10": statistics.median(r["p10"] for r in rows), "p90": statistics.median(r["p90"] for r in rows),
-                "mean": statistics.median(r["mean"] for r in rows), "round_medians": meds, "rounds": len(meds)}
+                "median": statistics.median(meds),
+                "round_min": min(meds),
+                "round_max": max(meds),
+                "p10": statistics.median(r["p10"] for r in rows),
+                "p90": statistics.median(r["p90"] for r in rows),
+                "mean": statistics.median(r["mean"] for r in rows),
+                "round_medians": meds,
+                "rounds": len(meds),
+            }
     return cells
 
 
@@ -408,29 +486,44 @@ def build_report(meta, impls, cells):
                     missing.append(f"{o}: {shape} {mode} {phase}")
         rows.append(row)
 
-    lines = ["# Per-call host overhead (issue 19)", "",
-             f"{meta['gpu']}, commit {meta['commit']}, {meta['date']}, torch {meta.get('torch')} "
-             f"(CUDA {meta.get('cuda')}), rounds: {meta['rounds']}.", ""]
+    lines = [
+        "# Per-call host overhead (issue 19)",
+        "",
+        f"{meta['gpu']}, commit {meta['commit']}, {meta['date']}, torch {meta.get('torch')} "
+        f"(CUDA {meta.get('cuda')}), rounds: {meta['rounds']}.",
+        "",
+    ]
     for n, path in impls:
         i = meta["impls"][n]
         env = "".join(f" {k}={v}" for k, v in i.get("env", {}).items())
-        lines.append(f"- `{n}`: `{path}`{env} (commit {i['commit'] or 'n/a'}; flash_attn_cuda {i['version']} from "
-                     f"`{i['file']}`; autograd node {i['grad_fn'] or 'n/a'})")
-    lines += ["", f"Host time per call in microseconds: time.perf_counter around the call, no synchronization inside "
-              f"the timed region, torch.cuda.synchronize every {meta['params']['sync_every']} calls outside it; "
-              f"{meta['params']['warmup']} untimed warm-up calls, then {meta['params']['n']} timed calls per round. "
-              f"Each build runs in its own process per round, the order alternating ({', '.join(meta['order'])}). "
-              "A cell is the median over rounds of the per-round medians, with the lowest and highest round median "
-              "in parentheses. "
-              + (f"Bar: `{'`, `'.join(others)}` may be slower than `{base}` by at most max({BAR_REL:.0%} of {base}, "
-                 f"{BAR_ABS_US:g} us). " if others else "")
-              + "Reference rows: the trivial op aten.add on 8 elements at the start and end of "
-              "each process, the host's speed.", "",
-              "Shapes (bf16, head dim 128): " + "; ".join(f"`{k}`: {v[0]}" for k, v in SHAPES.items()) + ". Modes: "
-              "`fwd_nograd` flash_attn_func under no_grad; `fwd_grad` inputs requiring grad, the forward call and "
-              "the release of its graph (`del out`) timed apart; `fwd_bwd` the forward call and `out.backward(dout)`; "
-              "`op_alone` torch.ops.flash_attn2.fwd under no_grad; `op_below` the fwd and bwd ops dispatched below "
-              "autograd (the op library alone).", ""]
+        lines.append(
+            f"- `{n}`: `{path}`{env} (commit {i['commit'] or 'n/a'}; flash_attn_cuda {i['version']} from "
+            f"`{i['file']}`; autograd node {i['grad_fn'] or 'n/a'})"
+        )
+    lines += [
+        "",
+        f"Host time per call in microseconds: time.perf_counter around the call, no synchronization inside "
+        f"the timed region, torch.cuda.synchronize every {meta['params']['sync_every']} calls outside it; "
+        f"{meta['params']['warmup']} untimed warm-up calls, then {meta['params']['n']} timed calls per round. "
+        f"Each build runs in its own process per round, the order alternating ({', '.join(meta['order'])}). "
+        "A cell is the median over rounds of the per-round medians, with the lowest and highest round median "
+        "in parentheses. "
+        + (
+            f"Bar: `{'`, `'.join(others)}` may be slower than `{base}` by at most max({BAR_REL:.0%} of {base}, "
+            f"{BAR_ABS_US:g} us). "
+            if others
+            else ""
+        )
+        + "Reference rows: the trivial op aten.add on 8 elements at the start and end of "
+        "each process, the host's speed.",
+        "",
+        "Shapes (bf16, head dim 128): " + "; ".join(f"`{k}`: {v[0]}" for k, v in SHAPES.items()) + ". Modes: "
+        "`fwd_nograd` flash_attn_func under no_grad; `fwd_grad` inputs requiring grad, the forward call and "
+        "the release of its graph (`del out`) timed apart; `fwd_bwd` the forward call and `out.backward(dout)`; "
+        "`op_alone` torch.ops.flash_attn2.fwd under no_grad; `op_below` the fwd and bwd ops dispatched below "
+        "autograd (the op library alone).",
+        "",
+    ]
     head = "| shape | mode | phase | " + " | ".join(f"{n} us" for n in names)
     head += "".join(f" | {o}-{base} us | {o}-{base} % | allowed us | {o} |" for o in others) or " |"
     lines += [head, "|---" * (3 + len(names) + 4 * len(others)) + "|"]
@@ -438,9 +531,13 @@ def build_report(meta, impls, cells):
         cells_txt = []
         for n in names:
             c = r["impls"].get(n)
-            cells_txt.append("n/a" if c is None else
-                             f"{c['median']:.2f} ({c['round_min']:.2f}-{c['round_max']:.2f})" if c["rounds"] > 1
-                             else f"{c['median']:.2f}")
+            cells_txt.append(
+                "n/a"
+                if c is None
+                else f"{c['median']:.2f} ({c['round_min']:.2f}-{c['round_max']:.2f})"
+                if c["rounds"] > 1
+                else f"{c['median']:.2f}"
+            )
         line = f"| {r['shape']} | {r['mode']} | {r['phase']} | " + " | ".join(cells_txt)
         for o in others:
             vs = r["vs"][o]
@@ -454,9 +551,12 @@ def build_report(meta, impls, cells):
     if others:
         n_rows = sum(1 for r in rows if r["shape"] != REF_SHAPE) * len(others)
         overall = "FAIL" if failing else "INCOMPLETE" if missing else "PASS"
-        lines.append(f"**Bar: {overall}** ({n_rows - len(failing) - len(missing)}/{n_rows} rows measured and within it"
-                     + (f"; {len(missing)} not measured" if missing else "")
-                     + ("; over it: " + ", ".join(failing) if failing else "") + ").")
+        lines.append(
+            f"**Bar: {overall}** ({n_rows - len(failing) - len(missing)}/{n_rows} rows measured and within it"
+            + (f"; {len(missing)} not measured" if missing else "")
+            + ("; over it: " + ", ".join(failing) if failing else "")
+            + ")."
+        )
     if meta["failures"]:
         lines += ["", "Worker failures: " + "; ".join(meta["failures"])]
     return "\n".join(lines) + "\n", rows, failing + missing
@@ -464,8 +564,9 @@ def build_report(meta, impls, cells):
 
 def run_driver(a, parser):
     if not a.impl:
-        parser.error("give at least one --impl NAME=DIR (the first is the baseline), "
-                     "e.g. --impl old=DIR --impl new=DIR")
+        parser.error(
+            "give at least one --impl NAME=DIR (the first is the baseline), e.g. --impl old=DIR --impl new=DIR"
+        )
     names = [n for n, _ in a.impl]
     if len(set(names)) != len(names):
         parser.error("--impl names must differ")
@@ -492,28 +593,47 @@ def run_driver(a, parser):
     first = next((res for results in per_impl.values() for res in results), None)
     st = first["stamp"] if first else {}
     gpu = st.get("gpu", "unknown")
-    meta = {"title": "Per-call host overhead", "gpu": gpu, "commit": common.git_commit(), "date": common.utc_now(),
-            "torch": st.get("torch"), "cuda": st.get("cuda"), "rounds": a.rounds, "order": order,
-            "params": {"n": a.n, "warmup": a.warmup, "sync_every": a.sync_every},
-            "shapes": {k: {"desc": v[0], "q": v[1], "kv": v[2], "causal": v[3]} for k, v in SHAPES.items()
-                       if k in a.shapes},
-            "bar": {"rel": BAR_REL, "abs_us": BAR_ABS_US}, "failures": failures, "impls": {}}
+    meta = {
+        "title": "Per-call host overhead",
+        "gpu": gpu,
+        "commit": common.git_commit(),
+        "date": common.utc_now(),
+        "torch": st.get("torch"),
+        "cuda": st.get("cuda"),
+        "rounds": a.rounds,
+        "order": order,
+        "params": {"n": a.n, "warmup": a.warmup, "sync_every": a.sync_every},
+        "shapes": {
+            k: {"desc": v[0], "q": v[1], "kv": v[2], "causal": v[3]} for k, v in SHAPES.items() if k in a.shapes
+        },
+        "bar": {"rel": BAR_REL, "abs_us": BAR_ABS_US},
+        "failures": failures,
+        "impls": {},
+    }
     for n, path in a.impl:
         got = per_impl[n]
-        meta["impls"][n] = {"dir": path, "commit": dir_commit(path), "env": IMPL_ENV.get(n, {}),
-                            "file": got[0]["file"] if got else None, "library": got[0]["library"] if got else None,
-                            "version": got[0]["version"] if got else None,
-                            "grad_fn": ", ".join(sorted(set(got[0]["grad_fn"].values()))) or None if got else None,
-                            "worker_wall_s": [round(g["process_wall_s"], 2) for g in got],
-                            "worker_errors": [e for g in got for e in g["errors"]]}
+        meta["impls"][n] = {
+            "dir": path,
+            "commit": dir_commit(path),
+            "env": IMPL_ENV.get(n, {}),
+            "file": got[0]["file"] if got else None,
+            "library": got[0]["library"] if got else None,
+            "version": got[0]["version"] if got else None,
+            "grad_fn": ", ".join(sorted(set(got[0]["grad_fn"].values()))) or None if got else None,
+            "worker_wall_s": [round(g["process_wall_s"], 2) for g in got],
+            "worker_errors": [e for g in got for e in g["errors"]],
+        }
     cells = aggregate(per_impl)
     md, rows, failing = build_report(meta, a.impl, cells)
     meta["wall_s"] = round(time.perf_counter() - t0, 1)
     out_dir = a.out_dir
     if out_dir is None:
         # Not under bench/results/ when there is nothing to keep: a smoke test, or no worker came back.
-        out_dir = (os.path.join(tempfile.gettempdir(), "call_overhead_smoke" if a.cpu_smoke else "call_overhead_failed")
-                   if a.cpu_smoke or first is None else os.path.join(common.RESULTS, common.gpu_dir(gpu)))
+        out_dir = (
+            os.path.join(tempfile.gettempdir(), "call_overhead_smoke" if a.cpu_smoke else "call_overhead_failed")
+            if a.cpu_smoke or first is None
+            else os.path.join(common.RESULTS, common.gpu_dir(gpu))
+        )
     os.makedirs(out_dir, exist_ok=True)
     base = os.path.join(out_dir, f"call_overhead_{common.slug(gpu)}")
     with open(base + ".json", "w") as f:
@@ -532,6 +652,7 @@ def run_driver(a, parser):
 
 # ============================================================================================== main
 
+
 def csv_list(choices):
     def parse(text):
         items = [s for s in text.split(",") if s]
@@ -539,27 +660,42 @@ def csv_list(choices):
         if bad or not items:
             raise argparse.ArgumentTypeError(f"choose from {', '.join(choices)}; got {text!r}")
         return items
+
     return parse
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--impl", action="append", type=parse_impl, default=[], metavar="NAME=DIR",
-                   help="a build to time: NAME=directory holding its flash_attn_cuda package (repeat; the first "
-                        "is the baseline)")
+    p.add_argument(
+        "--impl",
+        action="append",
+        type=parse_impl,
+        default=[],
+        metavar="NAME=DIR",
+        help="a build to time: NAME=directory holding its flash_attn_cuda package (repeat; the first is the baseline)",
+    )
     p.add_argument("--rounds", type=int, default=3, help="worker processes per build, alternating (default 3)")
     p.add_argument("--n", type=int, default=300, help="timed calls per shape, mode and round (default 300)")
     p.add_argument("--warmup", type=int, default=50, help="untimed calls before them (default 50)")
     # Every call by default: the backward's GPU work outlasts its host side, and with GPU work queued, a call's
     # host time can include waiting on it (an allocation, the autograd engine); so every call starts idle.
-    p.add_argument("--sync-every", type=int, default=1,
-                   help="torch.cuda.synchronize every this many calls, outside the timed region (default 1)")
-    p.add_argument("--shapes", type=csv_list(list(SHAPES)), default=list(SHAPES), help="default: all, "
-                   + ",".join(SHAPES))
-    p.add_argument("--modes", type=csv_list(list(MODES)), default=list(MODES), help="default: all, "
-                   + ",".join(MODES))
-    p.add_argument("--out-dir", "--out", dest="out_dir", default=None,
-                   help="default bench/results/<gpu>/, e.g. bench/results/h200/")
+    p.add_argument(
+        "--sync-every",
+        type=int,
+        default=1,
+        help="torch.cuda.synchronize every this many calls, outside the timed region (default 1)",
+    )
+    p.add_argument(
+        "--shapes", type=csv_list(list(SHAPES)), default=list(SHAPES), help="default: all, " + ",".join(SHAPES)
+    )
+    p.add_argument("--modes", type=csv_list(list(MODES)), default=list(MODES), help="default: all, " + ",".join(MODES))
+    p.add_argument(
+        "--out-dir",
+        "--out",
+        dest="out_dir",
+        default=None,
+        help="default bench/results/<gpu>/, e.g. bench/results/h200/",
+    )
     p.add_argument("--timeout", type=float, default=180, help="seconds one worker may take (default 180)")
     p.add_argument("--strict", action="store_true", help="exit 2 if a row fails the bar")
     p.add_argument("--verbose", action="store_true", help="print every worker's log")

@@ -6,6 +6,7 @@ Row format (one dict per shape), shared by the forward and backward benchmarks:
      "ratios": {"ours/flash": float | None, ...}, "frac_mma": {impl: float | None}}
 A value of None means the implementation failed or does not support the shape.
 """
+
 import datetime
 import json
 import math
@@ -21,6 +22,7 @@ REF = "ours"
 
 # ----------------------------------------------------------------------------------------------- FLOPs
 
+
 def attn_flops(batch, nheads, seqlen_q, seqlen_k, head_dim, causal, mode="fwd"):
     """FLOPs by the FlashAttention-2 paper's convention: forward 4*b*h*sq*sk*d (two matmuls), halved when
     causal; backward 2.5x forward; fwd_bwd 3.5x forward."""
@@ -31,6 +33,7 @@ def attn_flops(batch, nheads, seqlen_q, seqlen_k, head_dim, causal, mode="fwd"):
 
 
 # ---------------------------------------------------------------------------------------------- timing
+
 
 def time_ms(fn, warmup=5, rep=30):
     """Median wall time of fn() on the GPU in milliseconds: `warmup` untimed calls, then `rep` (>= 20) calls
@@ -62,7 +65,26 @@ def try_time(fn, warmup, rep):
         return None, msg[:300]
 
 
+# ------------------------------------------------------------------------------------------ SDPA layout
+
+
+def sdpa_view(x, requires_grad=None):
+    """SDPA's own copy of a (b, s, h, d) tensor x, handed over as the (b, h, s, d) transposed view of a
+    (b, s, h, d) tensor: the layout models give SDPA (q_proj(x).view(b, s, h, d).transpose(1, 2)) and the one
+    FlashAttention-2 reads without copies. Contiguous (b, h, s, d) inputs would make SDPA flash's backward copy
+    and overstate our lead. A leaf that requires grad as x does (or as requires_grad says)."""
+    t = x.detach().clone(memory_format=torch.contiguous_format).transpose(1, 2)
+    return t.requires_grad_(x.requires_grad if requires_grad is None else requires_grad)
+
+
+def sdpa_grad(out):
+    """A random output gradient for SDPA's (b, h, s, d) output in the same layout: the transposed view of a
+    (b, s, h, d) tensor, as the gradient that comes back through a model's output projection."""
+    return torch.randn_like(out.transpose(1, 2), memory_format=torch.contiguous_format).transpose(1, 2)
+
+
 # ----------------------------------------------------------------------------------------------- stamp
+
 
 def slug(text):
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown"
@@ -88,8 +110,13 @@ def git_commit():
     if env:
         return env
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
-                             cwd=os.path.dirname(os.path.abspath(__file__)))
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+        )
         if out.returncode == 0 and out.stdout.strip():
             return out.stdout.strip()
     except Exception:
@@ -112,9 +139,15 @@ def _cudnn_version():
 def stamp():
     """Where and when a result was measured."""
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no-gpu"
-    info = {"gpu": gpu, "gpu_slug": slug(gpu), "commit": git_commit(), "date": utc_now(),
-            "torch": torch.__version__, "cuda": torch.version.cuda,
-            "cudnn": _cudnn_version()}
+    info = {
+        "gpu": gpu,
+        "gpu_slug": slug(gpu),
+        "commit": git_commit(),
+        "date": utc_now(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": _cudnn_version(),
+    }
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
         info.update(sm_count=p.multi_processor_count, capability=f"{p.major}.{p.minor}")
@@ -135,6 +168,7 @@ def load_mma_peak(path, gpu):
 
 # ------------------------------------------------------------------------------------------ row maths
 
+
 def finish_row(row, impls, peak_tflops=None, ref=REF):
     """Fill tflops, ratios (ref/other, by TFLOP/s, i.e. other_time/ref_time) and fractions of the mma ceiling."""
     row["tflops"] = {k: (row["flops"] / (row["ms"][k] * 1e-3) / 1e12 if row["ms"].get(k) else None) for k in impls}
@@ -150,6 +184,7 @@ def geomean(values):
 
 
 # --------------------------------------------------------------------------------------------- reports
+
 
 def fmt_num(v, fmt="{:.0f}"):
     return "n/a" if v is None else fmt.format(v)
@@ -173,23 +208,37 @@ def _groups(rows):
 def markdown_report(meta, rows, impls, peak=None, ref=REF, summary_seqlens=(2048, 8192, 16384), baseline="flash"):
     peak_t = peak["tflops"] if peak else None
     others = [k for k in impls if k != ref]
-    lines = [f"# {meta['title']}", "",
-             f"{meta['gpu']} ({meta.get('sm_count', '?')} SMs), commit {meta['commit']}, {meta['date']}, "
-             f"torch {meta['torch']} (CUDA {meta['cuda']}), cuDNN {meta['cudnn']}.", "",
-             meta.get("method", ""), ""]
+    lines = [
+        f"# {meta['title']}",
+        "",
+        f"{meta['gpu']} ({meta.get('sm_count', '?')} SMs), commit {meta['commit']}, {meta['date']}, "
+        f"torch {meta['torch']} (CUDA {meta['cuda']}), cuDNN {meta['cudnn']}.",
+        "",
+        meta.get("method", ""),
+        "",
+    ]
     if peak_t:
-        lines += [f"Percentages: fraction of the measured mma.sync m16n8k16 bf16->fp32 ceiling, "
-                  f"{peak_t:.0f} TFLOP/s (mma_peak.py, {peak.get('date')}, commit {peak.get('commit')}).", ""]
+        lines += [
+            f"Percentages: fraction of the measured mma.sync m16n8k16 bf16->fp32 ceiling, "
+            f"{peak_t:.0f} TFLOP/s (mma_peak.py, {peak.get('date')}, commit {peak.get('commit')}).",
+            "",
+        ]
     lines += summary_markdown(rows, ref, baseline, summary_seqlens), ""
     for (pas, hdim, causal), grp in _groups(rows).items():
-        lines += [f"## {pas}, hdim {hdim}, {'causal' if causal else 'non-causal'}", "",
-                  "| seqlen | batch x heads | " + " | ".join(impls) + " | "
-                  + " | ".join(f"{ref}/{k}" for k in others) + " |",
-                  "|---" * (2 + len(impls) + len(others)) + "|"]
+        lines += [
+            f"## {pas}, hdim {hdim}, {'causal' if causal else 'non-causal'}",
+            "",
+            "| seqlen | batch x heads | " + " | ".join(impls) + " | " + " | ".join(f"{ref}/{k}" for k in others) + " |",
+            "|---" * (2 + len(impls) + len(others)) + "|",
+        ]
         for r in grp:
-            lines.append(f"| {r['seqlen']} | {r['batch']} x {r['nheads']} | "
-                         + " | ".join(_cell(r, k, peak_t) for k in impls) + " | "
-                         + " | ".join(fmt_num(r["ratios"].get(f"{ref}/{k}"), "{:.2f}") for k in others) + " |")
+            lines.append(
+                f"| {r['seqlen']} | {r['batch']} x {r['nheads']} | "
+                + " | ".join(_cell(r, k, peak_t) for k in impls)
+                + " | "
+                + " | ".join(fmt_num(r["ratios"].get(f"{ref}/{k}"), "{:.2f}") for k in others)
+                + " |"
+            )
         lines.append("")
     errs = {}
     for r in rows:
@@ -198,8 +247,11 @@ def markdown_report(meta, rows, impls, peak=None, ref=REF, summary_seqlens=(2048
     if errs:
         lines += ["## Failures (recorded as n/a; shapes as h<hdim>[c=causal] s<seqlen>)", ""]
         lines += [f"- {k} ({', '.join(shapes)}): {e}" for (k, e), shapes in sorted(errs.items())] + [""]
-    warns = [f"- {r['pass']} hdim {r['hdim']} causal={r['causal']} seqlen {r['seqlen']}: {w}"
-             for r in rows for w in r.get("warnings", [])]
+    warns = [
+        f"- {r['pass']} hdim {r['hdim']} causal={r['causal']} seqlen {r['seqlen']}: {w}"
+        for r in rows
+        for w in r.get("warnings", [])
+    ]
     if warns:
         lines += ["## Warnings", ""] + warns + [""]
     return "\n".join(lines)
@@ -212,9 +264,12 @@ def summary_markdown(rows, ref=REF, other="flash", seqlens=(2048, 8192, 16384)):
     measured = {r["seqlen"] for r in rows}
     seqlens = [s for s in seqlens if s in measured] or sorted(measured)
     groups = list(_groups(rows))
-    lines = [f"## Summary: {ref} vs {other} (TFLOP/s, ratio {key})", "",
-             "| pass | hdim | mask | " + " | ".join(f"seqlen {s}" for s in seqlens) + " |",
-             "|---" * (3 + len(seqlens)) + "|"]
+    lines = [
+        f"## Summary: {ref} vs {other} (TFLOP/s, ratio {key})",
+        "",
+        "| pass | hdim | mask | " + " | ".join(f"seqlen {s}" for s in seqlens) + " |",
+        "|---" * (3 + len(seqlens)) + "|",
+    ]
     picked = []
     for pas, hdim, causal in groups:
         cells = []
@@ -231,13 +286,17 @@ def summary_markdown(rows, ref=REF, other="flash", seqlens=(2048, 8192, 16384)):
     every = [r["ratios"].get(key) for r in rows]
     g_pick, g_all = geomean(picked), geomean(every)
     n_pick, n_all = sum(1 for v in picked if v), sum(1 for v in every if v)
-    lines += ["", f"Geometric mean of {key}: {fmt_num(g_pick, '{:.3f}')} over the {n_pick} cells above, "
-              f"{fmt_num(g_all, '{:.3f}')} over all {n_all} measured shapes."]
+    lines += [
+        "",
+        f"Geometric mean of {key}: {fmt_num(g_pick, '{:.3f}')} over the {n_pick} cells above, "
+        f"{fmt_num(g_all, '{:.3f}')} over all {n_all} measured shapes.",
+    ]
     return "\n".join(lines)
 
 
 def plot_report(path, meta, rows, impls, peak=None):
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

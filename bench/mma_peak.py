@@ -3,6 +3,7 @@
 
     python bench/mma_peak.py [--out-dir bench/results/<gpu>] [--iters 8192] [--reps 20]
 """
+
 import argparse
 import json
 import os
@@ -20,8 +21,11 @@ import common  # noqa: E402
 
 
 def find_nvcc():
-    for cand in (os.environ.get("NVCC"), shutil.which("nvcc"),
-                 os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")):
+    for cand in (
+        os.environ.get("NVCC"),
+        shutil.which("nvcc"),
+        os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc"),
+    ):
         if cand and os.path.exists(cand):
             return cand
     sys.exit("nvcc not found (set NVCC or CUDA_HOME)")
@@ -48,10 +52,20 @@ def main():
         sys.exit(f"mma_peak failed (rc {res.returncode}): {res.stderr.strip()}")
     fields = dict(re.findall(r"(\w+)=(\S+)", res.stdout))
     st = common.stamp()
-    out = {"gpu": st["gpu"], "tflops": float(fields["tflops_median"]), "tflops_max": float(fields["tflops_max"]),
-           "date": st["date"], "commit": st["commit"], "arch": arch, "instruction":
-           "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "config": {k: fields[k] for k in (
-               "sms", "blocks", "threads", "blocks_per_sm", "chains", "iters", "reps") if k in fields}}
+    out = {
+        "gpu": st["gpu"],
+        "tflops": float(fields["tflops_median"]),
+        "tflops_max": float(fields["tflops_max"]),
+        "date": st["date"],
+        "commit": st["commit"],
+        "arch": arch,
+        "instruction": "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",
+        "config": {
+            k: fields[k]
+            for k in ("sms", "blocks", "threads", "blocks_per_sm", "chains", "iters", "reps")
+            if k in fields
+        },
+    }
     os.makedirs(args.out_dir, exist_ok=True)
     path = os.path.join(args.out_dir, "mma_peak.json")
     with open(path, "w") as f:

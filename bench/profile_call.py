@@ -14,8 +14,10 @@ and nothing else:
 The shape is --shape b,seqlen_q,seqlen_k,heads,head_dim (with --nheads-k for GQA/MQA), or else the anchor grid's
 (--tokens / --seqlen sequences of --seqlen tokens, --hidden / --hdim heads). --plan forces our launch plan, as
 flash_attn_cuda.plan.force_plan does (e.g. --plan "kernel=mma_sync;key_blocks=2", --num-splits 4); the plan
-that ran is printed before the calls.
+that ran is printed before the calls. Ours gets (b, s, h, d) tensors; SDPA the (b, h, s, d) transposed views of
+(b, s, h, d) tensors, the layout models give it (the backward's dout too).
 """
+
 import argparse
 import contextlib
 import os
@@ -24,17 +26,29 @@ import sys
 import torch
 import torch.nn.functional as F
 
-sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root, after an installed copy
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.append(os.path.dirname(HERE))  # repo root, after an installed copy
+import common  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--pass", dest="pass_", choices=["fwd", "bwd"], default="fwd",
-                   help="profile the forward (under no_grad) or the backward alone (default fwd)")
-    p.add_argument("--impls", type=lambda s: s.split(","), default=["ours"],
-                   help="comma-separated, from ours,flash, run in this order (default ours)")
+    p.add_argument(
+        "--pass",
+        dest="pass_",
+        choices=["fwd", "bwd"],
+        default="fwd",
+        help="profile the forward (under no_grad) or the backward alone (default fwd)",
+    )
+    p.add_argument(
+        "--impls",
+        type=lambda s: s.split(","),
+        default=["ours"],
+        help="comma-separated, from ours,flash, run in this order (default ours)",
+    )
     p.add_argument("--shape", help="b,seqlen_q,seqlen_k,heads,head_dim (replaces --tokens/--hidden/--seqlen/--hdim)")
     p.add_argument("--nheads-k", type=int, default=None, help="key/value heads (default: heads)")
     p.add_argument("--tokens", type=int, default=16384, help="batch * seqlen, without --shape")
@@ -46,8 +60,12 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--warmup", type=int, default=1, help="calls before the NVTX range (default 1)")
     p.add_argument("--calls", type=int, default=1, help="calls inside the NVTX range (default 1)")
-    p.add_argument("--plan", default="", help='ours: force_plan choices as "key=value;...", keys kernel, gqa_walk, '
-                   "key_blocks, short_keys, short_queries")
+    p.add_argument(
+        "--plan",
+        default="",
+        help='ours: force_plan choices as "key=value;...", keys kernel, gqa_walk, '
+        "key_blocks, short_keys, short_queries",
+    )
     p.add_argument("--num-splits", type=int, default=0, help="ours: force the forward's key splits (0: heuristic)")
     a = p.parse_args(argv)
     if not a.impls or set(a.impls) - {"ours", "flash"}:
@@ -62,7 +80,8 @@ def parse_args(argv=None):
         a.sq = a.sk = a.seqlen
     a.hk = a.nheads_k or a.h
     try:
-        a.choices = {k.strip(): _value(v.strip()) for k, v in (item.split("=", 1) for item in a.plan.split(";") if item)}
+        items = (item.split("=", 1) for item in a.plan.split(";") if item)
+        a.choices = {k.strip(): _value(v.strip()) for k, v in items}
     except ValueError:
         p.error('--plan takes "key=value" pairs separated by ";"')
     return a
@@ -77,6 +96,7 @@ def forced(args):
     if not args.choices and not args.num_splits:
         return contextlib.nullcontext()
     from flash_attn_cuda.plan import force_plan
+
     return force_plan(num_splits=args.num_splits, **args.choices)
 
 
@@ -84,10 +104,24 @@ def print_plan(args):
     """The plan our call runs under these choices, from torch.ops.flash_attn2.plan (when this build has it)."""
     try:
         from flash_attn_cuda import plan as plans
+
         num_splits, override = plans.forced()
-        print(plans.plan(args.pass_, batch=args.b, seqlen_q=args.sq, seqlen_k=args.sk, nheads=args.h,
-                         nheads_k=args.hk, head_dim=args.d, causal=args.causal, deterministic=args.deterministic,
-                         num_splits=num_splits, override=override), flush=True)
+        print(
+            plans.plan(
+                args.pass_,
+                batch=args.b,
+                seqlen_q=args.sq,
+                seqlen_k=args.sk,
+                nheads=args.h,
+                nheads_k=args.hk,
+                head_dim=args.d,
+                causal=args.causal,
+                deterministic=args.deterministic,
+                num_splits=num_splits,
+                override=override,
+            ),
+            flush=True,
+        )
     except Exception as exc:
         print(f"[profile] plan not available: {type(exc).__name__}: {exc}", flush=True)
 
@@ -99,26 +133,33 @@ def make_call(impl, args):
     k, v = (torch.randn(args.b, args.sk, args.hk, args.d, device="cuda", dtype=dtype) for _ in range(2))
     if impl == "ours":
         from flash_attn_cuda import flash_attn_func
+
         inputs = tuple(t.requires_grad_(grad) for t in (q, k, v))
 
         def fwd():
             return flash_attn_func(*inputs, causal=args.causal, deterministic=args.deterministic)
     else:
         from torch.nn.attention import SDPBackend, sdpa_kernel
-        inputs = tuple(t.transpose(1, 2).contiguous().requires_grad_(grad) for t in (q, k, v))
+
+        # The transposed views of (b, s, h, d) tensors, the layout models give SDPA (common.sdpa_view); the
+        # backward's dout likewise, in the output's layout.
+        inputs = tuple(common.sdpa_view(t, requires_grad=grad) for t in (q, k, v))
         gqa = {"enable_gqa": True} if args.hk != args.h else {}
         # SDPA aligns its causal mask top-left, ours bottom-right: the same when seqlen_q == seqlen_k.
 
         def fwd():
             with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
                 return F.scaled_dot_product_attention(*inputs, is_causal=args.causal, **gqa)
+
     if not grad:
+
         def call():
             with torch.no_grad():
                 fwd()
+
         return call
     out = fwd()
-    dout = torch.randn_like(out)
+    dout = torch.randn_like(out) if impl == "ours" else common.sdpa_grad(out)
     return lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True)
 
 
@@ -126,8 +167,11 @@ def main(argv=None):
     args = parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("profile_call.py needs a CUDA GPU")
-    print(f"[profile] {args.pass_} (b, sq, sk, h, hk, d) = ({args.b}, {args.sq}, {args.sk}, {args.h}, {args.hk}, "
-          f"{args.d}) {args.dtype} causal={args.causal}", flush=True)
+    print(
+        f"[profile] {args.pass_} (b, sq, sk, h, hk, d) = ({args.b}, {args.sq}, {args.sk}, {args.h}, {args.hk}, "
+        f"{args.d}) {args.dtype} causal={args.causal}",
+        flush=True,
+    )
     for impl in args.impls:
         with forced(args) if impl == "ours" else contextlib.nullcontext():
             if impl == "ours":

@@ -4,7 +4,8 @@ import sys
 
 _argv = getattr(sys, "orig_argv", [])
 _RUNNING_INFO = "-mflash_attn_cuda.info" in _argv or any(
-    a == "-m" and b == "flash_attn_cuda.info" for a, b in zip(_argv, _argv[1:]))
+    a == "-m" and b == "flash_attn_cuda.info" for a, b in zip(_argv, _argv[1:])
+)
 
 try:
     from . import _ops
@@ -31,7 +32,7 @@ try:
 except ImportError:  # a checkout built before setup.py wrote _build_info.py
     __version__ = "0.2.0+unknown"
 
-__all__ = [
+__all__: list[str] = [
     "flash_attn_func",
     "flash_attn_kvpacked_func",
     "flash_attn_qkvpacked_func",

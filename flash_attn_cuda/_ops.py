@@ -11,7 +11,10 @@ has no autograd. Autograd of fwd and varlen_fwd comes from one of two places:
   op calls use. Eager calls from the public functions take ``fwd`` / ``varlen_fwd`` below instead, which run the
   same setup_context and backward through a plain autograd.Function and dispatch below autograd when nothing
   requires grad: the registered Python autograd kernel costs every call, with or without grad, several
-  microseconds more. Even so, host-bound calls cost more than with the C++ library (perf log, entry 38).
+  microseconds more. Even so, host-bound calls cost more than with the C++ library.
+
+The fake implementations and the autograd rules come from the op table (csrc/op_table.py, generated into
+_op_table.py), so they name no op argument here.
 """
 
 import functools
@@ -22,70 +25,52 @@ import warnings
 import torch
 
 from . import _C  # noqa: F401  (loading the library registers the ops)
-
-from ._kernel_list import HEAD_DIMS as KERNEL_HEAD_DIMS, kernel_name
+from ._kernel_list import HEAD_DIMS as KERNEL_HEAD_DIMS
+from ._kernel_list import kernel_name
+from ._op_table import OPS
 
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 _FWD = torch.ops.flash_attn2.fwd.default
-_BWD = torch.ops.flash_attn2.bwd.default
 _VARLEN_FWD = torch.ops.flash_attn2.varlen_fwd.default
-_VARLEN_BWD = torch.ops.flash_attn2.varlen_bwd.default
 
 
-@torch.library.register_fake("flash_attn2::fwd")
-def _fwd_fake(q, k, v, softmax_scale, causal, deterministic=False, num_splits=0, plan_override="",
-              window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None):
-    batch, seqlen_q, nheads, head_dim = q.shape
-    out = q.new_empty((batch, seqlen_q, nheads, head_dim))
-    softmax_lse = q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
-    return out, softmax_lse
+def _fake_output(rule: str, args: dict) -> torch.Tensor:
+    """One output of a fake implementation, by its rule in the op table: "like:<arg>" is the argument's shape,
+    contiguous (the ops return contiguous outputs whatever the strides of their inputs); "lse:<arg>" is the float32
+    log-sum-exp of a query tensor, (batch, nheads, seqlen_q) of a 4-D one and (nheads, total_q) of a 3-D one."""
+    kind, name = rule.split(":")
+    x = args[name]
+    if kind == "like":
+        return x.new_empty(x.shape)
+    if kind == "lse":
+        shape = (x.shape[0], x.shape[2], x.shape[1]) if x.dim() == 4 else (x.shape[1], x.shape[0])
+        return x.new_empty(shape, dtype=torch.float32)
+    raise ValueError(f"unknown fake rule {rule!r}")
 
 
-@torch.library.register_fake("flash_attn2::bwd")
-def _bwd_fake(dout, q, k, v, out, softmax_lse, softmax_scale, causal, deterministic=False, plan_override="",
-              window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None):
-    # The op returns contiguous gradients whatever the strides of q, k and v.
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+def _bind(op_name: str, args: tuple, kwargs: dict) -> dict:
+    """The op's arguments by name (those the call left out are absent)."""
+    bound = dict(zip(OPS[op_name]["args"], args))
+    bound.update(kwargs)
+    return bound
 
 
-@torch.library.register_fake("flash_attn2::varlen_fwd")
-def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                     deterministic=False, plan_override="", window_left=-1, window_right=-1, softcap=0.0,
-                     alibi_slopes=None, dropout_p=0.0, rng_state=None):
-    total_q, nheads, head_dim = q.shape
-    out = q.new_empty((total_q, nheads, head_dim))
-    softmax_lse = q.new_empty((nheads, total_q), dtype=torch.float32)
-    return out, softmax_lse
+def _register_fake(op_name: str) -> None:
+    rules = [fake for _, fake in OPS[op_name]["returns"]]
+
+    def fake(*args, **kwargs):
+        bound = _bind(op_name, args, kwargs)
+        return tuple(_fake_output(rule, bound) for rule in rules)
+
+    torch.library.register_fake(f"flash_attn2::{op_name}", fake)
 
 
-@torch.library.register_fake("flash_attn2::varlen_bwd")
-def _varlen_bwd_fake(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                     softmax_scale, causal, deterministic=False, plan_override="", window_left=-1, window_right=-1,
-                     softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-
-
-@torch.library.register_fake("flash_attn2::fwd_kvcache")
-def _fwd_kvcache_fake(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
-                      cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=1.0, causal=False,
-                      window_left=-1, window_right=-1, softcap=0.0, rotary_interleaved=True, alibi_slopes=None,
-                      num_splits=0, plan_override=""):
-    # The caches are mutated in place (the schema says so); the outputs are new.
-    batch, seqlen_q, nheads, head_dim = q.shape
-    out = q.new_empty((batch, seqlen_q, nheads, head_dim))
-    softmax_lse = q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
-    return out, softmax_lse
-
-
-@torch.library.register_fake("flash_attn2::varlen_fwd_paged")
-def _varlen_fwd_paged_fake(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
-                           softmax_scale, causal, plan_override="", window_left=-1, window_right=-1, softcap=0.0,
-                           alibi_slopes=None):
-    total_q, nheads, head_dim = q.shape
-    out = q.new_empty((total_q, nheads, head_dim))
-    softmax_lse = q.new_empty((nheads, total_q), dtype=torch.float32)
-    return out, softmax_lse
+# Every op that takes tensors gets its fake implementation from the op table: the outputs' shapes follow from
+# the inputs' (fwd_kvcache also writes its caches in place, which the schema declares).
+for _name, _op in OPS.items():
+    if _op["dispatch"] == "tensor":
+        _register_fake(_name)
 
 
 # Dropout's rng_state: int64 (2,) [seed, offset] on the device, drawn from torch's generator for each call. An op
@@ -97,7 +82,7 @@ torch.library.define("flash_attn2::rng_state", "(Tensor like) -> Tensor", tags=(
 
 @torch.library.impl("flash_attn2::rng_state", "CompositeExplicitAutograd")
 def _rng_state(like):
-    return torch.randint(-2**63, 2**63 - 1, (2,), dtype=torch.int64, device=like.device)
+    return torch.randint(-(2**63), 2**63 - 1, (2,), dtype=torch.int64, device=like.device)
 
 
 @torch.library.register_fake("flash_attn2::rng_state")
@@ -124,72 +109,88 @@ def kernel_head_dim(head_dim: int) -> int:
     raise ValueError(f"head_dim must be at most {KERNEL_HEAD_DIMS[-1]}, got {head_dim}")
 
 
-def kernel_available(head_dim: int, dtype: torch.dtype, causal: bool, backward: bool = False,
-                     variants: bool = False) -> bool:
+def kernel_available(
+    head_dim: int, dtype: torch.dtype, causal: bool, backward: bool = False, variants: bool = False
+) -> bool:
     """Whether this build contains the forward kernel (and, with ``backward``, also the backward kernel)
     that a call with these settings needs (``variants``: a call with a window, softcap, ALiBi or dropout)."""
     if dtype not in _DTYPE_NAMES:
         return False
     passes = ("fwd", "bwd") if backward else ("fwd",)
     names = compiled_kernels()
-    return all(kernel_name(pass_, kernel_head_dim(head_dim), _DTYPE_NAMES[dtype], causal, variants) in names
-               for pass_ in passes)
+    return all(
+        kernel_name(pass_, kernel_head_dim(head_dim), _DTYPE_NAMES[dtype], causal, variants) in names
+        for pass_ in passes
+    )
 
 
 # Autograd. The backward ops have none of their own (no double backward, as in flash-attn 2.x). As there, the
-# LSE is an output that requires grad but passes no gradient back.
+# LSE is an output that requires grad but passes no gradient back. Nothing here names an op's arguments: the op
+# table pairs each forward op with its backward op, whose every argument is `d<output>` (the gradient of a forward
+# output), a forward output, or a forward argument of the same name, and whose every output `d<name>` is the
+# gradient of the forward argument `<name>`; the C++ autograd (csrc/host/autograd/) follows the same rule.
 
 
-def _out_grad(dout, out):
-    """The gradient of ``out`` as the backward kernels read it: contiguous, and zeros when the loss did not use
-    out (grads are not materialized, so it then arrives as None)."""
-    if dout is None:
-        return torch.zeros_like(out, memory_format=torch.contiguous_format)
-    return dout.contiguous()
+def _output_grad(grad, output):
+    """A gradient of a forward output as the backward kernels read it: contiguous, and zeros when the loss did not
+    use that output (grads are not materialized, so it then arrives as None)."""
+    if grad is None:
+        return torch.zeros_like(output, memory_format=torch.contiguous_format)
+    return grad.contiguous()
 
 
-# The trailing attention-variant arguments of every op: window_left, window_right, softcap, alibi_slopes,
-# dropout_p, rng_state. The backward gets the forward's, rng_state included, from which it regenerates the
-# forward's dropout mask.
-_NUM_VARIANT_ARGS = 6
+def _autograd_rule(fwd_name: str, backward_op=None):
+    """(setup_context, backward) of a forward op, from the op table. backward_op: what computes the gradients
+    (default: the table's backward op; tests pass a recorder)."""
+    fwd = OPS[fwd_name]
+    bwd_name = fwd["backward"]
+    bwd = OPS[bwd_name]
+    inputs = fwd["args"]
+    outputs = [name for name, _ in fwd["returns"]]
+    sources = []  # per backward argument: ("grad", output index), ("output", index) or ("input", index)
+    for name in bwd["args"]:
+        if name.startswith("d") and name[1:] in outputs:
+            sources.append(("grad", outputs.index(name[1:])))
+        elif name in outputs:
+            sources.append(("output", outputs.index(name)))
+        else:
+            sources.append(("input", inputs.index(name)))
+    grad_of = [inputs.index(name[1:]) for name, _ in bwd["returns"]]
+    if backward_op is None:
+        backward_op = getattr(torch.ops.flash_attn2, bwd_name).default
+
+    def setup_context(ctx, inputs, output):
+        # Tensors are saved through save_for_backward (None stays None), everything else on ctx.
+        ctx.tensor_slots = [i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor)]
+        ctx.save_for_backward(*output, *(inputs[i] for i in ctx.tensor_slots))
+        ctx.inputs = [None if isinstance(x, torch.Tensor) else x for x in inputs]
+        ctx.num_outputs = len(output)
+        ctx.set_materialize_grads(False)
+
+    def backward(ctx, *grads):
+        saved = ctx.saved_tensors
+        forward_outputs = saved[: ctx.num_outputs]
+        forward_inputs = list(ctx.inputs)
+        for slot, tensor in zip(ctx.tensor_slots, saved[ctx.num_outputs :]):
+            forward_inputs[slot] = tensor
+        args = []
+        for kind, index in sources:
+            if kind == "grad":
+                args.append(_output_grad(grads[index], forward_outputs[index]))
+            elif kind == "output":
+                args.append(forward_outputs[index])
+            else:
+                args.append(forward_inputs[index])
+        result = [None] * len(inputs)
+        for gradient, index in zip(backward_op(*args), grad_of):
+            result[index] = gradient
+        return tuple(result)
+
+    return setup_context, backward
 
 
-def _fwd_setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, causal, deterministic, _num_splits, plan_override = inputs[:8]
-    window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state = inputs[8:]
-    out, softmax_lse = output
-    ctx.save_for_backward(q, k, v, out, softmax_lse, alibi_slopes, rng_state)
-    # The plan override reaches the backward too, so a forced path holds for both passes.
-    ctx.settings = (softmax_scale, causal, deterministic, plan_override)
-    ctx.variants = (window_left, window_right, softcap, dropout_p)
-    ctx.set_materialize_grads(False)
-
-
-def _fwd_backward(ctx, dout, _dlse):
-    q, k, v, out, softmax_lse, alibi_slopes, rng_state = ctx.saved_tensors
-    window_left, window_right, softcap, dropout_p = ctx.variants
-    dq, dk, dv = _BWD(_out_grad(dout, out), q, k, v, out, softmax_lse, *ctx.settings, window_left, window_right,
-                      softcap, alibi_slopes, dropout_p, rng_state)
-    return (dq, dk, dv) + (None,) * (5 + _NUM_VARIANT_ARGS)
-
-
-def _varlen_fwd_setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic, \
-        plan_override = inputs[:11]
-    window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state = inputs[11:]
-    out, softmax_lse = output
-    ctx.save_for_backward(q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state)
-    ctx.settings = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic, plan_override)
-    ctx.variants = (window_left, window_right, softcap, dropout_p)
-    ctx.set_materialize_grads(False)
-
-
-def _varlen_fwd_backward(ctx, dout, _dlse):
-    q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state = ctx.saved_tensors
-    window_left, window_right, softcap, dropout_p = ctx.variants
-    dq, dk, dv = _VARLEN_BWD(_out_grad(dout, out), q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k,
-                             *ctx.settings, window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state)
-    return (dq, dk, dv) + (None,) * (8 + _NUM_VARIANT_ARGS)
+_fwd_setup_context, _fwd_backward = _autograd_rule("fwd")
+_varlen_fwd_setup_context, _varlen_fwd_backward = _autograd_rule("varlen_fwd")
 
 
 def _load_cpp_autograd():
@@ -204,7 +205,9 @@ def _load_cpp_autograd():
     except ModuleNotFoundError:
         return None
     except ImportError as error:  # built for this minor version, yet it does not load: Python autograd is exact
-        warnings.warn(f"flash_attn_cuda: {name} did not load ({error}); autograd runs in Python", RuntimeWarning)
+        warnings.warn(
+            f"flash_attn_cuda: {name} did not load ({error}); autograd runs in Python", RuntimeWarning, stacklevel=2
+        )
         return None
     return minor
 
@@ -215,8 +218,9 @@ AUTOGRAD = f"C++ (torch {_CPP_AUTOGRAD_TORCH})" if _CPP_AUTOGRAD_TORCH else "Pyt
 
 if _CPP_AUTOGRAD_TORCH is None:
     torch.library.register_autograd("flash_attn2::fwd", _fwd_backward, setup_context=_fwd_setup_context)
-    torch.library.register_autograd("flash_attn2::varlen_fwd", _varlen_fwd_backward,
-                                    setup_context=_varlen_fwd_setup_context)
+    torch.library.register_autograd(
+        "flash_attn2::varlen_fwd", _varlen_fwd_backward, setup_context=_varlen_fwd_setup_context
+    )
 
 _below_autograd = torch._C._AutoDispatchBelowAutograd
 
@@ -234,22 +238,39 @@ def _eager_function(name, op_name, setup_context, backward):
     # Function.apply of torch 2.11 binds default arguments and walks the arguments for functorch wrappers in
     # Python before reaching this C++ entry point; _call() uses it only outside functorch transforms. (Dead
     # functorch wrappers that escaped a transform, which that walk unwraps, reach the op as they are.)
-    return type(name, (torch.autograd.Function,), {"apply": torch._C._FunctionBase.__dict__["apply"],
-                                                   "forward": staticmethod(forward),
-                                                   "backward": staticmethod(backward)})
+    return type(
+        name,
+        (torch.autograd.Function,),
+        {
+            "apply": torch._C._FunctionBase.__dict__["apply"],
+            "forward": staticmethod(forward),
+            "backward": staticmethod(backward),
+        },
+    )
 
 
 _Fwd = _eager_function("_Fwd", "_FWD", _fwd_setup_context, _fwd_backward)
 _VarlenFwd = _eager_function("_VarlenFwd", "_VARLEN_FWD", _varlen_fwd_setup_context, _varlen_fwd_backward)
 
 
-def _call(op, function, args, compiling):
+def _differentiable(fwd_name):
+    """Positions of the forward op's arguments that have a gradient (the backward's outputs d<name>)."""
+    fwd = OPS[fwd_name]
+    return tuple(fwd["args"].index(name[1:]) for name, _ in OPS[fwd["backward"]]["returns"])
+
+
+_FWD_DIFFERENTIABLE = _differentiable("fwd")
+_VARLEN_FWD_DIFFERENTIABLE = _differentiable("varlen_fwd")
+
+
+def _call(op, function, args, compiling, differentiable):
     """op(*args) with autograd in Python: through `function` when an eager call records a backward node, below
     autograd when none is recorded, and as registered (torch.compile, functorch transforms) otherwise."""
     if compiling or torch._C._are_functorch_transforms_active():
         return op(*args)
-    q, k, v = args[:3]
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+    if torch.is_grad_enabled() and any(
+        isinstance(args[i], torch.Tensor) and args[i].requires_grad for i in differentiable
+    ):
         return function.apply(*args)
     with _below_autograd():
         return op(*args)
@@ -257,19 +278,43 @@ def _call(op, function, args, compiling):
 
 def fwd(q, k, v, softmax_scale, causal, deterministic, num_splits, plan_override, variants, compiling):
     """torch.ops.flash_attn2.fwd with its autograd; eager calls skip a registered Python autograd kernel.
-    variants: the six trailing variant arguments (window_left, window_right, softcap, alibi_slopes, dropout_p,
-    rng_state)."""
+    variants: the trailing variant arguments, in the schema's order (the op table's variants group)."""
     args = (q, k, v, softmax_scale, causal, deterministic, num_splits, plan_override, *variants)
     if _CPP_AUTOGRAD_TORCH is not None:
         return _FWD(*args)
-    return _call(_FWD, _Fwd, args, compiling)
+    return _call(_FWD, _Fwd, args, compiling, _FWD_DIFFERENTIABLE)
 
 
-def varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-               deterministic, plan_override, variants, compiling):
+def varlen_fwd(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    softmax_scale,
+    causal,
+    deterministic,
+    plan_override,
+    variants,
+    compiling,
+):
     """torch.ops.flash_attn2.varlen_fwd with its autograd, as fwd()."""
-    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic,
-            plan_override, *variants)
+    args = (
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        softmax_scale,
+        causal,
+        deterministic,
+        plan_override,
+        *variants,
+    )
     if _CPP_AUTOGRAD_TORCH is not None:
         return _VARLEN_FWD(*args)
-    return _call(_VARLEN_FWD, _VarlenFwd, args, compiling)
+    return _call(_VARLEN_FWD, _VarlenFwd, args, compiling, _VARLEN_FWD_DIFFERENTIABLE)

@@ -16,7 +16,10 @@ Layout of the draw (the same in every pass, dense or varlen):
 Everything is done on int64 tensors that hold uint32 values, since torch has no unsigned 32-bit arithmetic.
 """
 
+from __future__ import annotations
+
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -31,7 +34,7 @@ _ROUNDS = 10
 _CHUNK_ENTRIES = 1 << 20
 
 
-def _mulhilo(multiplier, x):
+def _mulhilo(multiplier: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(high, low) 32-bit words of the 64-bit product multiplier * x, for a uint32 constant and uint32 values.
 
     The product needs 64 unsigned bits, more than int64 holds, so x is split into 16-bit halves: each partial
@@ -45,7 +48,14 @@ def _mulhilo(multiplier, x):
     return ((high_part >> 16) + (below >> 32)) & _MASK32, below & _MASK32
 
 
-def philox4x32_10(c0, c1, c2, c3, k0, k1):
+def philox4x32_10(
+    c0: torch.Tensor | int,
+    c1: torch.Tensor | int,
+    c2: torch.Tensor | int,
+    c3: torch.Tensor | int,
+    k0: torch.Tensor | int,
+    k1: torch.Tensor | int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Philox4x32 with 10 rounds on int64 tensors (or Python ints) holding uint32 values.
 
     The inputs broadcast against each other; the four output words come back as int64 tensors of uint32 values.
@@ -61,7 +71,7 @@ def philox4x32_10(c0, c1, c2, c3, k0, k1):
     return c0, c1, c2, c3
 
 
-def _threshold(dropout_p):
+def _threshold(dropout_p: float) -> int:
     """The smallest generator word that keeps an entry: floor(p * 2^32), capped at 2^32 - 1, and at least 1 for any
     p > 0 (as the kernels' threshold, so that a tiny p still drops the word 0)."""
     if not 0.0 <= dropout_p < 1.0:
@@ -70,16 +80,17 @@ def _threshold(dropout_p):
     return max(threshold, 1) if dropout_p > 0.0 else 0
 
 
-def _seed_and_offset(rng_state):
+def _seed_and_offset(rng_state: torch.Tensor) -> tuple[int, int]:
     """(seed, offset) of an int64 (2,) rng_state as unsigned 64-bit Python ints (int64 holds their bit patterns)."""
     if rng_state.dtype != torch.int64 or rng_state.shape != (2,):
-        raise ValueError(f"rng_state must be an int64 tensor of shape (2,), got {rng_state.dtype} "
-                         f"{tuple(rng_state.shape)}")
+        raise ValueError(
+            f"rng_state must be an int64 tensor of shape (2,), got {rng_state.dtype} {tuple(rng_state.shape)}"
+        )
     seed, offset = rng_state.tolist()
     return seed & 0xFFFFFFFFFFFFFFFF, offset & 0xFFFFFFFFFFFFFFFF
 
 
-def _row_counters(start, length, device):
+def _row_counters(start: int, length: int, device: torch.device | str | None) -> torch.Tensor:
     """The first counter word of the Philox calls covering rows [start, start + length), start a multiple of 16:
     the calls of block n (rows 16 n .. 16 n + 15) are 16 n + r for r < 8, and call 16 n + r serves rows 16 n + r
     (its words 0-1) and 16 n + r + 8 (words 2-3)."""
@@ -88,13 +99,22 @@ def _row_counters(start, length, device):
     return (blocks_start[:, None] + torch.arange(8, device=device)[None, :]).flatten()  # (blocks * 8,)
 
 
-def _col_counters(length, device):
+def _col_counters(length: int, device: torch.device | str | None) -> torch.Tensor:
     """The second counter word of the Philox calls covering columns [0, length): call 2 c serves columns 2 c
     (words 0 and 2) and 2 c + 1 (words 1 and 3)."""
     return 2 * torch.arange(-(-length // 2), device=device)  # (pairs,)
 
 
-def _keep(seed, offset, threshold, first_head, count, seqlen_q, seqlen_k, device):
+def _keep(
+    seed: int,
+    offset: int,
+    threshold: int,
+    first_head: int,
+    count: int,
+    seqlen_q: int,
+    seqlen_k: int,
+    device: torch.device | str | None,
+) -> torch.Tensor:
     """bool (count, seqlen_q, seqlen_k): the keep decisions of the heads b * nheads + h = first_head ... + count - 1
     (the third counter word)."""
     key = (seed & _MASK32, (seed >> 32) & _MASK32)
@@ -110,12 +130,16 @@ def _keep(seed, offset, threshold, first_head, count, seqlen_q, seqlen_k, device
     heads_per_chunk = max(1, _CHUNK_ENTRIES // (min(rows_per_chunk, seqlen_q) * col_pairs * 2))
     heads = torch.arange(first_head, first_head + count, device=device)
     for h0 in range(0, count, heads_per_chunk):
-        head_counters = heads[h0:h0 + heads_per_chunk] & _MASK32
+        head_counters = heads[h0 : h0 + heads_per_chunk] & _MASK32
         for r0 in range(0, seqlen_q, rows_per_chunk):
             rows = min(rows_per_chunk, seqlen_q - r0)
             row_counters = _row_counters(r0, rows, device)
-            counters = (row_counters[None, :, None], col_counters[None, None, :], head_counters[:, None, None],
-                        offset & _MASK32)
+            counters = (
+                row_counters[None, :, None],
+                col_counters[None, None, :],
+                head_counters[:, None, None],
+                offset & _MASK32,
+            )
             words = philox4x32_10(*counters, *key)
             # (word, head, call row, call column); word = 2 * row bit 3 + column bit 0.
             kept = torch.stack([w >= threshold for w in torch.broadcast_tensors(*words)])
@@ -125,11 +149,13 @@ def _keep(seed, offset, threshold, first_head, count, seqlen_q, seqlen_k, device
             # -> (head, row block, row bit, row, column pair, column bit).
             kept = kept.view(2, 2, h, row_blocks, 8, col_pairs).permute(2, 3, 0, 4, 5, 1)
             kept = kept.reshape(h, row_blocks * 16, col_pairs * 2)
-            out[h0:h0 + h, r0:r0 + rows] = kept[:, :rows, :seqlen_k]
+            out[h0 : h0 + h, r0 : r0 + rows] = kept[:, :rows, :seqlen_k]
     return out
 
 
-def keep_mask(rng_state, dropout_p, batch, nheads, seqlen_q, seqlen_k):
+def keep_mask(
+    rng_state: torch.Tensor, dropout_p: float, batch: int, nheads: int, seqlen_q: int, seqlen_k: int
+) -> torch.Tensor:
     """The kernels' dropout decisions for a dense call.
 
     Args:
@@ -145,7 +171,13 @@ def keep_mask(rng_state, dropout_p, batch, nheads, seqlen_q, seqlen_k):
     return keep.view(batch, nheads, seqlen_q, seqlen_k)
 
 
-def varlen_keep_mask(rng_state, dropout_p, nheads, lens_q, lens_k):
+def varlen_keep_mask(
+    rng_state: torch.Tensor,
+    dropout_p: float,
+    nheads: int,
+    lens_q: Sequence[int] | torch.Tensor,
+    lens_k: Sequence[int] | torch.Tensor,
+) -> list[torch.Tensor]:
     """The kernels' dropout decisions for a varlen call, one mask per sequence.
 
     Args:
@@ -162,21 +194,36 @@ def varlen_keep_mask(rng_state, dropout_p, nheads, lens_q, lens_k):
         raise ValueError(f"lens_q and lens_k must have the same length, got {len(lens_q)} and {len(lens_k)}")
     seed, offset = _seed_and_offset(rng_state)
     threshold = _threshold(dropout_p)
-    return [_keep(seed, offset, threshold, b * nheads, nheads, len_q, len_k, rng_state.device)
-            for b, (len_q, len_k) in enumerate(zip(lens_q, lens_k))]
+    return [
+        _keep(seed, offset, threshold, b * nheads, nheads, len_q, len_k, rng_state.device)
+        for b, (len_q, len_k) in enumerate(zip(lens_q, lens_k))
+    ]
 
 
-def _round_up(n, multiple=128):
+def _round_up(n: int, multiple: int = 128) -> int:
     return -(-n // multiple) * multiple
 
 
-def _signed_probs(probs, keep):
+def _signed_probs(probs: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """P where kept, -P where dropped; +0 (not -0) where P is 0, so that zeros carry no sign."""
     return torch.where(keep | (probs == 0), probs, -probs)
 
 
-def s_dmask(q, k, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, rng_state, cu_seqlens_q=None,
-            cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
+def s_dmask(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    softmax_scale: float | None,
+    causal: bool,
+    window_size: tuple[int, int],
+    softcap: float,
+    alibi_slopes: torch.Tensor | None,
+    dropout_p: float,
+    rng_state: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+) -> torch.Tensor:
     """The S_dmask that return_attn_probs gives with dropout: the float32 reference probabilities, negated where
     dropout removed the entry, 0 where masked and in the padding.
 
@@ -213,13 +260,14 @@ def s_dmask(q, k, softmax_scale, causal, window_size, softcap, alibi_slopes, dro
         raise ValueError("a sequence is longer than max_seqlen_q / max_seqlen_k")
     nheads = q.shape[1]
     keeps = varlen_keep_mask(rng_state, dropout_p, nheads, lens_q, lens_k)
-    out = torch.zeros(len(lens_q), nheads, _round_up(max_seqlen_q), _round_up(max_seqlen_k), dtype=q.dtype,
-                      device=q.device)
+    out = torch.zeros(
+        len(lens_q), nheads, _round_up(max_seqlen_q), _round_up(max_seqlen_k), dtype=q.dtype, device=q.device
+    )
     for b, keep in enumerate(keeps):
-        q_b = q[starts_q[b]:starts_q[b + 1]].unsqueeze(0)
-        k_b = k[starts_k[b]:starts_k[b + 1]].unsqueeze(0)
+        q_b = q[starts_q[b] : starts_q[b + 1]].unsqueeze(0)
+        k_b = k[starts_k[b] : starts_k[b + 1]].unsqueeze(0)
         # Per-batch slopes (batch, nheads) give this sequence its row; shared slopes (nheads,) pass as they are.
-        slopes = alibi_slopes[b:b + 1] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
+        slopes = alibi_slopes[b : b + 1] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
         probs = attention_probs(q_b, k_b, alibi_slopes=slopes, **variants)[0]
-        out[b, :, :lens_q[b], :lens_k[b]] = _signed_probs(probs, keep.to(q.device))
+        out[b, :, : lens_q[b], : lens_k[b]] = _signed_probs(probs, keep.to(q.device))
     return out

@@ -127,17 +127,23 @@ def version_problems(build, runtime):
     target = version_tuple(build.get("torch_target_version"))
     built_with = version_tuple(build.get("torch_version"))
     if target and torch_now and torch_now < target:
-        problems.append(f"torch {runtime['torch_version']} is older than {build['torch_target_version']}, "
-                        f"the oldest torch this build runs on")
+        problems.append(
+            f"torch {runtime['torch_version']} is older than {build['torch_target_version']}, "
+            f"the oldest torch this build runs on"
+        )
     elif not target and built_with and torch_now and torch_now != built_with:
-        problems.append(f"this build was compiled against torch {build['torch_version']} and only runs on that "
-                        f"torch minor version; torch {runtime['torch_version']} is installed")
+        problems.append(
+            f"this build was compiled against torch {build['torch_version']} and only runs on that "
+            f"torch minor version; torch {runtime['torch_version']} is installed"
+        )
     build_cuda = version_tuple(build.get("cuda_version"))
     if runtime["torch_cuda"] is None:
         problems.append(f"torch {runtime['torch_version']} is a build without CUDA; install a CUDA build of torch")
     elif build_cuda and version_tuple(runtime["torch_cuda"])[0] != build_cuda[0]:
-        problems.append(f"this build is for CUDA {build_cuda[0]}.x but torch uses CUDA {runtime['torch_cuda']}; "
-                        f"install the flash_attn_cuda wheel for cu{version_tuple(runtime['torch_cuda'])[0]}")
+        problems.append(
+            f"this build is for CUDA {build_cuda[0]}.x but torch uses CUDA {runtime['torch_cuda']}; "
+            f"install the flash_attn_cuda wheel for cu{version_tuple(runtime['torch_cuda'])[0]}"
+        )
     return problems
 
 
@@ -158,13 +164,17 @@ def import_hints(error, build, runtime):
     """What to do about an import error, best guess first."""
     hints = []
     if "undefined symbol" in error:
-        hints.append("the extension was built against another torch than the one installed (undefined symbol): "
-                     "install the wheel matching your torch and CUDA, or rebuild from source")
+        hints.append(
+            "the extension was built against another torch than the one installed (undefined symbol): "
+            "install the wheel matching your torch and CUDA, or rebuild from source"
+        )
     if re.search(r"lib(cudart|cublas|cuda)\S*\.so", error):
         hints.append("a CUDA library is missing: the build's CUDA major version must match torch's")
     if re.search(r"No module named '[\w.]*_C'|cannot import name '_C'", error):
-        hints.append("the compiled extension is missing: install a wheel, or build it with "
-                     "`pip install --no-build-isolation -e .`")
+        hints.append(
+            "the compiled extension is missing: install a wheel, or build it with "
+            "`pip install --no-build-isolation -e .`"
+        )
     hints += version_problems(build, runtime)
     if not hints:
         hints.append("reinstall flash_attn_cuda for the installed torch and CUDA, or rebuild from source")
@@ -269,17 +279,25 @@ def gpu_facts(build):
             "image_text": None,
         }
         if not gpu["supported"]:
-            gpu["image_text"] = (f"none: compute capability {gpu['capability']} is below "
-                                 f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} (Ampere), which this library needs")
+            gpu["image_text"] = (
+                f"none: compute capability {gpu['capability']} is below "
+                f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} (Ampere), which this library needs"
+            )
         elif archs is None:
             gpu["image_text"] = "unknown (no build metadata); the self-test decides"
         else:
             image = kernel_image(capability, archs, ptx_archs)
             gpu["image"] = list(image) if image else None
-            gpu["image_text"] = describe_image(image) if image else (
-                f"none: this build has SASS for {_arch_list(archs, 'sm_')} and PTX for "
-                f"{_arch_list(ptx_archs, 'compute_')}, none of which runs on compute capability {gpu['capability']}; "
-                f"rebuild with FLASH_ATTN2_CUDA_ARCHS including {props.major}{props.minor}")
+            gpu["image_text"] = (
+                describe_image(image)
+                if image
+                else (
+                    f"none: this build has SASS for {_arch_list(archs, 'sm_')} and PTX for "
+                    f"{_arch_list(ptx_archs, 'compute_')}, none of which runs on compute capability "
+                    f"{gpu['capability']}; "
+                    f"rebuild with FLASH_ATTN2_CUDA_ARCHS including {props.major}{props.minor}"
+                )
+            )
         gpus.append(gpu)
     return gpus
 
@@ -333,8 +351,16 @@ def self_test(package, compiled, device):
     s = SELF_TEST_SHAPE
     device = torch.device(device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda device: None)
-    result = {"ran": True, "device": str(device), **s, "head_dim": head_dim, "dtype": dtype_name, "causal": causal,
-              "checks": [], "passed": False}
+    result = {
+        "ran": True,
+        "device": str(device),
+        **s,
+        "head_dim": head_dim,
+        "dtype": dtype_name,
+        "causal": causal,
+        "checks": [],
+        "passed": False,
+    }
     dtype = TORCH_DTYPES[dtype_name]
     start = time.perf_counter()
     try:
@@ -364,8 +390,9 @@ def self_test(package, compiled, device):
             nan = int(torch.isnan(o).sum().item())
             error, lowp_error = _max_abs_diff(o, r), _max_abs_diff(lp, r)
             bound = 2 * lowp_error + RULE_ATOL
-            result["checks"].append({"name": name, "error": error, "bound": bound, "nan": nan,
-                                     "passed": nan == 0 and error <= bound})
+            result["checks"].append(
+                {"name": name, "error": error, "bound": bound, "nan": nan, "passed": nan == 0 and error <= bound}
+            )
         result["passed"] = all(c["passed"] for c in result["checks"])
     except Exception as exc:
         result["error"] = f"{type(exc).__name__}: {exc}"
@@ -415,19 +442,25 @@ def collect():
         facts["warnings"].append(f"could not query the GPUs: {type(exc).__name__}: {exc}")
     torch_cuda, driver = version_tuple(runtime["torch_cuda"]), version_tuple(runtime["driver_cuda"])
     if torch_cuda and driver and driver[0] < torch_cuda[0]:
-        facts["warnings"].append(f"the driver supports CUDA {runtime['driver_cuda']}, older than the CUDA "
-                                 f"{runtime['torch_cuda']} of torch: update the driver")
+        facts["warnings"].append(
+            f"the driver supports CUDA {runtime['driver_cuda']}, older than the CUDA "
+            f"{runtime['torch_cuda']} of torch: update the driver"
+        )
     elif driver and not facts["gpus"]:
-        facts["warnings"].append("a CUDA driver is installed but torch sees no GPU (check CUDA_VISIBLE_DEVICES and "
-                                 "torch.cuda.is_available())")
+        facts["warnings"].append(
+            "a CUDA driver is installed but torch sees no GPU (check CUDA_VISIBLE_DEVICES and "
+            "torch.cuda.is_available())"
+        )
     if facts["gpus"]:
         facts["device"] = torch.cuda.current_device()
         current = facts["gpus"][facts["device"]]
         build_cuda = version_tuple(facts["build"]["cuda_version"])
         if current["image"] and current["image"][0] == "ptx" and build_cuda and driver and driver < build_cuda:
-            facts["warnings"].append(f"the driver supports CUDA {runtime['driver_cuda']}, older than the CUDA "
-                                     f"{facts['build']['cuda_version']} that wrote the PTX: JIT compilation may fail; "
-                                     f"update the driver")
+            facts["warnings"].append(
+                f"the driver supports CUDA {runtime['driver_cuda']}, older than the CUDA "
+                f"{facts['build']['cuda_version']} that wrote the PTX: JIT compilation may fail; "
+                f"update the driver"
+            )
     return facts, package
 
 
@@ -438,8 +471,10 @@ def run_self_test(facts, package):
     elif not facts["gpus"]:
         facts["self_test"] = {"ran": False, "skipped": "no CUDA GPU found: self-test skipped"}
     elif not gpu_runnable(facts["gpus"][facts["device"]]):
-        facts["self_test"] = {"ran": False,
-                              "skipped": "self-test skipped: no kernel image in this build runs on this GPU"}
+        facts["self_test"] = {
+            "ran": False,
+            "skipped": "self-test skipped: no kernel image in this build runs on this GPU",
+        }
     else:
         device = torch.device("cuda", facts["device"])
         facts["self_test"] = self_test(package, facts["extension"]["compiled"], device)
@@ -471,13 +506,19 @@ def render_setup(facts):
     if not facts["build_info_found"]:
         lines.append("  (no build metadata (_build_info.py): those fields read 'unknown')")
     minimum = f", runs on torch >= {b['torch_target_version']}" if b["torch_target_version"] else ""
-    lines.append(f"  built with   torch {_or_unknown(b['torch_version'])}, CUDA {_or_unknown(b['cuda_version'])}"
-                 f"{minimum}")
-    lines.append(f"  running on   torch {r['torch_version']}, CUDA {_or_unknown(r['torch_cuda'])} (torch), "
-                 f"driver CUDA {r['driver_cuda'] or 'none found'}, Python {r['python']}")
+    lines.append(
+        f"  built with   torch {_or_unknown(b['torch_version'])}, CUDA {_or_unknown(b['cuda_version'])}{minimum}"
+    )
+    lines.append(
+        f"  running on   torch {r['torch_version']}, CUDA {_or_unknown(r['torch_cuda'])} (torch), "
+        f"driver CUDA {r['driver_cuda'] or 'none found'}, Python {r['python']}"
+    )
     sass = _or_unknown(b["archs"], lambda a: _arch_list(a, "sm_"))
-    ptx = "unknown" if b["ptx_archs"] is None else (
-        f"yes, {_arch_list(b['ptx_archs'], 'compute_')}" if b["ptx_archs"] else "no")
+    ptx = (
+        "unknown"
+        if b["ptx_archs"] is None
+        else (f"yes, {_arch_list(b['ptx_archs'], 'compute_')}" if b["ptx_archs"] else "no")
+    )
     lines.append(f"  archs        SASS {sass}; PTX embedded: {ptx}")
     for key, label in (("head_dims", "head dims"), ("dtypes", "dtypes")):
         if b[key] is None and ext["loaded"]:
@@ -486,8 +527,10 @@ def render_setup(facts):
             lines.append(f"  {label:<12} {_or_unknown(b[key], _join)}")
     if ext["loaded"]:
         c = ext["compiled"]
-        lines.append(f"  extension    loaded, {c['count']} kernels: head dims {_join(c['head_dims'])}; "
-                     f"dtypes {_join(c['dtypes'])}")
+        lines.append(
+            f"  extension    loaded, {c['count']} kernels: head dims {_join(c['head_dims'])}; "
+            f"dtypes {_join(c['dtypes'])}"
+        )
         lines.append(f"  autograd     {_or_unknown(ext.get('autograd'))}")
     else:
         lines.append(f"  extension    FAILED to import: {ext['error']}")
@@ -497,10 +540,15 @@ def render_setup(facts):
         lines.append("GPU: none (torch sees no CUDA device)")
     for gpu in facts["gpus"]:
         mark = " (current)" if gpu["index"] == facts["device"] and len(facts["gpus"]) > 1 else ""
-        smem = f", {gpu['smem_per_block_optin'] // 1024} KiB shared memory per block" \
-            if gpu["smem_per_block_optin"] else ""
-        lines.append(f"GPU {gpu['index']}{mark}: {gpu['name']}, compute capability {gpu['capability']}, "
-                     f"{gpu['sm_count']} SMs{smem}")
+        smem = (
+            f", {gpu['smem_per_block_optin'] // 1024} KiB shared memory per block"
+            if gpu["smem_per_block_optin"]
+            else ""
+        )
+        lines.append(
+            f"GPU {gpu['index']}{mark}: {gpu['name']}, compute capability {gpu['capability']}, "
+            f"{gpu['sm_count']} SMs{smem}"
+        )
         lines.append(f"  kernel image: {gpu['image_text']}")
     return lines
 
@@ -513,20 +561,26 @@ def render_self_test(test):
             return [test["skipped"]]
         return [f"self-test: FAIL: {test['error']}"]
     causal = "causal" if test["causal"] else "non-causal"
-    lines = [f"self-test on {test['device']}: flash_attn_func forward+backward, batch {test['batch']}, "
-             f"seqlen_q {test['seqlen_q']}, seqlen_k {test['seqlen_k']}, {test['nheads']} heads, "
-             f"{test['nheads_k']} kv heads, head dim {test['head_dim']}, {test['dtype']}, {causal}",
-             f"  rule: max|ours - ref| <= 2 * max|ref_lowp - ref| + {RULE_ATOL:g} (ref float32, ref_lowp "
-             f"{test['dtype']})"]
+    lines = [
+        f"self-test on {test['device']}: flash_attn_func forward+backward, batch {test['batch']}, "
+        f"seqlen_q {test['seqlen_q']}, seqlen_k {test['seqlen_k']}, {test['nheads']} heads, "
+        f"{test['nheads_k']} kv heads, head dim {test['head_dim']}, {test['dtype']}, {causal}",
+        f"  rule: max|ours - ref| <= 2 * max|ref_lowp - ref| + {RULE_ATOL:g} (ref float32, ref_lowp {test['dtype']})",
+    ]
     for c in test["checks"]:
         nan = f", {c['nan']} NaN" if c["nan"] else ""
-        lines.append(f"  {c['name']:<4} max|ours - ref| = {c['error']:.3e}  bound {c['bound']:.3e}{nan}  "
-                     f"{'PASS' if c['passed'] else 'FAIL'}")
+        lines.append(
+            f"  {c['name']:<4} max|ours - ref| = {c['error']:.3e}  bound {c['bound']:.3e}{nan}  "
+            f"{'PASS' if c['passed'] else 'FAIL'}"
+        )
     if "error" in test:
         lines.append(f"  error: {test['error']}")
         lines += ["    " + line for line in test["traceback"].rstrip().splitlines()[-6:]]
-    call = f"; the call took {test['call_s'] * 1e3:.1f} ms (first use: includes loading the kernels)" \
-        if "call_s" in test else ""
+    call = (
+        f"; the call took {test['call_s'] * 1e3:.1f} ms (first use: includes loading the kernels)"
+        if "call_s" in test
+        else ""
+    )
     lines.append(f"self-test: {'PASS' if test['passed'] else 'FAIL'} in {test['total_s']:.2f} s{call}")
     return lines
 
@@ -543,8 +597,9 @@ def _json_ready(value):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog=f"python -m {PACKAGE}.info",
-                                     description="Report this flash_attn_cuda build and self-test it on the GPU.")
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {PACKAGE}.info", description="Report this flash_attn_cuda build and self-test it on the GPU."
+    )
     parser.add_argument("--json", action="store_true", help="print the facts as one JSON object")
     parser.add_argument("--no-self-test", action="store_true", help="do not run the self-test")
     args = parser.parse_args(argv)

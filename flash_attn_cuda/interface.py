@@ -1,5 +1,7 @@
 """Public attention functions with flash-attn 2.x call signatures."""
 
+from __future__ import annotations
+
 import torch
 import torch.nn.functional as F
 
@@ -8,8 +10,14 @@ from .plan import forced
 
 _ALIGN_ELEMS = 8  # the kernels move 16-byte (8-element) chunks
 
+# What the attention functions return: out alone, or (out, softmax_lse, S_dmask) with return_attn_probs (S_dmask
+# None without dropout).
+AttnOutput = torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
-def _variants(q, dropout_p, window_size, softcap, alibi_slopes):
+
+def _variants(
+    q: torch.Tensor, dropout_p: float, window_size: tuple[int, int], softcap: float, alibi_slopes: torch.Tensor | None
+) -> tuple[int, int, float, torch.Tensor | None, float, torch.Tensor | None]:
     """The ops' six trailing arguments (window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state) for
     the public functions' variant arguments; with dropout, a fresh rng_state drawn from torch's generator."""
     try:
@@ -46,11 +54,19 @@ def _kernel_ready(x: torch.Tensor, head_dim: int, compiling: bool) -> torch.Tens
     return x.clone(memory_format=torch.contiguous_format)
 
 
-def _prepare(q, k, v, softmax_scale, rank, layout):
+def _prepare(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None, rank: int, layout: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, int, bool]:
     """Checks q, k, v of the given rank, resolves the default and negative softmax_scale, and makes the
     tensors kernel-ready. Returns (q, k, v, softmax_scale, original head_dim, whether torch.compile is tracing)."""
-    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
-            and q.dim() == rank and k.dim() == rank and v.dim() == rank):
+    if not (
+        isinstance(q, torch.Tensor)
+        and isinstance(k, torch.Tensor)
+        and isinstance(v, torch.Tensor)
+        and q.dim() == rank
+        and k.dim() == rank
+        and v.dim() == rank
+    ):
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor) or t.dim() != rank:
                 raise ValueError(f"{name} must be a {rank}-D tensor {layout}")
@@ -60,28 +76,34 @@ def _prepare(q, k, v, softmax_scale, rank, layout):
     if not 0 < head_dim <= 256:
         raise ValueError(f"head_dim must be in [1, 256], got {head_dim}")
     if softmax_scale is None:
-        softmax_scale = head_dim ** -0.5
+        softmax_scale = head_dim**-0.5
     elif softmax_scale < 0:
         # (-q) k^T * |scale| equals q k^T * scale; the kernel needs a non-negative scale.
         q, softmax_scale = -q, -softmax_scale
     compiling = torch.compiler.is_compiling()
-    return (_kernel_ready(q, head_dim, compiling), _kernel_ready(k, head_dim, compiling),
-            _kernel_ready(v, head_dim, compiling), float(softmax_scale), head_dim, compiling)
+    return (
+        _kernel_ready(q, head_dim, compiling),
+        _kernel_ready(k, head_dim, compiling),
+        _kernel_ready(v, head_dim, compiling),
+        float(softmax_scale),
+        head_dim,
+        compiling,
+    )
 
 
 def flash_attn_func(
-    q,
-    k,
-    v,
-    dropout_p=0.0,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),
-    softcap=0.0,
-    alibi_slopes=None,
-    deterministic=False,
-    return_attn_probs=False,
-):
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> AttnOutput:
     """Exact attention softmax(q k^T * softmax_scale) v without materializing the score matrix.
 
     Args:
@@ -115,40 +137,51 @@ def flash_attn_func(
     """
     variants = _variants(q, dropout_p, window_size, softcap, alibi_slopes)
     q_in, k_in, scale_in = q, k, softmax_scale
-    q, k, v, softmax_scale, head_dim, compiling = _prepare(q, k, v, softmax_scale, 4,
-                                                           "(batch, seqlen, nheads, head_dim)")
+    q, k, v, softmax_scale, head_dim, compiling = _prepare(
+        q, k, v, softmax_scale, 4, "(batch, seqlen, nheads, head_dim)"
+    )
     num_splits, plan_override = forced()
-    out, softmax_lse = _ops.fwd(q, k, v, softmax_scale, bool(causal), bool(deterministic), num_splits, plan_override,
-                                variants, compiling)
+    out, softmax_lse = _ops.fwd(
+        q, k, v, softmax_scale, bool(causal), bool(deterministic), num_splits, plan_override, variants, compiling
+    )
     if out.shape[-1] != head_dim:
         out = out[..., :head_dim]
     if return_attn_probs:
         s_dmask = None
         if variants[4] > 0.0:
-            s_dmask = dropout.s_dmask(q_in, k_in, scale_in, bool(causal), tuple(window_size), variants[2],
-                                      alibi_slopes, variants[4], variants[5])
+            s_dmask = dropout.s_dmask(
+                q_in,
+                k_in,
+                scale_in,
+                bool(causal),
+                tuple(window_size),
+                variants[2],
+                alibi_slopes,
+                variants[4],
+                variants[5],
+            )
         return out, softmax_lse, s_dmask
     return out
 
 
 def flash_attn_varlen_func(
-    q,
-    k,
-    v,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    dropout_p=0.0,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),
-    softcap=0.0,
-    alibi_slopes=None,
-    deterministic=False,
-    return_attn_probs=False,
-    block_table=None,
-):
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    block_table: torch.Tensor | None = None,
+) -> AttnOutput:
     """Attention over a batch of sequences of different lengths packed without padding.
 
     Args:
@@ -172,98 +205,178 @@ def flash_attn_varlen_func(
         max_seqlen_k rounded up to 128), each sequence's from the top-left corner (None without dropout).
     """
     if block_table is not None:
-        return _varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                             softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs, block_table)
+        return _varlen_paged(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            dropout_p,
+            softmax_scale,
+            causal,
+            window_size,
+            softcap,
+            alibi_slopes,
+            return_attn_probs,
+            block_table,
+        )
     variants = _variants(q, dropout_p, window_size, softcap, alibi_slopes)
     q_in, k_in, scale_in = q, k, softmax_scale
     q, k, v, softmax_scale, head_dim, compiling = _prepare(q, k, v, softmax_scale, 3, "(total, nheads, head_dim)")
     out, softmax_lse = _ops.varlen_fwd(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), softmax_scale, bool(causal),
-        bool(deterministic), forced()[1], variants, compiling,
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        int(max_seqlen_q),
+        int(max_seqlen_k),
+        softmax_scale,
+        bool(causal),
+        bool(deterministic),
+        forced()[1],
+        variants,
+        compiling,
     )
     if out.shape[-1] != head_dim:
         out = out[..., :head_dim]
     if return_attn_probs:
         s_dmask = None
         if variants[4] > 0.0:
-            s_dmask = dropout.s_dmask(q_in, k_in, scale_in, bool(causal), tuple(window_size), variants[2],
-                                      alibi_slopes, variants[4], variants[5], cu_seqlens_q, cu_seqlens_k,
-                                      int(max_seqlen_q), int(max_seqlen_k))
+            s_dmask = dropout.s_dmask(
+                q_in,
+                k_in,
+                scale_in,
+                bool(causal),
+                tuple(window_size),
+                variants[2],
+                alibi_slopes,
+                variants[4],
+                variants[5],
+                cu_seqlens_q,
+                cu_seqlens_k,
+                int(max_seqlen_q),
+                int(max_seqlen_k),
+            )
         return out, softmax_lse, s_dmask
     return out
 
 
-def _check_cache_operands(q, k_cache, v_cache, q_rank, q_layout, names=("k_cache", "v_cache")):
+def _check_cache_operands(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    q_rank: int,
+    q_layout: str,
+    names: tuple[str, str] = ("k_cache", "v_cache"),
+) -> int:
     """Checks the ranks and head dims of a cache call's q and caches (named `names` in messages); returns the head
     dim."""
     if not isinstance(q, torch.Tensor) or q.dim() != q_rank:
         raise ValueError(f"q must be a {q_rank}-D tensor {q_layout}")
     for name, t in zip(names, (k_cache, v_cache)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"{name} must be a 4-D tensor (batch_cache, seqlen_cache, nheads_k, head_dim), or "
-                             "(num_pages, page_size, nheads_k, head_dim) with a block_table")
+            raise ValueError(
+                f"{name} must be a 4-D tensor (batch_cache, seqlen_cache, nheads_k, head_dim), or "
+                "(num_pages, page_size, nheads_k, head_dim) with a block_table"
+            )
     head_dim = q.shape[-1]
     if k_cache.shape[-1] != head_dim or v_cache.shape[-1] != head_dim:
-        raise ValueError(f"{names[0]} and {names[1]} must have the head_dim of q ({head_dim}), got "
-                         f"{k_cache.shape[-1]} and {v_cache.shape[-1]}")
+        raise ValueError(
+            f"{names[0]} and {names[1]} must have the head_dim of q ({head_dim}), got "
+            f"{k_cache.shape[-1]} and {v_cache.shape[-1]}"
+        )
     if not 0 < head_dim <= 256:
         raise ValueError(f"head_dim must be in [1, 256], got {head_dim}")
     return head_dim
 
 
-def _pad_head_dim(x, head_dim):
+def _pad_head_dim(x: torch.Tensor, head_dim: int) -> torch.Tensor:
     """x with its head dim zero-padded to a multiple of 8 (a new tensor), or x itself when it is one already."""
     if x is None or head_dim % _ALIGN_ELEMS == 0:
         return x
     return F.pad(x, (0, _ALIGN_ELEMS - head_dim % _ALIGN_ELEMS))
 
 
-def _varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                  softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs, block_table):
+def _varlen_paged(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float,
+    softmax_scale: float | None,
+    causal: bool,
+    window_size: tuple[int, int],
+    softcap: float,
+    alibi_slopes: torch.Tensor | None,
+    return_attn_probs: bool,
+    block_table: torch.Tensor,
+) -> AttnOutput:
     """flash_attn_varlen_func with a block_table: varlen queries against paged caches, forward only."""
     head_dim = _check_cache_operands(q, k_cache, v_cache, 3, "(total_q, nheads, head_dim)", ("k", "v"))
     if dropout_p != 0.0:
         raise ValueError(f"dropout_p must be 0 with block_table (paged calls are for inference), got {dropout_p}")
     if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad):
-        raise ValueError("block_table: paged keys and values have no backward pass; call under torch.no_grad() or "
-                         "with tensors that do not require grad")
+        raise ValueError(
+            "block_table: paged keys and values have no backward pass; call under torch.no_grad() or "
+            "with tensors that do not require grad"
+        )
     left, right, softcap, alibi_slopes, _, _ = _variants(q, 0.0, window_size, softcap, alibi_slopes)
     if softmax_scale is None:
-        softmax_scale = head_dim ** -0.5
+        softmax_scale = head_dim**-0.5
     elif softmax_scale < 0:
         q, softmax_scale = -q, -softmax_scale
     compiling = torch.compiler.is_compiling()
     q = _kernel_ready(q, head_dim, compiling)
     k_cache, v_cache = _pad_head_dim(k_cache, head_dim), _pad_head_dim(v_cache, head_dim)
     out, softmax_lse = torch.ops.flash_attn2.varlen_fwd_paged(
-        q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), block_table,
-        float(softmax_scale), bool(causal), forced()[1], left, right, softcap, alibi_slopes)
+        q,
+        k_cache,
+        v_cache,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        int(max_seqlen_q),
+        int(max_seqlen_k),
+        block_table,
+        float(softmax_scale),
+        bool(causal),
+        forced()[1],
+        left,
+        right,
+        softcap,
+        alibi_slopes,
+    )
     if out.shape[-1] != head_dim:
         out = out[..., :head_dim]
     return (out, softmax_lse, None) if return_attn_probs else out
 
 
 def flash_attn_with_kvcache(
-    q,
-    k_cache,
-    v_cache,
-    k=None,
-    v=None,
-    rotary_cos=None,
-    rotary_sin=None,
-    cache_seqlens=None,
-    cache_batch_idx=None,
-    cache_leftpad=None,
-    block_table=None,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),
-    softcap=0.0,
-    rotary_interleaved=True,
-    alibi_slopes=None,
-    num_splits=0,
-    return_softmax_lse=False,
-):
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    rotary_cos: torch.Tensor | None = None,
+    rotary_sin: torch.Tensor | None = None,
+    cache_seqlens: int | torch.Tensor | None = None,
+    cache_batch_idx: torch.Tensor | None = None,
+    cache_leftpad: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    rotary_interleaved: bool = True,
+    alibi_slopes: torch.Tensor | None = None,
+    num_splits: int = 0,
+    return_softmax_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention against a KV cache, for decoding and for prefill into a cache (inference: no backward pass).
 
     When k and v are given they are first written into k_cache and v_cache in place, sequence b's at cache rows
@@ -314,18 +427,21 @@ def flash_attn_with_kvcache(
     if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
         new = 0 if k is None else k.shape[1]
         if not 0 <= cache_seqlens <= capacity - new:
-            raise ValueError(f"cache_seqlens ({cache_seqlens}) plus the {new} appended rows must fit in the cache "
-                             f"({capacity} rows per sequence)")
+            raise ValueError(
+                f"cache_seqlens ({cache_seqlens}) plus the {new} appended rows must fit in the cache "
+                f"({capacity} rows per sequence)"
+            )
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
     if (rotary_cos is None) != (rotary_sin is None):
         raise ValueError("rotary_cos and rotary_sin must be given together")
     if isinstance(rotary_cos, torch.Tensor) and isinstance(rotary_sin, torch.Tensor) and rotary_cos.dim() == 2:
         if 2 * rotary_cos.shape[1] > head_dim:
-            raise ValueError(f"rotary_cos: rotary_dim (2 * {rotary_cos.shape[1]}) must be at most head_dim "
-                             f"({head_dim})")
+            raise ValueError(
+                f"rotary_cos: rotary_dim (2 * {rotary_cos.shape[1]}) must be at most head_dim ({head_dim})"
+            )
         rotary_cos, rotary_sin = rotary_cos.contiguous(), rotary_sin.contiguous()
     if softmax_scale is None:
-        softmax_scale = head_dim ** -0.5
+        softmax_scale = head_dim**-0.5
     elif softmax_scale < 0:
         # Rotary embedding is linear, so rotating -q gives -(rotated q).
         q, softmax_scale = -q, -softmax_scale
@@ -337,9 +453,27 @@ def flash_attn_with_kvcache(
     k_cache, v_cache = _pad_head_dim(k_cache, head_dim), _pad_head_dim(v_cache, head_dim)
     forced_splits, plan_override = forced()
     out, softmax_lse = torch.ops.flash_attn2.fwd_kvcache(
-        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-        block_table, float(softmax_scale), bool(causal), left, right, softcap, bool(rotary_interleaved), alibi_slopes,
-        int(num_splits) if num_splits else forced_splits, plan_override)
+        q,
+        k_cache,
+        v_cache,
+        k,
+        v,
+        rotary_cos,
+        rotary_sin,
+        cache_seqlens,
+        cache_batch_idx,
+        cache_leftpad,
+        block_table,
+        float(softmax_scale),
+        bool(causal),
+        left,
+        right,
+        softcap,
+        bool(rotary_interleaved),
+        alibi_slopes,
+        int(num_splits) if num_splits else forced_splits,
+        plan_override,
+    )
     if k_cache is not k_cache_in and k is not None:
         k_cache_in.copy_(k_cache[..., :head_dim])
         v_cache_in.copy_(v_cache[..., :head_dim])
@@ -348,89 +482,120 @@ def flash_attn_with_kvcache(
     return (out, softmax_lse) if return_softmax_lse else out
 
 
-def _unpack(packed, dim, count, name, layout):
+def _unpack(packed: torch.Tensor, dim: int, count: int, name: str, layout: str) -> tuple[torch.Tensor, ...]:
     if not isinstance(packed, torch.Tensor) or packed.dim() <= dim or packed.shape[dim] != count:
         raise ValueError(f"{name} must have shape {layout}")
     return packed.unbind(dim)
 
 
 def flash_attn_qkvpacked_func(
-    qkv,
-    dropout_p=0.0,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),
-    softcap=0.0,
-    alibi_slopes=None,
-    deterministic=False,
-    return_attn_probs=False,
-):
+    qkv: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> AttnOutput:
     """flash_attn_func on q, k, v packed as qkv (batch, seqlen, 3, nheads, head_dim).
 
     q, k and v are read in place from qkv (no copy when head_dim is a multiple of 8), and the gradient comes back
     as one tensor shaped like qkv.
     """
     q, k, v = _unpack(qkv, 2, 3, "qkv", "(batch, seqlen, 3, nheads, head_dim)")
-    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                           deterministic, return_attn_probs)
+    return flash_attn_func(
+        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
+    )
 
 
 def flash_attn_kvpacked_func(
-    q,
-    kv,
-    dropout_p=0.0,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),
-    softcap=0.0,
-    alibi_slopes=None,
-    deterministic=False,
-    return_attn_probs=False,
-):
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> AttnOutput:
     """flash_attn_func with k and v packed as kv (batch, seqlen_k, 2, nheads_k, head_dim), read in place."""
     k, v = _unpack(kv, 2, 2, "kv", "(batch, seqlen_k, 2, nheads_k, head_dim)")
-    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                           deterministic, return_attn_probs)
+    return flash_attn_func(
+        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
+    )
 
 
 def flash_attn_varlen_qkvpacked_func(
-    qkv,
-    cu_seqlens,
-    max_seqlen,
-    dropout_p=0.0,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),
-    softcap=0.0,
-    alibi_slopes=None,
-    deterministic=False,
-    return_attn_probs=False,
-):
+    qkv: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> AttnOutput:
     """flash_attn_varlen_func on q, k, v packed as qkv (total, 3, nheads, head_dim), sharing cu_seqlens and
     max_seqlen; read in place, with the gradient shaped like qkv."""
     q, k, v = _unpack(qkv, 1, 3, "qkv", "(total, 3, nheads, head_dim)")
-    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
-                                  causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+    return flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        cu_seqlens,
+        cu_seqlens,
+        max_seqlen,
+        max_seqlen,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+    )
 
 
 def flash_attn_varlen_kvpacked_func(
-    q,
-    kv,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    dropout_p=0.0,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),
-    softcap=0.0,
-    alibi_slopes=None,
-    deterministic=False,
-    return_attn_probs=False,
-):
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> AttnOutput:
     """flash_attn_varlen_func with k and v packed as kv (total_k, 2, nheads_k, head_dim), read in place."""
     k, v = _unpack(kv, 1, 2, "kv", "(total_k, 2, nheads_k, head_dim)")
-    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                                  return_attn_probs)
+    return flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+    )

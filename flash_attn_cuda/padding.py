@@ -2,11 +2,15 @@
 functions, with the `unpad_input` / `pad_input` signatures of flash-attn 2.7 and later (`unpad_input` returns
 five values there; flash-attn 2.6 and earlier returned the first four)."""
 
+from __future__ import annotations
+
 import torch
 import torch.nn.functional as F
 
 
-def unpad_input(hidden_states, attention_mask, unused_mask=None):
+def unpad_input(
+    hidden_states: torch.Tensor, attention_mask: torch.Tensor, unused_mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor]:
     """Packs the tokens that attention_mask keeps.
 
     Args:
@@ -32,7 +36,7 @@ def unpad_input(hidden_states, attention_mask, unused_mask=None):
     return unpadded, indices, cu_seqlens, max_seqlen, used_seqlens
 
 
-def pad_input(hidden_states, indices, batch, seqlen):
+def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor:
     """The inverse of unpad_input: scatters (total, ...) rows back to (batch, seqlen, ...), zeros elsewhere."""
     padded = hidden_states.new_zeros((batch * seqlen, *hidden_states.shape[1:]))
     padded = padded.index_copy(0, indices, hidden_states)

@@ -2,9 +2,13 @@
 
 The host computes one plan per call from the shapes, the GPU and the build (``csrc/host/plan.h``); the same
 function answers ``torch.ops.flash_attn2.plan``, so a test that forces a path can assert that the call takes
-it. Overrides are op arguments, never environment variables: ``num_splits`` (the dense forward's key splits,
-as flash-attn's ``num_splits``) and ``plan_override``, a test-and-benchmark string of ``key=value`` pairs
-separated by ``;``:
+it. A plan also says how much shared memory per block its kernel takes (``Plan.smem``): a call whose kernel
+needs more than the GPU offers is refused before any launch, and ``plan(..., max_smem=...)`` shows which calls
+a smaller GPU would refuse.
+
+Overrides are op arguments, never environment variables: ``num_splits`` (the dense forward's key splits, as
+flash-attn's ``num_splits``) and ``plan_override``, a test-and-benchmark string of ``key=value`` pairs separated
+by ``;``:
 
 - ``kernel=mma_sync`` or ``kernel=wgmma``: the kernel family (wgmma only on sm_90 with an sm_90a build);
 - ``gqa_walk=0|1``: whether a Hopper GQA/MQA backward CTA walks every query head of its key/value head;
@@ -18,7 +22,7 @@ A key left out keeps the heuristic's choice. ``force_plan`` sets both for the pu
 
 import contextlib
 import dataclasses
-from typing import Optional
+from collections.abc import Iterator
 
 import torch
 
@@ -50,13 +54,24 @@ class Plan:
     heads_per_cta: int  # backward: query heads one CTA walks (GQA walk when > 1)
     key_blocks_per_cta: int  # backward: consecutive key blocks one CTA walks
     dkv_fp32_slices: bool  # backward: per-query-head fp32 dK/dV slices summed afterwards (GQA without a walk)
+    smem: int  # bytes of dynamic shared memory per block that the kernel is launched with
 
 
-def override_string(kernel: Optional[str] = None, gqa_walk: Optional[bool] = None, key_blocks: Optional[int] = None,
-                    short_keys: Optional[bool] = None, short_queries: Optional[bool] = None) -> str:
+def override_string(
+    kernel: str | None = None,
+    gqa_walk: bool | None = None,
+    key_blocks: int | None = None,
+    short_keys: bool | None = None,
+    short_queries: bool | None = None,
+) -> str:
     """The ``plan_override`` op argument for these choices (None: the heuristic decides)."""
-    values = {"kernel": kernel, "gqa_walk": gqa_walk, "key_blocks": key_blocks, "short_keys": short_keys,
-              "short_queries": short_queries}
+    values = {
+        "kernel": kernel,
+        "gqa_walk": gqa_walk,
+        "key_blocks": key_blocks,
+        "short_keys": short_keys,
+        "short_queries": short_queries,
+    }
     parts = []
     for key in _OVERRIDE_KEYS:
         value = values[key]
@@ -67,7 +82,7 @@ def override_string(kernel: Optional[str] = None, gqa_walk: Optional[bool] = Non
 
 
 @contextlib.contextmanager
-def force_plan(num_splits: int = 0, **choices):
+def force_plan(num_splits: int = 0, **choices) -> Iterator[None]:
     """Runs the public functions inside the ``with`` block under these plan choices (keywords of
     ``override_string``; ``num_splits`` > 0 forces the dense forward's key splits). Meant for tests and
     benchmarks; the choices reach the ops as arguments, so torch.compile and CUDA graphs see them."""
@@ -80,7 +95,7 @@ def force_plan(num_splits: int = 0, **choices):
         _forced = previous
 
 
-def forced() -> tuple:
+def forced() -> tuple[int, str]:
     """(num_splits, plan_override) for the ops: what ``force_plan`` set, else (0, "")."""
     return _forced
 
@@ -90,16 +105,37 @@ def _parse(text: str) -> Plan:
     kwargs = {}
     for field in dataclasses.fields(Plan):
         raw = fields[field.name.rstrip("_")]
-        kwargs[field.name] = raw if field.type in ("str", str) else (raw == "1" if field.type in ("bool", bool)
-                                                                    else int(raw))
+        kwargs[field.name] = (
+            raw if field.type in ("str", str) else (raw == "1" if field.type in ("bool", bool) else int(raw))
+        )
     return Plan(**kwargs)
 
 
-def plan(pass_: str, *, batch: int, seqlen_q: int, seqlen_k: int, nheads: int, nheads_k: int, head_dim: int,
-         causal: bool = False, deterministic: bool = False, varlen: bool = False, num_splits: int = 0,
-         override: str = "", arch: Optional[int] = None, num_sms: Optional[int] = None,
-         dtype: torch.dtype = torch.bfloat16, window_size: tuple = (-1, -1), alibi: bool = False,
-         dropout: bool = False, softcap: float = 0.0, kvcache: bool = False, paged: bool = False) -> Plan:
+def plan(
+    pass_: str,
+    *,
+    batch: int,
+    seqlen_q: int,
+    seqlen_k: int,
+    nheads: int,
+    nheads_k: int,
+    head_dim: int,
+    causal: bool = False,
+    deterministic: bool = False,
+    varlen: bool = False,
+    num_splits: int = 0,
+    override: str = "",
+    arch: int | None = None,
+    num_sms: int | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    window_size: tuple[int, int] = (-1, -1),
+    alibi: bool = False,
+    dropout: bool = False,
+    softcap: float = 0.0,
+    kvcache: bool = False,
+    paged: bool = False,
+    max_smem: int | None = None,
+) -> Plan:
     """The plan of one pass ("fwd" or "bwd") of a call with these sizes.
 
     For varlen calls, ``batch`` is the number of sequences and the lengths are the maxima. ``override`` is a
@@ -112,10 +148,36 @@ def plan(pass_: str, *, batch: int, seqlen_q: int, seqlen_k: int, nheads: int, n
     (windows too, in the backward), and dropout rules out key splits. ``kvcache``: a forward that reads a KV cache
     (flash_attn_with_kvcache, or paged varlen), which runs the variants kernel; ``seqlen_k`` is then the cache's
     capacity per sequence. ``paged``: that cache is paged (``block_table``; needs ``kvcache``).
+
+    ``max_smem``: the shared memory per block, in bytes, that the GPU offers its kernels (CUDA's
+    ``cudaDevAttrMaxSharedMemoryPerBlockOptin``). None: with ``arch``, that arch's documented figure (163 KiB =
+    166912 for sm_80 and sm_87, 99 KiB = 101376 for sm_86, sm_89, sm_120 and sm_121, 227 KiB = 232448 for sm_90,
+    sm_100 and sm_103; another arch needs it given), else the current device's. The plan is returned even when
+    its ``smem`` exceeds ``max_smem``: a call of these sizes would then be refused before its launch.
     """
-    text = torch.ops.flash_attn2.plan(pass_, batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, bool(causal),
-                                      bool(deterministic), bool(varlen), int(num_splits), override,
-                                      -1 if arch is None else int(arch), -1 if num_sms is None else int(num_sms),
-                                      dtype == torch.bfloat16, int(window_size[0]), int(window_size[1]), bool(alibi),
-                                      bool(dropout), float(softcap), bool(kvcache), bool(paged))
+    text = torch.ops.flash_attn2.plan(
+        pass_,
+        batch,
+        seqlen_q,
+        seqlen_k,
+        nheads,
+        nheads_k,
+        head_dim,
+        bool(causal),
+        bool(deterministic),
+        bool(varlen),
+        int(num_splits),
+        override,
+        -1 if arch is None else int(arch),
+        -1 if num_sms is None else int(num_sms),
+        dtype == torch.bfloat16,
+        int(window_size[0]),
+        int(window_size[1]),
+        bool(alibi),
+        bool(dropout),
+        float(softcap),
+        bool(kvcache),
+        bool(paged),
+        -1 if max_smem is None else int(max_smem),
+    )
     return _parse(text)

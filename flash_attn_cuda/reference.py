@@ -13,12 +13,20 @@ The attention variants follow the semantics of the kernels (and of flash-attn 2.
 - A row that sees no key has out = 0 and lse = +inf, so that exp(score - lse) is 0 in its backward.
 """
 
+from __future__ import annotations
+
 import math
 
 import torch
 
 
-def visible_mask(seqlen_q, seqlen_k, causal=False, window_size=(-1, -1), device=None):
+def visible_mask(
+    seqlen_q: int,
+    seqlen_k: int,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
     """Which keys each query row sees: bool (seqlen_q, seqlen_k), True where row i may attend to key j.
 
     Args:
@@ -40,15 +48,24 @@ def visible_mask(seqlen_q, seqlen_k, causal=False, window_size=(-1, -1), device=
     return visible
 
 
-def _alibi_bias(alibi_slopes, batch, nheads, seqlen_q, seqlen_k, dtype, device):
+def _alibi_bias(
+    alibi_slopes: torch.Tensor,
+    batch: int,
+    nheads: int,
+    seqlen_q: int,
+    seqlen_k: int,
+    dtype: torch.dtype,
+    device: torch.device | str | None,
+) -> torch.Tensor:
     """(batch or 1, nheads, seqlen_q, seqlen_k) in ``dtype``: -slope[b, h] * |p - j|."""
     if alibi_slopes.shape == (nheads,):
         slopes = alibi_slopes.unsqueeze(0)  # one set of slopes for every batch row
     elif alibi_slopes.shape == (batch, nheads):
         slopes = alibi_slopes
     else:
-        raise ValueError(f"alibi_slopes must have shape ({nheads},) or ({batch}, {nheads}), "
-                         f"got {tuple(alibi_slopes.shape)}")
+        raise ValueError(
+            f"alibi_slopes must have shape ({nheads},) or ({batch}, {nheads}), got {tuple(alibi_slopes.shape)}"
+        )
     slopes = slopes.to(device=device, dtype=dtype)
     pos = torch.arange(seqlen_q, device=device).unsqueeze(1) + (seqlen_k - seqlen_q)
     col = torch.arange(seqlen_k, device=device).unsqueeze(0)
@@ -56,7 +73,15 @@ def _alibi_bias(alibi_slopes, batch, nheads, seqlen_q, seqlen_k, dtype, device):
     return -slopes[:, :, None, None] * distance
 
 
-def _masked_scores(q, k, softmax_scale, causal, window_size, softcap, alibi_slopes):
+def _masked_scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    softmax_scale: float | None,
+    causal: bool,
+    window_size: tuple[int, int],
+    softcap: float,
+    alibi_slopes: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The scores fed to the softmax, (batch, nheads, seqlen_q, seqlen_k) in q's dtype, -inf where masked,
     and the visible mask (seqlen_q, seqlen_k). q and k must already have the dtype to compute in."""
     nheads, nheads_k = q.shape[2], k.shape[2]
@@ -88,14 +113,22 @@ def _masked_scores(q, k, softmax_scale, causal, window_size, softcap, alibi_slop
     return scores.masked_fill(~visible, float("-inf")), visible
 
 
-def _softmax(scores, visible):
+def _softmax(scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
     """softmax over the keys, 0 (rather than NaN) in the rows that see no key."""
     probs = torch.softmax(scores, dim=-1)
     empty_rows = ~visible.any(dim=-1)  # (seqlen_q,)
     return probs.masked_fill(empty_rows.unsqueeze(-1), 0.0)
 
 
-def attention_probs(q, k, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
+def attention_probs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The float32 softmax probabilities P of attention_ref (before dropout).
 
     Args: as attention_ref.
@@ -107,8 +140,19 @@ def attention_probs(q, k, softmax_scale=None, causal=False, window_size=(-1, -1)
     return _softmax(scores, visible)
 
 
-def attention_ref(q, k, v, softmax_scale=None, causal=False, upcast=True, window_size=(-1, -1), softcap=0.0,
-                  alibi_slopes=None, dropout_p=0.0, dropout_mask=None):
+def attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    upcast: bool = True,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    dropout_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention with the same layout and semantics as ``flash_attn2.fwd``.
 
     Args:
@@ -162,7 +206,9 @@ def attention_ref(q, k, v, softmax_scale=None, causal=False, upcast=True, window
 # ---- KV caches (flash_attn_with_kvcache) ----
 
 
-def apply_rotary(x, cos, sin, positions, interleaved=True):
+def apply_rotary(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, interleaved: bool = True
+) -> torch.Tensor:
     """Rotary embedding of x at the given positions, computed in x's dtype (cast cos and sin to it first).
 
     Args:
@@ -189,7 +235,7 @@ def apply_rotary(x, cos, sin, positions, interleaved=True):
     return torch.cat((rotated, x[..., rotary_dim:]), dim=-1)
 
 
-def rotary_per_row(causal, window_size, seqlen_q, capacity, alibi):
+def rotary_per_row(causal: bool, window_size: tuple[int, int], seqlen_q: int, capacity: int, alibi: bool) -> bool:
     """Whether flash_attn_with_kvcache rotates query row i at cache_seqlens[b] + i (True) or every row at
     cache_seqlens[b]: per row when causal (one query row without ALiBi counts as not causal) or when the window is
     bounded on a side (a side at or past the cache's capacity counting as unbounded), as in flash-attn 2.x."""
@@ -200,7 +246,9 @@ def rotary_per_row(causal, window_size, seqlen_q, capacity, alibi):
     return is_causal or left >= 0 or right >= 0
 
 
-def _cache_rows(cache, b, block_table, cache_batch_idx):
+def _cache_rows(
+    cache: torch.Tensor, b: int, block_table: torch.Tensor | None, cache_batch_idx: torch.Tensor | None
+) -> torch.Tensor:
     """Sequence b's cache rows (capacity, nheads_k, head_dim) as a view (dense) or gathered copy (paged)."""
     if block_table is not None:
         return cache[block_table[b].long()].flatten(0, 1)
@@ -208,9 +256,26 @@ def _cache_rows(cache, b, block_table, cache_batch_idx):
     return cache[row]
 
 
-def kvcache_ref(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
-                cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
-                window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, upcast=True):
+def kvcache_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    rotary_cos: torch.Tensor | None = None,
+    rotary_sin: torch.Tensor | None = None,
+    cache_seqlens: torch.Tensor | None = None,
+    cache_batch_idx: torch.Tensor | None = None,
+    cache_leftpad: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    rotary_interleaved: bool = True,
+    alibi_slopes: torch.Tensor | None = None,
+    upcast: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """flash_attn_with_kvcache in plain PyTorch, one sequence at a time (small sizes only).
 
     Args: as flash_attn_with_kvcache, with cache_seqlens an int32 tensor (or None) and indices in range (the
@@ -237,8 +302,11 @@ def kvcache_ref(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin
             positions = cached.to(q.device)[:, None] + torch.arange(seqlen_new, device=q.device)
             k = apply_rotary(k, rotary_cos, rotary_sin, positions, rotary_interleaved)
             per_row = rotary_per_row(causal, window_size, seqlen_q, capacity, alibi_slopes is not None)
-            offsets = torch.arange(seqlen_q, device=q.device) if per_row else torch.zeros(seqlen_q, dtype=torch.long,
-                                                                                          device=q.device)
+            offsets = (
+                torch.arange(seqlen_q, device=q.device)
+                if per_row
+                else torch.zeros(seqlen_q, dtype=torch.long, device=q.device)
+            )
             q = apply_rotary(q, rotary_cos, rotary_sin, cached.to(q.device)[:, None] + offsets, rotary_interleaved)
         for b in range(batch):
             rows = torch.arange(int(cached[b]), int(cached[b]) + seqlen_new)
@@ -259,8 +327,17 @@ def kvcache_ref(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin
         slopes = alibi_slopes
         if alibi_slopes is not None and alibi_slopes.dim() == 2:
             slopes = alibi_slopes[b]
-        out, lse = attention_ref(q[b:b + 1], keys[None], values[None], softmax_scale, causal, upcast=False,
-                                 window_size=window_size, softcap=softcap, alibi_slopes=slopes)
+        out, lse = attention_ref(
+            q[b : b + 1],
+            keys[None],
+            values[None],
+            softmax_scale,
+            causal,
+            upcast=False,
+            window_size=window_size,
+            softcap=softcap,
+            alibi_slopes=slopes,
+        )
         outs.append(out)
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses), k_cache, v_cache

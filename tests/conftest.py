@@ -251,8 +251,9 @@ def varlen_attention(q, k, v, lens_q, lens_k, causal, softmax_scale=None, upcast
     lse (nheads, total_q), as flash_attn_varlen_func does.
     """
     outs, lses = [], []
-    for (q0, q1), (k0, k1) in zip(itertools.pairwise([0, *itertools.accumulate(lens_q)]),
-                                  itertools.pairwise([0, *itertools.accumulate(lens_k)])):
+    for (q0, q1), (k0, k1) in zip(
+        itertools.pairwise([0, *itertools.accumulate(lens_q)]), itertools.pairwise([0, *itertools.accumulate(lens_k)])
+    ):
         out, lse = attention_ref(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], softmax_scale, causal, upcast=upcast)
         outs.append(out[0])
         lses.append(lse[0])
@@ -280,13 +281,24 @@ def device_plan(pass_, q, k, causal, *, deterministic=False, lens=None, max_seql
     if not the maxima of the lengths."""
     head_dim = -(-q.shape[-1] // 8) * 8  # as padded by the wrapper
     batch, seqlen_q, seqlen_k = _sizes(q, k, lens, max_seqlens)
-    return plan(pass_, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=q.shape[-2], nheads_k=k.shape[-2],
-                head_dim=head_dim, causal=causal, deterministic=deterministic, varlen=lens is not None,
-                num_splits=num_splits, override=override_string(**choices), dtype=q.dtype)
+    return plan(
+        pass_,
+        batch=batch,
+        seqlen_q=seqlen_q,
+        seqlen_k=seqlen_k,
+        nheads=q.shape[-2],
+        nheads_k=k.shape[-2],
+        head_dim=head_dim,
+        causal=causal,
+        deterministic=deterministic,
+        varlen=lens is not None,
+        num_splits=num_splits,
+        override=override_string(**choices),
+        dtype=q.dtype,
+    )
 
 
-def check_forced_plans(q, k, causal, force, *, deterministic=False, lens=None, max_seqlens=None,
-                       passes=("fwd", "bwd")):
+def check_forced_plans(q, k, causal, force, *, deterministic=False, lens=None, max_seqlens=None, passes=("fwd", "bwd")):
     """Asserts that calls with q and k (and ``lens``, ``max_seqlens`` as in device_plan) under
     ``force_plan(**force)`` take each forced choice where it applies, and report it off where it does not
     (another head dim, a GPU without the Hopper kernels, deterministic mode, varlen). Returns {pass: plan}, or
@@ -299,8 +311,17 @@ def check_forced_plans(q, k, causal, force, *, deterministic=False, lens=None, m
     kernel_dim = kernel_head_dim(q.shape[-1])
     plans = {}
     for pass_ in passes:
-        p = device_plan(pass_, q, k, causal, deterministic=deterministic and pass_ == "bwd", lens=lens,
-                        max_seqlens=max_seqlens, num_splits=num_splits, **force)
+        p = device_plan(
+            pass_,
+            q,
+            k,
+            causal,
+            deterministic=deterministic and pass_ == "bwd",
+            lens=lens,
+            max_seqlens=max_seqlens,
+            num_splits=num_splits,
+            **force,
+        )
         plans[pass_] = p
         assert p.pass_ == pass_, p
         if "kernel" in force:
@@ -329,14 +350,27 @@ def check_forced_plans(q, k, causal, force, *, deterministic=False, lens=None, m
     return plans
 
 
-# ---------------------------------------------------------------- attention variants (issue 20)
+# ---------------------------------------------------------------- attention variants
 #
 # Window, softcap, ALiBi and dropout, as flash_attn_func takes them. The reference is attention_ref with the same
 # keyword arguments.
 
 
-def varlen_attention_ref(q, k, v, lens_q, lens_k, softmax_scale=None, causal=False, upcast=True,
-                         window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_masks=None):
+def varlen_attention_ref(
+    q,
+    k,
+    v,
+    lens_q,
+    lens_k,
+    softmax_scale=None,
+    causal=False,
+    upcast=True,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    dropout_p=0.0,
+    dropout_masks=None,
+):
     """varlen_attention with the variant arguments of attention_ref: each sequence on its own, packed again.
 
     alibi_slopes: (nheads,) for every sequence, or (num_sequences, nheads), row b for sequence b.
@@ -344,16 +378,27 @@ def varlen_attention_ref(q, k, v, lens_q, lens_k, softmax_scale=None, causal=Fal
     (flash_attn_cuda.dropout.varlen_keep_mask). Returns out (total_q, nheads, d) and lse (nheads, total_q).
     """
     outs, lses = [], []
-    bounds = zip(itertools.pairwise([0, *itertools.accumulate(lens_q)]),
-                 itertools.pairwise([0, *itertools.accumulate(lens_k)]))
+    bounds = zip(
+        itertools.pairwise([0, *itertools.accumulate(lens_q)]), itertools.pairwise([0, *itertools.accumulate(lens_k)])
+    )
     for b, ((q0, q1), (k0, k1)) in enumerate(bounds):
         slopes = alibi_slopes
         if slopes is not None and slopes.dim() == 2:
             slopes = slopes[b : b + 1]
         mask = dropout_masks[b][None] if dropout_masks is not None else None
-        out, lse = attention_ref(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], softmax_scale, causal,
-                                 upcast=upcast, window_size=window_size, softcap=softcap, alibi_slopes=slopes,
-                                 dropout_p=dropout_p, dropout_mask=mask)
+        out, lse = attention_ref(
+            q[None, q0:q1],
+            k[None, k0:k1],
+            v[None, k0:k1],
+            softmax_scale,
+            causal,
+            upcast=upcast,
+            window_size=window_size,
+            softcap=softcap,
+            alibi_slopes=slopes,
+            dropout_p=dropout_p,
+            dropout_mask=mask,
+        )
         outs.append(out[0])
         lses.append(lse[0])
     return torch.cat(outs), torch.cat(lses, dim=1)

@@ -10,6 +10,7 @@ With section names (the functions below, e.g. `short_queries`), only those run. 
 flash_attn_cuda.plan.force_plan, and each forced call first asserts through its plan that it takes the path
 where this GPU has it (conftest.check_forced_plans).
 """
+
 import itertools
 import sys
 
@@ -61,8 +62,9 @@ def varlen():
         # Packed (total, 3, h, d) buffers: strided q, k, v of exactly total rows each.
         q = torch.randn(sum(LENS_Q), 3, 4, head_dim, device="cuda", dtype=dtype)[:, 0].requires_grad_()
         kv = torch.randn(sum(LENS_K), 2, 2, head_dim, device="cuda", dtype=dtype).requires_grad_()
-        out = flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_q, cu_k, max(LENS_Q), max(LENS_K), causal=causal,
-                                     deterministic=causal)
+        out = flash_attn_varlen_func(
+            q, kv[:, 0], kv[:, 1], cu_q, cu_k, max(LENS_Q), max(LENS_K), causal=causal, deterministic=causal
+        )
         out.backward(torch.randn_like(out))
         calls += 1
     return calls
@@ -196,17 +198,36 @@ def variants():
             slopes = torch.rand(2, 4, device="cuda") if i % 2 else torch.rand(4, device="cuda")
             for kernel in ("mma_sync", None):
                 with force_plan(kernel=kernel):
-                    out = flash_attn_func(q, k, v, dropout_p=0.2 * (i % 2), causal=causal,
-                                          window_size=windows[(i + (kernel is None)) % len(windows)],
-                                          softcap=5.0 * (i != 1), alibi_slopes=slopes, deterministic=i == 2)
+                    out = flash_attn_func(
+                        q,
+                        k,
+                        v,
+                        dropout_p=0.2 * (i % 2),
+                        causal=causal,
+                        window_size=windows[(i + (kernel is None)) % len(windows)],
+                        softcap=5.0 * (i != 1),
+                        alibi_slopes=slopes,
+                        deterministic=i == 2,
+                    )
                     out.backward(torch.randn_like(out))
                 calls += 1
         total_q, total_k = sum(LENS_Q), sum(LENS_K)
         q = torch.randn(total_q, 4, head_dim, device="cuda", dtype=dtype, requires_grad=True)
         k, v = (torch.randn(total_k, 2, head_dim, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
-        out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(LENS_Q), max(LENS_K), dropout_p=0.1, causal=causal,
-                                     window_size=(7, 2), softcap=3.0,
-                                     alibi_slopes=torch.rand(len(LENS_Q), 4, device="cuda"))
+        out = flash_attn_varlen_func(
+            q,
+            k,
+            v,
+            cu_q,
+            cu_k,
+            max(LENS_Q),
+            max(LENS_K),
+            dropout_p=0.1,
+            causal=causal,
+            window_size=(7, 2),
+            softcap=3.0,
+            alibi_slopes=torch.rand(len(LENS_Q), 4, device="cuda"),
+        )
         out.backward(torch.randn_like(out))
         calls += 1
     return calls
@@ -227,8 +248,12 @@ def kvcache():
     big, small = 2**31 - 1, -(2**31)
     calls = 0
     # (page size, kernel family, forced splits, query rows, window, softcap, ALiBi)
-    configs = ((None, "mma_sync", 0, 1, (-1, -1), 0.0, False), (None, None, 3, 7, (20, -1), 5.0, False),
-               (16, None, 0, 1, (30, 4), 5.0, False), (48, "mma_sync", 5, 7, (-1, -1), 0.0, True))
+    configs = (
+        (None, "mma_sync", 0, 1, (-1, -1), 0.0, False),
+        (None, None, 3, 7, (20, -1), 5.0, False),
+        (16, None, 0, 1, (30, 4), 5.0, False),
+        (48, "mma_sync", 5, 7, (-1, -1), 0.0, True),
+    )
     for head_dim, dtype in itertools.product(KERNEL_HEAD_DIMS, (torch.float16, torch.bfloat16)):
         if not flash_attn_cuda.kernel_available(head_dim, dtype, True, variants=True):
             continue
@@ -252,19 +277,47 @@ def kvcache():
             slopes = torch.rand(batch, nheads, device="cuda") if alibi else None
             seqlens = i32((page_size or 16) - 2, 0, capacity - new)
             leftpad = i32(3, 0, 40)
-            kwargs = dict(rotary_cos=cos, rotary_sin=sin, block_table=table, causal=i % 2 == 1, window_size=window,
-                          softcap=softcap, rotary_interleaved=i % 2 == 0, alibi_slopes=slopes)
+            kwargs = dict(
+                rotary_cos=cos,
+                rotary_sin=sin,
+                block_table=table,
+                causal=i % 2 == 1,
+                window_size=window,
+                softcap=softcap,
+                rotary_interleaved=i % 2 == 0,
+                alibi_slopes=slopes,
+            )
             with force_plan(num_splits=splits, kernel=kernel):
-                flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, cache_batch_idx=batch_idx,
-                                        cache_leftpad=leftpad, **kwargs)
+                flash_attn_with_kvcache(
+                    q,
+                    k_cache,
+                    v_cache,
+                    k,
+                    v,
+                    cache_seqlens=seqlens,
+                    cache_batch_idx=batch_idx,
+                    cache_leftpad=leftpad,
+                    **kwargs,
+                )
                 if page_size:
                     table[0, 0], table[1, -1], table[2, 1] = -5, num_pages + 7, big
                 else:
                     batch_idx = i32(batch + 10, -3, big)
-                for bad_seqlens, bad_leftpad in (((big, -5, capacity + 9), (big, small, 2 * capacity)),
-                                                 ((big - 1, small, capacity - 1), (-1, 0, big))):
-                    flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=i32(*bad_seqlens),
-                                            cache_batch_idx=batch_idx, cache_leftpad=i32(*bad_leftpad), **kwargs)
+                for bad_seqlens, bad_leftpad in (
+                    ((big, -5, capacity + 9), (big, small, 2 * capacity)),
+                    ((big - 1, small, capacity - 1), (-1, 0, big)),
+                ):
+                    flash_attn_with_kvcache(
+                        q,
+                        k_cache,
+                        v_cache,
+                        k,
+                        v,
+                        cache_seqlens=i32(*bad_seqlens),
+                        cache_batch_idx=batch_idx,
+                        cache_leftpad=i32(*bad_leftpad),
+                        **kwargs,
+                    )
             calls += 3
         for page_size in (16, 48):
             # Paged varlen: an empty sequence, and then a table with out-of-range pages.
@@ -273,16 +326,29 @@ def kvcache():
             num_pages = len(lens_q) * pages_per_seq + 2
             table = torch.randperm(num_pages, device="cuda")[: len(lens_q) * pages_per_seq].view(len(lens_q), -1)
             table = table.to(torch.int32)
-            k_cache, v_cache = (torch.randn(num_pages, page_size, 2, head_dim, device="cuda", dtype=dtype)
-                                for _ in range(2))
+            k_cache, v_cache = (
+                torch.randn(num_pages, page_size, 2, head_dim, device="cuda", dtype=dtype) for _ in range(2)
+            )
             q = torch.randn(sum(lens_q), 6, head_dim, device="cuda", dtype=dtype)
-            cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32, device="cuda")
-                          for n in (lens_q, lens_k))
+            cu_q, cu_k = (
+                torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32, device="cuda") for n in (lens_q, lens_k)
+            )
             for bad in (False, True):
                 if bad:
                     table[0, 0], table[2, 1], table[1, 0] = -7, num_pages + 3, big
-                flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
-                                       window_size=(50, -1), softcap=4.0, block_table=table)
+                flash_attn_varlen_func(
+                    q,
+                    k_cache,
+                    v_cache,
+                    cu_q,
+                    cu_k,
+                    max(lens_q),
+                    max(lens_k),
+                    causal=True,
+                    window_size=(50, -1),
+                    softcap=4.0,
+                    block_table=table,
+                )
                 calls += 1
     return calls
 

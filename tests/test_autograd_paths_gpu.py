@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import requires_gpu, require_fwd_bwd_kernels
+from conftest import require_fwd_bwd_kernels, requires_gpu
 
 import flash_attn_cuda
 from flash_attn_cuda import _ops
@@ -17,7 +17,7 @@ from flash_attn_cuda import _ops
 pytestmark = [pytest.mark.gpu, requires_gpu]
 
 # Dense GQA with odd lengths, and a varlen batch; each returns out and the three gradients.
-CASES = textwrap.dedent('''
+CASES = textwrap.dedent("""
     import torch
     from flash_attn_cuda import flash_attn_func, flash_attn_varlen_func
 
@@ -42,7 +42,7 @@ CASES = textwrap.dedent('''
         out, lse = torch.ops.flash_attn2.fwd(q, k, v, 0.125, False, True)
         results += [out.detach(), *torch.autograd.grad(out.sum(), (q, k, v))]
         return results
-''')
+""")
 
 
 def test_python_autograd_matches_cpp(tmp_path):
@@ -54,7 +54,7 @@ def test_python_autograd_matches_cpp(tmp_path):
     exec(CASES, namespace)
     expected = namespace["run_cases"]()
     saved = tmp_path / "python_autograd.pt"
-    script = CASES + textwrap.dedent(f'''
+    script = CASES + textwrap.dedent(f"""
         from flash_attn_cuda import _ops
         assert _ops.AUTOGRAD == "Python", _ops.AUTOGRAD
         torch.save([t.cpu() for t in run_cases()], {str(saved)!r})
@@ -63,12 +63,13 @@ def test_python_autograd_matches_cpp(tmp_path):
         import flash_attn_cuda
         compiled = torch.compile(lambda q, k, v: flash_attn_cuda.flash_attn_func(q, k, v, causal=True), fullgraph=True)
         compiled(q, k, v).sum().backward()
-    ''')
+    """)
     env = dict(os.environ, FLASH_ATTN2_PYTHON_AUTOGRAD="1")
     # Run from the directory that holds the imported package, so the subprocess imports the same build.
     cwd = os.path.dirname(os.path.dirname(flash_attn_cuda.__file__))
-    result = subprocess.run([sys.executable, "-c", script], env=env, cwd=cwd, capture_output=True, text=True,
-                            timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, cwd=cwd, capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     got = torch.load(saved)
     names = [f"{case} {name}" for case in ("dense", "varlen", "op") for name in ("out", "dq", "dk", "dv")]

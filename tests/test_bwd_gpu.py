@@ -69,8 +69,12 @@ def check_grads(q, k, v, causal, softmax_scale=None, deterministic=False, force=
 @pytest.mark.parametrize("b, sq, sk, h, hk", [(2, 113, 257, 4, 4), (2, 257, 113, 6, 2)], ids=["mha-sq<sk", "gqa-sq>sk"])
 def test_head_dims(b, sq, sk, h, hk, head_dim, causal, dtype):
     require_fwd_bwd_kernels(head_dim, dtype, causal)
-    check_grads(rand(b, sq, h, head_dim, dtype=dtype), rand(b, sk, hk, head_dim, dtype=dtype),
-                rand(b, sk, hk, head_dim, dtype=dtype), causal)
+    check_grads(
+        rand(b, sq, h, head_dim, dtype=dtype),
+        rand(b, sk, hk, head_dim, dtype=dtype),
+        rand(b, sk, hk, head_dim, dtype=dtype),
+        causal,
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -82,8 +86,13 @@ def test_head_dim_below_kernel_dim(h, hk, walk, head_dim, causal, dtype):
     # GQA group walked per CTA) leave the kernel in 16 B chunks of a (keys, kernel head dim) tile, and a chunk
     # past head_dim would land on the next key's row; GQA without a walk writes fp32 slices instead.
     require_fwd_bwd_kernels(head_dim, dtype, causal)
-    check_grads(rand(2, 113, h, head_dim, dtype=dtype), rand(2, 301, hk, head_dim, dtype=dtype),
-                rand(2, 301, hk, head_dim, dtype=dtype), causal, force={"gqa_walk": walk})
+    check_grads(
+        rand(2, 113, h, head_dim, dtype=dtype),
+        rand(2, 301, hk, head_dim, dtype=dtype),
+        rand(2, 301, hk, head_dim, dtype=dtype),
+        causal,
+        force={"gqa_walk": walk},
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -93,21 +102,29 @@ def test_head_dim_below_kernel_dim(h, hk, walk, head_dim, causal, dtype):
 def test_seqlens(seqlens, head_dim, causal, dtype):
     sq, sk = seqlens
     require_fwd_bwd_kernels(head_dim, dtype, causal)
-    check_grads(rand(2, sq, 4, head_dim, dtype=dtype), rand(2, sk, 4, head_dim, dtype=dtype),
-                rand(2, sk, 4, head_dim, dtype=dtype), causal)
+    check_grads(
+        rand(2, sq, 4, head_dim, dtype=dtype),
+        rand(2, sk, 4, head_dim, dtype=dtype),
+        rand(2, sk, 4, head_dim, dtype=dtype),
+        causal,
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", KERNEL_HEAD_DIMS)
-@pytest.mark.parametrize("sq, sk", [(17, 1023), (1023, 113), (257, 257), (2, 5), (5, 2)],
-                         ids=lambda v: str(v))
+@pytest.mark.parametrize("sq, sk", [(17, 1023), (1023, 113), (257, 257), (2, 5), (5, 2)], ids=lambda v: str(v))
 def test_mma_sync_backward_forced(sq, sk, head_dim, causal, dtype):
     # Hopper runs the warpgroup-MMA backward for these head dims; the mma.sync one (what Ampere runs) must
     # stay correct there too.
     require_fwd_bwd_kernels(head_dim, dtype, causal)
-    check_grads(rand(2, sq, 6, head_dim, dtype=dtype), rand(2, sk, 2, head_dim, dtype=dtype),
-                rand(2, sk, 2, head_dim, dtype=dtype), causal, force={"kernel": "mma_sync"})
+    check_grads(
+        rand(2, sq, 6, head_dim, dtype=dtype),
+        rand(2, sk, 2, head_dim, dtype=dtype),
+        rand(2, sk, 2, head_dim, dtype=dtype),
+        causal,
+        force={"kernel": "mma_sync"},
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -118,8 +135,13 @@ def test_gqa_group_walk(b, sq, sk, h, hk, head_dim, causal, dtype):
     # gqa_walk=True: on Hopper every backward CTA walks all query heads of its key/value head and sums dK and dV
     # in registers, whatever the grid size (elsewhere the plan has no walk).
     require_fwd_bwd_kernels(head_dim, dtype, causal)
-    check_grads(rand(b, sq, h, head_dim, dtype=dtype), rand(b, sk, hk, head_dim, dtype=dtype),
-                rand(b, sk, hk, head_dim, dtype=dtype), causal, force={"gqa_walk": True})
+    check_grads(
+        rand(b, sq, h, head_dim, dtype=dtype),
+        rand(b, sk, hk, head_dim, dtype=dtype),
+        rand(b, sk, hk, head_dim, dtype=dtype),
+        causal,
+        force={"gqa_walk": True},
+    )
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -129,8 +151,13 @@ def test_gqa_group_walk_by_grid_size(walk, causal):
     # rule walks groups there; "0" keeps one CTA per query head with fp32 dK/dV slices.
     require_fwd_bwd_kernels(128, torch.bfloat16, causal)
     force = {"gqa_walk": False} if walk == "0" else {}
-    plans = check_grads(rand(2, 200, 8, 128, dtype=torch.bfloat16), rand(2, 4100, 2, 128, dtype=torch.bfloat16),
-                        rand(2, 4100, 2, 128, dtype=torch.bfloat16), causal, force=force)
+    plans = check_grads(
+        rand(2, 200, 8, 128, dtype=torch.bfloat16),
+        rand(2, 4100, 2, 128, dtype=torch.bfloat16),
+        rand(2, 4100, 2, 128, dtype=torch.bfloat16),
+        causal,
+        force=force,
+    )
     p = plans["bwd"]
     fills = torch.cuda.get_device_properties(0).multi_processor_count <= 2 * 2 * 33
     walks = walk == "auto" and p.kernel == "wgmma" and fills
@@ -140,17 +167,24 @@ def test_gqa_group_walk_by_grid_size(walk, causal):
 @pytest.mark.parametrize("key_blocks", [2, 3])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [32, 64, 96, 128])
-@pytest.mark.parametrize("b, sq, sk, h, hk", [(2, 1, 1023, 4, 4), (2, 113, 777, 6, 2), (1, 300, 200, 3, 3)],
-                         ids=["decode", "gqa-sq<sk", "sq>sk"])
+@pytest.mark.parametrize(
+    "b, sq, sk, h, hk",
+    [(2, 1, 1023, 4, 4), (2, 113, 777, 6, 2), (1, 300, 200, 3, 3)],
+    ids=["decode", "gqa-sq<sk", "sq>sk"],
+)
 def test_key_blocks_per_cta(b, sq, sk, h, hk, head_dim, causal, key_blocks):
     # key_blocks=n: every Hopper backward CTA of head dims <= 128 walks n consecutive key blocks, loading the
     # next one's K and V during the current one (elsewhere the plan keeps one). The shapes give one and several
     # query blocks per key block, causal key blocks whose first query blocks see none of their keys, a CTA whose
     # key blocks run past the sequence end, and GQA groups walked per CTA.
     require_fwd_bwd_kernels(head_dim, torch.bfloat16, causal)
-    check_grads(rand(b, sq, h, head_dim, dtype=torch.bfloat16), rand(b, sk, hk, head_dim, dtype=torch.bfloat16),
-                rand(b, sk, hk, head_dim, dtype=torch.bfloat16), causal,
-                force={"key_blocks": key_blocks, "gqa_walk": True})
+    check_grads(
+        rand(b, sq, h, head_dim, dtype=torch.bfloat16),
+        rand(b, sk, hk, head_dim, dtype=torch.bfloat16),
+        rand(b, sk, hk, head_dim, dtype=torch.bfloat16),
+        causal,
+        force={"key_blocks": key_blocks, "gqa_walk": True},
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -158,8 +192,12 @@ def test_key_blocks_per_cta(b, sq, sk, h, hk, head_dim, causal, key_blocks):
 def test_short_queries_long_keys(sq, dtype):
     # Grids large enough that the heuristic walks several key blocks per backward CTA on Hopper (8 on an H200).
     require_fwd_bwd_kernels(128, dtype, False)
-    p = check_grads(rand(8, sq, 16, 128, dtype=dtype), rand(8, 4096, 16, 128, dtype=dtype),
-                    rand(8, 4096, 16, 128, dtype=dtype), False)["bwd"]
+    p = check_grads(
+        rand(8, sq, 16, 128, dtype=dtype),
+        rand(8, 4096, 16, 128, dtype=dtype),
+        rand(8, 4096, 16, 128, dtype=dtype),
+        False,
+    )["bwd"]
     assert p.key_blocks_per_cta > 1 if p.kernel == "wgmma" else p.key_blocks_per_cta == 1, p
 
 
@@ -168,8 +206,14 @@ def test_short_queries_long_keys(sq, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize(
     "b, sq, sk, h, hk, key_blocks",
-    [(3, 1, 1023, 4, 4, "auto"), (2, 5, 777, 6, 2, "auto"), (2, 16, 4097, 2, 2, "auto"),
-     (2, 16, 300, 4, 4, 3), (1, 113, 300, 3, 1, "auto"), (1, 300, 113, 2, 2, 2)],
+    [
+        (3, 1, 1023, 4, 4, "auto"),
+        (2, 5, 777, 6, 2, "auto"),
+        (2, 16, 4097, 2, 2, "auto"),
+        (2, 16, 300, 4, 4, 3),
+        (1, 113, 300, 3, 1, "auto"),
+        (1, 300, 113, 2, 2, 2),
+    ],
     ids=["decode", "gqa-sq5", "sq16-long", "sq16-walk3", "sq113-mqa", "sq300-walk2"],
 )
 @pytest.mark.parametrize("walk_groups", [False, True], ids=["per-head", "group-walk"])
@@ -181,8 +225,13 @@ def test_short_query_tile_forced(b, sq, sk, h, hk, key_blocks, dtype, causal, sh
     force = {"short_queries": short_queries, "gqa_walk": walk_groups}
     if key_blocks != "auto":
         force["key_blocks"] = key_blocks
-    check_grads(rand(b, sq, h, 128, dtype=dtype), rand(b, sk, hk, 128, dtype=dtype),
-                rand(b, sk, hk, 128, dtype=dtype), causal, force=force)
+    check_grads(
+        rand(b, sq, h, 128, dtype=dtype),
+        rand(b, sk, hk, 128, dtype=dtype),
+        rand(b, sk, hk, 128, dtype=dtype),
+        causal,
+        force=force,
+    )
 
 
 @pytest.mark.parametrize("plan_override", ["key_blocks=two", "gqa_walk=yes", "kernel"])
@@ -199,8 +248,12 @@ def test_bwd_op_rejects_malformed_plan_override(plan_override):
 @pytest.mark.parametrize("h, hk", [(8, 1), (8, 2), (12, 3)])
 def test_gqa_mqa(h, hk, causal):
     require_fwd_bwd_kernels(64, torch.bfloat16, causal)
-    check_grads(rand(2, 300, h, 64, dtype=torch.bfloat16), rand(2, 200, hk, 64, dtype=torch.bfloat16),
-                rand(2, 200, hk, 64, dtype=torch.bfloat16), causal)
+    check_grads(
+        rand(2, 300, h, 64, dtype=torch.bfloat16),
+        rand(2, 200, hk, 64, dtype=torch.bfloat16),
+        rand(2, 200, hk, 64, dtype=torch.bfloat16),
+        causal,
+    )
 
 
 @pytest.mark.parametrize("causal, deterministic", [(False, False), (True, True)], ids=["full", "causal-det"])
@@ -235,8 +288,12 @@ def test_strided_packed_qkv(causal):
 @pytest.mark.parametrize("head_dim", [40, 100])
 def test_padded_head_dim(head_dim, causal):
     require_fwd_bwd_kernels(head_dim, torch.bfloat16, causal)
-    check_grads(rand(2, 150, 4, head_dim, dtype=torch.bfloat16), rand(2, 97, 2, head_dim, dtype=torch.bfloat16),
-                rand(2, 97, 2, head_dim, dtype=torch.bfloat16), causal)
+    check_grads(
+        rand(2, 150, 4, head_dim, dtype=torch.bfloat16),
+        rand(2, 97, 2, head_dim, dtype=torch.bfloat16),
+        rand(2, 97, 2, head_dim, dtype=torch.bfloat16),
+        causal,
+    )
 
 
 # Head dims 64 and 128 add each query block's dQ within the dV GEMM, 224 after the next block's load, and 256
@@ -269,8 +326,9 @@ def test_opcheck(causal, transposed):
     torch.library.opcheck(torch.ops.flash_attn2.fwd.default, (q, k, v, 0.125, causal))
     out, lse = torch.ops.flash_attn2.fwd(q.detach(), k.detach(), v.detach(), 0.125, causal)
     dout = torch.randn_like(out)
-    torch.library.opcheck(torch.ops.flash_attn2.bwd.default, (dout, q.detach(), k.detach(), v.detach(), out, lse,
-                                                              0.125, causal, False))
+    torch.library.opcheck(
+        torch.ops.flash_attn2.bwd.default, (dout, q.detach(), k.detach(), v.detach(), out, lse, 0.125, causal, False)
+    )
 
 
 def test_compiled_training_matches_eager():
@@ -296,7 +354,7 @@ def test_compiled_training_matches_eager():
     opt_c = torch.optim.SGD(compiled.parameters(), lr=0.1)
     for _ in range(3):
         x = rand(2, 200, 256, dtype=torch.bfloat16)
-        for model, fn, opt in ((eager, eager, opt_e), (compiled, step, opt_c)):
+        for fn, opt in ((eager, opt_e), (step, opt_c)):
             opt.zero_grad()
             fn(x).float().pow(2).mean().backward()
             opt.step()

@@ -49,8 +49,14 @@ def test_fwd_schema():
     assert "-> (Tensor out, Tensor softmax_lse)" in schema, schema
 
 
-VARIANT_ARGS = ("int window_left=-1", "int window_right=-1", "float softcap=0.", "Tensor? alibi_slopes=None",
-                "float dropout_p=0.", "Tensor? rng_state=None")
+VARIANT_ARGS = (
+    "int window_left=-1",
+    "int window_right=-1",
+    "float softcap=0.",
+    "Tensor? alibi_slopes=None",
+    "float dropout_p=0.",
+    "Tensor? rng_state=None",
+)
 
 
 @pytest.mark.parametrize("op", ["fwd", "bwd", "varlen_fwd", "varlen_bwd"])
@@ -67,7 +73,7 @@ def test_rng_state_op_draws_from_torch_generator():
     torch.manual_seed(1234)
     first = torch.ops.flash_attn2.rng_state(like)
     torch.manual_seed(1234)
-    expected = torch.randint(-2**63, 2**63 - 1, (2,), dtype=torch.int64)
+    expected = torch.randint(-(2**63), 2**63 - 1, (2,), dtype=torch.int64)
     assert first.dtype == torch.int64 and first.shape == (2,)
     assert torch.equal(first, expected)
     assert torch.Tag.nondeterministic_seeded in torch.ops.flash_attn2.rng_state.default.tags
@@ -94,12 +100,16 @@ def test_compiled_kernels_come_in_whole_groups():
     for name in names:
         pass_, hdim, dtype, mask = name.split("_")
         assert pass_ in ("fwd", "bwd") and mask in masks and dtype in TORCH_DTYPES, name
-        groups.add((int(hdim[len("hdim"):]), dtype))
+        groups.add((int(hdim[len("hdim") :]), dtype))
     expected = {f"{p}_hdim{d}_{t}_{m}" for d, t in groups for p in ("fwd", "bwd") for m in masks}
     assert names == expected, sorted(expected ^ names)
     # The generated list names them the same way.
-    assert {_kernel_list.kernel_name(p, d, t, c, variants) for d, t in groups for p in ("fwd", "bwd")
-            for c, variants in ((False, False), (True, False), (True, True))} == expected
+    assert {
+        _kernel_list.kernel_name(p, d, t, c, variants)
+        for d, t in groups
+        for p in ("fwd", "bwd")
+        for c, variants in ((False, False), (True, False), (True, True))
+    } == expected
 
 
 def test_kernel_available_on_a_known_build(monkeypatch):
@@ -109,16 +119,36 @@ def test_kernel_available_on_a_known_build(monkeypatch):
     names = frozenset({"fwd_hdim64_bf16_causal", "bwd_hdim64_bf16_causal", "fwd_hdim128_fp16_noncausal"})
     monkeypatch.setattr(flash_attn_cuda._ops, "compiled_kernels", lambda: names)
     bf16, fp16 = torch.bfloat16, torch.float16
-    available = [(64, bf16, True, False), (33, bf16, True, False), (40, bf16, True, True), (64, bf16, True, True),
-                 (128, fp16, False, False), (97, fp16, False, False), (120, fp16, False, False)]
-    missing = [(32, bf16, True, False), (65, bf16, True, False), (64, fp16, True, False), (64, bf16, False, False),
-               (128, fp16, False, True), (96, fp16, False, False), (129, fp16, False, False),
-               (128, fp16, True, False), (64, torch.float32, True, False), (128, bf16, False, False)]
+    available = [
+        (64, bf16, True, False),
+        (33, bf16, True, False),
+        (40, bf16, True, True),
+        (64, bf16, True, True),
+        (128, fp16, False, False),
+        (97, fp16, False, False),
+        (120, fp16, False, False),
+    ]
+    missing = [
+        (32, bf16, True, False),
+        (65, bf16, True, False),
+        (64, fp16, True, False),
+        (64, bf16, False, False),
+        (128, fp16, False, True),
+        (96, fp16, False, False),
+        (129, fp16, False, False),
+        (128, fp16, True, False),
+        (64, torch.float32, True, False),
+        (128, bf16, False, False),
+    ]
     for head_dim, dtype, causal, backward in available:
         assert flash_attn_cuda.kernel_available(head_dim, dtype, causal, backward=backward), (head_dim, dtype, causal)
     for head_dim, dtype, causal, backward in missing:
-        assert not flash_attn_cuda.kernel_available(head_dim, dtype, causal, backward=backward), (head_dim, dtype,
-                                                                                                  causal, backward)
+        assert not flash_attn_cuda.kernel_available(head_dim, dtype, causal, backward=backward), (
+            head_dim,
+            dtype,
+            causal,
+            backward,
+        )
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -193,8 +223,17 @@ def test_torchscript_compiles():
 
 def test_bwd_schema():
     schema = str(torch.ops.flash_attn2.bwd.default._schema)
-    for arg in ("Tensor dout", "Tensor q", "Tensor k", "Tensor v", "Tensor out", "Tensor softmax_lse",
-                "float softmax_scale", "bool causal", "bool deterministic=False"):
+    for arg in (
+        "Tensor dout",
+        "Tensor q",
+        "Tensor k",
+        "Tensor v",
+        "Tensor out",
+        "Tensor softmax_lse",
+        "float softmax_scale",
+        "bool causal",
+        "bool deterministic=False",
+    ):
         assert arg in schema, (arg, schema)
     assert "-> (Tensor dq, Tensor dk, Tensor dv)" in schema
 
@@ -219,8 +258,9 @@ def test_bwd_fake_gradients_are_contiguous():
         qv, kv, vv = (torch.empty(4, 50, 64, dtype=torch.float16).transpose(0, 1) for _ in range(3))
         cu = torch.tensor([0, 20, 50], dtype=torch.int32)
         out, lse = torch.ops.flash_attn2.varlen_fwd(qv, kv, vv, cu, cu, 30, 30, 0.125, False)
-        grads = torch.ops.flash_attn2.varlen_bwd(torch.empty_like(out), qv, kv, vv, out, lse, cu, cu, 30, 30, 0.125,
-                                                 False)
+        grads = torch.ops.flash_attn2.varlen_bwd(
+            torch.empty_like(out), qv, kv, vv, out, lse, cu, cu, 30, 30, 0.125, False
+        )
         assert all(g.is_contiguous() and g.shape == qv.shape for g in grads)
 
 
@@ -234,26 +274,36 @@ def test_autograd_through_fake_op():
 
 def bwd_args(**overrides):
     q, k, v = qkv()
-    args = dict(dout=torch.randn_like(q), q=q, k=k, v=v, out=torch.randn_like(q),
-                softmax_lse=torch.randn(q.shape[0], q.shape[2], q.shape[1]))
+    args = dict(
+        dout=torch.randn_like(q),
+        q=q,
+        k=k,
+        v=v,
+        out=torch.randn_like(q),
+        softmax_lse=torch.randn(q.shape[0], q.shape[2], q.shape[1]),
+    )
     args.update(overrides)
     return args
 
 
-@pytest.mark.parametrize("name, bad", [
-    ("dout", lambda a: a["dout"][:, :-1]),
-    ("dout", lambda a: a["dout"].to(torch.bfloat16)),
-    ("out", lambda a: a["out"][:, :, :-1]),
-    ("softmax_lse", lambda a: a["softmax_lse"].half()),
-    ("softmax_lse", lambda a: a["softmax_lse"][:, :, :-1]),
-    ("dout", lambda a: torch.randn(2, 16, 4, 128, dtype=torch.float16)[..., ::2]),
-])
+@pytest.mark.parametrize(
+    "name, bad",
+    [
+        ("dout", lambda a: a["dout"][:, :-1]),
+        ("dout", lambda a: a["dout"].to(torch.bfloat16)),
+        ("out", lambda a: a["out"][:, :, :-1]),
+        ("softmax_lse", lambda a: a["softmax_lse"].half()),
+        ("softmax_lse", lambda a: a["softmax_lse"][:, :, :-1]),
+        ("dout", lambda a: torch.randn(2, 16, 4, 128, dtype=torch.float16)[..., ::2]),
+    ],
+)
 def test_bwd_rejects_bad_gradient_inputs(name, bad):
     args = bwd_args()
     args[name] = bad(args)
     with pytest.raises(BAD_INPUT, match=name):
-        torch.ops.flash_attn2.bwd(args["dout"], args["q"], args["k"], args["v"], args["out"], args["softmax_lse"],
-                                  0.125, False)
+        torch.ops.flash_attn2.bwd(
+            args["dout"], args["q"], args["k"], args["v"], args["out"], args["softmax_lse"], 0.125, False
+        )
 
 
 def test_bwd_rejects_cpu_tensors():
@@ -569,8 +619,18 @@ def varlen_args(lens=(3, 0, 5), h=4, hk=2, d=64, dtype=torch.float16, device="cp
 
 def test_varlen_schemas():
     fwd_schema = str(torch.ops.flash_attn2.varlen_fwd.default._schema)
-    for arg in ("Tensor q", "Tensor k", "Tensor v", "Tensor cu_seqlens_q", "Tensor cu_seqlens_k", "int max_seqlen_q",
-                "int max_seqlen_k", "float softmax_scale", "bool causal", "bool deterministic=False"):
+    for arg in (
+        "Tensor q",
+        "Tensor k",
+        "Tensor v",
+        "Tensor cu_seqlens_q",
+        "Tensor cu_seqlens_k",
+        "int max_seqlen_q",
+        "int max_seqlen_k",
+        "float softmax_scale",
+        "bool causal",
+        "bool deterministic=False",
+    ):
         assert arg in fwd_schema, (arg, fwd_schema)
     assert "-> (Tensor out, Tensor softmax_lse)" in fwd_schema
     bwd_schema = str(torch.ops.flash_attn2.varlen_bwd.default._schema)
@@ -584,8 +644,9 @@ def test_varlen_fake_shapes():
         q, k, v, cu_q, cu_k, max_q, max_k = varlen_args(h=6, hk=2)
         out, lse = torch.ops.flash_attn2.varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, 0.125, True)
         assert out.shape == q.shape and lse.shape == (6, q.shape[0]) and lse.dtype == torch.float32
-        dq, dk, dv = torch.ops.flash_attn2.varlen_bwd(torch.empty_like(out), q, k, v, out, lse, cu_q, cu_k, max_q,
-                                                      max_k, 0.125, True)
+        dq, dk, dv = torch.ops.flash_attn2.varlen_bwd(
+            torch.empty_like(out), q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.125, True
+        )
         assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
 
 
@@ -597,14 +658,17 @@ def test_varlen_autograd_through_fake_op():
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
 
 
-@pytest.mark.parametrize("name, bad, error", [
-    # The stable ABI carries std::invalid_argument (ValueError) but no TypeError: a wrong dtype is a ValueError.
-    ("cu_seqlens_q", lambda a: a[3].long(), ValueError),
-    ("cu_seqlens_k", lambda a: a[4].float(), ValueError),
-    ("cu_seqlens_k", lambda a: a[4][:-1], ValueError),
-    ("cu_seqlens_q", lambda a: a[3].view(1, -1), ValueError),
-    ("cu_seqlens_q", lambda a: a[3].repeat_interleave(2)[::2], ValueError),
-])
+@pytest.mark.parametrize(
+    "name, bad, error",
+    [
+        # The stable ABI carries std::invalid_argument (ValueError) but no TypeError: a wrong dtype is a ValueError.
+        ("cu_seqlens_q", lambda a: a[3].long(), ValueError),
+        ("cu_seqlens_k", lambda a: a[4].float(), ValueError),
+        ("cu_seqlens_k", lambda a: a[4][:-1], ValueError),
+        ("cu_seqlens_q", lambda a: a[3].view(1, -1), ValueError),
+        ("cu_seqlens_q", lambda a: a[3].repeat_interleave(2)[::2], ValueError),
+    ],
+)
 def test_varlen_rejects_bad_cu_seqlens(name, bad, error):
     args = list(varlen_args())
     args[3 if name == "cu_seqlens_q" else 4] = bad(args)
@@ -650,8 +714,11 @@ def _misaligned(b, s, h, d):
     return torch.randn(b * s * h * d + 1, dtype=torch.float16)[1:].view(b, s, h, d)
 
 
-@pytest.mark.parametrize("make", [_permuted, _misaligned, lambda *shape: torch.randn(*shape, dtype=torch.float16)],
-                         ids=["permuted", "misaligned", "contiguous"])
+@pytest.mark.parametrize(
+    "make",
+    [_permuted, _misaligned, lambda *shape: torch.randn(*shape, dtype=torch.float16)],
+    ids=["permuted", "misaligned", "contiguous"],
+)
 @pytest.mark.parametrize("head_dim", [64, 100])
 def test_op_gets_kernel_ready_inputs(monkeypatch, make, head_dim):
     # Whatever the layout handed to flash_attn_func, the op sees a unit last stride, other strides that are
@@ -672,10 +739,13 @@ def test_op_gets_kernel_ready_inputs(monkeypatch, make, head_dim):
         assert t.data_ptr() % 16 == 0
 
 
-@pytest.mark.parametrize("func, packed_shape, dim", [
-    ("flash_attn_qkvpacked_func", (2, 9, 3, 4, 64), 2),
-    ("flash_attn_varlen_qkvpacked_func", (9, 3, 4, 64), 1),
-])
+@pytest.mark.parametrize(
+    "func, packed_shape, dim",
+    [
+        ("flash_attn_qkvpacked_func", (2, 9, 3, 4, 64), 2),
+        ("flash_attn_varlen_qkvpacked_func", (9, 3, 4, 64), 1),
+    ],
+)
 def test_packed_views_reach_the_op_without_copies(monkeypatch, func, packed_shape, dim):
     packed = torch.randn(packed_shape, dtype=torch.float16)
     seen = {}
@@ -738,8 +808,9 @@ def test_autograd_home(python_autograd):
     if python_autograd:
         env["FLASH_ATTN2_PYTHON_AUTOGRAD"] = "1"
     cwd = os.path.dirname(os.path.dirname(flash_attn_cuda.__file__))
-    result = subprocess.run([sys.executable, "-c", script], env=env, cwd=cwd, capture_output=True, text=True,
-                            timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, cwd=cwd, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     import importlib.util
 

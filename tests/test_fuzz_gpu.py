@@ -93,8 +93,12 @@ FUZZ = settings(
     deadline=None,
     derandomize=False,
     print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much,
-                           HealthCheck.function_scoped_fixture],
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        HealthCheck.filter_too_much,
+        HealthCheck.function_scoped_fixture,
+    ],
 )
 
 
@@ -142,16 +146,38 @@ class Varlen:
 # tests alike, so that it is checked on every run whatever hypothesis draws.
 def _nan_dq_hopper(seqlen, causal):
     # NaN in dq on Hopper before its fix: fp16, q * 5, k * 3, v * 3, seqlen_q = seqlen_k <= 5, head dim 64.
-    return Dense(batch=2, seqlen_q=seqlen, seqlen_k=seqlen, nheads_k=5, group=1, head_dim=64, dtype=torch.float16,
-                 causal=causal, softmax_scale=None, layouts=("contiguous",) * 3, magnitudes=(5.0, 3.0, 3.0))
+    return Dense(
+        batch=2,
+        seqlen_q=seqlen,
+        seqlen_k=seqlen,
+        nheads_k=5,
+        group=1,
+        head_dim=64,
+        dtype=torch.float16,
+        causal=causal,
+        softmax_scale=None,
+        layouts=("contiguous",) * 3,
+        magnitudes=(5.0, 3.0, 3.0),
+    )
 
 
 def _one_key_dominates(force):
     # Found by the fuzz at de60a04 on an H200: with wgmma the NaN in dq above; on the mma.sync kernels a dq error
     # 2.3 x the rule's bound, from D read from the fp16 output (see rounded_output_floors).
-    return Dense(batch=1, seqlen_q=1, seqlen_k=2, nheads_k=3, group=1, head_dim=32, dtype=torch.float16,
-                 causal=False, softmax_scale=None, layouts=("contiguous",) * 3, magnitudes=(8.66, 8.66, 1.0),
-                 force=force)
+    return Dense(
+        batch=1,
+        seqlen_q=1,
+        seqlen_k=2,
+        nheads_k=3,
+        group=1,
+        head_dim=32,
+        dtype=torch.float16,
+        causal=False,
+        softmax_scale=None,
+        layouts=("contiguous",) * 3,
+        magnitudes=(8.66, 8.66, 1.0),
+        force=force,
+    )
 
 
 DENSE_REGRESSIONS = [
@@ -161,13 +187,34 @@ DENSE_REGRESSIONS = [
 ]
 VARLEN_REGRESSIONS = [
     # Found by the fuzz at de60a04 on an H200: the same NaN in dq, through varlen, at head dim 32.
-    Varlen(lens_q=(1, 0, 0, 0, 0), lens_k=(1, 0, 0, 0, 0), max_seqlen_slack=0, nheads_k=2, group=1, head_dim=32,
-           dtype=torch.float16, causal=False, softmax_scale=None, layouts=("contiguous",) * 3,
-           magnitudes=(1.0, 17.8, 1.0)),
+    Varlen(
+        lens_q=(1, 0, 0, 0, 0),
+        lens_k=(1, 0, 0, 0, 0),
+        max_seqlen_slack=0,
+        nheads_k=2,
+        group=1,
+        head_dim=32,
+        dtype=torch.float16,
+        causal=False,
+        softmax_scale=None,
+        layouts=("contiguous",) * 3,
+        magnitudes=(1.0, 17.8, 1.0),
+    ),
     # Found at de60a04: dk 2.65e-4 off (two fp16 ulps of its largest entry, 0.18) on 32 entries, where ref_lowp
     # was 1.0e-4 off: a fault of the check, fixed by one_ulp.
-    Varlen(lens_q=(1,), lens_k=(2,), max_seqlen_slack=0, nheads_k=1, group=1, head_dim=16, dtype=torch.float16,
-           causal=False, softmax_scale=None, layouts=("contiguous",) * 3, magnitudes=(1.0, 1.0, 1.0)),
+    Varlen(
+        lens_q=(1,),
+        lens_k=(2,),
+        max_seqlen_slack=0,
+        nheads_k=1,
+        group=1,
+        head_dim=16,
+        dtype=torch.float16,
+        causal=False,
+        softmax_scale=None,
+        layouts=("contiguous",) * 3,
+        magnitudes=(1.0, 1.0, 1.0),
+    ),
 ]
 
 
@@ -212,7 +259,7 @@ def seqlens(min_len=1):
 def magnitudes():
     # Log-uniform in [1e-3, 30], shrinking to 1 (exponent 0); three digits keep the printed example short.
     exponent = st.floats(math.log10(1e-3), math.log10(30.0))
-    return st.one_of(st.just(1.0), exponent.map(lambda e: float(f"{10 ** e:.3g}")))
+    return st.one_of(st.just(1.0), exponent.map(lambda e: float(f"{10**e:.3g}")))
 
 
 @st.composite
@@ -222,8 +269,13 @@ def kernel_config(draw):
     size in between the previous kernel's and its own, which the wrapper zero-pads to a multiple of 8."""
     kernel_dim, dtype, causal = draw(st.sampled_from(compiled_configs()))
     lower = max((d for d in KERNEL_HEAD_DIMS if d < kernel_dim), default=0)
-    head_dim = draw(st.one_of(st.just(kernel_dim), st.sampled_from(range(lower + 8, kernel_dim + 1, 8)),
-                              st.integers(lower + 1, kernel_dim)))
+    head_dim = draw(
+        st.one_of(
+            st.just(kernel_dim),
+            st.sampled_from(range(lower + 8, kernel_dim + 1, 8)),
+            st.integers(lower + 1, kernel_dim),
+        )
+    )
     return head_dim, dtype, causal
 
 
@@ -254,8 +306,9 @@ def common(draw, layouts):
 
 @st.composite
 def dense_cases(draw):
-    return Dense(batch=draw(st.integers(1, 4)), seqlen_q=draw(seqlens()), seqlen_k=draw(seqlens()),
-                 **draw(common(DENSE_LAYOUTS)))
+    return Dense(
+        batch=draw(st.integers(1, 4)), seqlen_q=draw(seqlens()), seqlen_k=draw(seqlens()), **draw(common(DENSE_LAYOUTS))
+    )
 
 
 @st.composite
@@ -314,8 +367,10 @@ def make_input(shape, layout, dtype, magnitude, gen):
 
 
 def make_qkv(case, q_shape, kv_shape, gen):
-    return tuple(make_input(shape, layout, case.dtype, magnitude, gen)
-                 for shape, layout, magnitude in zip((q_shape, kv_shape, kv_shape), case.layouts, case.magnitudes))
+    return tuple(
+        make_input(shape, layout, case.dtype, magnitude, gen)
+        for shape, layout, magnitude in zip((q_shape, kv_shape, kv_shape), case.layouts, case.magnitudes)
+    )
 
 
 # ---------------------------------------------------------------- running and checking
@@ -395,8 +450,15 @@ def dense_results(case):
     dout = torch.randn(q_shape, generator=gen, device="cuda").to(case.dtype)
 
     def call(q, k, v):
-        return flash_attn_func(q, k, v, softmax_scale=case.softmax_scale, causal=case.causal,
-                               deterministic=case.deterministic, return_attn_probs=True)
+        return flash_attn_func(
+            q,
+            k,
+            v,
+            softmax_scale=case.softmax_scale,
+            causal=case.causal,
+            deterministic=case.deterministic,
+            return_attn_probs=True,
+        )
 
     def attend(q, k, v, upcast):
         return attention_ref(q, k, v, case.softmax_scale, case.causal, upcast=upcast)
@@ -421,14 +483,32 @@ def varlen_results(case):
     cu_q, cu_k = cu_seqlens(case.lens_q), cu_seqlens(case.lens_k)
 
     def call(q, k, v):
-        return flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=case.softmax_scale,
-                                      causal=case.causal, deterministic=case.deterministic, return_attn_probs=True)
+        return flash_attn_varlen_func(
+            q,
+            k,
+            v,
+            cu_q,
+            cu_k,
+            max_q,
+            max_k,
+            softmax_scale=case.softmax_scale,
+            causal=case.causal,
+            deterministic=case.deterministic,
+            return_attn_probs=True,
+        )
 
     def attend(q, k, v, upcast):
         return varlen_attention(q, k, v, case.lens_q, case.lens_k, case.causal, case.softmax_scale, upcast)
 
-    check_forced_plans(q, k, case.causal, dict(case.force), deterministic=case.deterministic,
-                       lens=(case.lens_q, case.lens_k), max_seqlens=(max_q, max_k))
+    check_forced_plans(
+        q,
+        k,
+        case.causal,
+        dict(case.force),
+        deterministic=case.deterministic,
+        lens=(case.lens_q, case.lens_k),
+        max_seqlens=(max_q, max_k),
+    )
     ours = run_ours(call, q, k, v, dout, dict(case.force))
     ref = run_reference(attend, q, k, v, dout, upcast=True)
     lowp = run_reference(attend, q, k, v, dout, upcast=False)

@@ -115,8 +115,9 @@ def run_and_check(q, k, v, causal, softmax_scale=None, via="op", force=None):
     if via == "op":
         scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
         choices = {name: value for name, value in force.items() if name != "num_splits"}
-        out, lse = fwd(q, k, v, scale, causal, num_splits=force.get("num_splits", 0),
-                       plan_override=override_string(**choices))
+        out, lse = fwd(
+            q, k, v, scale, causal, num_splits=force.get("num_splits", 0), plan_override=override_string(**choices)
+        )
         assert out.is_contiguous()
     else:
         with force_plan(**force):
@@ -172,14 +173,12 @@ def test_head_dims(b, sq, sk, h, hk, head_dim, causal, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", KERNEL_HEAD_DIMS)
-@pytest.mark.parametrize("seqlens", [(113, 1023), (1023, 113), (17, 17), (2, 5), (5, 2)],
-                         ids=seqlen_id)
+@pytest.mark.parametrize("seqlens", [(113, 1023), (1023, 113), (17, 17), (2, 5), (5, 2)], ids=seqlen_id)
 def test_mma_sync_kernels_forced(seqlens, head_dim, causal, dtype):
     # Hopper GPUs run the warpgroup-MMA kernels; the mma.sync ones (what Ampere runs) must stay correct there too.
     require_kernel(head_dim, dtype, causal)
     sq, sk = seqlens
-    run_and_check(*make_qkv(2, sq, sk, 6, 2, head_dim, dtype, layout="seq_major"), causal,
-                  force={"kernel": "mma_sync"})
+    run_and_check(*make_qkv(2, sq, sk, 6, 2, head_dim, dtype, layout="seq_major"), causal, force={"kernel": "mma_sync"})
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -374,8 +373,9 @@ def test_inputs_on_second_device():
     run_and_check(q, k, v, causal=True)
 
 
-@pytest.mark.skipif(os.environ.get("FLASH_ATTN2_DISABLE_WGMMA") == "1",
-                    reason="the process-wide switch to the mma.sync kernels is set")
+@pytest.mark.skipif(
+    os.environ.get("FLASH_ATTN2_DISABLE_WGMMA") == "1", reason="the process-wide switch to the mma.sync kernels is set"
+)
 def test_plan_matches_the_gpu():
     # The path-forcing tests tell from a plan's kernel family which choices apply on this GPU: the Hopper kernels
     # run exactly on sm_90 with a build that holds sm_90a code (the default FLASH_ATTN2_CUDA_ARCHS; not a PTX-only
@@ -394,8 +394,18 @@ def test_plan_matches_the_gpu():
         assert p.kernel == ("wgmma" if hopper and "90a" in ARCHS else "mma_sync"), p
         if hopper and "90a" not in ARCHS:
             continue  # plan(arch=90) describes a build with the Hopper kernels
-        assert p == plan(pass_, batch=2, seqlen_q=300, seqlen_k=1000, nheads=8, nheads_k=2, head_dim=d,
-                         arch=10 * major + minor, num_sms=sms, dtype=dtype)
+        assert p == plan(
+            pass_,
+            batch=2,
+            seqlen_q=300,
+            seqlen_k=1000,
+            nheads=8,
+            nheads_k=2,
+            head_dim=d,
+            arch=10 * major + minor,
+            num_sms=sms,
+            dtype=dtype,
+        )
 
 
 def test_mixed_devices_rejected():
@@ -425,16 +435,15 @@ def test_opcheck(causal):
     # test_opcheck, which runs every check (autograd registration included) on inputs that require grad.
     d, dtype = first_available(causal=causal)
     q, k, v = make_qkv(2, 65, 33, 4, 2, d, dtype)
-    torch.library.opcheck(
-        fwd.default, (q, k, v, 0.125, causal), test_utils=("test_schema", "test_faketensor")
-    )
+    torch.library.opcheck(fwd.default, (q, k, v, 0.125, causal), test_utils=("test_schema", "test_faketensor"))
 
 
 # ---------------------------------------------------------------- short-key Hopper tile
 #
 # On Hopper, head dim 128 with seqlen_k <= 1024 (causal) or <= 512 runs one-warpgroup 64x64 tiles, two CTAs per SM
-# (FwdSm90ShortKeysTileConfig). short_keys=True forces that tile at every length, False never, so both tiles are
-# checked on both sides of the threshold (elsewhere only one of them runs; on other GPUs the plan has neither).
+# (the wgmma tile set's short-key tile). short_keys=True forces that tile at every length, False never, so both
+# tiles are checked on both sides of the threshold (elsewhere only one of them runs; on other GPUs the plan has
+# neither).
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -499,8 +508,12 @@ def test_split_kv_forced(splits, head_dim, dtype, causal):
 def test_split_kv_seqlens(seqlens, splits, causal):
     sq, sk = seqlens
     require_kernel(128, torch.bfloat16, causal)
-    run_and_check(*make_qkv(2, sq, sk, 4, 1, 128, torch.bfloat16, "guard_bands"), causal, via="func",
-                  force=num_splits_force(splits))
+    run_and_check(
+        *make_qkv(2, sq, sk, 4, 1, 128, torch.bfloat16, "guard_bands"),
+        causal,
+        via="func",
+        force=num_splits_force(splits),
+    )
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -523,8 +536,11 @@ def test_split_kv_auto_shapes(b, sq, sk, h, hk, head_dim, dtype, causal):
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_split_kv_mma_sync_forced(head_dim, causal):
     require_kernel(head_dim, torch.bfloat16, causal)
-    run_and_check(*make_qkv(2, 113, 1023, 6, 2, head_dim, torch.bfloat16, "seq_major"), causal,
-                  force={"kernel": "mma_sync", "num_splits": 3})
+    run_and_check(
+        *make_qkv(2, 113, 1023, 6, 2, head_dim, torch.bfloat16, "seq_major"),
+        causal,
+        force={"kernel": "mma_sync", "num_splits": 3},
+    )
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

@@ -21,7 +21,7 @@ from flash_attn_cuda.reference import attention_ref
 PACKAGE_PARENT = Path(flash_attn_cuda.__file__).resolve().parent.parent
 
 # The _build_info.py that setup.py writes.
-BUILD_INFO_TEXT = '''\
+BUILD_INFO_TEXT = """\
 VERSION = "0.2.0+cu13"
 TORCH_VERSION = "2.14.1+cu130"     # torch the build compiled against
 CUDA_VERSION = "13.0"              # nvcc's version
@@ -30,7 +30,7 @@ ARCHS = ("80", "90a")              # SASS archs
 PTX_ARCHS = ("80",)                # embedded PTX
 HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 DTYPES = ("fp16", "bf16")
-'''
+"""
 
 BUILD = {
     "version": "0.2.0+cu13",
@@ -45,8 +45,14 @@ BUILD = {
 
 
 def run_module(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "flash_attn_cuda.info", *args], cwd=PACKAGE_PARENT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "flash_attn_cuda.info", *args],
+        cwd=PACKAGE_PARENT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 # ---------------------------------------------------------------- the module as a user runs it
@@ -165,18 +171,34 @@ def test_version_problems(torch_version, torch_cuda, build, expected):
 
 
 def gpu(capability="9.0", image=("sass", "90a"), supported=True):
-    return {"index": 0, "name": "Fake GPU", "capability": capability, "sm_count": 132,
-            "smem_per_block_optin": 232448, "supported": supported, "image": list(image) if image else None,
-            "image_text": info.describe_image(image) if image else "none: ..."}
+    return {
+        "index": 0,
+        "name": "Fake GPU",
+        "capability": capability,
+        "sm_count": 132,
+        "smem_per_block_optin": 232448,
+        "supported": supported,
+        "image": list(image) if image else None,
+        "image_text": info.describe_image(image) if image else "none: ...",
+    }
 
 
 def base_facts(**changes):
     facts = {
-        "version": BUILD["version"], "build_info_found": True, "build": dict(BUILD),
+        "version": BUILD["version"],
+        "build_info_found": True,
+        "build": dict(BUILD),
         "runtime": {"python": "3.11", "torch_version": "2.14.1+cu130", "torch_cuda": "13.0", "driver_cuda": "13.0"},
-        "extension": {"loaded": True, "error": None, "hints": [],
-                      "compiled": {"count": 4, "head_dims": [64], "dtypes": ["bf16"], "pairs": [[64, "bf16", True]]}},
-        "warnings": [], "gpus": [], "device": None, "self_test": None,
+        "extension": {
+            "loaded": True,
+            "error": None,
+            "hints": [],
+            "compiled": {"count": 4, "head_dims": [64], "dtypes": ["bf16"], "pairs": [[64, "bf16", True]]},
+        },
+        "warnings": [],
+        "gpus": [],
+        "device": None,
+        "self_test": None,
     }
     facts.update(changes)
     return facts
@@ -184,10 +206,28 @@ def base_facts(**changes):
 
 def self_test_result(passed):
     """A self-test result as info.self_test returns it; with ``passed`` False, dq fails."""
-    checks = [{"name": n, "error": 1e-3, "bound": 2e-3 if passed or n != "dq" else 5e-4, "nan": 0,
-               "passed": passed or n != "dq"} for n in ("out", "dq", "dk", "dv")]
-    return {"ran": True, "device": "cuda:0", **info.SELF_TEST_SHAPE, "head_dim": 64, "dtype": "bf16",
-            "causal": True, "checks": checks, "passed": passed, "call_s": 0.01, "total_s": 0.2}
+    checks = [
+        {
+            "name": n,
+            "error": 1e-3,
+            "bound": 2e-3 if passed or n != "dq" else 5e-4,
+            "nan": 0,
+            "passed": passed or n != "dq",
+        }
+        for n in ("out", "dq", "dk", "dv")
+    ]
+    return {
+        "ran": True,
+        "device": "cuda:0",
+        **info.SELF_TEST_SHAPE,
+        "head_dim": 64,
+        "dtype": "bf16",
+        "causal": True,
+        "checks": checks,
+        "passed": passed,
+        "call_s": 0.01,
+        "total_s": 0.2,
+    }
 
 
 PASSED = self_test_result(True)
@@ -200,12 +240,16 @@ FAILED = self_test_result(False)
         ({"self_test": {"ran": False, "skipped": "no CUDA GPU found"}}, info.EXIT_OK),
         ({"gpus": [gpu()], "device": 0, "self_test": PASSED}, info.EXIT_OK),
         ({"gpus": [gpu()], "device": 0, "self_test": FAILED}, info.EXIT_SELF_TEST_FAILED),
-        ({"gpus": [gpu()], "device": 0, "self_test": {"ran": False, "passed": False, "error": "no kernels"}},
-         info.EXIT_SELF_TEST_FAILED),
+        (
+            {"gpus": [gpu()], "device": 0, "self_test": {"ran": False, "passed": False, "error": "no kernels"}},
+            info.EXIT_SELF_TEST_FAILED,
+        ),
         ({"gpus": [gpu("10.0", None)], "device": 0}, info.EXIT_NO_KERNEL_IMAGE),
         ({"gpus": [gpu("7.5", None, supported=False)], "device": 0}, info.EXIT_NO_KERNEL_IMAGE),
-        ({"extension": {"loaded": False, "error": "ImportError: x", "hints": [], "compiled": None}},
-         info.EXIT_IMPORT_FAILED),
+        (
+            {"extension": {"loaded": False, "error": "ImportError: x", "hints": [], "compiled": None}},
+            info.EXIT_IMPORT_FAILED,
+        ),
     ],
 )
 def test_exit_status(changes, expected):
@@ -358,8 +402,9 @@ def test_self_test_error_is_a_failure():
 
 
 def fake_gpu(monkeypatch, major, minor, name="Fake GPU"):
-    props = SimpleNamespace(name=name, major=major, minor=minor, multi_processor_count=132,
-                            shared_memory_per_block_optin=227 * 1024)
+    props = SimpleNamespace(
+        name=name, major=major, minor=minor, multi_processor_count=132, shared_memory_per_block_optin=227 * 1024
+    )
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -373,9 +418,13 @@ def fake_gpu(monkeypatch, major, minor, name="Fake GPU"):
         ((9, 0), BUILD, "sm_90a SASS", info.EXIT_OK),
         ((8, 6), BUILD, "sm_80 SASS", info.EXIT_OK),
         ((12, 0), BUILD, "compute_80 PTX, JIT-compiled at first use", info.EXIT_OK),
-        ((12, 0), {**BUILD, "ptx_archs": []}, "none: this build has SASS for sm_80, sm_90a and PTX for none, none of "
-         "which runs on compute capability 12.0; rebuild with FLASH_ATTN2_CUDA_ARCHS including 120",
-         info.EXIT_NO_KERNEL_IMAGE),
+        (
+            (12, 0),
+            {**BUILD, "ptx_archs": []},
+            "none: this build has SASS for sm_80, sm_90a and PTX for none, none of "
+            "which runs on compute capability 12.0; rebuild with FLASH_ATTN2_CUDA_ARCHS including 120",
+            info.EXIT_NO_KERNEL_IMAGE,
+        ),
         ((7, 5), BUILD, "none: compute capability 7.5 is below 8.0", info.EXIT_NO_KERNEL_IMAGE),
         ((9, 0), None, "unknown (no build metadata); the self-test decides", info.EXIT_OK),
     ],

@@ -57,8 +57,9 @@ def test_apply_rotary_is_complex_multiplication(rotary_dim, interleaved):
     angle = angles(40, rotary_dim)
     positions = torch.randint(0, 40, (2, 5))
     ours = apply_rotary(x, torch.cos(angle), torch.sin(angle), positions, interleaved)
-    torch.testing.assert_close(ours, rotate_complex(x, angle, positions, rotary_dim, interleaved), rtol=1e-12,
-                               atol=1e-12)
+    torch.testing.assert_close(
+        ours, rotate_complex(x, angle, positions, rotary_dim, interleaved), rtol=1e-12, atol=1e-12
+    )
 
 
 @pytest.mark.parametrize("rotary_dim", [4, 16, 64])
@@ -147,7 +148,7 @@ def to_pages(dense, block_table, num_pages, page_size):
     pages = torch.randn(num_pages, page_size, *dense.shape[2:], dtype=dense.dtype)
     for b in range(dense.shape[0]):
         for j, page in enumerate(block_table[b].tolist()):
-            pages[page] = dense[b, j * page_size:(j + 1) * page_size]
+            pages[page] = dense[b, j * page_size : (j + 1) * page_size]
     return pages
 
 
@@ -155,8 +156,11 @@ def from_pages(pages, block_table, page_size):
     return torch.stack([pages[block_table[b].long()].flatten(0, 1) for b in range(block_table.shape[0])])
 
 
-@pytest.mark.parametrize("variant", [dict(causal=True), dict(window_size=(9, 2), softcap=5.0),
-                                     dict(causal=True, alibi_slopes="batch")], ids=["causal", "window", "alibi"])
+@pytest.mark.parametrize(
+    "variant",
+    [dict(causal=True), dict(window_size=(9, 2), softcap=5.0), dict(causal=True, alibi_slopes="batch")],
+    ids=["causal", "window", "alibi"],
+)
 @pytest.mark.parametrize("page_size", [16, 48])
 def test_kvcache_ref_paged_equals_dense(page_size, variant):
     """kvcache_ref on a paged cache (shuffled pages, unused pages) equals it on the dense cache holding the same
@@ -171,8 +175,17 @@ def test_kvcache_ref_paged_equals_dense(page_size, variant):
     variant = dict(variant)
     if variant.get("alibi_slopes") == "batch":
         variant["alibi_slopes"] = torch.rand(3, 6)
-    common = dict(k=k, v=v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=seqlens, cache_leftpad=leftpad,
-                  rotary_interleaved=False, upcast=False, **variant)
+    common = dict(
+        k=k,
+        v=v,
+        rotary_cos=cos,
+        rotary_sin=sin,
+        cache_seqlens=seqlens,
+        cache_leftpad=leftpad,
+        rotary_interleaved=False,
+        upcast=False,
+        **variant,
+    )
     out_d, lse_d, k_d, v_d = kvcache_ref(q, k_cache, v_cache, **common)
     k_pages = to_pages(k_cache, block_table, num_pages, page_size)
     v_pages = to_pages(v_cache, block_table, num_pages, page_size)
@@ -201,8 +214,11 @@ def test_kvcache_ref_batch_idx_equals_reordered_cache():
         assert torch.equal(k_i[unused], rows[0][unused]) and torch.equal(v_i[unused], rows[1][unused])
 
 
-@pytest.mark.parametrize("variant", [dict(), dict(causal=True), dict(window_size=(6, 1), softcap=3.0),
-                                     dict(alibi_slopes="heads")], ids=["plain", "causal", "window", "alibi"])
+@pytest.mark.parametrize(
+    "variant",
+    [dict(), dict(causal=True), dict(window_size=(6, 1), softcap=3.0), dict(alibi_slopes="heads")],
+    ids=["plain", "causal", "window", "alibi"],
+)
 def test_kvcache_ref_without_append_is_attention_on_the_slice(variant):
     """No append: sequence b attends to its cache rows [cache_leftpad[b], cache_seqlens[b]), positions counted
     from the left padding; None for cache_seqlens means the whole cache. Caches unchanged."""
@@ -211,15 +227,23 @@ def test_kvcache_ref_without_append_is_attention_on_the_slice(variant):
     if variant.get("alibi_slopes") == "heads":
         variant["alibi_slopes"] = torch.rand(6)
     seqlens, leftpad = [30, 0, 64], [4, 0, 50]
-    out, lse, k_after, v_after = kvcache_ref(q, k_cache, v_cache, cache_seqlens=torch.tensor(seqlens).int(),
-                                             cache_leftpad=torch.tensor(leftpad).int(), upcast=False, **variant)
+    out, lse, k_after, v_after = kvcache_ref(
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens=torch.tensor(seqlens).int(),
+        cache_leftpad=torch.tensor(leftpad).int(),
+        upcast=False,
+        **variant,
+    )
     assert torch.equal(k_after, k_cache) and torch.equal(v_after, v_cache)
     for b in range(3):
         keys = slice(leftpad[b], seqlens[b])
-        want_out, want_lse = attention_ref(q[b:b + 1], k_cache[b:b + 1, keys], v_cache[b:b + 1, keys], upcast=False,
-                                           **variant)
-        torch.testing.assert_close(out[b:b + 1], want_out, rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(lse[b:b + 1], want_lse, rtol=1e-12, atol=1e-12)
+        want_out, want_lse = attention_ref(
+            q[b : b + 1], k_cache[b : b + 1, keys], v_cache[b : b + 1, keys], upcast=False, **variant
+        )
+        torch.testing.assert_close(out[b : b + 1], want_out, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(lse[b : b + 1], want_lse, rtol=1e-12, atol=1e-12)
     assert torch.isposinf(lse[1]).all() and (out[1] == 0).all()  # no key at all
     out_all, _, _, _ = kvcache_ref(q, k_cache, v_cache, upcast=False)
     torch.testing.assert_close(out_all, attention_ref(q, k_cache, v_cache, upcast=False)[0], rtol=1e-12, atol=1e-12)
@@ -229,13 +253,13 @@ def test_kvcache_ref_appends_at_cache_seqlens():
     """Without rotary the new rows land verbatim at cache_seqlens[b] + i; every other row is unchanged."""
     q, k_cache, v_cache, k, v, _, _ = cache_inputs()
     seqlens = [0, 17, 61]
-    _, _, k_after, v_after = kvcache_ref(q, k_cache, v_cache, k, v, cache_seqlens=torch.tensor(seqlens,
-                                                                                               dtype=torch.int32),
-                                         upcast=False)
+    _, _, k_after, v_after = kvcache_ref(
+        q, k_cache, v_cache, k, v, cache_seqlens=torch.tensor(seqlens, dtype=torch.int32), upcast=False
+    )
     for b, n in enumerate(seqlens):
-        assert torch.equal(k_after[b, n:n + 3], k[b]) and torch.equal(v_after[b, n:n + 3], v[b])
+        assert torch.equal(k_after[b, n : n + 3], k[b]) and torch.equal(v_after[b, n : n + 3], v[b])
         keep = torch.ones(64, dtype=torch.bool)
-        keep[n:n + 3] = False
+        keep[n : n + 3] = False
         assert torch.equal(k_after[b, keep], k_cache[b, keep]) and torch.equal(v_after[b, keep], v_cache[b, keep])
 
 
@@ -267,8 +291,14 @@ def test_kvcache_ref_rotates_queries_and_keys(case, interleaved):
     q_pos = base + (torch.arange(seqlen_q) if per_row else torch.zeros(seqlen_q, dtype=torch.long))
     q_rot = rotate_complex(q, angle, q_pos, 16, interleaved)
     k_rot = rotate_complex(k, angle, base + torch.arange(3), 16, interleaved)
-    common = dict(cache_seqlens=seqlens, cache_leftpad=leftpad, causal=causal, window_size=window,
-                  alibi_slopes=slopes, upcast=False)
+    common = dict(
+        cache_seqlens=seqlens,
+        cache_leftpad=leftpad,
+        causal=causal,
+        window_size=window,
+        alibi_slopes=slopes,
+        upcast=False,
+    )
     ours = kvcache_ref(q, k_cache, v_cache, k, v, cos, sin, rotary_interleaved=interleaved, **common)
     want = kvcache_ref(q_rot, k_cache, v_cache, k_rot, v, **common)
     for name, a, b in zip(("out", "lse", "k_cache", "v_cache"), ours, want):
@@ -294,8 +324,18 @@ def test_kvcache_ref_upcast_dtypes():
 
 
 def kv_plan(gpu=H200, *, batch=2, seqlen_q=1, seqlen_k=4096, nheads=32, nheads_k=8, head_dim=128, **kwargs) -> Plan:
-    p = plan("fwd", batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=nheads, nheads_k=nheads_k,
-             head_dim=head_dim, kvcache=True, **gpu, **kwargs)
+    p = plan(
+        "fwd",
+        batch=batch,
+        seqlen_q=seqlen_q,
+        seqlen_k=seqlen_k,
+        nheads=nheads,
+        nheads_k=nheads_k,
+        head_dim=head_dim,
+        kvcache=True,
+        **gpu,
+        **kwargs,
+    )
     assert isinstance(p, Plan) and p.pass_ == "fwd"
     return p
 
@@ -309,9 +349,17 @@ def test_kvcache_runs_the_variants_kernel(causal, seqlen_q):
     assert not plain.variants, plain
 
 
-@pytest.mark.parametrize("extra", [dict(), dict(causal=True), dict(window_size=(100, -1)), dict(softcap=10.0),
-                                   dict(causal=True, window_size=(64, 0), softcap=5.0)],
-                         ids=["plain", "causal", "window", "softcap", "combo"])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        dict(),
+        dict(causal=True),
+        dict(window_size=(100, -1)),
+        dict(softcap=10.0),
+        dict(causal=True, window_size=(64, 0), softcap=5.0),
+    ],
+    ids=["plain", "causal", "window", "softcap", "combo"],
+)
 @pytest.mark.parametrize("heads", [(8, 2), (32, 8), (6, 2), (4, 1)], ids=["8-2", "32-8", "6-2", "mqa"])
 def test_kvcache_packs_gqa_for_one_query_row(heads, extra):
     nheads, nheads_k = heads
@@ -355,8 +403,11 @@ def test_kvcache_kernel_families():
     assert p.kernel == "mma_sync" and p.variants
 
 
-@pytest.mark.parametrize("extra", [dict(), dict(causal=True), dict(window_size=(1000, 0)), dict(nheads_k=32)],
-                         ids=["plain", "causal", "window", "mha"])
+@pytest.mark.parametrize(
+    "extra",
+    [dict(), dict(causal=True), dict(window_size=(1000, 0)), dict(nheads_k=32)],
+    ids=["plain", "causal", "window", "mha"],
+)
 def test_paged_decode_takes_the_short_key_tile(extra):
     """On Hopper at head dim 128, decoding from a paged cache (queries within one 64-row warpgroup, after GQA
     packing) runs the 64-row, two-CTAs-per-SM tile; the dense cache keeps the 128-row tile."""
@@ -395,8 +446,19 @@ def test_fwd_kvcache_schema_mutates_the_caches():
     written = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
     assert written == {"k_cache", "v_cache"}, written
     names = [a.name for a in schema.arguments]
-    assert names[:11] == ["q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "cache_seqlens",
-                          "cache_batch_idx", "cache_leftpad", "block_table"], names
+    assert names[:11] == [
+        "q",
+        "k_cache",
+        "v_cache",
+        "k",
+        "v",
+        "rotary_cos",
+        "rotary_sin",
+        "cache_seqlens",
+        "cache_batch_idx",
+        "cache_leftpad",
+        "block_table",
+    ], names
     assert [r.name for r in schema.returns] == ["out", "softmax_lse"]
     assert all(r.alias_info is None for r in schema.returns)
 
@@ -425,8 +487,9 @@ def test_fake_fwd_kvcache(append, paged):
             k, v = (torch.randn(3, 2, 2, 64, dtype=torch.bfloat16, device="cuda") for _ in range(2))
         seqlens = torch.zeros(3, dtype=torch.int32, device="cuda")
         table = torch.zeros(3, 3, dtype=torch.int32, device="cuda") if paged else None
-        out, lse = torch.ops.flash_attn2.fwd_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens,
-                                                     block_table=table, softmax_scale=0.125, causal=True)
+        out, lse = torch.ops.flash_attn2.fwd_kvcache(
+            q, k_cache, v_cache, k, v, cache_seqlens=seqlens, block_table=table, softmax_scale=0.125, causal=True
+        )
     assert out.shape == (3, 5, 8, 64) and out.dtype == torch.bfloat16 and out.device.type == "cuda"
     assert lse.shape == (3, 8, 5) and lse.dtype == torch.float32
 
@@ -441,8 +504,19 @@ def test_fake_flash_attn_with_kvcache(head_dim):
         k, v = (torch.randn(2, 3, 2, head_dim, dtype=torch.float16, device="cuda") for _ in range(2))
         table = torch.zeros(2, 4, dtype=torch.int32, device="cuda")
         cos = torch.randn(64, 16, dtype=torch.float16, device="cuda")
-        out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos=cos, rotary_sin=cos, cache_seqlens=5,
-                                           block_table=table, causal=True, return_softmax_lse=True)
+        out, lse = flash_attn_with_kvcache(
+            q,
+            k_cache,
+            v_cache,
+            k,
+            v,
+            rotary_cos=cos,
+            rotary_sin=cos,
+            cache_seqlens=5,
+            block_table=table,
+            causal=True,
+            return_softmax_lse=True,
+        )
         single = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=5, block_table=table)
     assert out.shape == (2, 3, 8, head_dim) and out.dtype == torch.float16
     assert lse.shape == (2, 8, 3) and lse.dtype == torch.float32
@@ -456,8 +530,9 @@ def test_fake_varlen_paged():
         cu_q = torch.zeros(4, dtype=torch.int32, device="cuda")
         cu_k = torch.zeros(4, dtype=torch.int32, device="cuda")
         table = torch.zeros(3, 3, dtype=torch.int32, device="cuda")
-        out, lse, probs = flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, 5, 100, causal=True,
-                                                 return_attn_probs=True, block_table=table)
+        out, lse, probs = flash_attn_varlen_func(
+            q, k_cache, v_cache, cu_q, cu_k, 5, 100, causal=True, return_attn_probs=True, block_table=table
+        )
     assert out.shape == (11, 6, 64) and lse.shape == (6, 11) and probs is None
 
 
@@ -494,8 +569,7 @@ def i32(*values, dtype=torch.int32):
 
 
 def rotary(args, rows, pairs, dtype=None):
-    args["rotary_cos"], args["rotary_sin"] = (torch.rand(rows, pairs, dtype=dtype or args["q"].dtype)
-                                              for _ in range(2))
+    args["rotary_cos"], args["rotary_sin"] = (torch.rand(rows, pairs, dtype=dtype or args["q"].dtype) for _ in range(2))
 
 
 def cpu_randn(*shape):
@@ -510,16 +584,24 @@ BAD_ARGS = {
     "window-below-minus-one": (False, lambda a: a.update(window_size=(-2, 0)), "window_size"),
     "softcap-negative": (False, lambda a: a.update(softcap=-1.0), "softcap"),
     "alibi-shape": (False, lambda a: a.update(alibi_slopes=torch.rand(3)), "alibi_slopes"),
-    "page-size-24": (True, lambda a: a.update(k_cache=cpu_randn(6, 24, 2, 64), v_cache=cpu_randn(6, 24, 2, 64)),
-                     "page size"),
-    "page-size-8": (True, lambda a: a.update(k_cache=cpu_randn(6, 8, 2, 64), v_cache=cpu_randn(6, 8, 2, 64)),
-                    "page size"),
+    "page-size-24": (
+        True,
+        lambda a: a.update(k_cache=cpu_randn(6, 24, 2, 64), v_cache=cpu_randn(6, 24, 2, 64)),
+        "page size",
+    ),
+    "page-size-8": (
+        True,
+        lambda a: a.update(k_cache=cpu_randn(6, 8, 2, 64), v_cache=cpu_randn(6, 8, 2, 64)),
+        "page size",
+    ),
     "block-table-int64": (True, lambda a: a.update(block_table=a["block_table"].long()), "block_table"),
     "block-table-1d": (True, lambda a: a.update(block_table=a["block_table"].flatten()), "block_table"),
-    "block-table-batch": (True, lambda a: a.update(block_table=torch.zeros(3, 3, dtype=torch.int32)),
-                          "block_table"),
-    "block-table-strided": (True, lambda a: a.update(block_table=torch.zeros(2, 6, dtype=torch.int32)[:, ::2]),
-                            "block_table"),
+    "block-table-batch": (True, lambda a: a.update(block_table=torch.zeros(3, 3, dtype=torch.int32)), "block_table"),
+    "block-table-strided": (
+        True,
+        lambda a: a.update(block_table=torch.zeros(2, 6, dtype=torch.int32)[:, ::2]),
+        "block_table",
+    ),
     "cache-seqlens-int-past": (False, lambda a: a.update(cache_seqlens=64), "cache_seqlens"),
     "cache-seqlens-int-past-paged": (True, lambda a: a.update(cache_seqlens=48), "cache_seqlens"),
     "cache-seqlens-int-negative": (False, lambda a: a.update(cache_seqlens=-1), "cache_seqlens"),
@@ -531,8 +613,11 @@ BAD_ARGS = {
     "rotary-without-k": (False, lambda a: (rotary(a, 64, 16), a.update(k=None, v=None)), "rotary_cos"),
     "rotary-too-few-rows": (False, lambda a: rotary(a, 63, 16), "rotary_cos"),
     "rotary-fp32": (False, lambda a: rotary(a, 64, 16, torch.float32), "rotary_cos"),
-    "rotary-sin-shape": (False, lambda a: (rotary(a, 64, 16), a.update(rotary_sin=a["rotary_sin"][:, :8])),
-                         "rotary_sin"),
+    "rotary-sin-shape": (
+        False,
+        lambda a: (rotary(a, 64, 16), a.update(rotary_sin=a["rotary_sin"][:, :8])),
+        "rotary_sin",
+    ),
     "k-without-v": (False, lambda a: a.update(v=None), "k and v"),
     "v-without-k": (False, lambda a: a.update(k=None), "k and v"),
     "batch-idx-with-block-table": (True, lambda a: a.update(cache_batch_idx=i32(1, 0)), "cache_batch_idx"),
@@ -541,14 +626,23 @@ BAD_ARGS = {
     "k-heads": (False, lambda a: a.update(k=cpu_randn(2, 1, 4, 64), v=cpu_randn(2, 1, 4, 64)), "k must have shape"),
     "v-seqlen": (False, lambda a: a.update(v=cpu_randn(2, 2, 2, 64)), "seqlen_new"),
     "k-dtype": (False, lambda a: a.update(k=a["k"].half()), "k must have the dtype"),
-    "k-longer-than-cache": (False, lambda a: a.update(k=cpu_randn(2, 65, 2, 64), v=cpu_randn(2, 65, 2, 64)),
-                            "seqlen_new"),
-    "cache-batch-rows": (False, lambda a: a.update(k_cache=cpu_randn(1, 64, 2, 64), v_cache=cpu_randn(1, 64, 2, 64)),
-                         "k_cache"),
+    "k-longer-than-cache": (
+        False,
+        lambda a: a.update(k=cpu_randn(2, 65, 2, 64), v=cpu_randn(2, 65, 2, 64)),
+        "seqlen_new",
+    ),
+    "cache-batch-rows": (
+        False,
+        lambda a: a.update(k_cache=cpu_randn(1, 64, 2, 64), v_cache=cpu_randn(1, 64, 2, 64)),
+        "k_cache",
+    ),
     "v-cache-shape": (False, lambda a: a.update(v_cache=cpu_randn(2, 32, 2, 64)), "v_cache"),
     "cache-dtype": (False, lambda a: a.update(k_cache=a["k_cache"].half(), v_cache=a["v_cache"].half()), "k_cache"),
-    "cache-head-dim": (False, lambda a: a.update(k_cache=cpu_randn(2, 64, 2, 32), v_cache=cpu_randn(2, 64, 2, 32)),
-                       "head_dim"),
+    "cache-head-dim": (
+        False,
+        lambda a: a.update(k_cache=cpu_randn(2, 64, 2, 32), v_cache=cpu_randn(2, 64, 2, 32)),
+        "head_dim",
+    ),
     "cache-3d": (False, lambda a: a.update(k_cache=cpu_randn(2, 64, 128)), "k_cache"),
     "heads-not-multiple": (False, lambda a: a.update(q=cpu_randn(2, 1, 5, 64)), "nheads"),
     "q-3d": (False, lambda a: a.update(q=cpu_randn(2, 4, 64)), "q must be a 4-D"),
@@ -566,9 +660,15 @@ def test_rejects_bad_arguments_before_the_device_check(case):
         flash_attn_with_kvcache(**args)
 
 
-@pytest.mark.parametrize("extra", [dict(), dict(cache_leftpad=i32(1, 5), rotary_interleaved=False),
-                                   dict(window_size=(5, 0), softcap=3.0, alibi_slopes=torch.rand(2, 4))],
-                         ids=["plain", "leftpad-rotary", "variants"])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        dict(),
+        dict(cache_leftpad=i32(1, 5), rotary_interleaved=False),
+        dict(window_size=(5, 0), softcap=3.0, alibi_slopes=torch.rand(2, 4)),
+    ],
+    ids=["plain", "leftpad-rotary", "variants"],
+)
 @pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
 def test_valid_arguments_reach_the_device_check(paged, extra):
     """Valid calls pass every check, a page size of 48 (not a power of two) and a rotary dim of 10 included, and
@@ -607,8 +707,7 @@ def test_varlen_paged_rejects_grad_and_dropout():
     with pytest.raises(ValueError, match="grad"):
         flash_attn_varlen_func(q.requires_grad_(), k_cache, v_cache, cu, cu, max_len, max_len, block_table=table)
     with pytest.raises(ValueError, match="dropout_p"):
-        flash_attn_varlen_func(q.detach(), k_cache, v_cache, cu, cu, max_len, max_len, dropout_p=0.1,
-                               block_table=table)
+        flash_attn_varlen_func(q.detach(), k_cache, v_cache, cu, cu, max_len, max_len, dropout_p=0.1, block_table=table)
     with torch.no_grad(), pytest.raises(ValueError, match="CUDA"):
         flash_attn_varlen_func(q, k_cache, v_cache, cu, cu, max_len, max_len, block_table=table)
 

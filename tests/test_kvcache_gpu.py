@@ -23,7 +23,6 @@ import math
 import os
 import subprocess
 import sys
-from typing import Optional
 
 import pytest
 import torch
@@ -111,19 +110,19 @@ class Case:
     nheads: int = 8
     nheads_k: int = 2
     head_dim: int = 64
-    page_size: Optional[int] = None
+    page_size: int | None = None
     extra_pages: int = 3
-    batch_idx: Optional[str] = None
-    leftpad: Optional[tuple] = None
+    batch_idx: str | None = None
+    leftpad: tuple | None = None
     rotary_dim: int = 0
     interleaved: bool = True
     causal: bool = False
     window: tuple = (-1, -1)
     softcap: float = 0.0
-    alibi: Optional[str] = None
+    alibi: str | None = None
     gain: float = 1.0
     seqlens_as: str = "tensor"
-    softmax_scale: Optional[float] = None
+    softmax_scale: float | None = None
     empty_new: bool = False
 
 
@@ -138,16 +137,16 @@ class Call:
     q: torch.Tensor
     k_cache: torch.Tensor
     v_cache: torch.Tensor
-    k: Optional[torch.Tensor]
-    v: Optional[torch.Tensor]
-    cos: Optional[torch.Tensor]
-    sin: Optional[torch.Tensor]
-    seqlens: Optional[torch.Tensor]  # int32 (batch,): the reference's cache_seqlens (None: the whole cache)
-    batch_idx: Optional[torch.Tensor]
-    leftpad: Optional[torch.Tensor]
-    block_table: Optional[torch.Tensor]
-    slopes: Optional[torch.Tensor]
-    appended: Optional[torch.Tensor] = None  # bool (cache.shape[0], cache.shape[1]): entries the call writes
+    k: torch.Tensor | None
+    v: torch.Tensor | None
+    cos: torch.Tensor | None
+    sin: torch.Tensor | None
+    seqlens: torch.Tensor | None  # int32 (batch,): the reference's cache_seqlens (None: the whole cache)
+    batch_idx: torch.Tensor | None
+    leftpad: torch.Tensor | None
+    block_table: torch.Tensor | None
+    slopes: torch.Tensor | None
+    appended: torch.Tensor | None = None  # bool (cache.shape[0], cache.shape[1]): entries the call writes
 
     @property
     def seqlen_new(self):
@@ -159,8 +158,9 @@ def make_slopes(kind, batch, nheads):
     if kind is None:
         return None
     if kind == "heads":
-        return torch.tensor([2.0 ** (-8.0 * (i + 1) / nheads) for i in range(nheads)], dtype=torch.float32,
-                            device="cuda")
+        return torch.tensor(
+            [2.0 ** (-8.0 * (i + 1) / nheads) for i in range(nheads)], dtype=torch.float32, device="cuda"
+        )
     assert kind == "batch_heads", kind
     return torch.rand(batch, nheads, dtype=torch.float32, device="cuda") * 0.5
 
@@ -245,8 +245,24 @@ def build(case, dtype, *, poison_rows=True, nan_outside=False):
     leftpad = None
     if case.leftpad is not None:
         leftpad = torch.tensor(case.leftpad, dtype=torch.int32, device="cuda")
-    call = Call(case, dtype, capacity, list(case.cache_seqlens), q, k_cache, v_cache, k, v, cos, sin, seqlens,
-                batch_idx, leftpad, block_table, make_slopes(case.alibi, b, h))
+    call = Call(
+        case,
+        dtype,
+        capacity,
+        list(case.cache_seqlens),
+        q,
+        k_cache,
+        v_cache,
+        k,
+        v,
+        cos,
+        sin,
+        seqlens,
+        batch_idx,
+        leftpad,
+        block_table,
+        make_slopes(case.alibi, b, h),
+    )
     call.appended = appended_mask(call)
     if nan_outside:
         inside = torch.zeros_like(call.appended)
@@ -266,19 +282,44 @@ def call_kwargs(call, num_splits=0):
     """flash_attn_with_kvcache's keyword arguments for ``call`` (LSE returned)."""
     case = call.case
     seqlens = {"tensor": call.seqlens, "int": case.cache_seqlens[0], "none": None}[case.seqlens_as]
-    return dict(k=call.k, v=call.v, rotary_cos=call.cos, rotary_sin=call.sin, cache_seqlens=seqlens,
-                cache_batch_idx=call.batch_idx, cache_leftpad=call.leftpad, block_table=call.block_table,
-                softmax_scale=case.softmax_scale, causal=case.causal, window_size=case.window, softcap=case.softcap,
-                rotary_interleaved=case.interleaved, alibi_slopes=call.slopes, num_splits=num_splits,
-                return_softmax_lse=True)
+    return dict(
+        k=call.k,
+        v=call.v,
+        rotary_cos=call.cos,
+        rotary_sin=call.sin,
+        cache_seqlens=seqlens,
+        cache_batch_idx=call.batch_idx,
+        cache_leftpad=call.leftpad,
+        block_table=call.block_table,
+        softmax_scale=case.softmax_scale,
+        causal=case.causal,
+        window_size=case.window,
+        softcap=case.softcap,
+        rotary_interleaved=case.interleaved,
+        alibi_slopes=call.slopes,
+        num_splits=num_splits,
+        return_softmax_lse=True,
+    )
 
 
 def ref_kwargs(call):
     case = call.case
-    return dict(k=call.k, v=call.v, rotary_cos=call.cos, rotary_sin=call.sin, cache_seqlens=call.seqlens,
-                cache_batch_idx=call.batch_idx, cache_leftpad=call.leftpad, block_table=call.block_table,
-                softmax_scale=case.softmax_scale, causal=case.causal, window_size=case.window, softcap=case.softcap,
-                rotary_interleaved=case.interleaved, alibi_slopes=call.slopes)
+    return dict(
+        k=call.k,
+        v=call.v,
+        rotary_cos=call.cos,
+        rotary_sin=call.sin,
+        cache_seqlens=call.seqlens,
+        cache_batch_idx=call.batch_idx,
+        cache_leftpad=call.leftpad,
+        block_table=call.block_table,
+        softmax_scale=case.softmax_scale,
+        causal=case.causal,
+        window_size=case.window,
+        softcap=case.softcap,
+        rotary_interleaved=case.interleaved,
+        alibi_slopes=call.slopes,
+    )
 
 
 def bits(t):
@@ -297,8 +338,9 @@ def check_call(call, out, lse, k_before, v_before):
     lowp = kvcache_ref(call.q, k_before, v_before, upcast=False, **kwargs)
     check_results(("out", "lse"), (out, lse), ref[:2], lowp[:2], call.dtype)
     app = call.appended
-    for name, ours, before, r, lp in zip(("k_cache", "v_cache"), (call.k_cache, call.v_cache), (k_before, v_before),
-                                         ref[2:], lowp[2:]):
+    for name, ours, before, r, lp in zip(
+        ("k_cache", "v_cache"), (call.k_cache, call.v_cache), (k_before, v_before), ref[2:], lowp[2:]
+    ):
         if app.any():
             check_results((name,), (ours[app],), (r[app],), (lp[app],), call.dtype)
         assert torch.equal(bits(ours[~app]), bits(before[~app])), f"{name}: an entry outside the appended rows changed"
@@ -308,10 +350,24 @@ def check_plan(call, kernel="default", num_splits=0):
     """The plan of the call on this GPU: the variants kernel, the forced kernel family and splits, and GQA packing
     exactly for one query row without ALiBi."""
     case = call.case
-    p = plan("fwd", batch=case.batch, seqlen_q=case.seqlen_q, seqlen_k=call.capacity, nheads=case.nheads,
-             nheads_k=case.nheads_k, head_dim=round8(case.head_dim), causal=case.causal, num_splits=num_splits,
-             override=override_string(**kernel_force(kernel)), dtype=call.dtype, window_size=case.window,
-             alibi=case.alibi is not None, softcap=case.softcap, kvcache=True, paged=case.page_size is not None)
+    p = plan(
+        "fwd",
+        batch=case.batch,
+        seqlen_q=case.seqlen_q,
+        seqlen_k=call.capacity,
+        nheads=case.nheads,
+        nheads_k=case.nheads_k,
+        head_dim=round8(case.head_dim),
+        causal=case.causal,
+        num_splits=num_splits,
+        override=override_string(**kernel_force(kernel)),
+        dtype=call.dtype,
+        window_size=case.window,
+        alibi=case.alibi is not None,
+        softcap=case.softcap,
+        kvcache=True,
+        paged=case.page_size is not None,
+    )
     assert p.variants, p
     if kernel != "default":
         assert p.kernel == kernel, p
@@ -320,8 +376,12 @@ def check_plan(call, kernel="default", num_splits=0):
     packs = case.seqlen_q == 1 and case.nheads > case.nheads_k and case.alibi is None
     assert p.gqa_pack == (case.nheads // case.nheads_k if packs else 1), p
     # Paged decoding on Hopper at head dim 128 runs the short-key tile, whose paged loads are unrolled.
-    short = (case.page_size is not None and p.kernel == "wgmma" and p.kernel_head_dim == 128
-             and case.seqlen_q * p.gqa_pack <= 64)
+    short = (
+        case.page_size is not None
+        and p.kernel == "wgmma"
+        and p.kernel_head_dim == 128
+        and case.seqlen_q * p.gqa_pack <= 64
+    )
     assert not short or p.short_key_tile, p
     return p
 
@@ -354,8 +414,12 @@ def test_decode_head_dims(head_dim, pair):
     paged (alternating), lengths 37, 0 (the new token alone) and 100."""
     dtype, kernel = pair
     index = KERNEL_HEAD_DIMS.index(head_dim) + ALL_PAIRS.index(pair)
-    case = Case(head_dim=head_dim, rotary_dim=head_dim if index % 2 else head_dim // 2, interleaved=index % 2 == 0,
-                page_size=32 if index % 2 else None)
+    case = Case(
+        head_dim=head_dim,
+        rotary_dim=head_dim if index % 2 else head_dim // 2,
+        interleaved=index % 2 == 0,
+        page_size=32 if index % 2 else None,
+    )
     run_case(case, dtype, kernel)
 
 
@@ -379,8 +443,19 @@ def test_rotary_query_positions(mode, interleaved, rotary):
     """Seven query rows and three new keys: the query-position rule decides the output. The lengths leave one
     sequence with fewer keys than queries (rows with no key under causal)."""
     dtype, kernel = PAIRS[int(interleaved)]
-    case = Case(batch=3, seqlen_q=7, seqlen_new=3, cache_seqlens=(40, 3, 100), capacity=128, nheads=6, nheads_k=2,
-                head_dim=64, rotary_dim=64 if rotary == "full" else 32, interleaved=interleaved, **ROTARY_MODES[mode])
+    case = Case(
+        batch=3,
+        seqlen_q=7,
+        seqlen_new=3,
+        cache_seqlens=(40, 3, 100),
+        capacity=128,
+        nheads=6,
+        nheads_k=2,
+        head_dim=64,
+        rotary_dim=64 if rotary == "full" else 32,
+        interleaved=interleaved,
+        **ROTARY_MODES[mode],
+    )
     run_case(case, dtype, kernel)
 
 
@@ -390,9 +465,21 @@ def test_rotary_leftpad_paged(mode, interleaved):
     """Rotary over a paged cache with left padding (positions count from cache row 0, not from the padding), and
     a rotary dim of 10 (five pairs, not a multiple of 16)."""
     dtype, kernel = PAIRS[1 - int(interleaved)]
-    case = Case(batch=3, seqlen_q=7, seqlen_new=3, cache_seqlens=(40, 3, 100), leftpad=(17, 3, 64), capacity=128,
-                page_size=32, nheads=6, nheads_k=2, head_dim=64, rotary_dim=10, interleaved=interleaved,
-                **ROTARY_MODES[mode])
+    case = Case(
+        batch=3,
+        seqlen_q=7,
+        seqlen_new=3,
+        cache_seqlens=(40, 3, 100),
+        leftpad=(17, 3, 64),
+        capacity=128,
+        page_size=32,
+        nheads=6,
+        nheads_k=2,
+        head_dim=64,
+        rotary_dim=10,
+        interleaved=interleaved,
+        **ROTARY_MODES[mode],
+    )
     run_case(case, dtype, kernel)
 
 
@@ -411,8 +498,15 @@ def page_edge_case(page, edge):
     if edge == "read-at-edges":  # no append: lengths page - 1, page, page + 1
         return Case(cache_seqlens=(page + 1, page - 1, page), seqlen_new=0, seqlen_q=3, causal=True, **base)
     assert edge == "append-across", edge  # five new rows across an edge
-    return Case(cache_seqlens=(page - 2, 2 * page - 3, 0), seqlen_new=5, seqlen_q=5, causal=True, rotary_dim=64,
-                interleaved=False, **base)
+    return Case(
+        cache_seqlens=(page - 2, 2 * page - 3, 0),
+        seqlen_new=5,
+        seqlen_q=5,
+        causal=True,
+        rotary_dim=64,
+        interleaved=False,
+        **base,
+    )
 
 
 PAGE_EDGES = ["append-last-row", "append-first-row", "read-at-edges", "append-across"]
@@ -431,12 +525,42 @@ def test_paged_page_edges(page_size, edge, pair):
 # unrolled (check_plan asserts the tile). Long caches so that only the paged rule picks it; left padding and a
 # window folded into the keys start key blocks off the page grid.
 PAGED_DECODE = {
-    "gqa-window-leftpad": Case(batch=3, seqlen_q=1, seqlen_new=1, cache_seqlens=(700, 33, 1000), leftpad=(5, 0, 77),
-                               capacity=1100, nheads=8, nheads_k=2, head_dim=128, window=(300, 0), rotary_dim=64),
-    "mha-softcap-gain": Case(batch=2, seqlen_q=1, seqlen_new=0, cache_seqlens=(1999, 517), capacity=2000, nheads=4,
-                             nheads_k=4, head_dim=128, softcap=20.0, gain=16.0),
-    "mqa-causal-rows": Case(batch=2, seqlen_q=5, seqlen_new=5, cache_seqlens=(1301, 0), capacity=1400, nheads=8,
-                            nheads_k=1, head_dim=128, causal=True),
+    "gqa-window-leftpad": Case(
+        batch=3,
+        seqlen_q=1,
+        seqlen_new=1,
+        cache_seqlens=(700, 33, 1000),
+        leftpad=(5, 0, 77),
+        capacity=1100,
+        nheads=8,
+        nheads_k=2,
+        head_dim=128,
+        window=(300, 0),
+        rotary_dim=64,
+    ),
+    "mha-softcap-gain": Case(
+        batch=2,
+        seqlen_q=1,
+        seqlen_new=0,
+        cache_seqlens=(1999, 517),
+        capacity=2000,
+        nheads=4,
+        nheads_k=4,
+        head_dim=128,
+        softcap=20.0,
+        gain=16.0,
+    ),
+    "mqa-causal-rows": Case(
+        batch=2,
+        seqlen_q=5,
+        seqlen_new=5,
+        cache_seqlens=(1301, 0),
+        capacity=1400,
+        nheads=8,
+        nheads_k=1,
+        head_dim=128,
+        causal=True,
+    ),
 }
 
 
@@ -458,9 +582,19 @@ def test_cache_batch_idx(mode, leftpad, new):
     """A permuted mapping, and a cache with more batch rows than the batch; with left padding one sequence's
     padding covers every cached row (no key at all without an append)."""
     dtype, kernel = PAIRS[new // 2]
-    case = Case(batch=3, seqlen_q=2 if new else 1, seqlen_new=new, cache_seqlens=(40, 7, 90),
-                leftpad=(10, 7, 0) if leftpad else None, capacity=96, nheads=4, nheads_k=2, head_dim=128,
-                batch_idx=mode, causal=bool(new))
+    case = Case(
+        batch=3,
+        seqlen_q=2 if new else 1,
+        seqlen_new=new,
+        cache_seqlens=(40, 7, 90),
+        leftpad=(10, 7, 0) if leftpad else None,
+        capacity=96,
+        nheads=4,
+        nheads_k=2,
+        head_dim=128,
+        batch_idx=mode,
+        causal=bool(new),
+    )
     run_case(case, dtype, kernel)
 
 
@@ -477,17 +611,37 @@ def test_heads_and_lengths(heads, seqlen_q, new):
     0 (no key at all without an append) and 1."""
     h, hk = HEADS[heads]
     dtype, kernel = ALL_PAIRS[(seqlen_q + new + len(heads)) % 4]
-    case = Case(batch=3, seqlen_q=seqlen_q, seqlen_new=new, cache_seqlens=(0, 1, 50), capacity=128, nheads=h,
-                nheads_k=hk, head_dim=64, causal=seqlen_q > 1)
+    case = Case(
+        batch=3,
+        seqlen_q=seqlen_q,
+        seqlen_new=new,
+        cache_seqlens=(0, 1, 50),
+        capacity=128,
+        nheads=h,
+        nheads_k=hk,
+        head_dim=64,
+        causal=seqlen_q > 1,
+    )
     run_case(case, dtype, kernel)
 
 
 @pytest.mark.parametrize("layout", ["dense", "paged"])
 def test_empty_new_rows(layout):
     """k and v with zero rows: nothing appended, and the rotary tables still rotate q."""
-    case = Case(batch=2, seqlen_q=3, seqlen_new=0, empty_new=True, cache_seqlens=(0, 33), capacity=64,
-                page_size=16 if layout == "paged" else None, nheads=4, nheads_k=2, head_dim=64, rotary_dim=32,
-                causal=True)
+    case = Case(
+        batch=2,
+        seqlen_q=3,
+        seqlen_new=0,
+        empty_new=True,
+        cache_seqlens=(0, 33),
+        capacity=64,
+        page_size=16 if layout == "paged" else None,
+        nheads=4,
+        nheads_k=2,
+        head_dim=64,
+        rotary_dim=32,
+        causal=True,
+    )
     run_case(case, torch.bfloat16)
 
 
@@ -496,17 +650,39 @@ def test_empty_new_rows(layout):
 def test_int_cache_seqlens(length, layout):
     """cache_seqlens as a Python int, up to the last rows that fit."""
     n = {"zero": 0, "middle": 20, "full": 64 - 3}[length]
-    case = Case(batch=2, seqlen_q=3, seqlen_new=3, cache_seqlens=(n, n), seqlens_as="int", capacity=64,
-                page_size=16 if layout == "paged" else None, nheads=4, nheads_k=2, head_dim=64, causal=True,
-                rotary_dim=16)
+    case = Case(
+        batch=2,
+        seqlen_q=3,
+        seqlen_new=3,
+        cache_seqlens=(n, n),
+        seqlens_as="int",
+        capacity=64,
+        page_size=16 if layout == "paged" else None,
+        nheads=4,
+        nheads_k=2,
+        head_dim=64,
+        causal=True,
+        rotary_dim=16,
+    )
     run_case(case, torch.float16, "mma_sync" if layout == "paged" else "default")
 
 
 @pytest.mark.parametrize("layout", ["dense", "paged"])
 def test_whole_cache_without_seqlens(layout):
     """cache_seqlens=None: every row of the cache is a key."""
-    case = Case(batch=2, seqlen_q=4, seqlen_new=0, cache_seqlens=(96, 96), seqlens_as="none", capacity=96,
-                page_size=48 if layout == "paged" else None, nheads=4, nheads_k=1, head_dim=64, window=(30, 0))
+    case = Case(
+        batch=2,
+        seqlen_q=4,
+        seqlen_new=0,
+        cache_seqlens=(96, 96),
+        seqlens_as="none",
+        capacity=96,
+        page_size=48 if layout == "paged" else None,
+        nheads=4,
+        nheads_k=1,
+        head_dim=64,
+        window=(30, 0),
+    )
     run_case(case, torch.bfloat16)
 
 
@@ -528,14 +704,35 @@ VARIANTS = {
 
 VARIANT_SHAPES = {
     # One query row: GQA packed (windows folded into the key range) unless ALiBi.
-    "decode-gqa": Case(batch=3, seqlen_q=1, seqlen_new=1, cache_seqlens=(100, 0, 250), capacity=256, nheads=8,
-                       nheads_k=2, head_dim=128),
+    "decode-gqa": Case(
+        batch=3, seqlen_q=1, seqlen_new=1, cache_seqlens=(100, 0, 250), capacity=256, nheads=8, nheads_k=2, head_dim=128
+    ),
     # Seven rows with rotary and left padding, one sequence whose keys are the new ones only.
-    "chunk-leftpad-rotary": Case(batch=2, seqlen_q=7, seqlen_new=3, cache_seqlens=(60, 9), leftpad=(20, 9),
-                                 capacity=128, nheads=6, nheads_k=2, head_dim=64, rotary_dim=32, interleaved=False),
+    "chunk-leftpad-rotary": Case(
+        batch=2,
+        seqlen_q=7,
+        seqlen_new=3,
+        cache_seqlens=(60, 9),
+        leftpad=(20, 9),
+        capacity=128,
+        nheads=6,
+        nheads_k=2,
+        head_dim=64,
+        rotary_dim=32,
+        interleaved=False,
+    ),
     # A prefill of 64 rows into a paged cache of 48-row pages, MQA.
-    "prefill-paged48": Case(batch=2, seqlen_q=64, seqlen_new=64, cache_seqlens=(0, 70), capacity=144, page_size=48,
-                            nheads=4, nheads_k=1, head_dim=96),
+    "prefill-paged48": Case(
+        batch=2,
+        seqlen_q=64,
+        seqlen_new=64,
+        cache_seqlens=(0, 70),
+        capacity=144,
+        page_size=48,
+        nheads=4,
+        nheads_k=1,
+        head_dim=96,
+    ),
 }
 
 
@@ -550,16 +747,40 @@ def test_variants(name, shape, pair):
 def test_explicit_softmax_scale(scale):
     """softcap applies after the scale; a negative scale (run as -q with |scale|, rotated all the same) changes
     nothing."""
-    case = Case(batch=2, seqlen_q=3, seqlen_new=3, cache_seqlens=(20, 41), capacity=64, nheads=4, nheads_k=2,
-                head_dim=64, rotary_dim=64, causal=True, softcap=10.0, softmax_scale=scale)
+    case = Case(
+        batch=2,
+        seqlen_q=3,
+        seqlen_new=3,
+        cache_seqlens=(20, 41),
+        capacity=64,
+        nheads=4,
+        nheads_k=2,
+        head_dim=64,
+        rotary_dim=64,
+        causal=True,
+        softcap=10.0,
+        softmax_scale=scale,
+    )
     run_case(case, torch.bfloat16)
 
 
 @pytest.mark.parametrize("kernel", ["default", "mma_sync"])
 def test_large_magnitude_fp16(kernel):
     """fp16 q and keys times 16 (scores in the thousands): no NaN or overflow (check_close rejects any NaN)."""
-    case = Case(batch=2, seqlen_q=3, seqlen_new=3, cache_seqlens=(50, 200), capacity=256, nheads=8, nheads_k=2,
-                head_dim=128, gain=16.0, causal=True, rotary_dim=128, softcap=30.0 if kernel == "mma_sync" else 0.0)
+    case = Case(
+        batch=2,
+        seqlen_q=3,
+        seqlen_new=3,
+        cache_seqlens=(50, 200),
+        capacity=256,
+        nheads=8,
+        nheads_k=2,
+        head_dim=128,
+        gain=16.0,
+        causal=True,
+        rotary_dim=128,
+        softcap=30.0 if kernel == "mma_sync" else 0.0,
+    )
     run_case(case, torch.float16, kernel)
 
 
@@ -572,9 +793,19 @@ def test_large_magnitude_fp16(kernel):
 def test_head_dim_padding(head_dim, layout, rotary):
     """The wrapper pads the caches into copies: the appended rows must still land in the caller's caches (which
     check_call compares), and nothing else there may change."""
-    case = Case(batch=2, seqlen_q=2, seqlen_new=2, cache_seqlens=(31, 5), capacity=64,
-                page_size=32 if layout == "paged32" else None, nheads=4, nheads_k=2, head_dim=head_dim,
-                rotary_dim=32 if rotary else 0, causal=True)
+    case = Case(
+        batch=2,
+        seqlen_q=2,
+        seqlen_new=2,
+        cache_seqlens=(31, 5),
+        capacity=64,
+        page_size=32 if layout == "paged32" else None,
+        nheads=4,
+        nheads_k=2,
+        head_dim=head_dim,
+        rotary_dim=32 if rotary else 0,
+        causal=True,
+    )
     run_case(case, torch.float16 if rotary else torch.bfloat16)
 
 
@@ -582,11 +813,32 @@ def test_head_dim_padding(head_dim, layout, rotary):
 
 SPLIT_SHAPES = {
     # One query row over up to 1000 keys, one sequence empty of keys but its new token.
-    "dense-decode": Case(batch=3, seqlen_q=1, seqlen_new=1, cache_seqlens=(700, 0, 1000), capacity=1024, nheads=8,
-                         nheads_k=2, head_dim=128, causal=True, rotary_dim=64),
+    "dense-decode": Case(
+        batch=3,
+        seqlen_q=1,
+        seqlen_new=1,
+        cache_seqlens=(700, 0, 1000),
+        capacity=1024,
+        nheads=8,
+        nheads_k=2,
+        head_dim=128,
+        causal=True,
+        rotary_dim=64,
+    ),
     # Seven rows into a paged cache with a causal window and ALiBi.
-    "paged-chunk": Case(batch=2, seqlen_q=7, seqlen_new=7, cache_seqlens=(1000, 513), capacity=1088, page_size=64,
-                        nheads=4, nheads_k=4, head_dim=64, window=(200, 0), alibi="heads"),
+    "paged-chunk": Case(
+        batch=2,
+        seqlen_q=7,
+        seqlen_new=7,
+        cache_seqlens=(1000, 513),
+        capacity=1088,
+        page_size=64,
+        nheads=4,
+        nheads_k=4,
+        head_dim=64,
+        window=(200, 0),
+        alibi="heads",
+    ),
 }
 
 
@@ -604,9 +856,20 @@ def test_forced_num_splits(num_splits, shape):
 def test_rows_outside_the_sequences_are_never_read(layout):
     """Every cache entry outside [leftpad, cache_seqlens + seqlen_new) of each sequence is NaN, unused batch rows
     and pages included: one read of them would make the output NaN."""
-    case = Case(batch=3, seqlen_q=4, seqlen_new=2, cache_seqlens=(30, 5, 60), leftpad=(10, 0, 33), capacity=80,
-                page_size=16 if layout == "paged" else None, batch_idx="extra" if layout == "dense" else None,
-                nheads=6, nheads_k=2, head_dim=64, causal=True)
+    case = Case(
+        batch=3,
+        seqlen_q=4,
+        seqlen_new=2,
+        cache_seqlens=(30, 5, 60),
+        leftpad=(10, 0, 33),
+        capacity=80,
+        page_size=16 if layout == "paged" else None,
+        batch_idx="extra" if layout == "dense" else None,
+        nheads=6,
+        nheads_k=2,
+        head_dim=64,
+        causal=True,
+    )
     run_case(case, torch.bfloat16, nan_outside=True)
 
 
@@ -614,8 +877,18 @@ def test_rows_outside_the_sequences_are_never_read(layout):
 def test_strided_caches_and_new_rows(layout):
     """Caches and new rows that are views of interleaved k/v buffers ((..., 2, nheads_k, head_dim)): the append
     writes through the strides, and leaves the other half of each buffer alone."""
-    case = Case(batch=2, seqlen_q=1, seqlen_new=3, cache_seqlens=(14, 45), capacity=64,
-                page_size=16 if layout == "paged" else None, nheads=8, nheads_k=2, head_dim=64, rotary_dim=64)
+    case = Case(
+        batch=2,
+        seqlen_q=1,
+        seqlen_new=3,
+        cache_seqlens=(14, 45),
+        capacity=64,
+        page_size=16 if layout == "paged" else None,
+        nheads=8,
+        nheads_k=2,
+        head_dim=64,
+        rotary_dim=64,
+    )
     require_kernels(64, torch.bfloat16)
     call = build(case, torch.bfloat16)
     kv_cache = torch.stack((call.k_cache, call.v_cache), dim=2)
@@ -632,8 +905,21 @@ VARLEN_LENS_Q = [3, 0, 17, 1, 40, 5]
 VARLEN_LENS_K = [40, 0, 300, 1, 16, 0]  # an empty sequence, and queries against no key
 
 
-def run_varlen_paged(lens_q, lens_k, h, hk, d, dtype, page_size, kernel="default", *, causal=False,
-                     window=(-1, -1), softcap=0.0, alibi=None):
+def run_varlen_paged(
+    lens_q,
+    lens_k,
+    h,
+    hk,
+    d,
+    dtype,
+    page_size,
+    kernel="default",
+    *,
+    causal=False,
+    window=(-1, -1),
+    softcap=0.0,
+    alibi=None,
+):
     """flash_attn_varlen_func with a block table against varlen_attention_ref on each sequence's keys gathered
     from its pages; the caches must come out untouched."""
     require_kernels(d, dtype)
@@ -647,19 +933,45 @@ def run_varlen_paged(lens_q, lens_k, h, hk, d, dtype, page_size, kernel="default
     q = rand(sum(lens_q), h, d, dtype=dtype)
     cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
     slopes = make_slopes(alibi, batch, h)
-    p = plan("fwd", batch=batch, seqlen_q=max(lens_q), seqlen_k=max(lens_k), nheads=h, nheads_k=hk,
-             head_dim=round8(d), causal=causal, varlen=True, override=override_string(**kernel_force(kernel)),
-             dtype=dtype, window_size=window, alibi=alibi is not None, softcap=softcap, kvcache=True, paged=True)
+    p = plan(
+        "fwd",
+        batch=batch,
+        seqlen_q=max(lens_q),
+        seqlen_k=max(lens_k),
+        nheads=h,
+        nheads_k=hk,
+        head_dim=round8(d),
+        causal=causal,
+        varlen=True,
+        override=override_string(**kernel_force(kernel)),
+        dtype=dtype,
+        window_size=window,
+        alibi=alibi is not None,
+        softcap=softcap,
+        kvcache=True,
+        paged=True,
+    )
     assert p.variants and p.gqa_pack == 1 and p.num_splits == 1, p
     if kernel != "default":
         assert p.kernel == kernel, p
     k_before, v_before = k_cache.clone(), v_cache.clone()
     poison_allocator(q.device)
     with force_plan(**kernel_force(kernel)):
-        out, lse, s_dmask = flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, max(lens_q), max(lens_k),
-                                                   causal=causal, window_size=window, softcap=softcap,
-                                                   alibi_slopes=slopes, return_attn_probs=True,
-                                                   block_table=block_table)
+        out, lse, s_dmask = flash_attn_varlen_func(
+            q,
+            k_cache,
+            v_cache,
+            cu_q,
+            cu_k,
+            max(lens_q),
+            max(lens_k),
+            causal=causal,
+            window_size=window,
+            softcap=softcap,
+            alibi_slopes=slopes,
+            return_attn_probs=True,
+            block_table=block_table,
+        )
     assert s_dmask is None
     assert out.shape == q.shape and out.dtype == dtype
     assert lse.shape == (h, sum(lens_q)) and lse.dtype == torch.float32
@@ -668,8 +980,19 @@ def run_varlen_paged(lens_q, lens_k, h, hk, d, dtype, page_size, kernel="default
     v_dense = torch.cat([v_cache[block_table[b].long()].flatten(0, 1)[: lens_k[b]] for b in range(batch)])
 
     def attend(upcast):
-        return varlen_attention_ref(q, k_dense, v_dense, lens_q, lens_k, None, causal, upcast, window_size=window,
-                                    softcap=softcap, alibi_slopes=slopes)
+        return varlen_attention_ref(
+            q,
+            k_dense,
+            v_dense,
+            lens_q,
+            lens_k,
+            None,
+            causal,
+            upcast,
+            window_size=window,
+            softcap=softcap,
+            alibi_slopes=slopes,
+        )
 
     check_results(("out", "lse"), (out, lse), attend(True), attend(False), dtype)
     assert torch.equal(bits(k_cache), bits(k_before)) and torch.equal(bits(v_cache), bits(v_before))
@@ -679,13 +1002,17 @@ def run_varlen_paged(lens_q, lens_k, h, hk, d, dtype, page_size, kernel="default
 @pytest.mark.parametrize("page_size", [16, 48, 256])
 def test_varlen_paged(page_size, causal):
     dtype, kernel = PAIRS[([16, 48, 256].index(page_size) + causal) % 2]  # both families at each page size
-    run_varlen_paged(VARLEN_LENS_Q, VARLEN_LENS_K, 6, 2, 64 if kernel == "default" else 128, dtype, page_size, kernel,
-                     causal=causal)
+    run_varlen_paged(
+        VARLEN_LENS_Q, VARLEN_LENS_K, 6, 2, 64 if kernel == "default" else 128, dtype, page_size, kernel, causal=causal
+    )
 
 
 @pytest.mark.parametrize("pair", PAIRS, ids=pair_id)
-@pytest.mark.parametrize("variant", [dict(window=(30, 5), softcap=8.0, alibi="batch_heads"),
-                                     dict(causal=True, window=(20, -1), alibi="heads")], ids=["combo", "combo-causal"])
+@pytest.mark.parametrize(
+    "variant",
+    [dict(window=(30, 5), softcap=8.0, alibi="batch_heads"), dict(causal=True, window=(20, -1), alibi="heads")],
+    ids=["combo", "combo-causal"],
+)
 def test_varlen_paged_variants(variant, pair):
     run_varlen_paged(VARLEN_LENS_Q, VARLEN_LENS_K, 4, 1, 96, pair[0], 32, pair[1], **variant)
 
@@ -719,9 +1046,21 @@ def test_cuda_graph_replays_as_lengths_grow(layout):
     a synchronization, and a replay would reuse stale lengths)."""
     dtype = torch.bfloat16
     require_kernels(128, dtype)
-    case = Case(batch=3, seqlen_q=1, seqlen_new=1, cache_seqlens=(13, 0, 29), leftpad=(3, 0, 0), capacity=48,
-                page_size=16 if layout == "paged16" else None, nheads=8, nheads_k=2, head_dim=128, rotary_dim=64,
-                interleaved=False, causal=True)
+    case = Case(
+        batch=3,
+        seqlen_q=1,
+        seqlen_new=1,
+        cache_seqlens=(13, 0, 29),
+        leftpad=(3, 0, 0),
+        capacity=48,
+        page_size=16 if layout == "paged16" else None,
+        nheads=8,
+        nheads_k=2,
+        head_dim=128,
+        rotary_dim=64,
+        interleaved=False,
+        causal=True,
+    )
     call = build(case, dtype, poison_rows=False)
     kwargs = call_kwargs(call)
     side = torch.cuda.Stream()
@@ -753,14 +1092,37 @@ def test_compile_decode_step_matches_eager():
     caches bitwise equal to eager mode over three steps (the same kernels run), and eager mode right."""
     dtype = torch.bfloat16
     require_kernels(128, dtype)
-    case = Case(batch=3, seqlen_q=1, seqlen_new=1, cache_seqlens=(15, 0, 40), capacity=64, page_size=16, nheads=8,
-                nheads_k=2, head_dim=128, rotary_dim=128, interleaved=False, causal=True)
+    case = Case(
+        batch=3,
+        seqlen_q=1,
+        seqlen_new=1,
+        cache_seqlens=(15, 0, 40),
+        capacity=64,
+        page_size=16,
+        nheads=8,
+        nheads_k=2,
+        head_dim=128,
+        rotary_dim=128,
+        interleaved=False,
+        causal=True,
+    )
     call = build(case, dtype, poison_rows=False)
 
     def step(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, block_table):
-        return flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos=cos, rotary_sin=sin,
-                                       cache_seqlens=cache_seqlens, block_table=block_table, causal=True,
-                                       rotary_interleaved=False, return_softmax_lse=True)
+        return flash_attn_with_kvcache(
+            q,
+            k_cache,
+            v_cache,
+            k,
+            v,
+            rotary_cos=cos,
+            rotary_sin=sin,
+            cache_seqlens=cache_seqlens,
+            block_table=block_table,
+            causal=True,
+            rotary_interleaved=False,
+            return_softmax_lse=True,
+        )
 
     compiled = torch.compile(step, fullgraph=True)
     k_eager, v_eager = call.k_cache.clone(), call.v_cache.clone()
@@ -789,13 +1151,43 @@ def test_opcheck_fwd_kvcache(append):
     not move), so every run mutates the caches the same way and the checks compare like with like."""
     dtype = torch.bfloat16
     require_kernels(64, dtype)
-    case = Case(batch=2, seqlen_q=1 if append else 4, seqlen_new=2 if append else 0, cache_seqlens=(9, 30),
-                leftpad=(2, 0), capacity=48, page_size=16, nheads=4, nheads_k=2, head_dim=64,
-                rotary_dim=32 if append else 0)
+    case = Case(
+        batch=2,
+        seqlen_q=1 if append else 4,
+        seqlen_new=2 if append else 0,
+        cache_seqlens=(9, 30),
+        leftpad=(2, 0),
+        capacity=48,
+        page_size=16,
+        nheads=4,
+        nheads_k=2,
+        head_dim=64,
+        rotary_dim=32 if append else 0,
+    )
     call = build(case, dtype, poison_rows=False)
     slopes = make_slopes("batch_heads", 2, 4)
-    args = (call.q, call.k_cache, call.v_cache, call.k, call.v, call.cos, call.sin, call.seqlens, None, call.leftpad,
-            call.block_table, 0.125, True, 20, -1, 10.0, True, slopes, 0, "")
+    args = (
+        call.q,
+        call.k_cache,
+        call.v_cache,
+        call.k,
+        call.v,
+        call.cos,
+        call.sin,
+        call.seqlens,
+        None,
+        call.leftpad,
+        call.block_table,
+        0.125,
+        True,
+        20,
+        -1,
+        10.0,
+        True,
+        slopes,
+        0,
+        "",
+    )
     torch.library.opcheck(ops.fwd_kvcache.default, args)
 
 
@@ -808,9 +1200,22 @@ def test_no_host_sync(layout):
     (with a tensor cache_seqlens, and with an int one, which the wrapper turns into a device tensor)."""
     dtype = torch.float16
     require_kernels(128, dtype)
-    case = Case(batch=3, seqlen_q=1, seqlen_new=1, cache_seqlens=(20, 20, 20), leftpad=(0, 4, 2), capacity=64,
-                page_size=16 if layout == "paged" else None, nheads=8, nheads_k=2, head_dim=128, rotary_dim=64,
-                causal=True, window=(30, -1), softcap=20.0)
+    case = Case(
+        batch=3,
+        seqlen_q=1,
+        seqlen_new=1,
+        cache_seqlens=(20, 20, 20),
+        leftpad=(0, 4, 2),
+        capacity=64,
+        page_size=16 if layout == "paged" else None,
+        nheads=8,
+        nheads_k=2,
+        head_dim=128,
+        rotary_dim=64,
+        causal=True,
+        window=(30, -1),
+        softcap=20.0,
+    )
     call = build(case, dtype, poison_rows=False)
     kwargs = call_kwargs(call)
     k_before, v_before = call.k_cache.clone(), call.v_cache.clone()
@@ -846,8 +1251,9 @@ def bad_base(dtype, device, paged=False):
 
 def _rotary(args, rows, pairs, dtype=None):
     like = args["q"]
-    args["rotary_cos"], args["rotary_sin"] = (torch.rand(rows, pairs, dtype=dtype or like.dtype, device=like.device)
-                                              for _ in range(2))
+    args["rotary_cos"], args["rotary_sin"] = (
+        torch.rand(rows, pairs, dtype=dtype or like.dtype, device=like.device) for _ in range(2)
+    )
 
 
 def _set(**changes):
@@ -855,6 +1261,7 @@ def _set(**changes):
         device, dtype = args["q"].device, args["q"].dtype
         for name, value in changes.items():
             args[name] = value(device, dtype) if callable(value) else value
+
     return apply
 
 
@@ -871,8 +1278,11 @@ BAD_ARGS = {
     "page-size-24": (True, _set(k_cache=_randn(6, 24, 2, 64), v_cache=_randn(6, 24, 2, 64)), "page size"),
     "block-table-int64": (True, lambda a: a.update(block_table=a["block_table"].long()), "block_table"),
     "block-table-1d": (True, lambda a: a.update(block_table=a["block_table"].flatten()), "block_table"),
-    "block-table-batch": (True, _set(block_table=lambda d, _: torch.zeros(3, 3, dtype=torch.int32, device=d)),
-                          "block_table"),
+    "block-table-batch": (
+        True,
+        _set(block_table=lambda d, _: torch.zeros(3, 3, dtype=torch.int32, device=d)),
+        "block_table",
+    ),
     "cache-seqlens-int-past": (False, _set(cache_seqlens=64), "cache_seqlens"),
     "cache-seqlens-int-past-paged": (True, _set(cache_seqlens=48), "cache_seqlens"),
     "cache-seqlens-int-negative": (False, _set(cache_seqlens=-1), "cache_seqlens"),
@@ -918,15 +1328,22 @@ def _bad_block_table(call, values):
 # range: the kernels clamp them, so the call completes with finite outputs (which ones is unspecified).
 OUT_OF_RANGE = {
     "block-table-negative": (True, lambda c: _bad_block_table(c, {(0, 0): -5, (1, 3): -5, (2, 1): -5})),
-    "block-table-past-end": (True, lambda c: _bad_block_table(c, {(0, 1): c.k_cache.shape[0] + 7,
-                                                                  (2, 0): c.k_cache.shape[0] + 7})),
+    "block-table-past-end": (
+        True,
+        lambda c: _bad_block_table(c, {(0, 1): c.k_cache.shape[0] + 7, (2, 0): c.k_cache.shape[0] + 7}),
+    ),
     "batch-idx": (False, lambda c: c.batch_idx.copy_(torch.tensor([c.k_cache.shape[0] + 5, -3, 1]))),
     "seqlens-past-capacity": (False, lambda c: c.seqlens.copy_(torch.tensor([c.capacity + 10, c.capacity - 1, 1000]))),
     "seqlens-negative": (True, lambda c: c.seqlens.copy_(torch.tensor([-4, 3, -1]))),
     "leftpad": (False, lambda c: c.leftpad.copy_(torch.tensor([-2, 1000, 5]))),
-    "everything-paged": (True, lambda c: (_bad_block_table(c, {(0, 0): -5, (1, 1): 10**6}),
-                                          c.seqlens.copy_(torch.tensor([c.capacity + 3, -7, 2])),
-                                          c.leftpad.copy_(torch.tensor([2 * c.capacity, -1, 0])))),
+    "everything-paged": (
+        True,
+        lambda c: (
+            _bad_block_table(c, {(0, 0): -5, (1, 1): 10**6}),
+            c.seqlens.copy_(torch.tensor([c.capacity + 3, -7, 2])),
+            c.leftpad.copy_(torch.tensor([2 * c.capacity, -1, 0])),
+        ),
+    ),
 }
 
 
@@ -935,9 +1352,21 @@ def test_out_of_range_device_values_never_crash(case):
     paged, change = OUT_OF_RANGE[case]
     dtype = torch.bfloat16
     require_kernels(64, dtype)
-    shape = Case(batch=3, seqlen_q=3, seqlen_new=2, cache_seqlens=(10, 20, 30), leftpad=(0, 0, 0), capacity=64,
-                 page_size=16 if paged else None, batch_idx=None if paged else "extra", nheads=4, nheads_k=2,
-                 head_dim=64, rotary_dim=32, causal=True)
+    shape = Case(
+        batch=3,
+        seqlen_q=3,
+        seqlen_new=2,
+        cache_seqlens=(10, 20, 30),
+        leftpad=(0, 0, 0),
+        capacity=64,
+        page_size=16 if paged else None,
+        batch_idx=None if paged else "extra",
+        nheads=4,
+        nheads_k=2,
+        head_dim=64,
+        rotary_dim=32,
+        causal=True,
+    )
     # No NaN anywhere in the caches: a clamped index may legitimately read any row of them.
     call = build(shape, dtype, poison_rows=False)
     change(call)
@@ -990,8 +1419,9 @@ def test_extreme_device_values_in_a_child_process():
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(flash_attn_cuda.__file__)))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
-    result = subprocess.run([sys.executable, "-c", EXTREME_SCRIPT], capture_output=True, text=True, env=env,
-                            timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", EXTREME_SCRIPT], capture_output=True, text=True, env=env, timeout=300
+    )
     assert result.returncode == 0 and "kvcache extremes ok" in result.stdout, result.stdout + result.stderr
 
 
@@ -1020,10 +1450,21 @@ def test_exhaustive_kvcache(name, lengths, layout, head_dim, pair):
     index = KERNEL_HEAD_DIMS.index(head_dim) + len(name) + len(layout)
     h, hk = list(HEADS.values())[index % 4]
     rotary_dim = (0, head_dim, head_dim // 2)[index % 3] if new else 0  # rotary needs new rows
-    case = Case(batch=3, seqlen_q=sq, seqlen_new=new, cache_seqlens=lens, capacity=256,
-                page_size=EXHAUSTIVE_LAYOUTS[layout], nheads=h, nheads_k=hk, head_dim=head_dim,
-                rotary_dim=rotary_dim, interleaved=index % 2 == 0,
-                leftpad=(index % 50, 0, 7) if index % 2 else None, **VARIANTS.get(name, {}))
+    case = Case(
+        batch=3,
+        seqlen_q=sq,
+        seqlen_new=new,
+        cache_seqlens=lens,
+        capacity=256,
+        page_size=EXHAUSTIVE_LAYOUTS[layout],
+        nheads=h,
+        nheads_k=hk,
+        head_dim=head_dim,
+        rotary_dim=rotary_dim,
+        interleaved=index % 2 == 0,
+        leftpad=(index % 50, 0, 7) if index % 2 else None,
+        **VARIANTS.get(name, {}),
+    )
     run_case(case, *pair)
 
 
@@ -1034,10 +1475,21 @@ def test_exhaustive_kvcache(name, lengths, layout, head_dim, pair):
 @pytest.mark.parametrize("seqlen_q", [1, 2, 7, 64])
 @pytest.mark.parametrize("mode", list(ROTARY_MODES))
 def test_exhaustive_rotary(mode, seqlen_q, interleaved, rotary_dim, pair):
-    case = Case(batch=3, seqlen_q=seqlen_q, seqlen_new=min(seqlen_q, 5), cache_seqlens=(40, 3, 100),
-                leftpad=(17, 0, 64) if rotary_dim % 4 else None, capacity=128, page_size=16 if seqlen_q % 2 else None,
-                nheads=6, nheads_k=2, head_dim=128, rotary_dim=rotary_dim, interleaved=interleaved,
-                **ROTARY_MODES[mode])
+    case = Case(
+        batch=3,
+        seqlen_q=seqlen_q,
+        seqlen_new=min(seqlen_q, 5),
+        cache_seqlens=(40, 3, 100),
+        leftpad=(17, 0, 64) if rotary_dim % 4 else None,
+        capacity=128,
+        page_size=16 if seqlen_q % 2 else None,
+        nheads=6,
+        nheads_k=2,
+        head_dim=128,
+        rotary_dim=rotary_dim,
+        interleaved=interleaved,
+        **ROTARY_MODES[mode],
+    )
     run_case(case, *pair)
 
 
@@ -1077,7 +1529,17 @@ def test_exhaustive_varlen_paged(name, page_size, head_dim, pair):
 @pytest.mark.parametrize("head_dim", [8, 20, 60, 100, 200, 250])
 @pytest.mark.parametrize("layout", ["dense", "paged16"])
 def test_exhaustive_head_dim_padding(layout, head_dim, pair):
-    case = Case(batch=2, seqlen_q=3, seqlen_new=2, cache_seqlens=(31, 5), capacity=64,
-                page_size=16 if layout == "paged16" else None, nheads=4, nheads_k=2, head_dim=head_dim,
-                rotary_dim=2 * (head_dim // 4), causal=True)
+    case = Case(
+        batch=2,
+        seqlen_q=3,
+        seqlen_new=2,
+        cache_seqlens=(31, 5),
+        capacity=64,
+        page_size=16 if layout == "paged16" else None,
+        nheads=4,
+        nheads_k=2,
+        head_dim=head_dim,
+        rotary_dim=2 * (head_dim // 4),
+        causal=True,
+    )
     run_case(case, *pair)

@@ -2,14 +2,16 @@
 
 With ``arch`` and ``num_sms`` given, the plan is computed for that GPU and a build with every kernel family, so
 these tests need the built extension but no GPU and no kernel (CI builds head dim 64 bf16 for sm_80 only).
-H200 is (90, 132 SMs), A100 (80, 108). Tile sizes are asserted only where csrc/launch/tile_size.h defines them for the host.
+H200 is (90, 132 SMs), A100 (80, 108). Tile sizes and shared memory are asserted only where csrc/launch/tile_size.h
+defines them for the host (its shared-memory formulas are static_asserted against the kernels' own by the
+launchers).
 """
 
 import pytest
 import torch
 
 import flash_attn_cuda
-from flash_attn_cuda import flash_attn_func, flash_attn_varlen_func
+from flash_attn_cuda import _kernel_list, flash_attn_func, flash_attn_varlen_func
 from flash_attn_cuda.plan import Plan, force_plan, forced, override_string, plan
 
 H200 = {"arch": 90, "num_sms": 132}
@@ -18,14 +20,41 @@ A100 = {"arch": 80, "num_sms": 108}
 BAD_ARGUMENT = (ValueError, RuntimeError)
 
 
-def make(pass_="fwd", gpu=H200, *, batch=2, seqlen_q=512, seqlen_k=512, nheads=8, nheads_k=8, head_dim=128,
-         causal=False, deterministic=False, varlen=False, num_splits=0, override=None, **choices) -> Plan:
+def make(
+    pass_="fwd",
+    gpu=H200,
+    *,
+    batch=2,
+    seqlen_q=512,
+    seqlen_k=512,
+    nheads=8,
+    nheads_k=8,
+    head_dim=128,
+    causal=False,
+    deterministic=False,
+    varlen=False,
+    num_splits=0,
+    override=None,
+    **choices,
+) -> Plan:
     """The plan on ``gpu`` (H200 unless told), the override given as a string or as override_string keywords."""
     if override is None:
         override = override_string(**choices)
-    p = plan(pass_, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=nheads, nheads_k=nheads_k,
-             head_dim=head_dim, causal=causal, deterministic=deterministic, varlen=varlen, num_splits=num_splits,
-             override=override, **gpu)
+    p = plan(
+        pass_,
+        batch=batch,
+        seqlen_q=seqlen_q,
+        seqlen_k=seqlen_k,
+        nheads=nheads,
+        nheads_k=nheads_k,
+        head_dim=head_dim,
+        causal=causal,
+        deterministic=deterministic,
+        varlen=varlen,
+        num_splits=num_splits,
+        override=override,
+        **gpu,
+    )
     assert isinstance(p, Plan) and p.pass_ == pass_, p
     return p
 
@@ -163,14 +192,23 @@ def test_num_splits_out_of_range_rejected(splits):
 
 @pytest.mark.parametrize(
     "head_dim, causal, seqlen_k, short",
-    [(128, False, 512, True), (128, False, 513, False), (128, True, 1024, True), (128, True, 1025, False),
-     (104, False, 100, True), (128, True, 17, True), (96, False, 100, False), (64, False, 100, False),
-     (160, True, 100, False), (256, False, 100, False)],
+    [
+        (128, False, 512, True),
+        (128, False, 513, False),
+        (128, True, 1024, True),
+        (128, True, 1025, False),
+        (104, False, 100, True),
+        (128, True, 17, True),
+        (96, False, 100, False),
+        (64, False, 100, False),
+        (160, True, 100, False),
+        (256, False, 100, False),
+    ],
 )
 def test_short_key_tile_heuristic(head_dim, causal, seqlen_k, short):
     p = make("fwd", seqlen_q=128, seqlen_k=seqlen_k, head_dim=head_dim, causal=causal)
     assert p.kernel == "wgmma" and p.short_key_tile is short, p
-    if short:  # FwdSm90ShortKeysTileConfig: 64 query rows, 64-key blocks
+    if short:  # tile_size.h, the wgmma forward's short-key tile: 64 query rows, 64-key blocks
         assert (p.block_m, p.block_n) == (64, 64), p
     # Never in the backward, never on mma.sync.
     assert not make("bwd", seqlen_q=128, seqlen_k=seqlen_k, head_dim=head_dim, causal=causal).short_key_tile
@@ -196,8 +234,17 @@ def test_short_key_tile_forced(causal):
 
 @pytest.mark.parametrize(
     "head_dim, seqlen_q, short",
-    [(128, 1, True), (128, 16, True), (128, 17, False), (128, 1000, False), (104, 5, True), (96, 1, False),
-     (64, 1, False), (160, 16, False), (256, 1, False)],
+    [
+        (128, 1, True),
+        (128, 16, True),
+        (128, 17, False),
+        (128, 1000, False),
+        (104, 5, True),
+        (96, 1, False),
+        (64, 1, False),
+        (160, 16, False),
+        (256, 1, False),
+    ],
 )
 def test_short_query_tile_heuristic(head_dim, seqlen_q, short):
     p = make("bwd", seqlen_q=seqlen_q, seqlen_k=4096, head_dim=head_dim)
@@ -255,9 +302,11 @@ def test_gqa_walk_only_on_hopper_gqa_nondeterministic():
     p = make("bwd", **dict(GQA, nheads_k=8), seqlen_k=16384, gqa_walk=True)
     assert p.heads_per_cta == 1 and not p.dkv_fp32_slices, p
     # GQA without a walk: fp32 slices.
-    for p in (make("bwd", A100, **GQA, seqlen_k=16384, gqa_walk=True),
-              make("bwd", **GQA, seqlen_k=16384, deterministic=True, gqa_walk=True),
-              make("bwd", **GQA, seqlen_k=16384, kernel="mma_sync", gqa_walk=True)):
+    for p in (
+        make("bwd", A100, **GQA, seqlen_k=16384, gqa_walk=True),
+        make("bwd", **GQA, seqlen_k=16384, deterministic=True, gqa_walk=True),
+        make("bwd", **GQA, seqlen_k=16384, kernel="mma_sync", gqa_walk=True),
+    ):
         assert p.kernel == "mma_sync" and p.heads_per_cta == 1 and p.dkv_fp32_slices, p
     # The forward has neither.
     p = make("fwd", **GQA, seqlen_k=16384, gqa_walk=True)
@@ -303,7 +352,8 @@ def test_hopper_backward_tile(head_dim, block_n):
 
 
 def test_hopper_forward_tile_head_dim_128():
-    # tile_size.h: FwdSm90TileConfig<128> is 128 x 128 (the regular tile, past the short-key lengths).
+    # tile_size.h: the wgmma forward's tile at head dim 128 is 128 x 128 (the regular tile, past the short-key
+    # lengths).
     p = make("fwd", seqlen_q=4096, seqlen_k=4096, head_dim=128)
     assert (p.block_m, p.block_n) == (128, 128), p
 
@@ -314,8 +364,19 @@ def test_hopper_forward_tile_head_dim_128():
 @pytest.mark.parametrize("pass_", ["fwd", "bwd"])
 @pytest.mark.parametrize(
     "text",
-    ["key_blocks=two", "gqa_walk=2", "short_keys=yes", "short_queries=-1", "kernel=tensor_cores", "key_blocks=-1",
-     "key_blocks=0", "window=1", "kernel", "kernel=mma_sync;gqa_walk", "=1"],
+    [
+        "key_blocks=two",
+        "gqa_walk=2",
+        "short_keys=yes",
+        "short_queries=-1",
+        "kernel=tensor_cores",
+        "key_blocks=-1",
+        "key_blocks=0",
+        "window=1",
+        "kernel",
+        "kernel=mma_sync;gqa_walk",
+        "=1",
+    ],
 )
 def test_malformed_override_rejected(pass_, text):
     with pytest.raises(BAD_ARGUMENT, match="plan_override"):
@@ -405,17 +466,20 @@ def make_variant(pass_="fwd", gpu=H200, *, window_size=(-1, -1), alibi=False, dr
 
 @pytest.mark.parametrize("pass_", ["fwd", "bwd"])
 @pytest.mark.parametrize("gpu", [H200, A100], ids=["h200", "a100"])
-@pytest.mark.parametrize("variant, runs_variants", [
-    ({}, False),
-    ({"causal": True, "window_size": (-1, 0)}, False),  # causal
-    ({"window_size": (-1, 0)}, False),  # the same mask, without causal=True
-    ({"causal": True, "window_size": (-1, 7)}, False),  # causal fixes right at 0
-    ({"window_size": (128, 0)}, True),
-    ({"window_size": (-1, 5)}, True),
-    ({"softcap": 30.0}, True),
-    ({"alibi": True}, True),
-    ({"dropout": True}, True),
-])
+@pytest.mark.parametrize(
+    "variant, runs_variants",
+    [
+        ({}, False),
+        ({"causal": True, "window_size": (-1, 0)}, False),  # causal
+        ({"window_size": (-1, 0)}, False),  # the same mask, without causal=True
+        ({"causal": True, "window_size": (-1, 7)}, False),  # causal fixes right at 0
+        ({"window_size": (128, 0)}, True),
+        ({"window_size": (-1, 5)}, True),
+        ({"softcap": 30.0}, True),
+        ({"alibi": True}, True),
+        ({"dropout": True}, True),
+    ],
+)
 def test_variants_run_the_variants_kernel(pass_, gpu, variant, runs_variants):
     # Any variant runs the variants kernel, which is masked; a call with none runs a plain kernel, on the same
     # kernel family either way.
@@ -426,10 +490,18 @@ def test_variants_run_the_variants_kernel(pass_, gpu, variant, runs_variants):
     assert p.kernel == make_variant(pass_, gpu).kernel
 
 
-@pytest.mark.parametrize("variant, packs_fwd, packs_bwd", [
-    ({"softcap": 30.0}, True, False), ({"alibi": True}, False, False), ({"dropout": True}, False, False),
-    ({"window_size": (16, 0)}, True, False), ({"window_size": (16, 16), "softcap": 5.0}, True, False),
-    ({"causal": True}, True, True), ({}, True, True)])
+@pytest.mark.parametrize(
+    "variant, packs_fwd, packs_bwd",
+    [
+        ({"softcap": 30.0}, True, False),
+        ({"alibi": True}, False, False),
+        ({"dropout": True}, False, False),
+        ({"window_size": (16, 0)}, True, False),
+        ({"window_size": (16, 16), "softcap": 5.0}, True, False),
+        ({"causal": True}, True, True),
+        ({}, True, True),
+    ],
+)
 def test_gqa_packing_with_variants(variant, packs_fwd, packs_bwd):
     # ALiBi and dropout read each query head's own position: no packing. The forward's variants kernel packs the
     # others, reading the one query's window as a range of keys; the backward's variants kernels do not pack.
@@ -454,3 +526,197 @@ def test_left_window_walks_one_key_block():
     assert make_variant("bwd", **shape).key_blocks_per_cta > 1
     assert make_variant("bwd", window_size=(256, 0), **shape).key_blocks_per_cta == 1
     assert make_variant("bwd", window_size=(-1, 64), **shape).key_blocks_per_cta > 1
+
+
+# ---------------------------------------------------------------- shared memory per block
+
+KERNEL_HEAD_DIMS = list(_kernel_list.HEAD_DIMS)
+# The documented opt-in shared memory per block, which plan() takes for a named arch unless max_smem is given.
+SMEM_163KIB = 166912  # sm_80, sm_87
+SMEM_99KIB = 101376  # sm_86, sm_89, sm_120, sm_121
+SMEM_227KIB = 232448  # sm_90, sm_100, sm_103
+PASS_CASES = [("fwd", False), ("bwd", False), ("bwd", True)]
+MASK_CASES = {"noncausal": {}, "causal": {"causal": True}, "variants": {"window_size": (128, 0), "softcap": 5.0}}
+SHAPE_CASES = {
+    "long": {"batch": 2, "seqlen_q": 512, "seqlen_k": 512, "nheads": 8, "nheads_k": 8},
+    "decode": {"batch": 8, "seqlen_q": 1, "seqlen_k": 4096, "nheads": 32, "nheads_k": 8},
+}
+# Every tile a plan may pick: the heuristics', the short tiles and several key blocks per Hopper backward CTA
+# (its second K/V buffer), and mma.sync on Hopper.
+OVERRIDE_CASES = ["", "short_keys=1;short_queries=1;key_blocks=4", "kernel=mma_sync"]
+
+
+def smem_plan(pass_, gpu, head_dim, mask, shape, *, deterministic=False, override="", **extra) -> Plan:
+    return plan(
+        pass_,
+        **SHAPE_CASES[shape],
+        head_dim=head_dim,
+        deterministic=deterministic,
+        override=override,
+        **MASK_CASES[mask],
+        **gpu,
+        **extra,
+    )
+
+
+@pytest.mark.parametrize("gpu, budget", [(A100, SMEM_163KIB), (H200, SMEM_227KIB)], ids=["a100", "h200"])
+@pytest.mark.parametrize("head_dim", KERNEL_HEAD_DIMS)
+@pytest.mark.parametrize("pass_, deterministic", PASS_CASES, ids=["fwd", "bwd", "bwd-deterministic"])
+@pytest.mark.parametrize("mask", list(MASK_CASES))
+@pytest.mark.parametrize("shape", list(SHAPE_CASES))
+@pytest.mark.parametrize("override", OVERRIDE_CASES, ids=["heuristic", "short-walk", "mma_sync"])
+def test_every_kernel_fits_its_arch(gpu, budget, head_dim, pass_, deterministic, mask, shape, override):
+    # The tile sets are made for sm_80's 163 KiB (mma.sync) and sm_90's 227 KiB (wgmma): every kernel fits.
+    p = smem_plan(pass_, gpu, head_dim, mask, shape, deterministic=deterministic, override=override)
+    assert 0 < p.smem <= budget, p
+
+
+@pytest.mark.parametrize(
+    "pass_, gpu, seqlen_k, override, smem",
+    [
+        # Q (128 x 128) and three stages of K and V (128 x 128 each), bf16: 32 + 192 KiB.
+        ("fwd", H200, 4096, "", 229376),
+        # The short-key tile, two CTAs per SM: Q (64 x 128) and three stages of K and V (64 x 128): 16 + 96 KiB.
+        ("fwd", H200, 64, "", 114688),
+        # mma.sync, non-causal: Q (128 rows x 128) and one K and one V block (64 keys x 128): 32 + 32 KiB.
+        ("fwd", A100, 4096, "", 65536),
+        # The Hopper backward with one key block per CTA, then with its second K/V buffer (2 x 32 KiB more).
+        ("bwd", H200, 4096, "key_blocks=1", 148480),
+        ("bwd", H200, 4096, "key_blocks=2", 214016),
+        # mma.sync: K, V, P, dS (32 + 32 + 16 + 16 KiB) and two stages of Q, dO, LSE and D (2 x 32.5 KiB).
+        ("bwd", A100, 4096, "", 164864),
+    ],
+    ids=["h200-fwd", "h200-fwd-short-keys", "a100-fwd", "h200-bwd", "h200-bwd-two-kv", "a100-bwd"],
+)
+def test_smem_of_head_dim_128(pass_, gpu, seqlen_k, override, smem):
+    p = plan(
+        pass_, batch=2, seqlen_q=4096, seqlen_k=seqlen_k, nheads=8, nheads_k=8, head_dim=128, override=override, **gpu
+    )
+    assert p.smem == smem, p
+
+
+def test_mma_sync_backward_stages_by_budget():
+    # The mma.sync backward double-buffers Q and dO where that fits sm_80's 163 KiB, else loads the next query
+    # block during the dQ GEMM: at head dim 256, K, V, P, dS (64 + 16 KiB) and one stage (64.5 KiB).
+    p = plan("bwd", batch=2, seqlen_q=512, seqlen_k=512, nheads=8, nheads_k=8, head_dim=256, **A100)
+    assert p.kernel == "mma_sync" and p.smem == 147968, p
+    # Head dim 64's 128-row blocks: two stages, 162 KiB.
+    p = plan("bwd", batch=2, seqlen_q=512, seqlen_k=512, nheads=8, nheads_k=8, head_dim=64, **A100)
+    assert p.smem == 165888, p
+
+
+# (kernel, pass, kernel head dim) of the tiles that need more than 99 KiB per block in some plan: 99 KiB GPUs
+# (sm_86, sm_89, sm_120) have no tile set of their own yet, and the ops refuse these calls there before any
+# launch. A plan that fits is asserted to, listed or not.
+NO_99KIB_TILES = (
+    {("mma_sync", "bwd", d) for d in (64, 96, 128, 160, 192, 224, 256)}
+    | {("wgmma", "fwd", d) for d in (96, 128, 160, 192, 224, 256)}
+    | {("wgmma", "bwd", d) for d in (64, 96, 128, 160, 192, 224, 256)}
+)
+SMALL_GPUS = {
+    "sm86": {"arch": 86, "num_sms": 84},
+    "sm89": {"arch": 89, "num_sms": 128},
+    "sm120": {"arch": 120, "num_sms": 170},
+    "device": {},  # the current GPU with its budget forced down to 99 KiB
+}
+
+
+@pytest.mark.parametrize("gpu", list(SMALL_GPUS))
+@pytest.mark.parametrize("head_dim", KERNEL_HEAD_DIMS)
+@pytest.mark.parametrize("pass_, deterministic", PASS_CASES, ids=["fwd", "bwd", "bwd-deterministic"])
+@pytest.mark.parametrize("mask", list(MASK_CASES))
+@pytest.mark.parametrize("shape", list(SHAPE_CASES))
+def test_99kib_budget(gpu, head_dim, pass_, deterministic, mask, shape):
+    if gpu == "device" and not torch.cuda.is_available():
+        pytest.skip("plan(max_smem=...) without arch plans for the current CUDA device")
+    p = smem_plan(pass_, SMALL_GPUS[gpu], head_dim, mask, shape, deterministic=deterministic, max_smem=SMEM_99KIB)
+    if p.smem > SMEM_99KIB and (p.kernel, pass_, p.kernel_head_dim) in NO_99KIB_TILES:
+        pytest.xfail(
+            f"no 99 KiB tile set yet: {pass_} head dim {p.kernel_head_dim} ({p.kernel}) needs {p.smem} "
+            f"bytes of shared memory per block"
+        )
+    assert 0 < p.smem <= SMEM_99KIB, p
+
+
+def test_99kib_default_for_named_arch():
+    # Without max_smem a named arch takes its documented budget, and the plan op returns the plan even where its
+    # kernel exceeds it (the ops refuse such a call before its launch).
+    for arch in (86, 89, 120, 121):
+        p = plan("bwd", batch=2, seqlen_q=512, seqlen_k=512, nheads=8, nheads_k=8, head_dim=256, arch=arch, num_sms=80)
+        assert p.kernel == "mma_sync" and p.smem == 147968 > SMEM_99KIB, (arch, p)
+        assert (
+            plan(
+                "fwd", batch=2, seqlen_q=512, seqlen_k=512, nheads=8, nheads_k=8, head_dim=256, arch=arch, num_sms=80
+            ).smem
+            <= SMEM_99KIB
+        )
+
+
+def test_max_smem_leaves_the_kernel_family():
+    # A smaller budget changes no choice today (one tile set per family): it only decides what fits.
+    for pass_ in ("fwd", "bwd"):
+        full = make(pass_)
+        small = plan(
+            pass_, batch=2, seqlen_q=512, seqlen_k=512, nheads=8, nheads_k=8, head_dim=128, max_smem=SMEM_99KIB, **H200
+        )
+        assert small == full, (small, full)
+
+
+@pytest.mark.parametrize("max_smem", [0, -2, -1000])
+def test_max_smem_out_of_range_rejected(max_smem):
+    with pytest.raises(ValueError, match="max_smem"):
+        plan("fwd", batch=1, seqlen_q=1, seqlen_k=64, nheads=1, nheads_k=1, head_dim=64, max_smem=max_smem, **H200)
+    # Checked before the device is looked for, so the message is the same without arch.
+    with pytest.raises(ValueError, match="max_smem"):
+        plan("fwd", batch=1, seqlen_q=1, seqlen_k=64, nheads=1, nheads_k=1, head_dim=64, max_smem=max_smem)
+
+
+def test_unknown_arch_needs_max_smem():
+    with pytest.raises(ValueError, match="max_smem"):
+        plan("fwd", batch=1, seqlen_q=1, seqlen_k=64, nheads=1, nheads_k=1, head_dim=64, arch=75, num_sms=40)
+    p = plan(
+        "fwd", batch=1, seqlen_q=1, seqlen_k=64, nheads=1, nheads_k=1, head_dim=64, arch=75, num_sms=40, max_smem=65536
+    )
+    assert p.kernel == "mma_sync" and 0 < p.smem <= 65536, p
+
+
+# ---------------------------------------------------------------- the plan op describes calls as the ops do
+
+
+# (variant, variants kernel, masked at one query row, masked at 512 query rows, GQA pack fwd, GQA pack bwd): the
+# rules the ops apply to a call (problem_of), at one query row with 32 query heads on 4 key/value heads. A bounded
+# window, softcap, ALiBi, dropout or a KV cache runs the variants kernel, which is masked; causal with one dense
+# query row runs unmasked; ALiBi and dropout never pack, and the backward's variants kernels do not pack.
+PROBLEM_CASES = [
+    ({}, False, False, False, 8, 8),
+    ({"causal": True}, False, False, True, 8, 8),
+    ({"window_size": (-1, 0)}, False, False, True, 8, 8),
+    ({"causal": True, "window_size": (-1, 7)}, False, False, True, 8, 8),
+    ({"window_size": (128, 0)}, True, True, True, 8, 1),
+    ({"window_size": (-1, 5)}, True, True, True, 8, 1),
+    ({"window_size": (16, 16), "softcap": 5.0}, True, True, True, 8, 1),
+    ({"softcap": 30.0}, True, True, True, 8, 1),
+    ({"alibi": True}, True, True, True, 1, 1),
+    ({"dropout": True}, True, True, True, 1, 1),
+    ({"kvcache": True}, True, True, True, 8, None),
+    ({"kvcache": True, "causal": True}, True, True, True, 8, None),
+    ({"kvcache": True, "alibi": True}, True, True, True, 1, None),
+    ({"kvcache": True, "paged": True, "window_size": (16, 16), "softcap": 5.0}, True, True, True, 8, None),
+]
+
+
+@pytest.mark.parametrize("gpu", [H200, A100], ids=["h200", "a100"])
+@pytest.mark.parametrize("variant, variants, causal_one_row, causal_long, pack_fwd, pack_bwd", PROBLEM_CASES)
+def test_plan_op_problem_rules(gpu, variant, variants, causal_one_row, causal_long, pack_fwd, pack_bwd):
+    for pass_, pack in (("fwd", pack_fwd), ("bwd", pack_bwd)):
+        if pack is None:  # a KV cache has a forward pass only
+            with pytest.raises(ValueError, match="kvcache"):
+                plan(pass_, batch=2, seqlen_q=1, seqlen_k=4096, nheads=32, nheads_k=4, head_dim=128, **variant, **gpu)
+            continue
+        one_row = plan(pass_, batch=2, seqlen_q=1, seqlen_k=4096, nheads=32, nheads_k=4, head_dim=128, **variant, **gpu)
+        assert (one_row.variants, one_row.causal, one_row.gqa_pack) == (variants, causal_one_row, pack), (
+            pass_,
+            one_row,
+        )
+        long = plan(pass_, batch=2, seqlen_q=512, seqlen_k=4096, nheads=32, nheads_k=4, head_dim=128, **variant, **gpu)
+        assert (long.variants, long.causal, long.gqa_pack) == (variants, causal_long, 1), (pass_, long)

@@ -61,8 +61,11 @@ def philox_python(counter, key):
 KNOWN_ANSWERS = [  # (counter, key, output) of Random123's philox4x32_10 known-answer tests
     ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
     ((M32,) * 4, (M32,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
-    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
-     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+    (
+        (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344),
+        (0xA4093822, 0x299F31D0),
+        (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1),
+    ),
 ]
 
 
@@ -106,8 +109,9 @@ def keep_mask_literal(seed, offset, dropout_p, batch, nheads, seqlen_q, seqlen_k
     return (word >= threshold).view(batch, nheads, seqlen_q, seqlen_k)
 
 
-@pytest.mark.parametrize("seed, offset", [(0, 0), (12345, 678), (2**64 - 1, 2**64 - 1),
-                                          (0x8000_0001_7FFF_FFFE, 2**40 + 3)])
+@pytest.mark.parametrize(
+    "seed, offset", [(0, 0), (12345, 678), (2**64 - 1, 2**64 - 1), (0x8000_0001_7FFF_FFFE, 2**40 + 3)]
+)
 @pytest.mark.parametrize("shape", [(2, 3, 37, 45), (1, 2, 16, 16), (1, 1, 1, 1), (2, 1, 5, 70), (1, 2, 33, 8)])
 def test_keep_mask_matches_spec_mapping(seed, offset, shape):
     expected = keep_mask_literal(seed, offset, 0.3, *shape)
@@ -191,19 +195,22 @@ def sees(p, j, left, right):
     return (left < 0 or j >= p - left) and (right < 0 or j <= p + right)
 
 
-@pytest.mark.parametrize("seqlen_q, seqlen_k, causal, window, rows", [
-    # rows: the keys each query row sees, written out by hand.
-    (3, 5, False, (1, 0), [[1, 2], [2, 3], [3, 4]]),  # positions 2, 3, 4
-    (3, 5, False, (-1, 1), [[0, 1, 2, 3], [0, 1, 2, 3, 4], [0, 1, 2, 3, 4]]),
-    (3, 5, False, (0, 0), [[2], [3], [4]]),
-    (3, 5, True, (1, 3), [[1, 2], [2, 3], [3, 4]]),  # causal forces right = 0
-    (3, 5, True, (-1, -1), [[0, 1, 2], [0, 1, 2, 3], [0, 1, 2, 3, 4]]),
-    (4, 2, True, (-1, -1), [[], [], [0], [0, 1]]),  # positions -2, -1, 0, 1
-    (4, 2, False, (0, 0), [[], [], [0], [1]]),
-    (4, 2, False, (-1, 0), [[], [], [0], [0, 1]]),
-    (4, 2, False, (1, -1), [[0, 1], [0, 1], [0, 1], [0, 1]]),
-    (2, 6, False, (2, 1), [[2, 3, 4, 5], [3, 4, 5]]),  # positions 4, 5
-])
+@pytest.mark.parametrize(
+    "seqlen_q, seqlen_k, causal, window, rows",
+    [
+        # rows: the keys each query row sees, written out by hand.
+        (3, 5, False, (1, 0), [[1, 2], [2, 3], [3, 4]]),  # positions 2, 3, 4
+        (3, 5, False, (-1, 1), [[0, 1, 2, 3], [0, 1, 2, 3, 4], [0, 1, 2, 3, 4]]),
+        (3, 5, False, (0, 0), [[2], [3], [4]]),
+        (3, 5, True, (1, 3), [[1, 2], [2, 3], [3, 4]]),  # causal forces right = 0
+        (3, 5, True, (-1, -1), [[0, 1, 2], [0, 1, 2, 3], [0, 1, 2, 3, 4]]),
+        (4, 2, True, (-1, -1), [[], [], [0], [0, 1]]),  # positions -2, -1, 0, 1
+        (4, 2, False, (0, 0), [[], [], [0], [1]]),
+        (4, 2, False, (-1, 0), [[], [], [0], [0, 1]]),
+        (4, 2, False, (1, -1), [[0, 1], [0, 1], [0, 1], [0, 1]]),
+        (2, 6, False, (2, 1), [[2, 3, 4, 5], [3, 4, 5]]),  # positions 4, 5
+    ],
+)
 def test_visible_mask(seqlen_q, seqlen_k, causal, window, rows):
     expected = torch.zeros(seqlen_q, seqlen_k, dtype=torch.bool)
     for i, keys in enumerate(rows):
@@ -217,8 +224,7 @@ def test_visible_mask(seqlen_q, seqlen_k, causal, window, rows):
 # ---------------------------------------------------------------- reference: against a row-at-a-time transcription
 
 
-def naive_attention(q, k, v, scale, causal=False, window=(-1, -1), softcap=0.0, slopes=None, keep=None,
-                    dropout_p=0.0):
+def naive_attention(q, k, v, scale, causal=False, window=(-1, -1), softcap=0.0, slopes=None, keep=None, dropout_p=0.0):
     """One query row at a time with Python floats, each variant applied as the spec words it."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -280,9 +286,14 @@ def variant_args(name, shape):
         kwargs["alibi_slopes"] = torch.rand(h) if kwargs["alibi_slopes"] == "heads" else torch.rand(b, h)
     if "dropout_p" in kwargs:
         kwargs["dropout_mask"] = torch.rand(b, h, sq, sk) >= kwargs["dropout_p"]
-    naive = dict(causal=kwargs.get("causal", False), window=kwargs.get("window_size", (-1, -1)),
-                 softcap=kwargs.get("softcap", 0.0), slopes=kwargs.get("alibi_slopes"),
-                 keep=kwargs.get("dropout_mask"), dropout_p=kwargs.get("dropout_p", 0.0))
+    naive = dict(
+        causal=kwargs.get("causal", False),
+        window=kwargs.get("window_size", (-1, -1)),
+        softcap=kwargs.get("softcap", 0.0),
+        slopes=kwargs.get("alibi_slopes"),
+        keep=kwargs.get("dropout_mask"),
+        dropout_p=kwargs.get("dropout_p", 0.0),
+    )
     return kwargs, naive
 
 
@@ -309,8 +320,17 @@ def test_reference_matches_naive(name, shape):
 # ---------------------------------------------------------------- reference: hand-checked cases
 
 
-@pytest.mark.parametrize("window, causal, empty", [((0, 0), False, 3), ((2, 0), True, 3), ((-1, 0), False, 3),
-                                                   ((5, 0), False, 3), ((-1, -1), True, 3), ((-1, -1), False, 0)])
+@pytest.mark.parametrize(
+    "window, causal, empty",
+    [
+        ((0, 0), False, 3),
+        ((2, 0), True, 3),
+        ((-1, 0), False, 3),
+        ((5, 0), False, 3),
+        ((-1, -1), True, 3),
+        ((-1, -1), False, 0),
+    ],
+)
 def test_reference_empty_rows(window, causal, empty):
     # seqlen_q 7 over seqlen_k 4: rows 0-2 stand at positions -3..-1, so a window with right = 0 leaves them
     # nothing. Rows with no key: out 0, lse +inf, probabilities 0.
@@ -357,9 +377,9 @@ def test_reference_alibi_slope_shapes():
     rows = torch.rand(2, 4)
     out, lse = attention_ref(q, k, v, alibi_slopes=rows)
     for b in range(2):
-        out_b, lse_b = attention_ref(q[b:b + 1], k[b:b + 1], v[b:b + 1], alibi_slopes=rows[b])
-        torch.testing.assert_close(out[b:b + 1], out_b)
-        torch.testing.assert_close(lse[b:b + 1], lse_b)
+        out_b, lse_b = attention_ref(q[b : b + 1], k[b : b + 1], v[b : b + 1], alibi_slopes=rows[b])
+        torch.testing.assert_close(out[b : b + 1], out_b)
+        torch.testing.assert_close(lse[b : b + 1], lse_b)
     with pytest.raises(ValueError, match="alibi_slopes"):
         attention_ref(q, k, v, alibi_slopes=torch.rand(3))
 
@@ -458,16 +478,28 @@ def test_s_dmask_varlen():
     slopes = torch.rand(len(lens_q), h)
     state = rng_state(2**63 + 5, 2**33 + 9)
     variants = dict(causal=False, window_size=(-1, 3), softcap=0.0)
-    s = s_dmask(q, k, 0.3, alibi_slopes=slopes, dropout_p=0.5, rng_state=state, cu_seqlens_q=cu_q,
-                cu_seqlens_k=cu_k, max_seqlen_q=150, max_seqlen_k=30, **variants)
+    s = s_dmask(
+        q,
+        k,
+        0.3,
+        alibi_slopes=slopes,
+        dropout_p=0.5,
+        rng_state=state,
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+        max_seqlen_q=150,
+        max_seqlen_k=30,
+        **variants,
+    )
     assert s.shape == (4, h, 256, 128) and s.dtype == torch.float32
     keeps = varlen_keep_mask(state, 0.5, h, lens_q, lens_k)
     for b, (len_q, len_k) in enumerate(zip(lens_q, lens_k)):
         assert torch.all(s[b, :, len_q:] == 0) and torch.all(s[b, :, :, len_k:] == 0)
-        q_b, k_b = q[cu_q[b]:cu_q[b + 1]][None], k[cu_k[b]:cu_k[b + 1]][None]
+        q_b, k_b = q[cu_q[b] : cu_q[b + 1]][None], k[cu_k[b] : cu_k[b + 1]][None]
         probs = attention_probs(q_b, k_b, 0.3, alibi_slopes=slopes[b], **variants)[0]
         check_s_dmask(s[b, :, :len_q, :len_k], probs, keeps[b], visible_mask(len_q, len_k, False, (-1, 3), "cpu"))
     # The max_seqlen defaults are the longest sequences.
-    s_default = s_dmask(q, k, 0.3, alibi_slopes=slopes, dropout_p=0.5, rng_state=state, cu_seqlens_q=cu_q,
-                        cu_seqlens_k=cu_k, **variants)
+    s_default = s_dmask(
+        q, k, 0.3, alibi_slopes=slopes, dropout_p=0.5, rng_state=state, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **variants
+    )
     assert s_default.shape == (4, h, 256, 128) and torch.equal(s_default, s)

@@ -17,7 +17,6 @@ Configurations whose kernels were not compiled are skipped.
 import dataclasses
 import itertools
 import math
-from typing import Optional
 
 import pytest
 import torch
@@ -79,7 +78,7 @@ class Variant:
     causal: bool = False
     window: tuple = (-1, -1)
     softcap: float = 0.0
-    alibi: Optional[str] = None
+    alibi: str | None = None
     dropout_p: float = 0.0
     gain: float = 1.0
 
@@ -163,8 +162,9 @@ def alibi_slopes(kind, batch, nheads, device="cuda"):
     if kind is None:
         return None
     if kind == "heads":
-        return torch.tensor([2.0 ** (-8.0 * (i + 1) / nheads) for i in range(nheads)], dtype=torch.float32,
-                            device=device)
+        return torch.tensor(
+            [2.0 ** (-8.0 * (i + 1) / nheads) for i in range(nheads)], dtype=torch.float32, device=device
+        )
     assert kind == "batch_heads", kind
     return torch.rand(batch, nheads, dtype=torch.float32, device=device) * 0.5
 
@@ -172,7 +172,7 @@ def alibi_slopes(kind, batch, nheads, device="cuda"):
 def draw_rng_state(device):
     """An rng_state drawn exactly as the public functions draw theirs (SPEC): after torch.manual_seed(s), this
     returns the rng_state that their next call uses."""
-    return torch.randint(-2**63, 2**63 - 1, (2,), dtype=torch.int64, device=device)
+    return torch.randint(-(2**63), 2**63 - 1, (2,), dtype=torch.int64, device=device)
 
 
 def op_variant_args(variant, slopes, rng_state):
@@ -182,8 +182,13 @@ def op_variant_args(variant, slopes, rng_state):
 
 
 def func_variant_kwargs(variant, slopes):
-    return dict(dropout_p=variant.dropout_p, causal=variant.causal, window_size=variant.window,
-                softcap=variant.softcap, alibi_slopes=slopes)
+    return dict(
+        dropout_p=variant.dropout_p,
+        causal=variant.causal,
+        window_size=variant.window,
+        softcap=variant.softcap,
+        alibi_slopes=slopes,
+    )
 
 
 def ref_variant_kwargs(variant, slopes):
@@ -233,11 +238,25 @@ def check_variant_plans(q, k, variant, slopes, force, *, deterministic=False, le
         batch, seqlen_q, seqlen_k = len(lens[0]), max(lens[0]), max(lens[1])
     plans = {}
     for pass_ in ("fwd", "bwd"):
-        p = plan(pass_, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=q.shape[-2], nheads_k=k.shape[-2],
-                 head_dim=-(-q.shape[-1] // 8) * 8, causal=variant.causal,
-                 deterministic=deterministic and pass_ == "bwd", varlen=lens is not None, num_splits=num_splits,
-                 override=override_string(**choices), dtype=q.dtype, window_size=variant.window,
-                 alibi=slopes is not None, dropout=variant.dropout_p > 0, softcap=variant.softcap)
+        p = plan(
+            pass_,
+            batch=batch,
+            seqlen_q=seqlen_q,
+            seqlen_k=seqlen_k,
+            nheads=q.shape[-2],
+            nheads_k=k.shape[-2],
+            head_dim=-(-q.shape[-1] // 8) * 8,
+            causal=variant.causal,
+            deterministic=deterministic and pass_ == "bwd",
+            varlen=lens is not None,
+            num_splits=num_splits,
+            override=override_string(**choices),
+            dtype=q.dtype,
+            window_size=variant.window,
+            alibi=slopes is not None,
+            dropout=variant.dropout_p > 0,
+            softcap=variant.softcap,
+        )
         assert p.kernel == plain[pass_].kernel, (p, plain[pass_])
         plans[pass_] = p
     if num_splits and lens is None and not variant.dropout_p:
@@ -248,8 +267,20 @@ def check_variant_plans(q, k, variant, slopes, force, *, deterministic=False, le
 # ---------------------------------------------------------------- dense runner
 
 
-def run_dense(q, k, v, variant, *, slopes=None, force=None, deterministic=False, softmax_scale=None, via=None,
-              seed=1234, rng_state=None):
+def run_dense(
+    q,
+    k,
+    v,
+    variant,
+    *,
+    slopes=None,
+    force=None,
+    deterministic=False,
+    softmax_scale=None,
+    via=None,
+    seed=1234,
+    rng_state=None,
+):
     """Forward and backward of one dense call, checked against the reference. Returns a dict of the results.
 
     via="op": torch.ops.flash_attn2.fwd / bwd with the forced choices as num_splits and plan_override, and for
@@ -262,7 +293,7 @@ def run_dense(q, k, v, variant, *, slopes=None, force=None, deterministic=False,
     via = via or ("op" if variant.dropout_p else "func")
     force = dict(force or {})
     plans = check_variant_plans(q, k, variant, slopes, force, deterministic=deterministic)
-    scale = d ** -0.5 if softmax_scale is None else softmax_scale
+    scale = d**-0.5 if softmax_scale is None else softmax_scale
     dout = torch.randn_like(q)
     s_dmask = None
     if via == "op":
@@ -271,8 +302,7 @@ def run_dense(q, k, v, variant, *, slopes=None, force=None, deterministic=False,
         override = override_string(**{n: x for n, x in force.items() if n != "num_splits"})
         extra = op_variant_args(variant, slopes, rng_state)
         poison_allocator(q.device)
-        out, lse = ops.fwd(q, k, v, scale, variant.causal, deterministic, force.get("num_splits", 0), override,
-                           *extra)
+        out, lse = ops.fwd(q, k, v, scale, variant.causal, deterministic, force.get("num_splits", 0), override, *extra)
         poison_allocator(q.device)
         dq, dk, dv = ops.bwd(dout, q, k, v, out, lse, scale, variant.causal, deterministic, override, *extra)
     else:
@@ -283,8 +313,13 @@ def run_dense(q, k, v, variant, *, slopes=None, force=None, deterministic=False,
         poison_allocator(q.device)
         torch.manual_seed(seed)
         with force_plan(**force):
-            out, lse, s_dmask = flash_attn_func(*leaves, softmax_scale=softmax_scale, deterministic=deterministic,
-                                                return_attn_probs=True, **func_variant_kwargs(variant, slopes))
+            out, lse, s_dmask = flash_attn_func(
+                *leaves,
+                softmax_scale=softmax_scale,
+                deterministic=deterministic,
+                return_attn_probs=True,
+                **func_variant_kwargs(variant, slopes),
+            )
             dq, dk, dv = torch.autograd.grad(out, leaves, dout)
         assert (s_dmask is None) == (variant.dropout_p == 0.0)
     assert out.shape == q.shape and out.dtype == q.dtype
@@ -297,15 +332,31 @@ def run_dense(q, k, v, variant, *, slopes=None, force=None, deterministic=False,
         assert mask.shape == (b, h, sq, sk) and mask.dtype == torch.bool
 
     def attend(q, k, v, upcast):
-        return attention_ref(q, k, v, softmax_scale, variant.causal, upcast=upcast, dropout_p=variant.dropout_p,
-                             dropout_mask=mask, **ref_variant_kwargs(variant, slopes))
+        return attention_ref(
+            q,
+            k,
+            v,
+            softmax_scale,
+            variant.causal,
+            upcast=upcast,
+            dropout_p=variant.dropout_p,
+            dropout_mask=mask,
+            **ref_variant_kwargs(variant, slopes),
+        )
 
     ref = reference_with_grads(attend, q, k, v, dout, upcast=True)
     lowp = reference_with_grads(attend, q, k, v, dout, upcast=False)
     floors = variant_floors(attend, q, k, v, dout, out, abs(scale), sq * (h // hk), variant.dropout_p)
     check_results(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv), ref, lowp, q.dtype, floors)
-    return {"out": out, "lse": lse, "grads": (dq, dk, dv), "plans": plans, "rng_state": rng_state, "mask": mask,
-            "s_dmask": s_dmask}
+    return {
+        "out": out,
+        "lse": lse,
+        "grads": (dq, dk, dv),
+        "plans": plans,
+        "rng_state": rng_state,
+        "mask": mask,
+        "s_dmask": s_dmask,
+    }
 
 
 def check_shape_variant(shape, variant, dtype, kernel, force=None, **kwargs):
@@ -314,8 +365,15 @@ def check_shape_variant(shape, variant, dtype, kernel, force=None, **kwargs):
     b, sq, sk, h, hk, d = shape
     require_kernels(d, dtype)
     q, k, v = make_inputs(b, sq, sk, h, hk, d, dtype, variant.gain)
-    return run_dense(q, k, v, variant, slopes=alibi_slopes(variant.alibi, b, h),
-                     force={**(force or {}), **kernel_force(kernel)}, **kwargs)
+    return run_dense(
+        q,
+        k,
+        v,
+        variant,
+        slopes=alibi_slopes(variant.alibi, b, h),
+        force={**(force or {}), **kernel_force(kernel)},
+        **kwargs,
+    )
 
 
 # ---------------------------------------------------------------- dense: default matrix
@@ -349,9 +407,16 @@ def test_explicit_softmax_scale(scale, pair):
 
 @pytest.mark.parametrize("kernel", ["default", "mma_sync"])
 @pytest.mark.parametrize("gain", [8.0, 16.0])
-@pytest.mark.parametrize("variant", [V(softcap=2.0), V(softcap=30.0), V(alibi="heads"),
-                                     V(causal=True, window=(70, -1), softcap=5.0, alibi="batch_heads")],
-                         ids=["softcap2", "softcap30", "alibi", "combo"])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        V(softcap=2.0),
+        V(softcap=30.0),
+        V(alibi="heads"),
+        V(causal=True, window=(70, -1), softcap=5.0, alibi="batch_heads"),
+    ],
+    ids=["softcap2", "softcap30", "alibi", "combo"],
+)
 def test_large_magnitude_inputs(variant, gain, kernel):
     """fp16 q and k scaled by 8 or 16: scores in the thousands before the softcap, no NaN or overflow anywhere
     (check_close rejects any NaN)."""
@@ -378,8 +443,10 @@ HOPPER_PATHS = {
 def test_forced_paths(path, dropout):
     force, (b, sq, sk, h, hk) = HOPPER_PATHS[path]
     if dropout and "num_splits" in force:
-        pytest.skip("dropout never splits the keys (the plan keeps one split; test_plan_cpu checks it), "
-                    "and test_dropout_decode_split runs a shape whose plain call splits")
+        pytest.skip(
+            "dropout never splits the keys (the plan keeps one split; test_plan_cpu checks it), "
+            "and test_dropout_decode_split runs a shape whose plain call splits"
+        )
     require_kernels(128, torch.bfloat16)
     # No left window edge: under one, the Hopper backward keeps one key block per CTA whatever key_blocks says.
     variant = V(window=(-1, 50), softcap=20.0, alibi="batch_heads", dropout_p=0.2 if dropout else 0.0)
@@ -447,7 +514,7 @@ def run_varlen(lens_q, lens_k, h, hk, d, dtype, variant, *, force=None, determin
     via = via or ("op" if variant.dropout_p else "func")
     force = dict(force or {})
     check_variant_plans(q, k, variant, slopes, force, deterministic=deterministic, lens=(lens_q, lens_k))
-    scale = d ** -0.5
+    scale = d**-0.5
     dout = torch.randn_like(q)
     rng_state, s_dmask = None, None
     if via == "op":
@@ -456,11 +523,13 @@ def run_varlen(lens_q, lens_k, h, hk, d, dtype, variant, *, force=None, determin
         override = override_string(**force)
         extra = op_variant_args(variant, slopes, rng_state)
         poison_allocator(q.device)
-        out, lse = ops.varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, variant.causal, deterministic,
-                                  override, *extra)
+        out, lse = ops.varlen_fwd(
+            q, k, v, cu_q, cu_k, max_q, max_k, scale, variant.causal, deterministic, override, *extra
+        )
         poison_allocator(q.device)
-        dq, dk, dv = ops.varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, variant.causal,
-                                    deterministic, override, *extra)
+        dq, dk, dv = ops.varlen_bwd(
+            dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, variant.causal, deterministic, override, *extra
+        )
     else:
         if variant.dropout_p:
             torch.manual_seed(seed)
@@ -469,9 +538,16 @@ def run_varlen(lens_q, lens_k, h, hk, d, dtype, variant, *, force=None, determin
         poison_allocator(q.device)
         torch.manual_seed(seed)
         with force_plan(**force):
-            out, lse, s_dmask = flash_attn_varlen_func(*leaves, cu_q, cu_k, max_q, max_k,
-                                                       deterministic=deterministic, return_attn_probs=True,
-                                                       **func_variant_kwargs(variant, slopes))
+            out, lse, s_dmask = flash_attn_varlen_func(
+                *leaves,
+                cu_q,
+                cu_k,
+                max_q,
+                max_k,
+                deterministic=deterministic,
+                return_attn_probs=True,
+                **func_variant_kwargs(variant, slopes),
+            )
             dq, dk, dv = torch.autograd.grad(out, leaves, dout)
         assert (s_dmask is None) == (variant.dropout_p == 0.0)
     assert lse.shape == (h, sum(lens_q)) and lse.dtype == torch.float32
@@ -482,20 +558,47 @@ def run_varlen(lens_q, lens_k, h, hk, d, dtype, variant, *, force=None, determin
         assert [tuple(m.shape) for m in masks] == [(h, lq, lk) for lq, lk in zip(lens_q, lens_k)]
 
     def attend(q, k, v, upcast):
-        return varlen_attention_ref(q, k, v, lens_q, lens_k, scale, variant.causal, upcast,
-                                    dropout_p=variant.dropout_p, dropout_masks=masks,
-                                    **ref_variant_kwargs(variant, slopes))
+        return varlen_attention_ref(
+            q,
+            k,
+            v,
+            lens_q,
+            lens_k,
+            scale,
+            variant.causal,
+            upcast,
+            dropout_p=variant.dropout_p,
+            dropout_masks=masks,
+            **ref_variant_kwargs(variant, slopes),
+        )
 
     ref = reference_with_grads(attend, q, k, v, dout, upcast=True)
     lowp = reference_with_grads(attend, q, k, v, dout, upcast=False)
     floors = variant_floors(attend, q, k, v, dout, out, scale, max(lens_q) * (h // hk), variant.dropout_p)
     check_results(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv), ref, lowp, dtype, floors)
-    return {"q": q, "k": k, "slopes": slopes, "rng_state": rng_state, "masks": masks, "s_dmask": s_dmask,
-            "grads": (dq, dk, dv)}
+    return {
+        "q": q,
+        "k": k,
+        "slopes": slopes,
+        "rng_state": rng_state,
+        "masks": masks,
+        "s_dmask": s_dmask,
+        "grads": (dq, dk, dv),
+    }
 
 
-VARLEN_VARIANTS = ["win-0-0", "win-left", "win-right", "causal-left", "softcap2-big", "alibi-bh-causal", "combo",
-                   "combo-causal", "dropout", "dropout-combo"]
+VARLEN_VARIANTS = [
+    "win-0-0",
+    "win-left",
+    "win-right",
+    "causal-left",
+    "softcap2-big",
+    "alibi-bh-causal",
+    "combo",
+    "combo-causal",
+    "dropout",
+    "dropout-combo",
+]
 
 
 @pytest.mark.parametrize("pair", PAIRS, ids=pair_id)
@@ -508,8 +611,9 @@ def test_varlen_variants(name, pair):
 
 
 @pytest.mark.parametrize("h, hk", [(4, 4), (8, 1)], ids=["mha", "mqa"])
-@pytest.mark.parametrize("lens", [([1, 1, 1], [300, 1, 77]), ([1023, 1, 0], [0, 1, 1023])],
-                         ids=["decode", "long-short-empty"])
+@pytest.mark.parametrize(
+    "lens", [([1, 1, 1], [300, 1, 77]), ([1023, 1, 0], [0, 1, 1023])], ids=["decode", "long-short-empty"]
+)
 def test_varlen_variant_lengths(lens, h, hk):
     require_kernels(128, torch.bfloat16)
     run_varlen(*lens, h, hk, 128, torch.bfloat16, V(causal=True, window=(64, -1), softcap=10.0, alibi="batch_heads"))
@@ -633,10 +737,16 @@ def check_s_dmask(region, pad, probs, keep, visible, dtype):
 
 DMASK_CASES = {
     "plain-p50": (V(dropout_p=0.5), (2, 129, 200, 4, 4, 64), torch.bfloat16),
-    "combo-p17": (V(window=(64, 16), softcap=20.0, alibi="batch_heads", dropout_p=0.17), (2, 257, 300, 6, 2, 128),
-                  torch.float16),
-    "causal-empty-rows-p30": (V(causal=True, window=(30, -1), alibi="heads", dropout_p=0.3), (2, 300, 129, 4, 1, 64),
-                              torch.bfloat16),
+    "combo-p17": (
+        V(window=(64, 16), softcap=20.0, alibi="batch_heads", dropout_p=0.17),
+        (2, 257, 300, 6, 2, 128),
+        torch.float16,
+    ),
+    "causal-empty-rows-p30": (
+        V(causal=True, window=(30, -1), alibi="heads", dropout_p=0.3),
+        (2, 300, 129, 4, 1, 64),
+        torch.bfloat16,
+    ),
 }
 
 
@@ -676,12 +786,24 @@ def test_varlen_dropout_s_dmask_and_seed():
     q0 = k0 = 0
     for i, (lq, lk) in enumerate(zip(LENS_Q, LENS_K)):
         slopes = result["slopes"][i : i + 1]
-        probs = reference_probs(result["q"][None, q0 : q0 + lq], result["k"][None, k0 : k0 + lk], variant.causal,
-                                variant.window, variant.softcap, slopes)[0]
+        probs = reference_probs(
+            result["q"][None, q0 : q0 + lq],
+            result["k"][None, k0 : k0 + lk],
+            variant.causal,
+            variant.window,
+            variant.softcap,
+            slopes,
+        )[0]
         pad = s_dmask[i].clone()
         pad[:, :lq, :lk] = 0
-        n_kept, n = check_s_dmask(s_dmask[i, :, :lq, :lk], pad, probs, result["masks"][i],
-                                  visible_mask(lq, lk, variant.causal, variant.window, "cuda"), torch.bfloat16)
+        n_kept, n = check_s_dmask(
+            s_dmask[i, :, :lq, :lk],
+            pad,
+            probs,
+            result["masks"][i],
+            visible_mask(lq, lk, variant.causal, variant.window, "cuda"),
+            torch.bfloat16,
+        )
         kept, counted = kept + n_kept, counted + n
         q0, k0 = q0 + lq, k0 + lk
     assert abs(kept / counted - (1 - variant.dropout_p)) <= keep_fraction_bound(counted, variant.dropout_p)
@@ -714,8 +836,9 @@ def test_dropout_seeding():
     torch.manual_seed(5)
     rng_state = draw_rng_state(q.device)
     assert torch.equal(torch.cuda.get_rng_state(), state1), "the call must draw exactly one rng_state"
-    out_op, _ = ops.fwd(q.detach(), k.detach(), v.detach(), 64 ** -0.5, False, True, 0, "", 100, 20, 30.0, slopes,
-                        0.25, rng_state)
+    out_op, _ = ops.fwd(
+        q.detach(), k.detach(), v.detach(), 64**-0.5, False, True, 0, "", 100, 20, 30.0, slopes, 0.25, rng_state
+    )
     assert torch.equal(out_op, out1)
 
 
@@ -739,8 +862,13 @@ def test_dropout_decode_split(h, hk):
     index, it must come out right all the same."""
     require_kernels(128, torch.bfloat16)
     q, k, v = make_inputs(2, 1, 4097, h, hk, 128, torch.bfloat16)
-    run_dense(q, k, v, V(window=(3000, -1), softcap=20.0, alibi="batch_heads", dropout_p=0.2),
-              slopes=alibi_slopes("batch_heads", 2, h))
+    run_dense(
+        q,
+        k,
+        v,
+        V(window=(3000, -1), softcap=20.0, alibi="batch_heads", dropout_p=0.2),
+        slopes=alibi_slopes("batch_heads", 2, h),
+    )
 
 
 def test_dropout_cuda_graph_replays_draw_fresh_masks():
@@ -790,8 +918,9 @@ def test_dropout_compiled_training_matches_eager():
     dout = torch.randn_like(q)
 
     def attend(q, k, v, slopes):
-        return flash_attn_func(q, k, v, dropout_p=0.2, window_size=(48, 16), softcap=20.0, alibi_slopes=slopes,
-                               deterministic=True)
+        return flash_attn_func(
+            q, k, v, dropout_p=0.2, window_size=(48, 16), softcap=20.0, alibi_slopes=slopes, deterministic=True
+        )
 
     compiled = torch.compile(attend, fullgraph=True)
 
@@ -822,8 +951,10 @@ def test_opcheck_fwd_bwd_variants():
     extra = (24, 8, 15.0, slopes, 0.1, rng_state)
     torch.library.opcheck(ops.fwd.default, (q, k, v, 0.125, False, False, 0, "", *extra))
     out, lse = ops.fwd(q.detach(), k.detach(), v.detach(), 0.125, False, False, 0, "", *extra)
-    torch.library.opcheck(ops.bwd.default, (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse,
-                                            0.125, False, False, "", *extra))
+    torch.library.opcheck(
+        ops.bwd.default,
+        (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, 0.125, False, False, "", *extra),
+    )
 
 
 def test_opcheck_varlen_variants():
@@ -835,8 +966,26 @@ def test_opcheck_varlen_variants():
     extra = (24, -1, 15.0, slopes, 0.1, draw_rng_state("cuda"))
     torch.library.opcheck(ops.varlen_fwd.default, (q, k, v, cu, cu, 70, 70, 0.125, True, False, "", *extra))
     out, lse = ops.varlen_fwd(q.detach(), k.detach(), v.detach(), cu, cu, 70, 70, 0.125, True, False, "", *extra)
-    torch.library.opcheck(ops.varlen_bwd.default, (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out,
-                                                   lse, cu, cu, 70, 70, 0.125, True, False, "", *extra))
+    torch.library.opcheck(
+        ops.varlen_bwd.default,
+        (
+            torch.randn_like(out),
+            q.detach(),
+            k.detach(),
+            v.detach(),
+            out,
+            lse,
+            cu,
+            cu,
+            70,
+            70,
+            0.125,
+            True,
+            False,
+            "",
+            *extra,
+        ),
+    )
 
 
 @pytest.mark.filterwarnings("ignore:.*torch.jit.script.*deprecated")
@@ -845,8 +994,19 @@ def test_torchscript_variants():
     require_kernels(64, torch.bfloat16)
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor, rng_state: torch.Tensor):
-        return torch.ops.flash_attn2.fwd(q, k, v, 0.125, False, window_left=32, window_right=4, softcap=12.0,
-                                         alibi_slopes=slopes, dropout_p=0.15, rng_state=rng_state)
+        return torch.ops.flash_attn2.fwd(
+            q,
+            k,
+            v,
+            0.125,
+            False,
+            window_left=32,
+            window_right=4,
+            softcap=12.0,
+            alibi_slopes=slopes,
+            dropout_p=0.15,
+            rng_state=rng_state,
+        )
 
     scripted = torch.jit.script(attend)
     assert "flash_attn2::fwd" in str(scripted.graph)
@@ -935,7 +1095,7 @@ def test_ops_reject_bad_variant_arguments(case):
     d, dtype = bad_input_config()
     make, name = BAD_OP_ARGS[case]
     q, k, v = make_inputs(2, 65, 65, 4, 2, d, dtype)
-    scale = d ** -0.5
+    scale = d**-0.5
     with pytest.raises(BAD, match=name):
         ops.fwd(q, k, v, scale, False, False, 0, "", *make())
     out, lse = ops.fwd(q, k, v, scale, False)
@@ -948,8 +1108,7 @@ def test_ops_reject_bad_variant_arguments(case):
         ops.varlen_fwd(qv, kv, vv, cu, cu, 40, 40, scale, False, False, "", *make())
     out, lse = ops.varlen_fwd(qv, kv, vv, cu, cu, 40, 40, scale, False)
     with pytest.raises(BAD, match=name):
-        ops.varlen_bwd(torch.randn_like(out), qv, kv, vv, out, lse, cu, cu, 40, 40, scale, False, False, "",
-                       *make())
+        ops.varlen_bwd(torch.randn_like(out), qv, kv, vv, out, lse, cu, cu, 40, 40, scale, False, False, "", *make())
 
 
 # ---------------------------------------------------------------- exhaustive
@@ -965,8 +1124,9 @@ def exhaustive_heads(sq, sk):
 @pytest.mark.exhaustive
 @pytest.mark.parametrize("pair", ALL_PAIRS, ids=pair_id)
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-@pytest.mark.parametrize("seqlens", list(itertools.product(EXHAUSTIVE_SEQLENS, EXHAUSTIVE_SEQLENS)),
-                         ids=lambda p: f"sq{p[0]}-sk{p[1]}")
+@pytest.mark.parametrize(
+    "seqlens", list(itertools.product(EXHAUSTIVE_SEQLENS, EXHAUSTIVE_SEQLENS)), ids=lambda p: f"sq{p[0]}-sk{p[1]}"
+)
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_exhaustive_variants(name, seqlens, head_dim, pair):
     sq, sk = seqlens
@@ -978,8 +1138,11 @@ def test_exhaustive_variants(name, seqlens, head_dim, pair):
 @pytest.mark.exhaustive
 @pytest.mark.parametrize("pair", ALL_PAIRS, ids=pair_id)
 @pytest.mark.parametrize("head_dim", KERNEL_HEAD_DIMS)
-@pytest.mark.parametrize("shape", [(2, 97, 161, 6, 2), (2, 161, 97, 4, 1), (2, 1, 300, 8, 2), (1, 500, 500, 3, 3)],
-                         ids=["sq<sk-gqa", "sq>sk-mqa", "decode", "square"])
+@pytest.mark.parametrize(
+    "shape",
+    [(2, 97, 161, 6, 2), (2, 161, 97, 4, 1), (2, 1, 300, 8, 2), (1, 500, 500, 3, 3)],
+    ids=["sq<sk-gqa", "sq>sk-mqa", "decode", "square"],
+)
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_exhaustive_head_dims(name, shape, head_dim, pair):
     check_shape_variant((*shape, head_dim), VARIANTS[name], *pair)
@@ -1010,8 +1173,9 @@ def test_exhaustive_forced_paths(name, dtype, path):
 @pytest.mark.exhaustive
 @pytest.mark.parametrize("pair", ALL_PAIRS, ids=pair_id)
 @pytest.mark.parametrize("dropout_p", [0.01, 0.3, 0.5, 0.9])
-@pytest.mark.parametrize("seqlens", [(1, 1023), (113, 203), (203, 113), (1023, 1023)],
-                         ids=lambda p: f"sq{p[0]}-sk{p[1]}")
+@pytest.mark.parametrize(
+    "seqlens", [(1, 1023), (113, 203), (203, 113), (1023, 1023)], ids=lambda p: f"sq{p[0]}-sk{p[1]}"
+)
 @pytest.mark.parametrize("name", ["win-both", "causal-left", "combo", "combo-causal"])
 def test_exhaustive_dropout(name, seqlens, dropout_p, pair):
     sq, sk = seqlens

@@ -58,11 +58,20 @@ def check_varlen(lens_q, lens_k, h, hk, head_dim, dtype, causal, deterministic=F
     dout = torch.randn_like(q)
     poison_allocator(q.device)
     with force_plan(**force):
-        out, lse, _ = flash_attn_varlen_func(q, k, v, cu_seqlens(lens_q), cu_seqlens(lens_k), max(lens_q),
-                                             max(lens_k), causal=causal, deterministic=deterministic,
-                                             return_attn_probs=True)
+        out, lse, _ = flash_attn_varlen_func(
+            q,
+            k,
+            v,
+            cu_seqlens(lens_q),
+            cu_seqlens(lens_k),
+            max(lens_q),
+            max(lens_k),
+            causal=causal,
+            deterministic=deterministic,
+            return_attn_probs=True,
+        )
         dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     ref = varlen_reference(q, k, v, lens_q, lens_k, dout, causal, scale, upcast=True)
     lowp = varlen_reference(q, k, v, lens_q, lens_k, dout, causal, scale, upcast=False)
 
@@ -124,8 +133,11 @@ def test_varlen_forward_is_never_split():
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("h, hk", [(4, 4), (8, 1)])
-@pytest.mark.parametrize("lens", [([1], [1]), ([1023, 1, 0], [0, 1, 1023]), ([129, 257], [257, 129])],
-                         ids=["one-token", "long-short-empty", "swap"])
+@pytest.mark.parametrize(
+    "lens",
+    [([1], [1]), ([1023, 1, 0], [0, 1, 1023]), ([129, 257], [257, 129])],
+    ids=["one-token", "long-short-empty", "swap"],
+)
 def test_varlen_lengths(lens, h, hk, causal):
     require_fwd_bwd_kernels(128, torch.bfloat16, causal)
     check_varlen(*lens, h, hk, 128, torch.bfloat16, causal)
@@ -152,7 +164,7 @@ def test_varlen_rows_outside_sequences():
     out = flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens))
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
     for name, grad in (("dq", dq), ("dk", dk), ("dv", dv)):
-        assert torch.equal(grad[sum(lens):], torch.zeros_like(grad[sum(lens):])), name
+        assert torch.equal(grad[sum(lens) :], torch.zeros_like(grad[sum(lens) :])), name
     ref = flash_attn_varlen_func(*(t.detach()[: sum(lens)] for t in (q, k, v)), cu, cu, max(lens), max(lens))
     assert torch.equal(out[: sum(lens)], ref)
 
@@ -237,7 +249,7 @@ def test_varlen_cuda_graph_replay():
     k, v = (rand(sum(lens_k), h, d, dtype=torch.bfloat16) for _ in range(2))
     dout = torch.randn_like(q)
     cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
-    args = (cu_q, cu_k, max(lens_q), max(lens_k), d ** -0.5, True)
+    args = (cu_q, cu_k, max(lens_q), max(lens_k), d**-0.5, True)
 
     def step():
         out, lse = torch.ops.flash_attn2.varlen_fwd(q, k, v, *args)
@@ -272,9 +284,10 @@ def test_varlen_opcheck(causal):
     cu = cu_seqlens(lens)
     torch.library.opcheck(torch.ops.flash_attn2.varlen_fwd.default, (q, k, v, cu, cu, 70, 70, 0.125, causal))
     out, lse = torch.ops.flash_attn2.varlen_fwd(q.detach(), k.detach(), v.detach(), cu, cu, 70, 70, 0.125, causal)
-    torch.library.opcheck(torch.ops.flash_attn2.varlen_bwd.default,
-                          (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, cu, cu, 70, 70, 0.125,
-                           causal, False))
+    torch.library.opcheck(
+        torch.ops.flash_attn2.varlen_bwd.default,
+        (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, cu, cu, 70, 70, 0.125, causal, False),
+    )
 
 
 def test_varlen_rejects_cu_seqlens_on_another_device():

@@ -11,6 +11,7 @@ FlashAttention-2 backend (flash), which computes D the same way. A diagnostic fo
 
     python tools/grad_error_ratio.py --hdim 256 --sq 1 --sk 17 --causal --dtype fp16 --trials 300
 """
+
 import argparse
 import os
 import sys
@@ -35,6 +36,7 @@ def ours(kernel):
         with force_plan(kernel=kernel):
             out = flash_attn_func(q, k, v, causal=causal)
             return out.detach(), torch.autograd.grad(out, (q, k, v), dout)
+
     return run
 
 
@@ -56,8 +58,10 @@ def trial(run, q, k, v, dout, causal, ref, lowp):
     """[ratio dq, dk, dv, failed the tests' rule, rerun differs dq, dk, dv]."""
     out, grads = run(q, k, v, dout, causal)
     _, again = run(q, k, v, dout, causal)
-    ratios = [((g.float() - r).abs().max() / (lp.float() - r).abs().max().clamp_min(1e-30)).item()
-              for g, r, lp in zip(grads, ref, lowp)]
+    ratios = [
+        ((g.float() - r).abs().max() / (lp.float() - r).abs().max().clamp_min(1e-30)).item()
+        for g, r, lp in zip(grads, ref, lowp)
+    ]
 
     def attend(q, k, v, upcast):
         return attention_ref(q, k, v, None, causal, upcast=upcast)
@@ -98,14 +102,18 @@ def main():
         lowp = reference_grads(q, k, v, dout, a.causal, None, upcast=False)
         for name in impls:
             results[name].append(trial(IMPLS[name], q, k, v, dout, a.causal, ref, lowp))
-    print(f"hdim {a.hdim} sq {a.sq} sk {a.sk} causal {a.causal} {a.dtype} gains {a.gains}, {a.trials} trials: "
-          f"ratio to the lowp error, over-2: trials above 2 (the plain rule); failed: trials failing the tests' "
-          f"rule; rerun: trials whose second run differed bitwise")
+    print(
+        f"hdim {a.hdim} sq {a.sq} sk {a.sk} causal {a.causal} {a.dtype} gains {a.gains}, {a.trials} trials: "
+        f"ratio to the lowp error, over-2: trials above 2 (the plain rule); failed: trials failing the tests' "
+        f"rule; rerun: trials whose second run differed bitwise"
+    )
     for name, rows in results.items():
         t = torch.tensor(rows)
-        cells = ", ".join(f"{g} median {t[:, i].median():.2f} max {t[:, i].max():.2f} "
-                          f"over-2 {(t[:, i] > 2).sum().item()} rerun {int(t[:, i + 4].sum().item())}"
-                          for i, g in enumerate(("dq", "dk", "dv")))
+        cells = ", ".join(
+            f"{g} median {t[:, i].median():.2f} max {t[:, i].max():.2f} "
+            f"over-2 {(t[:, i] > 2).sum().item()} rerun {int(t[:, i + 4].sum().item())}"
+            for i, g in enumerate(("dq", "dk", "dv"))
+        )
         print(f"  {name:8s} failed {int(t[:, 3].sum().item())}; {cells}")
 
 

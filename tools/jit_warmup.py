@@ -36,8 +36,12 @@ def run(name, package_parent):
     start = time.perf_counter()
     # From the directory that holds the imported package: `python -c` puts the working directory first on the
     # path, where a checkout's flash_attn_cuda would shadow the build under test.
-    proc = subprocess.run([sys.executable, "-c", CALL, pass_, hdim.removeprefix("hdim"), DTYPE_NAMES[dtype], mask],
-                          capture_output=True, text=True, cwd=package_parent)
+    proc = subprocess.run(
+        [sys.executable, "-c", CALL, pass_, hdim.removeprefix("hdim"), DTYPE_NAMES[dtype], mask],
+        capture_output=True,
+        text=True,
+        cwd=package_parent,
+    )
     return name, proc.returncode, time.perf_counter() - start, proc.stderr[-2000:]
 
 

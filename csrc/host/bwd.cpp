@@ -6,7 +6,7 @@
 
 #include "kernels/flash_bwd_aux.h"
 #include "host/host_params.h"
-#include "host/ops.h"
+#include "generated/ops.h"
 
 namespace flash {
 namespace {
@@ -63,7 +63,8 @@ std::tuple<Tensor, Tensor, Tensor> bwd_impl(const Tensor& dout, const Tensor& q,
                     num(dq_accum_seqlen));
     const Tensor dq_accum = varlen != nullptr
                                 ? empty_cuda({nheads, dq_accum_seqlen, kernel_head_dim}, ScalarType::Float, device)
-                                : empty_cuda({batch, nheads, dq_accum_seqlen, kernel_head_dim}, ScalarType::Float, device);
+                                : empty_cuda({batch, nheads, dq_accum_seqlen, kernel_head_dim}, ScalarType::Float,
+                                             device);
     zero_async(dq_accum, stream);
     const Tensor dq = gradient(q, varlen != nullptr);
     // dK and dV: one slice per query head, or per key/value head when CTAs walk whole groups (or the heads are
@@ -78,7 +79,8 @@ std::tuple<Tensor, Tensor, Tensor> bwd_impl(const Tensor& dout, const Tensor& q,
     }
     std::optional<Tensor> dq_semaphore;  // std::optional: a default-constructed Tensor costs a shim call
     if (deterministic) {
-        dq_semaphore = empty_cuda({batch, nheads, (seqlen_q + kBwdMinBlockM - 1) / kBwdMinBlockM}, ScalarType::Int, device);
+        dq_semaphore = empty_cuda({batch, nheads, (seqlen_q + kBwdMinBlockM - 1) / kBwdMinBlockM}, ScalarType::Int,
+                                  device);
         zero_async(*dq_semaphore, stream);
     }
 
@@ -121,9 +123,9 @@ std::tuple<Tensor, Tensor, Tensor> bwd_impl(const Tensor& dout, const Tensor& q,
     if (!plan.dkv_fp32_slices) { return {dq, dk_heads, dv_heads}; }
     const int64_t heads_per_kv = nheads / nheads_k;
     auto sum_group = [&](const Tensor& heads) {
-        const Tensor grouped =
-            varlen != nullptr ? torch::stable::view(heads, {seqlen_k, nheads_k, heads_per_kv, head_dim})
-                              : torch::stable::view(heads, {batch_k, seqlen_k, nheads_k, heads_per_kv, head_dim});
+        const Tensor grouped = varlen != nullptr
+                                   ? torch::stable::view(heads, {seqlen_k, nheads_k, heads_per_kv, head_dim})
+                                   : torch::stable::view(heads, {batch_k, seqlen_k, nheads_k, heads_per_kv, head_dim});
         const Tensor summed = torch::stable::sum(grouped, std::vector<int64_t>{-2}, false, ScalarType::Float);
         return torch::stable::to(summed, dtype);
     };
@@ -132,33 +134,21 @@ std::tuple<Tensor, Tensor, Tensor> bwd_impl(const Tensor& dout, const Tensor& q,
 
 }  // namespace
 
-std::tuple<Tensor, Tensor, Tensor> bwd(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
-                                       const Tensor& out, const Tensor& softmax_lse, double softmax_scale, bool causal,
-                                       bool deterministic, const std::string& plan_override, int64_t window_left, int64_t window_right, double softcap,
-                                       const std::optional<Tensor>& alibi_slopes, double dropout_p,
-                                       const std::optional<Tensor>& rng_state) {
-    const Variants variants{window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state};
-    return bwd_impl(dout, q, k, v, out, softmax_lse, softmax_scale, causal, deterministic, plan_override, nullptr,
-                    variants);
+std::tuple<Tensor, Tensor, Tensor> bwd_op(const BwdArgs& a) {
+    return bwd_impl(a.dout, a.q, a.k, a.v, a.out, a.softmax_lse, a.softmax_scale, a.causal, a.deterministic,
+                    a.plan_override, nullptr, a.variants);
 }
 
-std::tuple<Tensor, Tensor, Tensor> varlen_bwd(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
-                                              const Tensor& out, const Tensor& softmax_lse, const Tensor& cu_seqlens_q,
-                                              const Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
-                                              double softmax_scale, bool causal, bool deterministic,
-                                              const std::string& plan_override, int64_t window_left, int64_t window_right, double softcap,
-                                       const std::optional<Tensor>& alibi_slopes, double dropout_p,
-                                       const std::optional<Tensor>& rng_state) {
-    const Variants variants{window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state};
-    check_varlen_rank(q, "q", "(total_q, nheads, head_dim)");
-    check_varlen_rank(k, "k", "(total_k, nheads_k, head_dim)");
-    check_varlen_rank(v, "v", "(total_k, nheads_k, head_dim)");
-    check_varlen_rank(dout, "dout", "(total_q, nheads, head_dim)");
-    check_varlen_rank(out, "out", "(total_q, nheads, head_dim)");
-    const Varlen varlen{cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k};
+std::tuple<Tensor, Tensor, Tensor> varlen_bwd_op(const VarlenBwdArgs& a) {
+    check_varlen_rank(a.q, "q", "(total_q, nheads, head_dim)");
+    check_varlen_rank(a.k, "k", "(total_k, nheads_k, head_dim)");
+    check_varlen_rank(a.v, "v", "(total_k, nheads_k, head_dim)");
+    check_varlen_rank(a.dout, "dout", "(total_q, nheads, head_dim)");
+    check_varlen_rank(a.out, "out", "(total_q, nheads, head_dim)");
+    const Varlen varlen{a.cu_seqlens_q, a.cu_seqlens_k, a.max_seqlen_q, a.max_seqlen_k};
     auto unsqueeze = [](const Tensor& t) { return torch::stable::unsqueeze(t, 0); };
-    return bwd_impl(unsqueeze(dout), unsqueeze(q), unsqueeze(k), unsqueeze(v), unsqueeze(out), softmax_lse,
-                    softmax_scale, causal, deterministic, plan_override, &varlen, variants);
+    return bwd_impl(unsqueeze(a.dout), unsqueeze(a.q), unsqueeze(a.k), unsqueeze(a.v), unsqueeze(a.out), a.softmax_lse,
+                    a.softmax_scale, a.causal, a.deterministic, a.plan_override, &varlen, a.variants);
 }
 
 }  // namespace flash

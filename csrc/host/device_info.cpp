@@ -9,7 +9,7 @@ namespace flash {
 
 int device_attribute(cudaDeviceAttr attr, int device) {
     constexpr cudaDeviceAttr kCachedAttrs[] = {cudaDevAttrComputeCapabilityMajor, cudaDevAttrComputeCapabilityMinor,
-                                               cudaDevAttrMultiProcessorCount};
+                                               cudaDevAttrMultiProcessorCount, cudaDevAttrMaxSharedMemoryPerBlockOptin};
     constexpr int kNumAttrs = sizeof(kCachedAttrs) / sizeof(kCachedAttrs[0]);
     constexpr int kMaxCachedDevices = 64;
     static std::atomic<int> cache[kNumAttrs][kMaxCachedDevices];  // value + 1; 0: not queried yet
@@ -29,10 +29,11 @@ namespace {
 
 // FLASH_ATTN2_DISABLE_WGMMA=1 runs the mma.sync kernels on Hopper for the whole process. Read once, at the
 // first call: per-call choices are op arguments (plan_override), which torch.compile and CUDA graphs see.
-bool wgmma_disabled() {
-    static const bool disabled = [] {
+FamilySet disabled_families() {
+    static const FamilySet disabled = [] {
         const char* value = std::getenv("FLASH_ATTN2_DISABLE_WGMMA");
-        return value != nullptr && std::strcmp(value, "1") == 0;
+        const bool wgmma_off = value != nullptr && std::strcmp(value, "1") == 0;
+        return wgmma_off ? FamilySet{}.with(KernelFamily::kWgmma) : FamilySet{};
     }();
     return disabled;
 }
@@ -44,9 +45,10 @@ Target target_of(int device, bool noncausal_built) {
     target.cc_major = device_attribute(cudaDevAttrComputeCapabilityMajor, device);
     target.cc_minor = device_attribute(cudaDevAttrComputeCapabilityMinor, device);
     target.num_sms = std::max(device_attribute(cudaDevAttrMultiProcessorCount, device), 1);
-    target.wgmma_fwd_built = wgmma_fwd_built();
-    target.wgmma_bwd_built = wgmma_bwd_built();
-    target.wgmma_disabled = wgmma_disabled();
+    target.max_smem = device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    target.fwd_built = built_families(Pass::kFwd);
+    target.bwd_built = built_families(Pass::kBwd);
+    target.disabled = disabled_families();
     target.noncausal_built = noncausal_built;
     return target;
 }

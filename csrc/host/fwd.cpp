@@ -8,7 +8,7 @@
 #include "kernels/flash_fwd_combine.h"
 #include "host/host_params.h"
 #include "kernels/kvcache_prep.h"
-#include "host/ops.h"
+#include "generated/ops.h"
 
 namespace flash {
 namespace {
@@ -35,8 +35,8 @@ void set_cache_params(FwdParams& params, const KVCache& cache, const Tensor& k_c
     params.seqlens_k_ptr = cache.seqlens.has_value() ? static_cast<const int*>(cache.seqlens->data_ptr()) : nullptr;
     params.seqlen_k_new = cache.appends() ? static_cast<int>(cache.k_new->size(1)) : 0;
     params.leftpad_k_ptr = cache.leftpad.has_value() ? static_cast<const int*>(cache.leftpad->data_ptr()) : nullptr;
-    params.kv_batch_idx_ptr =
-        cache.batch_idx.has_value() ? static_cast<const int*>(cache.batch_idx->data_ptr()) : nullptr;
+    params.kv_batch_idx_ptr = cache.batch_idx.has_value() ? static_cast<const int*>(cache.batch_idx->data_ptr())
+                                                          : nullptr;
     if (cache.paged()) {
         params.block_table_ptr = static_cast<const int*>(cache.block_table->data_ptr());
         params.block_table_batch_stride = cache.block_table->stride(0);
@@ -68,7 +68,8 @@ Tensor prepare_kvcache(const KVCache& cache, const Tensor& q, const Tensor& k_ca
     prep.k_cache_ptr = k_cache.data_ptr();
     prep.v_cache_ptr = v_cache.data_ptr();
     prep.seqlens_ptr = static_cast<const int*>(cache.seqlens->data_ptr());
-    prep.kv_batch_idx_ptr = cache.batch_idx.has_value() ? static_cast<const int*>(cache.batch_idx->data_ptr()) : nullptr;
+    prep.kv_batch_idx_ptr = cache.batch_idx.has_value() ? static_cast<const int*>(cache.batch_idx->data_ptr())
+                                                        : nullptr;
     prep.kv_batches = static_cast<int>(k_cache.size(0));
     if (cache.paged()) {
         prep.block_table_ptr = static_cast<const int*>(cache.block_table->data_ptr());
@@ -118,13 +119,7 @@ std::tuple<Tensor, Tensor> fwd_impl(const Tensor& q, const Tensor& k, const Tens
     check_num_splits(num_splits);
     const PlanOverride override = override_of(plan_override);
     check_device(q, k, v);
-    Problem problem = problem_of(Pass::kFwd, q, k, causal, false, varlen, variants);
-    if (cache != nullptr) {
-        // Keys per sequence are known on the device only: plan for a full cache (the kernels split what is there).
-        if (varlen == nullptr) { problem.seqlen_k = cache->capacity(k); }
-        problem.variants = true;
-        problem.paged = cache->paged();
-    }
+    const Problem problem = problem_of(Pass::kFwd, q, k, causal, false, varlen, variants, cache);
     const Plan plan = plan_call(problem, q, static_cast<int>(num_splits), override, find_fwd_launcher);
     const FwdLauncher launcher = require_fwd_launcher(q, plan);
 
@@ -143,8 +138,9 @@ std::tuple<Tensor, Tensor> fwd_impl(const Tensor& q, const Tensor& k, const Tens
     }
 
     FwdParams params{};
-    set_fwd_params(params, pack_gqa(view4(q_in), plan.gqa_pack), view4(k), view4(v), pack_gqa(view4(out), plan.gqa_pack),
-                   pack_gqa_lse(lse_view(lse), plan.gqa_pack), softmax_scale, varlen, plan);
+    set_fwd_params(params, pack_gqa(view4(q_in), plan.gqa_pack), view4(k), view4(v),
+                   pack_gqa(view4(out), plan.gqa_pack), pack_gqa_lse(lse_view(lse), plan.gqa_pack), softmax_scale,
+                   varlen, plan);
     if (cache != nullptr) { set_cache_params(params, *cache, k, v, varlen != nullptr); }
     set_variant_params(params, variants, causal);
     std::optional<Tensor> accum;  // std::optional: a default-constructed Tensor costs a shim call
@@ -166,61 +162,42 @@ std::tuple<Tensor, Tensor> fwd_impl(const Tensor& q, const Tensor& k, const Tens
 
 }  // namespace
 
-std::tuple<Tensor, Tensor> fwd(const Tensor& q, const Tensor& k, const Tensor& v, double softmax_scale, bool causal,
-                               bool /*deterministic: backward only*/, int64_t num_splits,
-                               const std::string& plan_override, int64_t window_left, int64_t window_right, double softcap,
-                               const std::optional<Tensor>& alibi_slopes, double dropout_p,
-                               const std::optional<Tensor>& rng_state) {
-    const Variants variants{window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state};
-    return fwd_impl(q, k, v, softmax_scale, causal, num_splits, plan_override, nullptr, variants);
+std::tuple<Tensor, Tensor> fwd_op(const FwdArgs& a) {
+    return fwd_impl(a.q, a.k, a.v, a.softmax_scale, a.causal, a.num_splits, a.plan_override, nullptr, a.variants);
 }
 
-std::tuple<Tensor, Tensor> varlen_fwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_seqlens_q,
-                                      const Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
-                                      double softmax_scale, bool causal, bool /*deterministic: backward only*/,
-                                      const std::string& plan_override, int64_t window_left, int64_t window_right, double softcap,
-                               const std::optional<Tensor>& alibi_slopes, double dropout_p,
-                               const std::optional<Tensor>& rng_state) {
-    const Variants variants{window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state};
-    check_varlen_rank(q, "q", "(total_q, nheads, head_dim)");
-    check_varlen_rank(k, "k", "(total_k, nheads_k, head_dim)");
-    check_varlen_rank(v, "v", "(total_k, nheads_k, head_dim)");
-    const Varlen varlen{cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k};
-    return fwd_impl(torch::stable::unsqueeze(q, 0), torch::stable::unsqueeze(k, 0), torch::stable::unsqueeze(v, 0),
-                    softmax_scale, causal, 0, plan_override, &varlen, variants);
+std::tuple<Tensor, Tensor> varlen_fwd_op(const VarlenFwdArgs& a) {
+    check_varlen_rank(a.q, "q", "(total_q, nheads, head_dim)");
+    check_varlen_rank(a.k, "k", "(total_k, nheads_k, head_dim)");
+    check_varlen_rank(a.v, "v", "(total_k, nheads_k, head_dim)");
+    const Varlen varlen{a.cu_seqlens_q, a.cu_seqlens_k, a.max_seqlen_q, a.max_seqlen_k};
+    return fwd_impl(torch::stable::unsqueeze(a.q, 0), torch::stable::unsqueeze(a.k, 0),
+                    torch::stable::unsqueeze(a.v, 0), a.softmax_scale, a.causal, 0, a.plan_override, &varlen,
+                    a.variants);
 }
 
-std::tuple<Tensor, Tensor> fwd_kvcache(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
-                                       const std::optional<Tensor>& k, const std::optional<Tensor>& v,
-                                       const std::optional<Tensor>& rotary_cos, const std::optional<Tensor>& rotary_sin,
-                                       const std::optional<Tensor>& cache_seqlens,
-                                       const std::optional<Tensor>& cache_batch_idx,
-                                       const std::optional<Tensor>& cache_leftpad,
-                                       const std::optional<Tensor>& block_table, double softmax_scale, bool causal,
-                                       int64_t window_left, int64_t window_right, double softcap,
-                                       bool rotary_interleaved, const std::optional<Tensor>& alibi_slopes,
-                                       int64_t num_splits, const std::string& plan_override) {
+std::tuple<Tensor, Tensor> fwd_kvcache_op(const FwdKvcacheArgs& a) {
+    const KVCache cache{a.k,
+                        a.v,
+                        a.rotary_cos,
+                        a.rotary_sin,
+                        a.cache_seqlens,
+                        a.cache_batch_idx,
+                        a.cache_leftpad,
+                        a.block_table,
+                        a.rotary_interleaved};
+    return fwd_impl(a.q, a.k_cache, a.v_cache, a.softmax_scale, a.causal, a.num_splits, a.plan_override, nullptr,
+                    a.variants, &cache);
+}
+
+std::tuple<Tensor, Tensor> varlen_fwd_paged_op(const VarlenFwdPagedArgs& a) {
     const std::optional<Tensor> none;
-    const Variants variants{window_left, window_right, softcap, alibi_slopes, 0.0, none};
-    const KVCache cache{k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
-                        rotary_interleaved};
-    return fwd_impl(q, k_cache, v_cache, softmax_scale, causal, num_splits, plan_override, nullptr, variants, &cache);
-}
-
-std::tuple<Tensor, Tensor> varlen_fwd_paged(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
-                                            const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_k,
-                                            int64_t max_seqlen_q, int64_t max_seqlen_k, const Tensor& block_table,
-                                            double softmax_scale, bool causal, const std::string& plan_override,
-                                            int64_t window_left, int64_t window_right, double softcap,
-                                            const std::optional<Tensor>& alibi_slopes) {
-    const std::optional<Tensor> none;
-    const std::optional<Tensor> table = block_table;
-    const Variants variants{window_left, window_right, softcap, alibi_slopes, 0.0, none};
+    const std::optional<Tensor> table = a.block_table;
     const KVCache cache{none, none, none, none, none, none, none, table, true};
-    check_varlen_rank(q, "q", "(total_q, nheads, head_dim)");
-    const Varlen varlen{cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k};
-    return fwd_impl(torch::stable::unsqueeze(q, 0), k_cache, v_cache, softmax_scale, causal, 0, plan_override, &varlen,
-                    variants, &cache);
+    check_varlen_rank(a.q, "q", "(total_q, nheads, head_dim)");
+    const Varlen varlen{a.cu_seqlens_q, a.cu_seqlens_k, a.max_seqlen_q, a.max_seqlen_k};
+    return fwd_impl(torch::stable::unsqueeze(a.q, 0), a.k_cache, a.v_cache, a.softmax_scale, a.causal, 0,
+                    a.plan_override, &varlen, a.variants, &cache);
 }
 
 }  // namespace flash

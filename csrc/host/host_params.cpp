@@ -25,24 +25,24 @@ LseView lse_view(const Tensor& lse) {
 }
 
 Problem problem_of(Pass pass, const Tensor& q, const Tensor& k, bool causal, bool deterministic, const Varlen* varlen,
-                   const Variants& variants) {
-    Problem problem{};
-    problem.pass = pass;
-    problem.batch = varlen != nullptr ? varlen->batch() : q.size(0);
-    problem.seqlen_q = varlen != nullptr ? varlen->max_seqlen_q : q.size(1);
-    problem.seqlen_k = varlen != nullptr ? varlen->max_seqlen_k : k.size(1);
-    problem.nheads = q.size(2);
-    problem.nheads_k = k.size(2);
-    problem.head_dim = q.size(3);
-    problem.causal = variants.masked(causal);
-    problem.deterministic = deterministic;
-    problem.varlen = varlen != nullptr;
-    problem.left_window = variants.window_left >= 0;
-    problem.positional = variants.window(causal) || variants.alibi() || variants.dropout();
-    problem.head_positions = variants.alibi() || variants.dropout();
-    problem.dropout = variants.dropout();
-    problem.variants = problem.positional || variants.softcap > 0.0;
-    return problem;
+                   const Variants& variants, const KVCache* cache) {
+    // A cache's keys per sequence are known on the device only: plan for a full cache.
+    const int64_t dense_seqlen_k = cache != nullptr ? cache->capacity(k) : k.size(1);
+    const ProblemSizes sizes{varlen != nullptr ? varlen->batch() : q.size(0),
+                             varlen != nullptr ? varlen->max_seqlen_q : q.size(1),
+                             varlen != nullptr ? varlen->max_seqlen_k : dense_seqlen_k,
+                             q.size(2),
+                             k.size(2),
+                             q.size(3)};
+    VariantFlags flags;
+    flags.window_left = variants.window_left;
+    flags.window_right = variants.window_right;
+    flags.softcap = variants.softcap;
+    flags.alibi = variants.alibi();
+    flags.dropout = variants.dropout();
+    flags.kvcache = cache != nullptr;
+    flags.paged = cache != nullptr && cache->paged();
+    return problem_of(pass, sizes, causal, deterministic, varlen != nullptr, flags);
 }
 
 PlanOverride override_of(const std::string& plan_override) {
@@ -118,7 +118,7 @@ void set_fwd_params(FwdParams& params, const View4& q, const View4& k, const Vie
     params.k_capacity = INT32_MAX;
     params.kv_batches = params.batch;
     params.gqa_pack = static_cast<int>(plan.gqa_pack);
-    params.use_wgmma = plan.wgmma;
+    params.family = plan.family;
     params.short_key_tiles = plan.short_key_tile;
     params.num_splits = plan.num_splits;
     params.softmax_scale = static_cast<float>(softmax_scale);
@@ -136,18 +136,20 @@ void set_variant_params(FwdParams& params, const Variants& variants, bool causal
     // the tile tests never see an edge there (BlockBounds). Larger sizes are clamped to these, which changes
     // nothing; the kernels' positions then stay below seqlen_q + seqlen_k + 512.
     FLASH_CHECK_ARG(int64_t(params.seqlen_q) + params.seqlen_k < INT32_MAX - 1024,
-                    "seqlen_q + seqlen_k must be below 2^31 - 1024, got ", num(int64_t(params.seqlen_q) + params.seqlen_k));
+                    "seqlen_q + seqlen_k must be below 2^31 - 1024, got ",
+                    num(int64_t(params.seqlen_q) + params.seqlen_k));
     const int64_t left_unbounded = int64_t(params.seqlen_k) + 256;
     const int64_t right_unbounded = int64_t(params.seqlen_q) + 256;
     const int64_t right = variants.right(causal);
-    params.window_left =
-        static_cast<int>(variants.window_left >= 0 ? std::min(variants.window_left, left_unbounded) : left_unbounded);
+    params.window_left = static_cast<int>(variants.window_left >= 0 ? std::min(variants.window_left, left_unbounded)
+                                                                    : left_unbounded);
     params.window_right = static_cast<int>(right >= 0 ? std::min(right, right_unbounded) : right_unbounded);
     // Softcap c: the kernels take tanh(q.k * scale / c) as the score and c as the exp factor (score_mod.h).
     const double score_scale = variants.softcap > 0.0 ? variants.softcap : double(params.softmax_scale);
     // (At least FLT_MIN: a zero prescale would read as no softcap; tanh of a tiny argument is as good as 0.)
-    params.softcap_prescale =
-        variants.softcap > 0.0 ? std::max(static_cast<float>(params.softmax_scale / variants.softcap), FLT_MIN) : 0.f;
+    params.softcap_prescale = variants.softcap > 0.0
+                                  ? std::max(static_cast<float>(params.softmax_scale / variants.softcap), FLT_MIN)
+                                  : 0.f;
     params.score_scale = static_cast<float>(score_scale);
     // A zero or denormal factor would turn masked scores into NaN (-inf * 0); the smallest normal float keeps
     // them at -inf, and every other exp2 argument still rounds to the same value (0).
@@ -185,11 +187,11 @@ Tensor empty_operand(int64_t batch, int64_t seqlen, int64_t heads, int64_t head_
 
 View4 pack_gqa(const View4& t, int64_t group) {
     if (group == 1) { return t; }
-    return {t.ptr, {t.size[0], group, t.size[2] / group, t.size[3]}, {t.stride[0], t.stride[2], group * t.stride[2], t.stride[3]}};
+    return {t.ptr,
+            {t.size[0], group, t.size[2] / group, t.size[3]},
+            {t.stride[0], t.stride[2], group * t.stride[2], t.stride[3]}};
 }
 
-LseView pack_gqa_lse(const LseView& lse, int64_t group) {
-    return {lse.ptr, lse.batch_stride, lse.head_stride * group};
-}
+LseView pack_gqa_lse(const LseView& lse, int64_t group) { return {lse.ptr, lse.batch_stride, lse.head_stride * group}; }
 
 }  // namespace flash

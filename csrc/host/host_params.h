@@ -33,19 +33,27 @@ struct LseView {
 // lse: (batch, nheads, seqlen_q) or varlen's (nheads, total_q), contiguous.
 LseView lse_view(const Tensor& lse);
 
-// q, k: 4-D (varlen: (1, total, heads, head_dim) views), checked; variants checked.
+// The Problem of a call (plan.h's problem_of, which holds the rules) from its tensors. q, k: 4-D (varlen:
+// (1, total, heads, head_dim) views), checked; variants checked. cache: a KV-cache call, whose k is the cache:
+// the plan is made for a full cache (a sequence's keys are known on the device only, and the kernels split what
+// is there), with the variants kernel, which reads the cache's lengths.
 Problem problem_of(Pass pass, const Tensor& q, const Tensor& k, bool causal, bool deterministic, const Varlen* varlen,
-                   const Variants& variants);
+                   const Variants& variants, const KVCache* cache = nullptr);
 
 // Parses and checks plan_override (errors name it).
 PlanOverride override_of(const std::string& plan_override);
 
-// The plan of `problem` on q's device with this build. find: find_fwd_launcher or find_bwd_launcher.
+// The plan of `problem` on q's device with this build. find: find_fwd_launcher or find_bwd_launcher. Raises
+// before any launch when the plan's kernel needs more shared memory per block than the GPU offers (the plan op,
+// which makes plans without this check, reports the need as the plan's smem).
 template <typename Find>
 Plan plan_call(const Problem& problem, const Tensor& q, int num_splits, const PlanOverride& override, Find find) {
     const bool is_bf16 = q.scalar_type() == ScalarType::BFloat16;
     const bool noncausal_built = find(KernelKey{is_bf16, kernel_head_dim(problem.head_dim), false}) != nullptr;
-    return make_plan(problem, target_of(q.get_device_index(), noncausal_built), num_splits, override);
+    const Target target = target_of(q.get_device_index(), noncausal_built);
+    const Plan plan = make_plan(problem, target, num_splits, override);
+    FLASH_CHECK(smem_fits(plan, target), smem_shortfall(problem, plan, target));
+    return plan;
 }
 
 // The launcher of the plan's kernel, or an error naming the kernel the build lacks.

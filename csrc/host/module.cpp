@@ -4,7 +4,7 @@
 #include <Python.h>
 
 PyMODINIT_FUNC PyInit__C(void) {
-    static PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", "flash_attn_cuda kernels (see torch.ops.flash_attn2)", -1,
-                                     nullptr};
+    static PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", "flash_attn_cuda kernels (see torch.ops.flash_attn2)",
+                                     -1, nullptr};
     return PyModule_Create(&module_def);
 }

@@ -4,7 +4,6 @@
 #include <climits>
 #include <cstdlib>
 
-#include "launch/flash_params.h"
 #include "launch/tile_size.h"
 
 namespace flash {
@@ -14,8 +13,8 @@ namespace {
 
 constexpr int kMaxAutoSplits = 64;  // the heuristic's cap
 // The heuristic splits only seqlen_k >= kMinKeysToSplit, into splits of at least kMinKeysPerSplit keys. Below
-// 1024 keys the kernel time a split saves is under the host time its partials and combine launch cost (perf
-// log 18); at 1024 causal keys and 1-4 heads, 4 splits take 23 us of GPU time to 12 (perf log 22).
+// 1024 keys the kernel time a split saves is under the host time its partials and combine launch cost; at 1024
+// causal keys and 1-4 heads, 4 splits take 23 us of GPU time to 12 (H200).
 constexpr int kMinKeysToSplit = 1024;
 constexpr int kMinKeysPerSplit = 256;
 
@@ -28,9 +27,9 @@ constexpr int kMinKeysPerSplit = 256;
 // with at least kMinKeysPerSplit keys per split, s <= kMaxAutoSplits, and no split below kMinKeysToSplit keys.
 // Causal query blocks differ in cost, which the model ignores; their splits share only the keys each block
 // sees (FwdTile).
-int choose_num_splits(int64_t ctas, int64_t seqlen_k, const FwdBlockShape& shape, int64_t slots) {
+int choose_num_splits(int64_t ctas, int64_t seqlen_k, const TileShape& tile, int64_t slots) {
     if (ctas <= 0 || ctas * 5 >= slots * 4 || seqlen_k < kMinKeysToSplit) { return 1; }
-    const int64_t n_blocks = (seqlen_k + shape.block_n - 1) / shape.block_n;
+    const int64_t n_blocks = (seqlen_k + tile.block_n - 1) / tile.block_n;
     const int64_t max_splits = std::min<int64_t>({kMaxAutoSplits, seqlen_k / kMinKeysPerSplit, n_blocks});
     auto time = [&](int64_t splits) {
         return (ctas * splits + slots - 1) / slots * ((n_blocks + splits - 1) / splits);
@@ -45,9 +44,9 @@ int choose_num_splits(int64_t ctas, int64_t seqlen_k, const FwdBlockShape& shape
 
 // ---- Forward: the Hopper short-key tile ----
 
-// seqlen_k at or below which the forward runs FwdSm90ShortKeysTileConfig where one exists. Causal up to 1024,
-// where a 128-row block on the diagonal computes up to twice the scores it keeps; non-causal only up to 512,
-// where the overlap pays for reading each K/V block twice and rescaling twice as often (perf log 31).
+// seqlen_k at or below which the forward runs the wgmma set's short-key tile where one exists. Causal up to
+// 1024, where a 128-row block on the diagonal computes up to twice the scores it keeps; non-causal only up to
+// 512, where the overlap pays for reading each K/V block twice and rescaling twice as often.
 constexpr int kFwdShortKeysMaxCausal = 1024;
 constexpr int kFwdShortKeysMax = 512;
 
@@ -65,7 +64,7 @@ constexpr int kMaxAutoKeyBlocks = 16;  // choose_key_blocks_per_cta's cap
 // and a CTA costs j + 1 key-block times (its first load is not hidden); the smallest j of least time, up to
 // kMaxAutoKeyBlocks, that still leaves two waves of CTAs. That cap came after one wave at j = 8 measured
 // slower on bench_skinny's GQA decode row; a later A/B put most of that loss on the loop code instead, so the
-// cap is unproven (perf log 28, 29). Longer queries keep one key block per CTA: their steps hide the loads.
+// cap is unproven. Longer queries keep one key block per CTA: their steps hide the loads.
 int choose_key_blocks_per_cta(int64_t n_blocks, int64_t ctas_per_key_block, int64_t steps_per_key_block,
                               int64_t slots) {
     if (steps_per_key_block > 2 || n_blocks <= 1) { return 1; }
@@ -83,30 +82,55 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // Whether the forced value (-1: none) or else the default picks the choice.
 bool choose(int forced, bool by_default) { return forced == -1 ? by_default : forced == 1; }
 
+// The kernel families in the order the plans prefer them where several can run: the newest first.
+constexpr KernelFamily kFamilyPreference[] = {KernelFamily::kWgmma, KernelFamily::kMmaSync};
+static_assert(sizeof(kFamilyPreference) / sizeof(kFamilyPreference[0]) == kNumKernelFamilies);
+
+// Whether `family` can run this pass of `p` on `t`: the GPU runs it, the build holds it, the process has not
+// turned it off, and the pass allows it (deterministic mode runs the mma.sync backward, whose key blocks add
+// into dQ in a fixed order).
+bool can_run(KernelFamily family, const Problem& p, const Target& t) {
+    const bool pass_allows = !(family == KernelFamily::kWgmma && p.pass == Pass::kBwd && p.deterministic);
+    return family_runs_on(family, t.cc_major, t.cc_minor) && t.built(p.pass).has(family) && !t.disabled.has(family) &&
+           pass_allows;
+}
+
+// The forced family where it can run, else the first of kFamilyPreference that can; mma.sync when none can
+// (no GPU before sm_80 gets this far: check_device).
+KernelFamily choose_family(const Problem& p, const Target& t, const PlanOverride& o) {
+    if (o.family >= 0 && can_run(static_cast<KernelFamily>(o.family), p, t)) {
+        return static_cast<KernelFamily>(o.family);
+    }
+    for (KernelFamily family : kFamilyPreference) {
+        if (can_run(family, p, t)) { return family; }
+    }
+    return KernelFamily::kMmaSync;
+}
+
 void plan_fwd(const Problem& p, const Target& t, int forced_splits, const PlanOverride& o, Plan& plan) {
     const int64_t seqlen_q = p.seqlen_q * plan.gqa_pack;  // the kernel's sizes, after packing
     const int64_t nheads = p.nheads / plan.gqa_pack;
-    plan.wgmma = plan.wgmma && t.wgmma_fwd_built;
+    const TileSet set = tile_set_for(plan.family, Pass::kFwd, plan.kernel_head_dim, t.max_smem);
     // Decoding from a paged cache also takes the short-key tile. Each key row finds its page (FwdTile::copy_paged),
     // which costs far more instructions per key than a dense load; with the queries in one 64-row warpgroup, the
     // 128-row tile's second warpgroup only loads, and its CTA's load and compute phases take turns. Two 64-row
     // CTAs per SM overlap one's loads with the other's compute: paged decoding 1.24-1.41x the dense cache's time
-    // on the 128-row tile, 1.02-1.09x on this one (H200, perf log 41). Dense caches keep the 128-row tile, within
-    // a few percent either way.
+    // on the 128-row tile, 1.02-1.09x on this one (H200). Dense caches keep the 128-row tile, within a few
+    // percent either way.
     const bool paged_decode = p.paged && seqlen_q <= 64;
-    plan.short_key_tile =
-        plan.wgmma && fwd_has_short_key_tile(plan.kernel_head_dim) &&
-        choose(o.short_keys,
-               paged_decode || p.seqlen_k <= (plan.causal ? kFwdShortKeysMaxCausal : kFwdShortKeysMax));
-    const FwdBlockShape shape = fwd_block_shape(plan.kernel_head_dim, plan.causal, plan.wgmma, plan.short_key_tile);
-    plan.block_m = shape.block_m;
-    plan.block_n = shape.block_n;
+    plan.short_key_tile = set.short_tile.exists() &&
+                          choose(o.short_keys, paged_decode || p.seqlen_k <= (plan.causal ? kFwdShortKeysMaxCausal
+                                                                                          : kFwdShortKeysMax));
+    const TileShape tile = plan.short_key_tile ? set.short_tile : set.tile_for(plan.causal);
+    plan.block_m = tile.block_m;
+    plan.block_n = tile.block_n;
+    plan.smem_bytes = kernel_smem_bytes(set, tile, false);
     // Split-KV runs on dense batches only, and without dropout.
     int splits = 1;
     if (!p.varlen && !p.dropout) {
         splits = forced_splits > 0 ? forced_splits
-                                   : choose_num_splits(ceil_div(seqlen_q, shape.block_m) * p.batch * nheads, p.seqlen_k,
-                                                       shape, int64_t(std::max(t.num_sms, 1)) * shape.ctas_per_sm);
+                                   : choose_num_splits(ceil_div(seqlen_q, tile.block_m) * p.batch * nheads, p.seqlen_k,
+                                                       tile, int64_t(std::max(t.num_sms, 1)) * tile.ctas_per_sm);
     }
     // The launch grid's x is query blocks (at least 64 rows each) times splits.
     const int64_t max_for_grid = std::max<int64_t>(1, INT32_MAX / ceil_div(std::max<int64_t>(seqlen_q, 1), 64));
@@ -117,31 +141,40 @@ void plan_bwd(const Problem& p, const Target& t, const PlanOverride& o, Plan& pl
     const int64_t seqlen_q = p.seqlen_q * plan.gqa_pack;  // the kernel's sizes, after packing
     const int64_t nheads = p.nheads / plan.gqa_pack;
     const int hd = plan.kernel_head_dim;
-    // Deterministic mode runs the mma.sync kernel, whose key blocks add into dQ in a fixed order.
-    plan.wgmma = plan.wgmma && t.wgmma_bwd_built && !p.deterministic;
-    plan.short_query_tile = plan.wgmma && bwd_sm90_has_short_query_tile(hd) &&
-                            choose(o.short_queries, seqlen_q <= kBwdShortQueriesMax);
-    plan.block_m = plan.wgmma ? bwd_sm90_block_m(hd, plan.short_query_tile) : bwd_block_m(hd);
-    plan.block_n = plan.wgmma ? bwd_sm90_block_n(hd) : bwd_block_n(hd);
+    const bool wgmma = plan.family == KernelFamily::kWgmma;
+    const TileSet set = tile_set_for(plan.family, Pass::kBwd, hd, t.max_smem);
+    plan.short_query_tile = set.short_tile.exists() && choose(o.short_queries, seqlen_q <= kBwdShortQueriesMax);
+    const TileShape tile = plan.short_query_tile ? set.short_tile : set.tile_for(plan.causal);
+    plan.block_m = tile.block_m;
+    plan.block_n = tile.block_n;
     // GQA/MQA: on Hopper one CTA walks every query head of its key/value head, summing dK and dV in registers,
     // as long as that grid (group times smaller) still gives every SM a CTA. Otherwise one dK/dV slice per query
     // head, summed afterwards from fp32 slices so that each gradient is rounded once.
     const bool grouped = nheads != p.nheads_k;
-    const bool walk = grouped && plan.wgmma &&
+    const bool walk = grouped && wgmma &&
                       choose(o.gqa_walk, ceil_div(p.seqlen_k, plan.block_n) * p.batch * p.nheads_k >= t.num_sms);
     plan.heads_per_cta = walk ? static_cast<int>(nheads / p.nheads_k) : 1;
     plan.dkv_fp32_slices = grouped && !walk;
     plan.key_blocks_per_cta = 1;
     // Under a window's left edge a key block may have no steps, and then starts none of its successor's loads
     // (BwdSm90Block): one key block per CTA.
-    if (plan.wgmma && bwd_sm90_walks_key_blocks(hd) && !p.left_window) {
-        plan.key_blocks_per_cta =
-            o.key_blocks > 0 ? o.key_blocks
-                             : choose_key_blocks_per_cta(ceil_div(p.seqlen_k, plan.block_n),
-                                                         p.batch * (nheads / plan.heads_per_cta),
-                                                         plan.heads_per_cta * ceil_div(seqlen_q, plan.block_m),
-                                                         std::max(t.num_sms, 1));
+    if (wgmma && bwd_sm90_walks_key_blocks(hd) && !p.left_window) {
+        plan.key_blocks_per_cta = o.key_blocks > 0
+                                      ? o.key_blocks
+                                      : choose_key_blocks_per_cta(ceil_div(p.seqlen_k, plan.block_n),
+                                                                  p.batch * (nheads / plan.heads_per_cta),
+                                                                  plan.heads_per_cta * ceil_div(seqlen_q, plan.block_m),
+                                                                  std::max(t.num_sms, 1));
     }
+    // A CTA that walks several key blocks launches with its second K/V buffer.
+    plan.smem_bytes = kernel_smem_bytes(set, tile, plan.key_blocks_per_cta > 1);
+}
+
+// Bytes as KiB, to a tenth: "99", "144.5".
+std::string kib(int64_t bytes) {
+    std::string text = std::to_string(bytes / 1024);
+    const int64_t tenths = bytes % 1024 * 10 / 1024;
+    return tenths > 0 ? text + "." + std::to_string(tenths) : text;
 }
 
 // "name=value" with value an integer in [lo, hi]; false when malformed.
@@ -159,6 +192,33 @@ bool parse_int(std::string_view text, int lo, int hi, int& out) {
 
 }  // namespace
 
+Problem problem_of(Pass pass, const ProblemSizes& sizes, bool causal, bool deterministic, bool varlen,
+                   const VariantFlags& v) {
+    Problem problem{};
+    problem.pass = pass;
+    problem.batch = sizes.batch;
+    problem.seqlen_q = sizes.seqlen_q;
+    problem.seqlen_k = sizes.seqlen_k;
+    problem.nheads = sizes.nheads;
+    problem.nheads_k = sizes.nheads_k;
+    problem.head_dim = sizes.head_dim;
+    // A masked kernel: causal, or a window bounded on either side.
+    problem.causal = causal || v.window_left >= 0 || v.window_right >= 0;
+    problem.deterministic = deterministic;
+    problem.varlen = varlen;
+    problem.left_window = v.window_left >= 0;
+    // More than causal: a left edge, or a right edge past the diagonal (causal fixes the right side at 0, so
+    // (-1, 0) and causal with any right side are plain causal).
+    const bool window = v.window_left >= 0 || (!causal && v.window_right > 0);
+    problem.positional = window || v.alibi || v.dropout;
+    problem.head_positions = v.alibi || v.dropout;
+    problem.dropout = v.dropout;
+    // A KV cache's lengths live on the device, which only the variants kernels read (BlockInfo::of_cache).
+    problem.variants = problem.positional || v.softcap > 0.0 || v.kvcache;
+    problem.paged = v.paged;
+    return problem;
+}
+
 std::string parse_plan_override(std::string_view text, PlanOverride& out) {
     out = PlanOverride{};
     size_t start = 0;
@@ -173,11 +233,12 @@ std::string parse_plan_override(std::string_view text, PlanOverride& out) {
         if (eq == std::string_view::npos) { return where + " is not key=value"; }
         const std::string_view key = item.substr(0, eq);
         const std::string_view value = item.substr(eq + 1);
-        bool ok = false;
         if (key == "kernel") {
-            ok = value == "wgmma" || value == "mma_sync";
-            out.wgmma = value == "wgmma";
-            if (!ok) { return where + ": kernel must be wgmma or mma_sync"; }
+            out.family = -1;
+            for (int f = 0; f < kNumKernelFamilies; ++f) {
+                if (value == family_name(static_cast<KernelFamily>(f))) { out.family = f; }
+            }
+            if (out.family < 0) { return where + ": kernel must be wgmma or mma_sync"; }
         } else if (key == "gqa_walk" || key == "short_keys" || key == "short_queries") {
             int& field = key == "gqa_walk" ? out.gqa_walk : key == "short_keys" ? out.short_keys : out.short_queries;
             if (!parse_int(value, 0, 1, field)) { return where + ": " + std::string(key) + " must be 0 or 1"; }
@@ -212,7 +273,7 @@ Plan make_plan(const Problem& p, const Target& t, int num_splits, const PlanOver
     const bool pack = !p.varlen && (packable || variants_packable) && p.seqlen_q == 1 && p.nheads_k > 0 &&
                       p.nheads > p.nheads_k;
     plan.gqa_pack = pack ? p.nheads / p.nheads_k : 1;
-    plan.wgmma = t.cc_major == 9 && t.cc_minor == 0 && !t.wgmma_disabled && o.wgmma != 0;
+    plan.family = choose_family(p, t, o);
     plan.num_splits = 1;
     plan.heads_per_cta = 1;
     plan.key_blocks_per_cta = 1;
@@ -224,16 +285,29 @@ Plan make_plan(const Problem& p, const Target& t, int num_splits, const PlanOver
     return plan;
 }
 
+std::string smem_shortfall(const Problem& problem, const Plan& plan, const Target& target) {
+    if (smem_fits(plan, target)) { return ""; }
+    const TileSet set = tile_set_for(plan.family, plan.pass, plan.kernel_head_dim, target.max_smem);
+    std::string head_dim = "head dim " + std::to_string(problem.head_dim);
+    if (problem.head_dim != plan.kernel_head_dim) {
+        head_dim += " (kernel head dim " + std::to_string(plan.kernel_head_dim) + ")";
+    }
+    return head_dim + (plan.pass == Pass::kFwd ? " forward" : " backward") + " (kernel=" + family_name(plan.family) +
+           ") needs " + kib(plan.smem_bytes) + " KiB of shared memory per block; this GPU offers " +
+           kib(target.max_smem) + " KiB. Its tiles are made for GPUs with " + kib(set.smem_budget) +
+           " KiB, and flash_attn_cuda has no tiles for this GPU's budget yet";
+}
+
 std::string to_string(const Plan& plan) {
     auto field = [](const char* name, int64_t value) { return std::string(name) + "=" + std::to_string(value) + ";"; };
     std::string text = std::string("pass=") + (plan.pass == Pass::kFwd ? "fwd" : "bwd") + ";";
-    text += std::string("kernel=") + (plan.wgmma ? "wgmma" : "mma_sync") + ";";
+    text += std::string("kernel=") + family_name(plan.family) + ";";
     text += field("kernel_head_dim", plan.kernel_head_dim) + field("block_m", plan.block_m) +
             field("block_n", plan.block_n) + field("causal", plan.causal) + field("variants", plan.variants) +
-            field("gqa_pack", plan.gqa_pack) +
-            field("num_splits", plan.num_splits) + field("short_key_tile", plan.short_key_tile) +
-            field("short_query_tile", plan.short_query_tile) + field("heads_per_cta", plan.heads_per_cta) +
-            field("key_blocks_per_cta", plan.key_blocks_per_cta) + field("dkv_fp32_slices", plan.dkv_fp32_slices);
+            field("gqa_pack", plan.gqa_pack) + field("num_splits", plan.num_splits) +
+            field("short_key_tile", plan.short_key_tile) + field("short_query_tile", plan.short_query_tile) +
+            field("heads_per_cta", plan.heads_per_cta) + field("key_blocks_per_cta", plan.key_blocks_per_cta) +
+            field("dkv_fp32_slices", plan.dkv_fp32_slices) + field("smem", plan.smem_bytes);
     text.pop_back();
     return text;
 }

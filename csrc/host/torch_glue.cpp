@@ -72,8 +72,8 @@ Tensor empty_cuda(const int64_t* sizes, int ndim, ScalarType dtype, int device) 
         stride *= sizes[d] > 1 ? sizes[d] : 1;
     }
     AtenTensorHandle handle = nullptr;
-    FLASH_SHIM_CHECK(aoti_torch_empty_strided(ndim, sizes, strides, shim_dtype(dtype),
-                                                    aoti_torch_device_type_cuda(), device, &handle));
+    FLASH_SHIM_CHECK(aoti_torch_empty_strided(ndim, sizes, strides, shim_dtype(dtype), aoti_torch_device_type_cuda(),
+                                              device, &handle));
     return Tensor(handle);
 }
 

@@ -19,8 +19,8 @@
 
 namespace flash {
 
-using torch::stable::Tensor;
 using torch::headeronly::ScalarType;
+using torch::stable::Tensor;
 
 // Numbers in messages go through std::to_string rather than a stream: streaming integers from an extension built
 // with a newer GCC than the process's libstdc++ crashed on the H200 machine (torch 2.11).

@@ -155,8 +155,7 @@ struct BlockBounds {
 // none. The plain kernels visit their masked tiles (the sequence end, the causal diagonal) first, so the steps
 // after them can be compiled without mask code. With kSplit false every block gets std::true_type.
 template <int kStep, bool kSplit, class NeedsMask, class Step>
-__forceinline__ __device__ void visit_masked_first(int from, int to, const NeedsMask& needs_mask,
-                                                   const Step& step) {
+__forceinline__ __device__ void visit_masked_first(int from, int to, const NeedsMask& needs_mask, const Step& step) {
     static_assert(kStep == 1 || kStep == -1);
     auto more = [&](int block) { return kStep > 0 ? block < to : block > to; };
     int block = from;

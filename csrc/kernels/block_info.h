@@ -14,7 +14,9 @@ using namespace cute;
 
 // The sequence of this CTA: every grid is (blocks of a sequence, sequences, heads), and a batch of more
 // sequences than grid y holds is launched in chunks that start at params.batch_offset (launch.h).
-__forceinline__ __device__ int sequence_of_cta(const FwdParams& params) { return params.batch_offset + int(blockIdx.y); }
+__forceinline__ __device__ int sequence_of_cta(const FwdParams& params) {
+    return params.batch_offset + int(blockIdx.y);
+}
 
 struct BlockInfo {
     int q_start;   // first row of the sequence in q (0 for dense batches)
@@ -54,15 +56,18 @@ struct BlockInfo {
 
     template <typename Element>
     __forceinline__ __device__ auto q_view(const FwdParams& p, int b, int h) const {
-        return view<const Element>(p.q_ptr, b * p.q_batch_stride + h * p.q_head_stride, q_start, seqlen_q, p.q_row_stride, p);
+        return view<const Element>(p.q_ptr, b * p.q_batch_stride + h * p.q_head_stride, q_start, seqlen_q,
+                                   p.q_row_stride, p);
     }
     template <typename Element>
     __forceinline__ __device__ auto k_view(const FwdParams& p, int b, int h_k) const {
-        return view<const Element>(p.k_ptr, b * p.k_batch_stride + h_k * p.k_head_stride, k_start, seqlen_k, p.k_row_stride, p);
+        return view<const Element>(p.k_ptr, b * p.k_batch_stride + h_k * p.k_head_stride, k_start, seqlen_k,
+                                   p.k_row_stride, p);
     }
     template <typename Element>
     __forceinline__ __device__ auto v_view(const FwdParams& p, int b, int h_k) const {
-        return view<const Element>(p.v_ptr, b * p.v_batch_stride + h_k * p.v_head_stride, k_start, seqlen_k, p.v_row_stride, p);
+        return view<const Element>(p.v_ptr, b * p.v_batch_stride + h_k * p.v_head_stride, k_start, seqlen_k,
+                                   p.v_row_stride, p);
     }
     template <typename Element>
     __forceinline__ __device__ auto o_view(const FwdParams& p, int b, int h) const {
@@ -70,17 +75,20 @@ struct BlockInfo {
     }
     template <typename Element>
     __forceinline__ __device__ auto do_view(const BwdParams& p, int b, int h) const {
-        return view<const Element>(p.do_ptr, b * p.do_batch_stride + h * p.do_head_stride, q_start, seqlen_q, p.do_row_stride, p);
+        return view<const Element>(p.do_ptr, b * p.do_batch_stride + h * p.do_head_stride, q_start, seqlen_q,
+                                   p.do_row_stride, p);
     }
     // dK and dV slice h: a query head's (summed over its GQA group on the host), or a key/value head's when
     // the backward CTAs walk whole groups (BwdParams::heads_per_cta).
     template <typename Element>
     __forceinline__ __device__ auto dk_view(const BwdParams& p, int b, int h) const {
-        return view<Element>(p.dk_ptr, b * p.dk_batch_stride + h * p.dk_head_stride, k_start, seqlen_k, p.dk_row_stride, p);
+        return view<Element>(p.dk_ptr, b * p.dk_batch_stride + h * p.dk_head_stride, k_start, seqlen_k, p.dk_row_stride,
+                             p);
     }
     template <typename Element>
     __forceinline__ __device__ auto dv_view(const BwdParams& p, int b, int h) const {
-        return view<Element>(p.dv_ptr, b * p.dk_batch_stride + h * p.dk_head_stride, k_start, seqlen_k, p.dk_row_stride, p);
+        return view<Element>(p.dv_ptr, b * p.dk_batch_stride + h * p.dk_head_stride, k_start, seqlen_k, p.dk_row_stride,
+                             p);
     }
 
     // Element offset of this sequence's first LSE (and D) entry for head h; rows follow contiguously.

@@ -23,8 +23,8 @@ using namespace cute;
 //   The mma.sync kernel, which has registers to spare.
 // - kInExp: the exp loop selects 0 past the diagonal (TileMask::hides_past_diagonal), and keys past the
 //   sequence end get P = 0 in a fix-up after it (TileMask::hide_keys_past_end). The Hopper kernels run at
-//   the register limit: in this form their exp loops keep their registers (perf log 36; a key-end test in
-//   the exp loop made the hdim 128 kernel spill in the step loop).
+//   the register limit: in this form their exp loops keep their registers (a key-end test inside the exp
+//   loop made the hdim 128 kernel spill in its step loop).
 enum class HideP { kBeforeExp, kInExp };
 
 // s: the scores S (or S^T), overwritten with P = exp2(s * scale_log2 - lse_log2_of(q)), where lse_log2_of(q)
@@ -121,7 +121,8 @@ template <bool kQueryIsRow, bool kVariants, class DpTensor, class PTensor, class
 __forceinline__ __device__ void compute_ds(DpTensor& dp, const PTensor& p, const CoordTensor& coords, DsumOf dsum_of,
                                            const DsMods& mods, const ScorePos& pos, LseLog2Of lse_log2_of) {
     static_assert(decltype(size(dp))::value == decltype(size(p))::value &&
-                  decltype(size(dp))::value == decltype(size(coords))::value, "dP, P and coords of one tile");
+                      decltype(size(dp))::value == decltype(size(coords))::value,
+                  "dP, P and coords of one tile");
     if constexpr (kVariants) {
         if (mods.any()) {
             compute_ds_variants<kQueryIsRow>(dp, p, coords, dsum_of, mods, pos, lse_log2_of);

@@ -67,36 +67,37 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
 
     // Shared memory: Q and dO (kStagesQ stages each), K, V, P, dS, then the LSE and D rows of each stage.
     extern __shared__ __align__(128) char smem[];
-    Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Traits::SmemLayoutQ{});  // (kBlockM, kHeadDim)
+    Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)),
+                            typename Traits::SmemLayoutQ{});  // (kBlockM, kHeadDim)
     Tensor sdO = make_tensor(sQ.data() + kStagesQ * kQElems, typename Traits::SmemLayoutQ{});  // (kBlockM, kHeadDim)
     Tensor sK = make_tensor(sdO.data() + kStagesQ * kQElems, typename Traits::SmemLayoutKV{});  // (kBlockN, kHeadDim)
-    Tensor sV = make_tensor(sK.data() + size(sK), typename Traits::SmemLayoutKV{});    // (kBlockN, kHeadDim)
-    Tensor sP = make_tensor(sV.data() + size(sV), typename Traits::SmemLayoutPdS{});   // (kBlockM, kBlockN)
+    Tensor sV = make_tensor(sK.data() + size(sK), typename Traits::SmemLayoutKV{});  // (kBlockN, kHeadDim)
+    Tensor sP = make_tensor(sV.data() + size(sV), typename Traits::SmemLayoutPdS{});  // (kBlockM, kBlockN)
     Tensor sdS = make_tensor(sP.data() + size(sP), typename Traits::SmemLayoutPdS{});  // (kBlockM, kBlockN)
     float* s_lse = reinterpret_cast<float*>(raw_pointer_cast((sdS.data() + size(sdS)).get()));  // (kStagesQ, kBlockM)
-    float* s_dsum = s_lse + kStagesQ * kBlockM;                                                   // (kStagesQ, kBlockM)
-    Tensor sQt = make_tensor(sQ.data(), typename Traits::SmemLayoutQt{});      // (kHeadDim, kBlockM)
-    Tensor sdOt = make_tensor(sdO.data(), typename Traits::SmemLayoutQt{});    // (kHeadDim, kBlockM)
-    Tensor sKt = make_tensor(sK.data(), typename Traits::SmemLayoutKt{});      // (kHeadDim, kBlockN)
-    Tensor sPt = make_tensor(sP.data(), typename Traits::SmemLayoutPdSt{});    // (kBlockN, kBlockM)
+    float* s_dsum = s_lse + kStagesQ * kBlockM;  // (kStagesQ, kBlockM)
+    Tensor sQt = make_tensor(sQ.data(), typename Traits::SmemLayoutQt{});  // (kHeadDim, kBlockM)
+    Tensor sdOt = make_tensor(sdO.data(), typename Traits::SmemLayoutQt{});  // (kHeadDim, kBlockM)
+    Tensor sKt = make_tensor(sK.data(), typename Traits::SmemLayoutKt{});  // (kHeadDim, kBlockN)
+    Tensor sPt = make_tensor(sP.data(), typename Traits::SmemLayoutPdSt{});  // (kBlockN, kBlockM)
     Tensor sdSt = make_tensor(sdS.data(), typename Traits::SmemLayoutPdSt{});  // (kBlockN, kBlockM)
 
-    Tensor cQ = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});   // (kBlockM, kHeadDim)
+    Tensor cQ = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (kBlockM, kHeadDim)
     Tensor cKV = make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{});  // (kBlockN, kHeadDim)
-    Tensor cS = make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{});    // (kBlockM, kBlockN)
+    Tensor cS = make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{});  // (kBlockM, kBlockN)
 
     // Global -> shared copies.
     typename Traits::GmemTiledCopyLoad gmem_tiled_copy;
     auto gmem_thr_copy = gmem_tiled_copy.get_thread_slice(tidx);
-    Tensor tQgQ = gmem_thr_copy.partition_S(gQ);     // (CPY, CPY_M, CPY_K, m)
-    Tensor tQsQ = gmem_thr_copy.partition_D(sQ);     // (CPY, CPY_M, CPY_K)
+    Tensor tQgQ = gmem_thr_copy.partition_S(gQ);  // (CPY, CPY_M, CPY_K, m)
+    Tensor tQsQ = gmem_thr_copy.partition_D(sQ);  // (CPY, CPY_M, CPY_K)
     Tensor tdOgdO = gmem_thr_copy.partition_S(gdO);  // (CPY, CPY_M, CPY_K, m)
     Tensor tdOsdO = gmem_thr_copy.partition_D(sdO);  // (CPY, CPY_M, CPY_K)
-    Tensor tQcQ = gmem_thr_copy.partition_S(cQ);     // (CPY, CPY_M, CPY_K)
-    Tensor tKgK = gmem_thr_copy.partition_S(gK);     // (CPY, CPY_N, CPY_K)
-    Tensor tKsK = gmem_thr_copy.partition_D(sK);     // (CPY, CPY_N, CPY_K)
-    Tensor tVgV = gmem_thr_copy.partition_S(gV);     // (CPY, CPY_N, CPY_K)
-    Tensor tVsV = gmem_thr_copy.partition_D(sV);     // (CPY, CPY_N, CPY_K)
+    Tensor tQcQ = gmem_thr_copy.partition_S(cQ);  // (CPY, CPY_M, CPY_K)
+    Tensor tKgK = gmem_thr_copy.partition_S(gK);  // (CPY, CPY_N, CPY_K)
+    Tensor tKsK = gmem_thr_copy.partition_D(sK);  // (CPY, CPY_N, CPY_K)
+    Tensor tVgV = gmem_thr_copy.partition_S(gV);  // (CPY, CPY_N, CPY_K)
+    Tensor tVsV = gmem_thr_copy.partition_D(sV);  // (CPY, CPY_N, CPY_K)
     Tensor tKVcKV = gmem_thr_copy.partition_S(cKV);  // (CPY, CPY_N, CPY_K)
 
     static_assert(Traits::kNThreads >= 2 * kBlockM);
@@ -123,10 +124,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
     auto copy_b_sdp = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, mma_sdp);
     auto thr_copy_a_sdp = copy_a_sdp.get_thread_slice(tidx);
     auto thr_copy_b_sdp = copy_b_sdp.get_thread_slice(tidx);
-    Tensor tSrQ = thr_mma_sdp.partition_fragment_A(sQ);    // (MMA, MMA_M, MMA_K)
+    Tensor tSrQ = thr_mma_sdp.partition_fragment_A(sQ);  // (MMA, MMA_M, MMA_K)
     Tensor tSrdO = thr_mma_sdp.partition_fragment_A(sdO);  // (MMA, MMA_M, MMA_K)
-    Tensor tSrK = thr_mma_sdp.partition_fragment_B(sK);    // (MMA, MMA_N, MMA_K)
-    Tensor tSrV = thr_mma_sdp.partition_fragment_B(sV);    // (MMA, MMA_N, MMA_K)
+    Tensor tSrK = thr_mma_sdp.partition_fragment_B(sK);  // (MMA, MMA_N, MMA_K)
+    Tensor tSrV = thr_mma_sdp.partition_fragment_B(sV);  // (MMA, MMA_N, MMA_K)
     Tensor tSsQ = thr_copy_a_sdp.partition_S(sQ);
     Tensor tSsdO = thr_copy_a_sdp.partition_S(sdO);
     Tensor tSsK = thr_copy_b_sdp.partition_S(sK);
@@ -149,10 +150,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
     auto copy_b_dkv = make_tiled_copy_B(typename Traits::SmemCopyAtomT{}, mma_dkv);
     auto thr_copy_a_dkv = copy_a_dkv.get_thread_slice(tidx);
     auto thr_copy_b_dkv = copy_b_dkv.get_thread_slice(tidx);
-    Tensor tKVrPt = thr_mma_dkv.partition_fragment_A(sPt);    // (MMA, MMA_N, MMA_K over queries)
+    Tensor tKVrPt = thr_mma_dkv.partition_fragment_A(sPt);  // (MMA, MMA_N, MMA_K over queries)
     Tensor tKVrdSt = thr_mma_dkv.partition_fragment_A(sdSt);  // (MMA, MMA_N, MMA_K)
     Tensor tKVrdOt = thr_mma_dkv.partition_fragment_B(sdOt);  // (MMA, MMA_D, MMA_K)
-    Tensor tKVrQt = thr_mma_dkv.partition_fragment_B(sQt);    // (MMA, MMA_D, MMA_K)
+    Tensor tKVrQt = thr_mma_dkv.partition_fragment_B(sQt);  // (MMA, MMA_D, MMA_K)
     Tensor tKVsPt = thr_copy_a_dkv.partition_S(sPt);
     Tensor tKVsdSt = thr_copy_a_dkv.partition_S(sdSt);
     Tensor tKVsdOt = thr_copy_b_dkv.partition_S(sdOt);
@@ -173,17 +174,20 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
     auto copy_b_dq = make_tiled_copy_B(typename Traits::SmemCopyAtomT{}, mma_dq);
     auto thr_copy_a_dq = copy_a_dq.get_thread_slice(tidx);
     auto thr_copy_b_dq = copy_b_dq.get_thread_slice(tidx);
-    Tensor sKt_chunks = local_tile(sKt, Shape<Int<kDqChunk>, Int<kBlockN>>{}, make_coord(_, 0));  // (kDqChunk, kBlockN, chunk)
-    Tensor tQrdS = thr_mma_dq.partition_fragment_A(sdS);                 // (MMA, MMA_M, MMA_K over keys)
+    Tensor sKt_chunks = local_tile(sKt, Shape<Int<kDqChunk>, Int<kBlockN>>{},
+                                   make_coord(_, 0));  // (kDqChunk, kBlockN, chunk)
+    Tensor tQrdS = thr_mma_dq.partition_fragment_A(sdS);  // (MMA, MMA_M, MMA_K over keys)
     Tensor tQrKt = thr_mma_dq.partition_fragment_B(sKt_chunks(_, _, 0));  // (MMA, MMA_D, MMA_K)
     Tensor tQsdS = thr_copy_a_dq.partition_S(sdS);
     Tensor tQsKt = thr_copy_b_dq.partition_S(sKt_chunks);  // (CPY, CPY_D, CPY_K, chunk)
     Tensor tQrdS_view = thr_copy_a_dq.retile_D(tQrdS);
     Tensor tQrKt_view = thr_copy_b_dq.retile_D(tQrKt);
-    Tensor gdQaccum = make_tensor(make_gmem_ptr(dq_head),
-                                  make_layout(make_shape(Int<kBlockM>{}, Int<kHeadDim>{}, m_block_end),
-                                              make_stride(Int<kHeadDim>{}, _1{}, Int<kBlockM * kHeadDim>{})));  // (kBlockM, kHeadDim, m)
-    Tensor gdQaccum_chunks = local_tile(gdQaccum, Shape<Int<kBlockM>, Int<kDqChunk>>{}, make_coord(0, _, _));  // (kBlockM, kDqChunk, chunk, m)
+    Tensor gdQaccum = make_tensor(
+        make_gmem_ptr(dq_head),
+        make_layout(make_shape(Int<kBlockM>{}, Int<kHeadDim>{}, m_block_end),
+                    make_stride(Int<kHeadDim>{}, _1{}, Int<kBlockM * kHeadDim>{})));  // (kBlockM, kHeadDim, m)
+    Tensor gdQaccum_chunks = local_tile(gdQaccum, Shape<Int<kBlockM>, Int<kDqChunk>>{},
+                                        make_coord(0, _, _));  // (kBlockM, kDqChunk, chunk, m)
     Tensor tdQgdQaccum = thr_mma_dq.partition_C(gdQaccum_chunks);  // (MMA, MMA_M, MMA_D, chunk, m)
 
     const int k_rows_left = binfo.seqlen_k - n_block * kBlockN;
@@ -207,18 +211,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
             cp_async_fence();
         }
 
-        Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});   // (MMA, MMA_M, MMA_N)
+        Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA, MMA_M, MMA_N)
         Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA, MMA_M, MMA_N)
         clear(acc_s);
         clear(acc_dp);
         Tensor tSsQ_stage = at_stage<kQElems>(tSsQ, stage);
         Tensor tSsdO_stage = at_stage<kQElems>(tSsdO, stage);
         gemm_smem_smem(mma_sdp, acc_s, tSrQ, tSrK, tSsQ_stage, tSsK, copy_a_sdp, copy_b_sdp, tSrQ_view, tSrK_view);
-        gemm_smem_smem(mma_sdp, acc_dp, tSrdO, tSrV, tSsdO_stage, tSsV, copy_a_sdp, copy_b_sdp, tSrdO_view,
-                       tSrV_view);
+        gemm_smem_smem(mma_sdp, acc_dp, tSrdO, tSrV, tSsdO_stage, tSsV, copy_a_sdp, copy_b_sdp, tSrdO_view, tSrV_view);
 
         Tensor scores = as_rowcol(acc_s);  // (rows, cols)
-        Tensor dp = as_rowcol(acc_dp);     // (rows, cols)
+        Tensor dp = as_rowcol(acc_dp);  // (rows, cols)
         // P = exp(s * scale - lse) in base 2; rows past seqlen_q get lse = +inf, so P = 0 there. Then dS.
         const float* lse_stage = s_lse + stage * kBlockM;
         const float* dsum_stage = s_dsum + stage * kBlockM;
@@ -227,14 +230,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
         if constexpr (kMasked) {
             const TileMask<kBlockM, kBlockN, kCausal, kVariants> mask(bounds, m_block, n_block);
             compute_p</*kQueryIsRow=*/true, HideP::kBeforeExp, kVariants>(scores, tScS_rc, mask, score_mod, pos,
-                                                                         params.softmax_scale_log2, lse_log2_of);
+                                                                          params.softmax_scale_log2, lse_log2_of);
         } else {
-            compute_p</*kQueryIsRow=*/true, HideP::kBeforeExp, kVariants>(scores, tScS_rc, NoTileMask{}, score_mod,
-                                                                         pos, params.softmax_scale_log2, lse_log2_of);
+            compute_p</*kQueryIsRow=*/true, HideP::kBeforeExp, kVariants>(scores, tScS_rc, NoTileMask{}, score_mod, pos,
+                                                                          params.softmax_scale_log2, lse_log2_of);
         }
-        if (kVariants && dropout.active()) { dropout.template apply</*kQueryIsRow=*/true, /*kNegate=*/true>(scores, tScS_rc, pos.q0, pos.k0); }
+        if (kVariants && dropout.active()) {
+            dropout.template apply</*kQueryIsRow=*/true, /*kNegate=*/true>(scores, tScS_rc, pos.q0, pos.k0);
+        }
         compute_ds</*kQueryIsRow=*/true, kVariants>(dp, scores, tScS_rc, [&](int row) { return dsum_stage[row]; },
-                                         DsMods{score_mod, head_idx}, pos, lse_log2_of);
+                                                    DsMods{score_mod, head_idx}, pos, lse_log2_of);
         Tensor rP = convert_fragment_kept<Element>(acc_s, kVariants && dropout.active());
         Tensor rdS = convert_fragment<Element>(acc_dp);
         copy(copy_store_sdp, thr_copy_store_sdp.retile_S(rP), tPsP);
@@ -283,8 +288,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
 
         // The first dQ chunk is computed before the dV GEMM, and its reductions go into that GEMM's basic block,
         // a run after each k-step. In a block of their own, ended by deterministic mode's branch, the step was
-        // 1.8-4.7% slower at head dims 64 and 128 (perf log 49-50); ptxas still issues them in one run at the
-        // end of the dQ GEMM, and spreading them further or tying them to the k-steps was slower (51-52).
+        // 1.8-4.7% slower at head dims 64 and 128, though ptxas issues them in one run either way; spreading them
+        // further was slower (docs/design-notes.md, 'mma.sync backward: dQ reductions and basic blocks').
         // With one Q stage the next Q and dO load once the dV and dK GEMMs are done with this block's; the
         // remaining chunks then overlap that load. Only one chunk runs ahead: its accumulator is live next to
         // dK and dV.
@@ -298,15 +303,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
             Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kDqChunk>>{});  // (MMA, MMA_M, MMA_D)
             dq_gemm(acc_dq, 0);
             constexpr auto kDvSteps = size<2>(tKVrPt);
-            gemm_smem_smem(mma_dkv, acc_dv, tKVrPt, tKVrdOt, tKVsPt, tKVsdOt_stage, copy_a_dkv, copy_b_dkv,
-                           tKVrPt_view, tKVrdOt_view, [&](int k) { add_dq(acc_dq, 0, k, kDvSteps); });
+            gemm_smem_smem(mma_dkv, acc_dv, tKVrPt, tKVrdOt, tKVsPt, tKVsdOt_stage, copy_a_dkv, copy_b_dkv, tKVrPt_view,
+                           tKVrdOt_view, [&](int k) { add_dq(acc_dq, 0, k, kDvSteps); });
         } else {
-            gemm_smem_smem(mma_dkv, acc_dv, tKVrPt, tKVrdOt, tKVsPt, tKVsdOt_stage, copy_a_dkv, copy_b_dkv,
-                           tKVrPt_view, tKVrdOt_view);
+            gemm_smem_smem(mma_dkv, acc_dv, tKVrPt, tKVrdOt, tKVsPt, tKVsdOt_stage, copy_a_dkv, copy_b_dkv, tKVrPt_view,
+                           tKVrdOt_view);
         }
         if constexpr (kDqChunksFirst == kDqChunks) { pass_dq_turn(); }
-        gemm_smem_smem(mma_dkv, acc_dk, tKVrdSt, tKVrQt, tKVsdSt, tKVsQt_stage, copy_a_dkv, copy_b_dkv,
-                       tKVrdSt_view, tKVrQt_view);
+        gemm_smem_smem(mma_dkv, acc_dk, tKVrdSt, tKVrQt, tKVsdSt, tKVsQt_stage, copy_a_dkv, copy_b_dkv, tKVrdSt_view,
+                       tKVrQt_view);
         if constexpr (kStagesQ == 1) {
             if (m_block + 1 < m_block_end) {
                 __syncthreads();  // every warp is done with Q, dO and their LSE and D rows
@@ -316,7 +321,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
             if constexpr (kDqChunksFirst == 0) { wait_dq_turn(); }
             CUTE_UNROLL
             for (int chunk = kDqChunksFirst; chunk < kDqChunks; ++chunk) {
-                Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kDqChunk>>{});  // (MMA, MMA_M, MMA_D)
+                Tensor acc_dq = partition_fragment_C(mma_dq,
+                                                     Shape<Int<kBlockM>, Int<kDqChunk>>{});  // (MMA, MMA_M, MMA_D)
                 dq_gemm(acc_dq, chunk);
                 add_dq(acc_dq, chunk, 0, _1{});
             }
@@ -327,11 +333,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
     // end) are the first ones visited, so the steps after them carry no mask code (rows past seqlen_q need none:
     // their LSE reads as +inf). Not in the variants kernel, where a window's left edge masks the last query
     // blocks too; and not at head dim 64 non-causal, where the second copy of the step body cost 20 bytes of
-    // spills and made the kernel 3% slower (perf log 44), so that every step checks.
+    // spills and made the kernel 3% slower, so that every step checks.
     constexpr bool kSplitSteps = !kVariants && (kCausal || kHeadDim != 64);
-    visit_masked_first</*kStep=*/1, kSplitSteps>(
-        m_block_begin, m_block_end,
-        [&](int m) { return TileMask<kBlockM, kBlockN, kCausal, kVariants>(bounds, m, n_block).needs_mask(); }, step);
+    visit_masked_first</*kStep=*/1, kSplitSteps>(m_block_begin, m_block_end, [&](int m) {
+        return TileMask<kBlockM, kBlockN, kCausal, kVariants>(bounds, m, n_block).needs_mask();
+    }, step);
     cp_async_wait<0>();  // K and V are still in flight when no query block sees this key block.
 
     // dK picks up the softmax scale here (dS is the gradient of the scaled scores); dQ gets it when its
@@ -341,8 +347,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
         using Out = decltype(out_type);
         Tensor mdK = binfo.dk_view<Out>(params, batch_idx, head_idx);  // (seqlen_k, head_dim)
         Tensor mdV = binfo.dv_view<Out>(params, batch_idx, head_idx);  // (seqlen_k, head_dim)
-        Tensor gdK = local_tile(mdK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));  // (kBlockN, kHeadDim)
-        Tensor gdV = local_tile(mdV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));  // (kBlockN, kHeadDim)
+        Tensor gdK = local_tile(mdK, Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                                make_coord(n_block, 0));  // (kBlockN, kHeadDim)
+        Tensor gdV = local_tile(mdV, Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                                make_coord(n_block, 0));  // (kBlockN, kHeadDim)
         store_acc<Out>(acc_dk, tKVcdKV, gdK, k_rows_left, params.head_dim, params.softmax_scale);
         store_acc<Out>(acc_dv, tKVcdKV, gdV, k_rows_left, params.head_dim, kVariants ? params.dropout_keep_scale : 1.f);
     };

@@ -91,8 +91,8 @@ struct BwdSm90Block {
           dkv_head(blockIdx.z),
           binfo(params, batch_idx),
           bounds(BlockBounds<kBlockM, kBlockN, kCausal, kVariants>::of_sequence(params, binfo)) {
-        n_block_stop =
-            Traits::kStagesKV > 1 ? min(n_block + params.key_blocks_per_cta, bounds.n_blocks()) : n_block + 1;
+        n_block_stop = Traits::kStagesKV > 1 ? min(n_block + params.key_blocks_per_cta, bounds.n_blocks())
+                                             : n_block + 1;
         m_block_end = bounds.m_block_end(n_block);
         m_block_begin = kVariants ? min(bounds.m_block_begin(n_block), m_block_end) : bounds.m_block_begin(n_block);
         m_block_begin_next = bounds.m_block_begin(n_block + 1);
@@ -107,7 +107,9 @@ struct BwdSm90Block {
     }
 
     // Steps of a key block whose first query block is first_m_block.
-    __forceinline__ __device__ int steps_of(int first_m_block) const { return heads_per_cta * (m_block_end - first_m_block); }
+    __forceinline__ __device__ int steps_of(int first_m_block) const {
+        return heads_per_cta * (m_block_end - first_m_block);
+    }
 
     // False when the first key block starts past this sequence's end (varlen grids are sized by the longest).
     __forceinline__ __device__ bool has_keys() const { return n_block * kBlockN < binfo.seqlen_k; }
@@ -128,7 +130,7 @@ struct BwdSm90Block {
         step_end += steps_of(m_block_begin);
         return true;
     }
-    // Steps advance by a compare and a select: a division per step cost the backward 2-4% (perf log 21).
+    // Steps advance by a compare and a select: a division and a remainder per step cost the backward 2-4%.
     __forceinline__ __device__ BwdStep first_step() const { return {step_begin, first_head, m_block_begin}; }
     __forceinline__ __device__ BwdStep next_step(const BwdStep& step) const {
         const bool wrap = step.m_block + 1 == m_block_end;
@@ -139,15 +141,29 @@ struct BwdSm90Block {
     __forceinline__ __device__ static auto smem(Element* p, Layout layout) {
         return make_tensor(make_smem_ptr(p), layout);
     }
-    __forceinline__ __device__ auto sQ(int stage) const { return smem(q_base + stage * kQElems, typename Traits::SmemLayoutQ{}); }     // (kBlockM, kHeadDim)
-    __forceinline__ __device__ auto sdO(int stage) const { return smem(do_base + stage * kQElems, typename Traits::SmemLayoutQ{}); }   // (kBlockM, kHeadDim)
-    __forceinline__ __device__ auto sQt(int stage) const { return smem(q_base + stage * kQElems, typename Traits::SmemLayoutQt{}); }   // (kHeadDim, kBlockM)
-    __forceinline__ __device__ auto sdOt(int stage) const { return smem(do_base + stage * kQElems, typename Traits::SmemLayoutQt{}); } // (kHeadDim, kBlockM)
+    __forceinline__ __device__ auto sQ(int stage) const {
+        return smem(q_base + stage * kQElems, typename Traits::SmemLayoutQ{});
+    }     // (kBlockM, kHeadDim)
+    __forceinline__ __device__ auto sdO(int stage) const {
+        return smem(do_base + stage * kQElems, typename Traits::SmemLayoutQ{});
+    }   // (kBlockM, kHeadDim)
+    __forceinline__ __device__ auto sQt(int stage) const {
+        return smem(q_base + stage * kQElems, typename Traits::SmemLayoutQt{});
+    }   // (kHeadDim, kBlockM)
+    __forceinline__ __device__ auto sdOt(int stage) const {
+        return smem(do_base + stage * kQElems, typename Traits::SmemLayoutQt{});
+    } // (kHeadDim, kBlockM)
     static constexpr int kKV1Offset = Traits::kSmemBytesOneKV / int(sizeof(Element)) - 2 * Traits::kStagesQ * kQElems;
     __forceinline__ __device__ Element* k_stage(int s) const { return k_base + s * kKV1Offset; }
-    __forceinline__ __device__ auto sK(int s) const { return smem(k_stage(s), typename Traits::SmemLayoutKV{}); }    // (kBlockN, kHeadDim)
-    __forceinline__ __device__ auto sV(int s) const { return smem(k_stage(s) + Traits::kSmemKVElems, typename Traits::SmemLayoutKV{}); }  // (kBlockN, kHeadDim)
-    __forceinline__ __device__ auto sKt(int s) const { return smem(k_stage(s), typename Traits::SmemLayoutKt{}); }   // (kHeadDim, kBlockN)
+    __forceinline__ __device__ auto sK(int s) const {
+        return smem(k_stage(s), typename Traits::SmemLayoutKV{});
+    }    // (kBlockN, kHeadDim)
+    __forceinline__ __device__ auto sV(int s) const {
+        return smem(k_stage(s) + Traits::kSmemKVElems, typename Traits::SmemLayoutKV{});
+    }  // (kBlockN, kHeadDim)
+    __forceinline__ __device__ auto sKt(int s) const {
+        return smem(k_stage(s), typename Traits::SmemLayoutKt{});
+    }   // (kHeadDim, kBlockN)
 
     // Block `block` of kRows rows of two (seqlen, head_dim) views, mA and mB, into the shared-memory tiles sA and
     // sB with GmemTiledCopy; rows past seqlen and columns past head_dim read as 0.
@@ -158,7 +174,8 @@ struct BwdSm90Block {
         auto gmem_thr_copy = gmem_tiled_copy.get_thread_slice(thread);
         Tensor gA = local_tile(mA, Shape<Int<kRows>, Int<kHeadDim>>{}, make_coord(block, 0));  // (kRows, kHeadDim)
         Tensor gB = local_tile(mB, Shape<Int<kRows>, Int<kHeadDim>>{}, make_coord(block, 0));  // (kRows, kHeadDim)
-        Tensor tAcA = gmem_thr_copy.partition_S(make_identity_tensor(Shape<Int<kRows>, Int<kHeadDim>>{}));  // (CPY, CPY_R, CPY_K)
+        Tensor tAcA = gmem_thr_copy.partition_S(
+            make_identity_tensor(Shape<Int<kRows>, Int<kHeadDim>>{}));  // (CPY, CPY_R, CPY_K)
         Tensor tAsA = gmem_thr_copy.partition_D(sA);  // (CPY, CPY_R, CPY_K)
         Tensor tBsB = gmem_thr_copy.partition_D(sB);  // (CPY, CPY_R, CPY_K)
         const int rows_left = seqlen - block * kRows;
@@ -168,15 +185,16 @@ struct BwdSm90Block {
 
     // K and V of key block n into K/V stage s.
     __forceinline__ __device__ void load_kv(const BwdParams& params, int n, int s, int thread) const {
-        load_pair<typename Traits::GmemTiledCopyLoad, kBlockN>(
-            binfo.k_view<Element>(params, batch_idx, head_idx_k), binfo.v_view<Element>(params, batch_idx, head_idx_k),
-            n, sK(s), sV(s), binfo.seqlen_k, params.head_dim, thread);
+        load_pair<typename Traits::GmemTiledCopyLoad, kBlockN>(binfo.k_view<Element>(params, batch_idx, head_idx_k),
+                                                               binfo.v_view<Element>(params, batch_idx, head_idx_k), n,
+                                                               sK(s), sV(s), binfo.seqlen_k, params.head_dim, thread);
     }
 
     // Q, dO, LSE and D of step `step` into stage. Rows past seqlen_q read as 0, LSE and D included: with
     // zero Q and dO rows that gives P = 1 and dS = 0 there, so nothing reaches dV, dK or a stored dQ row,
     // and the kernels need no query-end mask.
-    __forceinline__ __device__ void load_q_do(const BwdParams& params, const BwdStep& step, int stage, int thread) const {
+    __forceinline__ __device__ void load_q_do(const BwdParams& params, const BwdStep& step, int stage,
+                                              int thread) const {
         const int head_idx = step.head;
         const int m_block = step.m_block;
         load_pair<typename Traits::GmemTiledCopyQ, kBlockM>(
@@ -203,7 +221,9 @@ struct BwdSm90Block {
     }
 
     // Whether the CTA has a key block after the current one.
-    __forceinline__ __device__ bool has_next_key_block() const { return Traits::kStagesKV > 1 && n_block + 1 < n_block_stop; }
+    __forceinline__ __device__ bool has_next_key_block() const {
+        return Traits::kStagesKV > 1 && n_block + 1 < n_block_stop;
+    }
 
     // Starts loading the next key block's K and V into the other K/V stage, as its own cp.async group, once
     // every warpgroup is done with the key block that used that stage last. Called before the current key
@@ -244,16 +264,17 @@ struct BwdSm90Block {
     // Query head head_idx's dQ accumulator as (kBlockM, kHeadDim) tiles.
     __forceinline__ __device__ auto gdQaccum(const BwdParams& params, int head_idx) const {
         float* dq_head = params.dq_accum_ptr + binfo.dq_accum_row(params, batch_idx, head_idx) * kHeadDim;
-        return make_tensor(make_gmem_ptr(dq_head),
-                           make_layout(make_shape(Int<kBlockM>{}, Int<kHeadDim>{}, m_block_end),
-                                       make_stride(Int<kHeadDim>{}, _1{}, Int<kBlockM * kHeadDim>{})));  // (kBlockM, kHeadDim, m)
+        return make_tensor(
+            make_gmem_ptr(dq_head),
+            make_layout(make_shape(Int<kBlockM>{}, Int<kHeadDim>{}, m_block_end),
+                        make_stride(Int<kHeadDim>{}, _1{}, Int<kBlockM * kHeadDim>{})));  // (kBlockM, kHeadDim, m)
     }
 
     // Adds step's dQ (acc_dq, partitioned by thr_mma_dq) into dq_accum, skipping the rows past seqlen_q: with
     // short queries every key block's CTA would otherwise add a block of mostly zero rows into the same L2
     // lines. A test of each value's row, which folds to a few compares per step (a thread holds two rows of
     // each 64-row wgmma tile, or four query columns of a transposed one); testing the values for zero instead
-    // cost the anchor shapes 2-4% (perf log 31).
+    // (a compare and a select per pair in every step) cost the anchor shapes 1-3%.
     // acc_dq is (kBlockM, kHeadDim), added a pair of adjacent columns at a time, or with
     // Traits::kDqTransposed (kHeadDim, kBlockM), whose adjacent values lie in different rows of dq_accum.
     template <class ThrMma, class Acc>
@@ -265,12 +286,14 @@ struct BwdSm90Block {
             Tensor gdQt = make_tensor(gdQ.data(), make_layout(Shape<Int<kHeadDim>, Int<kBlockM>>{},
                                                               Stride<_1, Int<kHeadDim>>{}));  // (kHeadDim, kBlockM)
             Tensor tdQgdQ = thr_mma_dq.partition_C(gdQt);  // (MMA, MMA_D, MMA_M)
-            Tensor tdQcdQ = thr_mma_dq.partition_C(make_identity_tensor(Shape<Int<kHeadDim>, Int<kBlockM>>{}));  // (MMA, MMA_D, MMA_M)
+            Tensor tdQcdQ = thr_mma_dq.partition_C(
+                make_identity_tensor(Shape<Int<kHeadDim>, Int<kBlockM>>{}));  // (MMA, MMA_D, MMA_M)
             CUTE_UNROLL
             for (int i = 0; i < size(acc_dq); ++i) { red_add_if(get<1>(tdQcdQ(i)) < rows_left, &tdQgdQ(i), acc_dq(i)); }
         } else {
             Tensor tdQgdQ = thr_mma_dq.partition_C(gdQ);  // (MMA, MMA_M, MMA_D)
-            Tensor tdQcdQ = thr_mma_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));  // (MMA, MMA_M, MMA_D)
+            Tensor tdQcdQ = thr_mma_dq.partition_C(
+                make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));  // (MMA, MMA_M, MMA_D)
             CUTE_UNROLL
             for (int i = 0; i < size(acc_dq); i += 2) {
                 red_add_pair_if(get<0>(tdQcdQ(i)) < rows_left, &tdQgdQ(i), acc_dq(i), acc_dq(i + 1));
@@ -281,8 +304,8 @@ struct BwdSm90Block {
     // Writes the key block's dK and dV. dK picks up the softmax scale here; dQ gets it when its fp32 buffer is
     // converted. Element outputs go through the current K/V buffer, which is free once every warpgroup's
     // GEMMs of the key block are done: stmatrix in, 16 B stores out. Stored straight from the accumulators
-    // (4 B per thread and store, half of each 32 B sector) they took most of a short-query CTA's time (perf
-    // log 34). fp32 outputs (GQA slices per query head) would not fit the buffer and keep the direct stores.
+    // (4 B per thread and store, half of each 32 B sector) they kept short-query CTAs waiting on a full store
+    // queue. fp32 outputs (GQA slices per query head) would not fit the buffer and keep the direct stores.
     template <class TiledMma, class Acc>
     __forceinline__ __device__ void store_dk_dv(const BwdParams& params, const TiledMma& mma_dkv, Acc& acc_dk,
                                                 Acc& acc_dv, int thread) const {
@@ -293,7 +316,8 @@ struct BwdSm90Block {
         if (params.dkv_fp32) {
             Tensor tdKVcdKV = thr_mma.partition_C(cdKV);  // (MMA, MMA_N, MMA_D)
             auto gdKV = [&](auto view) {
-                return local_tile(view, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));  // (kBlockN, kHeadDim)
+                return local_tile(view, Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                                  make_coord(n_block, 0));  // (kBlockN, kHeadDim)
             };
             Tensor gdK = gdKV(binfo.dk_view<float>(params, batch_idx, dkv_head));
             Tensor gdV = gdKV(binfo.dv_view<float>(params, batch_idx, dkv_head));
@@ -307,7 +331,9 @@ struct BwdSm90Block {
         for (int i = 0; i < size(acc_dk); ++i) { acc_dk(i) *= params.softmax_scale; }
         if constexpr (kVariants) {
             CUTE_UNROLL
-            for (int i = 0; i < size(acc_dv); ++i) { acc_dv(i) *= params.dropout_keep_scale; }  // it summed kept P unscaled
+            for (int i = 0; i < size(acc_dv); ++i) {
+                acc_dv(i) *= params.dropout_keep_scale;
+            }  // it summed kept P unscaled
         }
         Tensor rdK = convert_fragment<Element>(acc_dk);
         Tensor rdV = convert_fragment<Element>(acc_dv);
@@ -319,10 +345,10 @@ struct BwdSm90Block {
         typename Traits::GmemTiledCopyStore gmem_tiled_copy;
         auto gmem_thr_copy = gmem_tiled_copy.get_thread_slice(thread);
         Tensor tdKVcdKV = gmem_thr_copy.partition_D(cdKV);  // (CPY, CPY_N, CPY_D)
-        Tensor gdK = local_tile(binfo.dk_view<Element>(params, batch_idx, dkv_head), Shape<Int<kBlockN>, Int<kHeadDim>>{},
-                                make_coord(n_block, 0));  // (kBlockN, kHeadDim)
-        Tensor gdV = local_tile(binfo.dv_view<Element>(params, batch_idx, dkv_head), Shape<Int<kBlockN>, Int<kHeadDim>>{},
-                                make_coord(n_block, 0));  // (kBlockN, kHeadDim)
+        Tensor gdK = local_tile(binfo.dk_view<Element>(params, batch_idx, dkv_head),
+                                Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));  // (kBlockN, kHeadDim)
+        Tensor gdV = local_tile(binfo.dv_view<Element>(params, batch_idx, dkv_head),
+                                Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));  // (kBlockN, kHeadDim)
         copy_to_gmem(gmem_tiled_copy, gmem_thr_copy.partition_S(sK(kv_stage)), gmem_thr_copy.partition_D(gdK), tdKVcdKV,
                      k_rows_left(), params.head_dim);
         copy_to_gmem(gmem_tiled_copy, gmem_thr_copy.partition_S(sV(kv_stage)), gmem_thr_copy.partition_D(gdV), tdKVcdKV,
@@ -351,8 +377,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     const ScoreMod score_mod(params, blk.batch_idx, blk.binfo);
 
     Tensor sdSt = blk.smem(blk.scratch_base, typename Traits::SmemLayoutdSt{});  // (kBlockN, kBlockM)
-    Tensor sdS = blk.smem(blk.scratch_base, typename Traits::SmemLayoutdS{});    // (kBlockM, kBlockN)
-    Tensor cSt = make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{});      // (kBlockN, kBlockM)
+    Tensor sdS = blk.smem(blk.scratch_base, typename Traits::SmemLayoutdS{});  // (kBlockM, kBlockN)
+    Tensor cSt = make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{});  // (kBlockN, kBlockM)
 
     // S^T and dP^T, (kBlockN, kBlockM): A operands K and V are fixed per key block; B operands Q and dO
     // change per stage.
@@ -384,16 +410,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
             // Both score GEMMs are in flight together; P^T is computed while dP^T finishes.
             auto thr_mma_sdp = mma_sdp.get_thread_slice(loop_tidx);
-            Tensor acc_st = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});   // (MMA, MMA_N, MMA_M)
+            Tensor acc_st = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});  // (MMA, MMA_N, MMA_M)
             Tensor acc_dpt = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});  // (MMA, MMA_N, MMA_M)
-            Tensor tSrQ = thr_mma_sdp.make_fragment_B(thr_mma_sdp.partition_B(blk.sQ(stage)));    // (MMA, MMA_M, MMA_K)
+            Tensor tSrQ = thr_mma_sdp.make_fragment_B(thr_mma_sdp.partition_B(blk.sQ(stage)));  // (MMA, MMA_M, MMA_K)
             Tensor tSrdO = thr_mma_sdp.make_fragment_B(thr_mma_sdp.partition_B(blk.sdO(stage)));  // (MMA, MMA_M, MMA_K)
             warpgroup_gemm_issue</*kZeroInit=*/true>(mma_sdp, tSrK, tSrQ, acc_st);
             warpgroup_gemm_issue</*kZeroInit=*/true>(mma_sdp, tSrV, tSrdO, acc_dpt);
 
             // (key row, query column) of each accumulator value.
-            Tensor tStcSt = thr_mma_sdp.partition_C(cSt);                                            // (MMA, MMA_N, MMA_M)
-            Tensor tStcSt_rc = make_tensor(tStcSt.data(), gmma_acc_rowcol_layout(tStcSt.layout()));  // (key rows, query cols)
+            Tensor tStcSt = thr_mma_sdp.partition_C(cSt);  // (MMA, MMA_N, MMA_M)
+            Tensor tStcSt_rc = make_tensor(tStcSt.data(),
+                                           gmma_acc_rowcol_layout(tStcSt.layout()));  // (key rows, query cols)
             const TileMask<kBlockM, kBlockN, kCausal, kVariants> mask(blk.bounds, m_block, blk.n_block);
             const float* lse_stage = blk.s_lse + stage * kBlockM;
             const float* dsum_stage = blk.s_dsum + stage * kBlockM;
@@ -404,7 +431,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             const ScorePos pos{m_block * kBlockM, blk.n_block * kBlockN, step.head};
             auto lse_log2_of = [&](int col) { return lse_stage[col] * float(M_LOG2E); };
             compute_p</*kQueryIsRow=*/false, HideP::kInExp, kVariants>(st, tStcSt_rc, mask, score_mod, pos,
-                                                            params.softmax_scale_log2, lse_log2_of);
+                                                                       params.softmax_scale_log2, lse_log2_of);
             const Dropout step_dropout(params, blk.batch_idx, step.head);
             if (kVariants && step_dropout.active()) {
                 step_dropout.template apply</*kQueryIsRow=*/false, /*kNegate=*/true>(st, tStcSt_rc, pos.q0, pos.k0);
@@ -412,25 +439,28 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             Tensor rPt = convert_fragment_kept<Element>(acc_st, kVariants && step_dropout.active());
             Tensor tKVrPt = make_tensor(rPt.data(), gmma_acc_as_a_operand_layout(rPt.layout()));  // (MMA, MMA_N, MMA_K)
             auto thr_mma_dkv = mma_dkv.get_thread_slice(loop_tidx);
-            Tensor tKVrdOt = thr_mma_dkv.make_fragment_B(thr_mma_dkv.partition_B(blk.sdOt(stage)));  // (MMA, MMA_D, MMA_K)
+            Tensor tKVrdOt = thr_mma_dkv.make_fragment_B(
+                thr_mma_dkv.partition_B(blk.sdOt(stage)));  // (MMA, MMA_D, MMA_K)
             warpgroup_gemm_issue</*kZeroInit=*/false>(mma_dkv, tKVrPt, tKVrdOt, acc_dv);
 
             // dS^T = P^T (dP^T - D), the gradient of the scaled scores.
             warpgroup_wait_for<1>(acc_dpt);
             Tensor dpt = gmma_as_rowcol(acc_dpt);  // (key rows, query cols)
             compute_ds</*kQueryIsRow=*/false, kVariants>(dpt, st, tStcSt_rc, [&](int col) { return dsum_stage[col]; },
-                                              DsMods{score_mod, step.head}, pos, lse_log2_of);
+                                                         DsMods{score_mod, step.head}, pos, lse_log2_of);
             Tensor rdSt = convert_fragment<Element>(acc_dpt);
-            Tensor tKVrdSt = make_tensor(rdSt.data(), gmma_acc_as_a_operand_layout(rdSt.layout()));  // (MMA, MMA_N, MMA_K)
+            Tensor tKVrdSt = make_tensor(rdSt.data(),
+                                         gmma_acc_as_a_operand_layout(rdSt.layout()));  // (MMA, MMA_N, MMA_K)
 
             // dS^T to shared memory for the dQ GEMM, whose rows (queries) span both warpgroups' keys.
             auto smem_thr_copy_dst = smem_tiled_copy_dst.get_thread_slice(loop_tidx);
-            Tensor tdStrdSt = smem_thr_copy_dst.retile_S(rdSt);     // (CPY, CPY_N, CPY_M)
+            Tensor tdStrdSt = smem_thr_copy_dst.retile_S(rdSt);  // (CPY, CPY_N, CPY_M)
             Tensor tdStsdSt = smem_thr_copy_dst.partition_D(sdSt);  // (CPY, CPY_N, CPY_M)
             copy(smem_tiled_copy_dst, tdStrdSt, tdStsdSt);
             cutlass::arch::fence_view_async_shared();
 
-            Tensor tKVrQt = thr_mma_dkv.make_fragment_B(thr_mma_dkv.partition_B(blk.sQt(stage)));  // (MMA, MMA_D, MMA_K)
+            Tensor tKVrQt = thr_mma_dkv.make_fragment_B(
+                thr_mma_dkv.partition_B(blk.sQt(stage)));  // (MMA, MMA_D, MMA_K)
             warpgroup_gemm_issue</*kZeroInit=*/false>(mma_dkv, tKVrdSt, tKVrQt, acc_dk);
 
             __syncthreads();  // all of dS^T is in shared memory
@@ -439,16 +469,20 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             // writes would be undefined.
             auto dq_gemm = [&]() {
                 if constexpr (Traits::kDqTransposed) {
-                    Tensor tQrKt = thr_mma_dq.make_fragment_A(thr_mma_dq.partition_A(blk.sKt(kv_stage)));  // (MMA, MMA_D, MMA_K)
-                    Tensor tQrdS = thr_mma_dq.make_fragment_B(thr_mma_dq.partition_B(sdS));              // (MMA, MMA_M, MMA_K)
-                    Tensor acc = partition_fragment_C(mma_dq, Shape<Int<kHeadDim>, Int<kBlockM>>{});      // (MMA, MMA_D, MMA_M)
+                    Tensor tQrKt = thr_mma_dq.make_fragment_A(
+                        thr_mma_dq.partition_A(blk.sKt(kv_stage)));  // (MMA, MMA_D, MMA_K)
+                    Tensor tQrdS = thr_mma_dq.make_fragment_B(thr_mma_dq.partition_B(sdS));  // (MMA, MMA_M, MMA_K)
+                    Tensor acc = partition_fragment_C(mma_dq,
+                                                      Shape<Int<kHeadDim>, Int<kBlockM>>{});  // (MMA, MMA_D, MMA_M)
                     warpgroup_gemm_issue</*kZeroInit=*/true>(mma_dq, tQrKt, tQrdS, acc);
                     warpgroup_wait_for<0>(acc);
                     return acc;
                 } else {
-                    Tensor tQrdS = thr_mma_dq.make_fragment_A(thr_mma_dq.partition_A(sdS));              // (MMA, MMA_M, MMA_K)
-                    Tensor tQrKt = thr_mma_dq.make_fragment_B(thr_mma_dq.partition_B(blk.sKt(kv_stage)));  // (MMA, MMA_D, MMA_K)
-                    Tensor acc = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});      // (MMA, MMA_M, MMA_D)
+                    Tensor tQrdS = thr_mma_dq.make_fragment_A(thr_mma_dq.partition_A(sdS));  // (MMA, MMA_M, MMA_K)
+                    Tensor tQrKt = thr_mma_dq.make_fragment_B(
+                        thr_mma_dq.partition_B(blk.sKt(kv_stage)));  // (MMA, MMA_D, MMA_K)
+                    Tensor acc = partition_fragment_C(mma_dq,
+                                                      Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (MMA, MMA_M, MMA_D)
                     warpgroup_gemm_issue</*kZeroInit=*/true>(mma_dq, tQrdS, tQrKt, acc);
                     warpgroup_wait_for<0>(acc);
                     return acc;
@@ -486,10 +520,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
     Element* p_base = blk.scratch_base;
     Element* ds_base = blk.scratch_base + Traits::kSmemPElems;
-    Tensor sP = blk.smem(p_base, typename Traits::SmemLayoutP{});     // (kBlockM, kBlockN)
-    Tensor sdS = blk.smem(ds_base, typename Traits::SmemLayoutP{});   // (kBlockM, kBlockN)
-    Tensor sPt = blk.smem(p_base, typename Traits::SmemLayoutPt{});   // (kBlockN, kBlockM)
-    Tensor sdSt = blk.smem(ds_base, typename Traits::SmemLayoutPt{}); // (kBlockN, kBlockM)
+    Tensor sP = blk.smem(p_base, typename Traits::SmemLayoutP{});  // (kBlockM, kBlockN)
+    Tensor sdS = blk.smem(ds_base, typename Traits::SmemLayoutP{});  // (kBlockM, kBlockN)
+    Tensor sPt = blk.smem(p_base, typename Traits::SmemLayoutPt{});  // (kBlockN, kBlockM)
+    Tensor sdSt = blk.smem(ds_base, typename Traits::SmemLayoutPt{});  // (kBlockN, kBlockM)
     Tensor cS = make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{});  // (kBlockM, kBlockN)
 
     // S and dP, (kBlockM, kBlockN), each warpgroup kBlockN / 2 keys.
@@ -513,17 +547,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         const int m_block = step.m_block;
 
         auto thr_mma_sdp = mma_sdp.get_thread_slice(loop_tidx);
-        Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});   // (MMA, MMA_M, MMA_N)
+        Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA, MMA_M, MMA_N)
         Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA, MMA_M, MMA_N)
-        Tensor tSrQ = thr_mma_sdp.make_fragment_A(thr_mma_sdp.partition_A(blk.sQ(stage)));    // (MMA, MMA_M, MMA_K)
+        Tensor tSrQ = thr_mma_sdp.make_fragment_A(thr_mma_sdp.partition_A(blk.sQ(stage)));  // (MMA, MMA_M, MMA_K)
         Tensor tSrdO = thr_mma_sdp.make_fragment_A(thr_mma_sdp.partition_A(blk.sdO(stage)));  // (MMA, MMA_M, MMA_K)
-        Tensor tSrK = thr_mma_sdp.make_fragment_B(thr_mma_sdp.partition_B(blk.sK(0)));        // (MMA, MMA_N, MMA_K)
-        Tensor tSrV = thr_mma_sdp.make_fragment_B(thr_mma_sdp.partition_B(blk.sV(0)));        // (MMA, MMA_N, MMA_K)
+        Tensor tSrK = thr_mma_sdp.make_fragment_B(thr_mma_sdp.partition_B(blk.sK(0)));  // (MMA, MMA_N, MMA_K)
+        Tensor tSrV = thr_mma_sdp.make_fragment_B(thr_mma_sdp.partition_B(blk.sV(0)));  // (MMA, MMA_N, MMA_K)
         warpgroup_gemm_issue</*kZeroInit=*/true>(mma_sdp, tSrQ, tSrK, acc_s);
         warpgroup_gemm_issue</*kZeroInit=*/true>(mma_sdp, tSrdO, tSrV, acc_dp);
 
         // (query row, key column) of each accumulator value.
-        Tensor tScS = thr_mma_sdp.partition_C(cS);                                          // (MMA, MMA_M, MMA_N)
+        Tensor tScS = thr_mma_sdp.partition_C(cS);  // (MMA, MMA_M, MMA_N)
         Tensor tScS_rc = make_tensor(tScS.data(), gmma_acc_rowcol_layout(tScS.layout()));  // (query rows, key cols)
         const TileMask<kBlockM, kBlockN, kCausal, kVariants> mask(blk.bounds, m_block, blk.n_block);
 
@@ -532,16 +566,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         Tensor s = gmma_as_rowcol(acc_s);  // (query rows, key cols)
         const ScorePos pos{m_block * kBlockM, blk.n_block * kBlockN, step.head};
         auto lse_log2_of = [&](int row) { return blk.s_lse[stage * kBlockM + row] * float(M_LOG2E); };
-        compute_p</*kQueryIsRow=*/true, HideP::kInExp, kVariants>(s, tScS_rc, mask, score_mod, pos, params.softmax_scale_log2,
-                                                       lse_log2_of);
+        compute_p</*kQueryIsRow=*/true, HideP::kInExp, kVariants>(s, tScS_rc, mask, score_mod, pos,
+                                                                  params.softmax_scale_log2, lse_log2_of);
         const Dropout step_dropout(params, blk.batch_idx, step.head);
         if (kVariants && step_dropout.active()) {
             step_dropout.template apply</*kQueryIsRow=*/true, /*kNegate=*/true>(s, tScS_rc, pos.q0, pos.k0);
         }
         warpgroup_wait_for<0>(acc_dp);
         Tensor dp = gmma_as_rowcol(acc_dp);  // (query rows, key cols)
-        compute_ds</*kQueryIsRow=*/true, kVariants>(dp, s, tScS_rc, [&](int row) { return blk.s_dsum[stage * kBlockM + row]; },
-                                         DsMods{score_mod, step.head}, pos, lse_log2_of);
+        compute_ds</*kQueryIsRow=*/true, kVariants>(dp, s, tScS_rc, [&](int row) {
+            return blk.s_dsum[stage * kBlockM + row];
+        }, DsMods{score_mod, step.head}, pos, lse_log2_of);
 
         // P and dS to shared memory: the next three GEMMs read them across both warpgroups' keys.
         auto smem_thr_copy_pds = smem_tiled_copy_pds.get_thread_slice(loop_tidx);
@@ -554,15 +589,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
         // dQ first, so its reduction into global memory overlaps the dV and dK GEMMs.
         auto thr_mma_dq = mma_dq.get_thread_slice(loop_tidx);
-        Tensor tQrdS = thr_mma_dq.make_fragment_A(thr_mma_dq.partition_A(sdS));        // (MMA, MMA_M, MMA_K)
+        Tensor tQrdS = thr_mma_dq.make_fragment_A(thr_mma_dq.partition_A(sdS));  // (MMA, MMA_M, MMA_K)
         Tensor tQrKt = thr_mma_dq.make_fragment_B(thr_mma_dq.partition_B(blk.sKt(0)));  // (MMA, MMA_D, MMA_K)
         Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (MMA, MMA_M, MMA_D)
         warpgroup_gemm_issue</*kZeroInit=*/true>(mma_dq, tQrdS, tQrKt, acc_dq);
         auto thr_mma_dkv = mma_dkv.get_thread_slice(loop_tidx);
-        Tensor tKVrPt = thr_mma_dkv.make_fragment_A(thr_mma_dkv.partition_A(sPt));                // (MMA, MMA_N, MMA_K)
-        Tensor tKVrdSt = thr_mma_dkv.make_fragment_A(thr_mma_dkv.partition_A(sdSt));              // (MMA, MMA_N, MMA_K)
+        Tensor tKVrPt = thr_mma_dkv.make_fragment_A(thr_mma_dkv.partition_A(sPt));  // (MMA, MMA_N, MMA_K)
+        Tensor tKVrdSt = thr_mma_dkv.make_fragment_A(thr_mma_dkv.partition_A(sdSt));  // (MMA, MMA_N, MMA_K)
         Tensor tKVrdOt = thr_mma_dkv.make_fragment_B(thr_mma_dkv.partition_B(blk.sdOt(stage)));  // (MMA, MMA_D, MMA_K)
-        Tensor tKVrQt = thr_mma_dkv.make_fragment_B(thr_mma_dkv.partition_B(blk.sQt(stage)));    // (MMA, MMA_D, MMA_K)
+        Tensor tKVrQt = thr_mma_dkv.make_fragment_B(thr_mma_dkv.partition_B(blk.sQt(stage)));  // (MMA, MMA_D, MMA_K)
         warpgroup_gemm_issue</*kZeroInit=*/false>(mma_dkv, tKVrPt, tKVrdOt, acc_dv);
         warpgroup_gemm_issue</*kZeroInit=*/false>(mma_dkv, tKVrdSt, tKVrQt, acc_dk);
         warpgroup_wait_for<2>(acc_dq);

@@ -45,7 +45,9 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const __grid_constant
         lse_s[i] = s < num_splits ? params.lse_accum_ptr[row_idx + s * split_stride] : -INFINITY;
         lse_max = fmaxf(lse_max, lse_s[i]);
     }
-    for (int offset = 16; offset > 0; offset /= 2) { lse_max = fmaxf(lse_max, __shfl_xor_sync(0xffffffff, lse_max, offset)); }
+    for (int offset = 16; offset > 0; offset /= 2) {
+        lse_max = fmaxf(lse_max, __shfl_xor_sync(0xffffffff, lse_max, offset));
+    }
     // Every split saw no key for this row: the flash-attn convention is output 0 and LSE +inf.
     const bool empty = lse_max == -INFINITY;
     float sum = 0.f;
@@ -54,9 +56,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const __grid_constant
     for (int offset = 16; offset > 0; offset /= 2) { sum += __shfl_xor_sync(0xffffffff, sum, offset); }
     const float lse = empty ? INFINITY : lse_max + logf(sum);
 #pragma unroll
-    for (int i = 0; i < kSplitsPerLane; ++i) {
-        s_weight[warp][lane + 32 * i] = empty ? 0.f : expf(lse_s[i] - lse);
-    }
+    for (int i = 0; i < kSplitsPerLane; ++i) { s_weight[warp][lane + 32 * i] = empty ? 0.f : expf(lse_s[i] - lse); }
     __syncwarp();
 
     const BlockInfo binfo(params, b);
@@ -71,7 +71,8 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const __grid_constant
         for (int s = 0; s < num_splits; ++s) {
             const float w = s_weight[warp][s];
             if (w == 0.f) { continue; }  // no key in this split (or a negligible one): skip its loads
-            const auto part = *reinterpret_cast<const cutlass::Array<float, kVec>*>(o_partial + s * o_split_stride + col);
+            const auto part = *reinterpret_cast<const cutlass::Array<float, kVec>*>(o_partial + s * o_split_stride +
+                                                                                    col);
 #pragma unroll
             for (int j = 0; j < kVec; ++j) { acc[j] += w * part[j]; }
         }

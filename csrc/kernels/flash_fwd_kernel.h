@@ -134,7 +134,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const _
         Tensor scores = as_rowcol(acc_s);  // (rows, kBlockN cols)
         if constexpr (kVariants) {
             apply_score_mod</*kQueryIsRow=*/true>(score_mod, scores, tScS_rc,
-                                                   {m_block * kBlockM, n_block * kBlockN, tile.head_idx});
+                                                  {m_block * kBlockM, n_block * kBlockN, tile.head_idx});
         }
         if constexpr (kMasked) {
             const TileMask<kBlockM, kBlockN, kCausal, kVariants> mask(bounds, m_block, n_block);
@@ -152,7 +152,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const _
         // Dropout after the row sums, which are those of the undropped softmax (the LSE's).
         if (kVariants && dropout.active()) {
             dropout.template apply</*kQueryIsRow=*/true, /*kNegate=*/false>(scores, tScS_rc, m_block * kBlockM,
-                                                                           n_block * kBlockN);
+                                                                            n_block * kBlockN);
         }
         Tensor rP = convert_fragment<Element>(acc_s);
         Tensor tOrP = make_tensor(rP.data(), acc_as_a_operand_layout(rP.layout()));  // (MMA, MMA_M, MMA_K)
@@ -160,9 +160,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const _
     };
     // A window's left edge masks the last blocks visited too, so the variants kernel checks in every step. In the
     // plain kernels a mask checked in every step was compiled into predicated instructions that every step issued.
-    visit_masked_first</*kStep=*/-1, /*kSplit=*/!kVariants>(
-        n_block, n_block_begin - 1,
-        [&](int n) { return TileMask<kBlockM, kBlockN, kCausal, kVariants>(bounds, m_block, n).needs_mask(); }, step);
+    visit_masked_first</*kStep=*/-1, /*kSplit=*/!kVariants>(n_block, n_block_begin - 1, [&](int n) {
+        return TileMask<kBlockM, kBlockN, kCausal, kVariants>(bounds, m_block, n).needs_mask();
+    }, step);
 
     // Epilogue: normalize once, stage O through shared memory (Q's buffer) for 16 B global stores; a
     // split-KV CTA writes its fp32 partials instead.

@@ -99,9 +99,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kCtasPerSm)
         if constexpr (kVariants) {
             if (params.block_table_ptr != nullptr) {
                 // Unrolled with one warpgroup: the 128-row tiles spill with it (80 bytes at head dim 128).
-                tile.template copy_paged<true, true, Traits::kNWarpgroups == 1>(params, gmem_tiled_copy,
-                                                                                tKgK(_, _, _, 0), tKsK, tVsV, tKVcKV,
-                                                                                n_block);
+                tile.template copy_paged<true, true, Traits::kNWarpgroups == 1>(
+                    params, gmem_tiled_copy, tKgK(_, _, _, 0), tKsK, tVsV, tKVcKV, n_block);
                 return;
             }
         }
@@ -142,12 +141,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kCtasPerSm)
     // K and V and meets the barriers. That skips every block for a warpgroup whose rows all lie past the
     // sequence end (decoding and other short queries fill one warpgroup at most), and, causal, the blocks
     // right of its part of the diagonal, which come first. Decided once, outside the loops: a branch inside
-    // the main loop cost the anchor shapes 3-6% (perf log 26).
+    // the main loop changed its register allocation and cost the anchor shapes 3-6%.
     // A window's left edge likewise ends a warpgroup's own blocks above n_block_begin.
     const int wg_row0 = tidx / 128 * 64;
     const bool wg_has_rows = wg_row0 < q_rows_left;
-    const int n_block_end_wg =
-        wg_has_rows ? min(n_block_end, bounds.n_block_end_for_rows(m_block * kBlockM + wg_row0 + 63)) : n_block_begin;
+    const int n_block_end_wg = wg_has_rows
+                                   ? min(n_block_end, bounds.n_block_end_for_rows(m_block * kBlockM + wg_row0 + 63))
+                                   : n_block_begin;
     const int n_block_begin_wg = kVariants && wg_has_rows
                                      ? max(n_block_begin, bounds.n_block_begin_for_rows(m_block * kBlockM + wg_row0))
                                      : n_block_begin;
@@ -158,13 +158,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kCtasPerSm)
         advance_pipeline(n_block, stage);
 
         Tensor tSrK = thr_mma_s.make_fragment_B(thr_mma_s.partition_B(sK_stage(stage)));  // (MMA, MMA_N, MMA_K)
-        Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});   // (MMA, MMA_M, MMA_N)
+        Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA, MMA_M, MMA_N)
         warpgroup_gemm</*kZeroInit=*/true>(mma_s, tSrQ, tSrK, acc_s);
 
         Tensor scores = gmma_as_rowcol(acc_s);  // (rows, kBlockN cols)
         if constexpr (kVariants) {
             apply_score_mod</*kQueryIsRow=*/true>(score_mod, scores, tScS_rc,
-                                                   {m_block * kBlockM, n_block * kBlockN, tile.head_idx});
+                                                  {m_block * kBlockM, n_block * kBlockN, tile.head_idx});
         }
         const TileMask<kBlockM, kBlockN, kCausal, kVariants> mask(bounds, m_block, n_block);
         if (mask.needs_mask()) { mask.template apply</*kQueryIsRow=*/true>(scores, tScS_rc); }
@@ -172,7 +172,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kCtasPerSm)
         // Dropout after the row sums, which are those of the undropped softmax (the LSE's).
         if (kVariants && dropout.active()) {
             dropout.template apply</*kQueryIsRow=*/true, /*kNegate=*/false>(scores, tScS_rc, m_block * kBlockM,
-                                                                           n_block * kBlockN);
+                                                                            n_block * kBlockN);
         }
 
         Tensor rP = convert_fragment<Element>(acc_s);

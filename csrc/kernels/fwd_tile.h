@@ -154,11 +154,10 @@ struct FwdTile {
     // sO: the (kBlockM, kHeadDim) staging tile in shared memory (Q's buffer); stage_o(): writes the thread's
     // output values (converted to the element type) into sO, the one step the two kernels do differently. A
     // split-KV CTA writes its fp32 partials instead.
-    template <class GmemTiledCopyO, class AccTensor, class CoordTensor, class LseTensor, class SmemTensor,
-              class StageO>
+    template <class GmemTiledCopyO, class AccTensor, class CoordTensor, class LseTensor, class SmemTensor, class StageO>
     __forceinline__ __device__ void epilogue(const FwdParams& params, const AccTensor& acc_o_rc,
-                                             const CoordTensor& coords_rc, const LseTensor& lse,
-                                             const SmemTensor& sO, StageO stage_o, int tidx) const {
+                                             const CoordTensor& coords_rc, const LseTensor& lse, const SmemTensor& sO,
+                                             StageO stage_o, int tidx) const {
         cp_async_wait<0>();  // Q may still be in flight when no key block was visited.
         if (is_split(params)) {
             write_partial(params, acc_o_rc, coords_rc, lse);
@@ -196,7 +195,8 @@ struct FwdTile {
                                                   const CoordTensor& coords_rc, const LseTensor& lse) const {
         static_assert(decltype(size<1>(acc_o_rc))::value % 2 == 0);
         const index_t row0 = ((index_t(split_idx(params)) * params.batch + batch_idx) * params.num_heads + head_idx) *
-                                 index_t(params.seqlen_q) + m_block * kBlockM;
+                                 index_t(params.seqlen_q) +
+                             m_block * kBlockM;
         const int rows_left = q_rows_left();
         const bool writes_lse = get<1>(coords_rc(0, 0)) == 0;  // the thread holding each row's first column
         // One 64-bit base and 32-bit offsets inside the tile keep the address arithmetic light while all
@@ -211,8 +211,8 @@ struct FwdTile {
             for (int c = 0; c < size<1>(acc_o_rc); c += 2) {
                 const int col = get<1>(coords_rc(r, c));
                 if (col < params.head_dim) {
-                    *reinterpret_cast<float2*>(o_tile + row * params.head_dim + col) =
-                        make_float2(acc_o_rc(r, c), acc_o_rc(r, c + 1));
+                    *reinterpret_cast<float2*>(o_tile + row * params.head_dim + col) = make_float2(acc_o_rc(r, c),
+                                                                                                   acc_o_rc(r, c + 1));
                 }
             }
             if (writes_lse) { lse_tile[row] = lse(r) == INFINITY ? -INFINITY : lse(r); }
@@ -226,7 +226,8 @@ struct FwdTile {
         using Element = typename SmemTensor::value_type;
         constexpr int kHeadDim = decltype(size<1>(sO))::value;
         Tensor mO = binfo.o_view<Element>(params, batch_idx, head_idx);  // (seqlen_q, head_dim)
-        Tensor gO = local_tile(mO, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));  // (kBlockM, kHeadDim)
+        Tensor gO = local_tile(mO, Shape<Int<kBlockM>, Int<kHeadDim>>{},
+                               make_coord(m_block, 0));  // (kBlockM, kHeadDim)
         Tensor cO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (kBlockM, kHeadDim)
         GmemTiledCopyO gmem_tiled_copy_O;
         auto gmem_thr_copy_O = gmem_tiled_copy_O.get_thread_slice(tidx);

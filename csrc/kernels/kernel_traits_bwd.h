@@ -50,7 +50,8 @@ struct BwdKernelTraits {
     static_assert(kDqChunk % (16 * BwdWarpTiling<MmaAtom, kBlockM, kHeadDim>::kWarpsN) == 0);
 
     using SmemAtomD = typename FwdKernelTraits<Element, kHeadDim, 64, 64, 4>::SmemLayoutAtom;  // rows of head_dim
-    using SmemAtomN = decltype(composition(Swizzle<3, 3, 3>{}, Layout<Shape<_8, _64>, Stride<_64, _1>>{}));  // rows of keys
+    using SmemAtomN = decltype(composition(Swizzle<3, 3, 3>{},
+                                           Layout<Shape<_8, _64>, Stride<_64, _1>>{}));  // rows of keys
 
     using SmemLayoutQ = decltype(tile_to_shape(SmemAtomD{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));   // also dO
     using SmemLayoutKV = decltype(tile_to_shape(SmemAtomD{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));  // K and V
@@ -83,7 +84,8 @@ struct BwdKernelTraits {
     static constexpr int kGmemThreadsPerRow = FwdKernelTraits<Element, kHeadDim, 64, 64, 4>::kGmemThreadsPerRow;
     using GmemTiledCopyLoad = decltype(make_tiled_copy(
         Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint128_t>, Element>{},
-        Layout<Shape<Int<kNThreads / kGmemThreadsPerRow>, Int<kGmemThreadsPerRow>>, Stride<Int<kGmemThreadsPerRow>, _1>>{},
+        Layout<Shape<Int<kNThreads / kGmemThreadsPerRow>, Int<kGmemThreadsPerRow>>,
+               Stride<Int<kGmemThreadsPerRow>, _1>>{},
         Layout<Shape<_1, _8>>{}));
 };
 

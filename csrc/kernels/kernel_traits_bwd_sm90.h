@@ -80,15 +80,17 @@ constexpr int kBwdNarrowSmemRowElems = kHeadDim % 64 == 0 ? 64 : 16;
 template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kNWarpgroups, bool kTransposed>
 auto bwd_sm90_tiled_mma_dq() {
     if constexpr (kTransposed) {
-        return make_tiled_mma(SM90::GMMA::ss_op_selector<Element, Element, float,
-                                                         Shape<Int<kHeadDim / kNWarpgroups>, Int<kBlockM>, Int<kBlockN>>,
-                                                         GMMA::Major::MN, GMMA::Major::MN>(),
-                              Layout<Shape<Int<kNWarpgroups>, _1, _1>>{});
+        return make_tiled_mma(
+            SM90::GMMA::ss_op_selector<Element, Element, float,
+                                       Shape<Int<kHeadDim / kNWarpgroups>, Int<kBlockM>, Int<kBlockN>>, GMMA::Major::MN,
+                                       GMMA::Major::MN>(),
+            Layout<Shape<Int<kNWarpgroups>, _1, _1>>{});
     } else {
-        return make_tiled_mma(SM90::GMMA::ss_op_selector<Element, Element, float,
-                                                         Shape<Int<kBlockM>, Int<kHeadDim / kNWarpgroups>, Int<kBlockN>>,
-                                                         GMMA::Major::MN, GMMA::Major::MN>(),
-                              Layout<Shape<_1, Int<kNWarpgroups>, _1>>{});
+        return make_tiled_mma(
+            SM90::GMMA::ss_op_selector<Element, Element, float,
+                                       Shape<Int<kBlockM>, Int<kHeadDim / kNWarpgroups>, Int<kBlockN>>, GMMA::Major::MN,
+                                       GMMA::Major::MN>(),
+            Layout<Shape<_1, Int<kNWarpgroups>, _1>>{});
     }
 }
 
@@ -118,13 +120,16 @@ struct BwdSm90KernelTraits
         SM90::GMMA::rs_op_selector<Element, Element, ElementAccum, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kBlockM>>,
                                    GMMA::Major::K, GMMA::Major::MN>(),
         typename Base::KeysAlongM{}));
-    using TiledMmadQ = decltype(bwd_sm90_tiled_mma_dq<Element, kHeadDim, kBlockM, kBlockN, Base::kNWarpgroups, kDqTransposed>());
+    using TiledMmadQ =
+        decltype(bwd_sm90_tiled_mma_dq<Element, kHeadDim, kBlockM, kBlockN, Base::kNWarpgroups, kDqTransposed>());
 
     // dS^T rows are kBlockM queries: 128 B of them at 64, 32 B at 16.
-    using SmemAtomdSt = std::conditional_t<kBlockM == 64, GMMA::Layout_K_SW128_Atom<Element>, GMMA::Layout_K_SW32_Atom<Element>>;
+    using SmemAtomdSt =
+        std::conditional_t<kBlockM == 64, GMMA::Layout_K_SW128_Atom<Element>, GMMA::Layout_K_SW32_Atom<Element>>;
     using SmemLayoutdSt = decltype(tile_to_shape(SmemAtomdSt{}, Shape<Int<kBlockN>, Int<kBlockM>>{}));  // dS^T
     using SmemLayoutdS = decltype(composition(
-        SmemLayoutdSt{}, make_layout(Shape<Int<kBlockM>, Int<kBlockN>>{}, Stride<Int<kBlockN>, _1>{})));  // (kBlockM, kBlockN)
+        SmemLayoutdSt{},
+        make_layout(Shape<Int<kBlockM>, Int<kBlockN>>{}, Stride<Int<kBlockN>, _1>{})));  // (kBlockM, kBlockN)
     // dS^T registers -> shared memory: stmatrix writes 8x8 tiles whose 16 B rows hold 8 consecutive queries.
     using SmemCopyAtomdSt = Copy_Atom<SM90_U32x4_STSM_N, Element>;
 
@@ -141,7 +146,7 @@ struct BwdSm90KernelTraits
     // Two K/V buffers: a CTA that walks several key blocks (BwdParams::key_blocks_per_cta) loads the next
     // block's K and V while it finishes this one. The second lies past everything else, from a 1 KiB boundary
     // (where swizzle atoms repeat), so that a launch of one key block per CTA keeps the smaller carve-out it
-    // had before (kSmemBytesOneKV; perf log 29).
+    // had before (kSmemBytesOneKV); the larger carve-out serves only CTAs that walk several key blocks.
     static constexpr int kStagesKV = 2;
     static constexpr int kSmemBytesOneKV = (Base::smem_bytes(kSmemScratchElems) + 1023) / 1024 * 1024;
     static constexpr int kSmemBytes = kSmemBytesOneKV + 2 * Base::kSmemKVElems * int(sizeof(Element));
@@ -153,7 +158,9 @@ struct BwdSm90KernelTraits
 // dK += dS^T Q and dQ = dS K, so each holds dK and dV of all kBlockN keys over half the head dim.
 // The widest atom whose rows tile each warpgroup's half of the head dim (80, 96, 112 or 128 columns).
 template <int kHeadDim>
-constexpr int kBwdWideSmemRowElems = (kHeadDim / 2) % 64 == 0 ? 64 : (kHeadDim / 2) % 32 == 0 ? 32 : 16;
+constexpr int kBwdWideSmemRowElems = (kHeadDim / 2) % 64 == 0   ? 64
+                                     : (kHeadDim / 2) % 32 == 0 ? 32
+                                                                : 16;
 
 template <typename Element_, int kHeadDim_>
 struct BwdSm90WideKernelTraits : BwdSm90BaseTraits<Element_, kHeadDim_, 64, 64, kBwdWideSmemRowElems<kHeadDim_>> {
@@ -169,7 +176,8 @@ struct BwdSm90WideKernelTraits : BwdSm90BaseTraits<Element_, kHeadDim_, 64, 64, 
 
     // S and dP: (kBlockM, kBlockN), operands K-major in shared memory.
     using TiledMmaSdP = decltype(make_tiled_mma(
-        SM90::GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<Int<kBlockM>, Int<kBlockN / 2>, Int<kHeadDim>>>(),
+        SM90::GMMA::ss_op_selector<Element, Element, ElementAccum,
+                                   Shape<Int<kBlockM>, Int<kBlockN / 2>, Int<kHeadDim>>>(),
         typename Base::SplitN{}));
     // dV and dK: (kBlockN, kHeadDim); A = P^T or dS^T (key contiguous), B = dO^T or Q^T (head dim contiguous).
     using TiledMmadKV = decltype(make_tiled_mma(
@@ -185,7 +193,8 @@ struct BwdSm90WideKernelTraits : BwdSm90BaseTraits<Element_, kHeadDim_, 64, 64, 
     using SmemLayoutP = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
                                                Shape<Int<kBlockM>, Int<kBlockN>>{}));  // P and dS
     using SmemLayoutPt = decltype(composition(
-        SmemLayoutP{}, make_layout(Shape<Int<kBlockN>, Int<kBlockM>>{}, Stride<Int<kBlockM>, _1>{})));  // (kBlockN, kBlockM)
+        SmemLayoutP{},
+        make_layout(Shape<Int<kBlockN>, Int<kBlockM>>{}, Stride<Int<kBlockM>, _1>{})));  // (kBlockN, kBlockM)
     // P and dS registers -> shared memory with stmatrix (16 B rows of 8 consecutive keys).
     using SmemCopyAtomPdS = Copy_Atom<SM90_U32x4_STSM_N, Element>;
 

@@ -28,8 +28,7 @@ struct FwdKernelTraits {
     static_assert(kBlockN % 16 == 0, "key block must be a multiple of the MMA's 16-column B tile");
 
     // Split-Q: warps tile the query rows only, so each warp owns its rows end to end.
-    using MmaAtom = std::conditional_t<std::is_same_v<Element, cutlass::half_t>,
-                                       MMA_Atom<SM80_16x8x16_F32F16F16F32_TN>,
+    using MmaAtom = std::conditional_t<std::is_same_v<Element, cutlass::half_t>, MMA_Atom<SM80_16x8x16_F32F16F16F32_TN>,
                                        MMA_Atom<SM80_16x8x16_F32BF16BF16F32_TN>>;
     using TiledMma = TiledMMA<MmaAtom, Layout<Shape<Int<kNWarps>, _1, _1>>, Tile<Int<16 * kNWarps>, _16, _16>>;
 
@@ -38,8 +37,7 @@ struct FwdKernelTraits {
     static constexpr int kSmemRowElems = kHeadDim % 64 == 0 ? 64 : 32;
     static constexpr int kSwizzleBits = kSmemRowElems == 64 ? 3 : 2;
     using SmemLayoutAtom = decltype(composition(
-        Swizzle<kSwizzleBits, 3, 3>{},
-        Layout<Shape<_8, Int<kSmemRowElems>>, Stride<Int<kSmemRowElems>, _1>>{}));
+        Swizzle<kSwizzleBits, 3, 3>{}, Layout<Shape<_8, Int<kSmemRowElems>>, Stride<Int<kSmemRowElems>, _1>>{}));
 
     using SmemLayoutQ = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
     using SmemLayoutKV = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
@@ -65,12 +63,11 @@ struct FwdKernelTraits {
     using GmemThreadLayout = Layout<Shape<Int<kNThreads / kGmemThreadsPerRow>, Int<kGmemThreadsPerRow>>,
                                     Stride<Int<kGmemThreadsPerRow>, _1>>;
     // Zero-filling cp.async: rows past the sequence end and columns past head_dim read as 0.
-    using GmemTiledCopyQKV = decltype(make_tiled_copy(
-        Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint128_t>, Element>{}, GmemThreadLayout{},
-        Layout<Shape<_1, Int<kGmemElemsPerAccess>>>{}));
-    using GmemTiledCopyO = decltype(make_tiled_copy(
-        Copy_Atom<UniversalCopy<uint128_t>, Element>{}, GmemThreadLayout{},
-        Layout<Shape<_1, Int<kGmemElemsPerAccess>>>{}));
+    using GmemTiledCopyQKV = decltype(make_tiled_copy(Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint128_t>, Element>{},
+                                                      GmemThreadLayout{},
+                                                      Layout<Shape<_1, Int<kGmemElemsPerAccess>>>{}));
+    using GmemTiledCopyO = decltype(make_tiled_copy(Copy_Atom<UniversalCopy<uint128_t>, Element>{}, GmemThreadLayout{},
+                                                    Layout<Shape<_1, Int<kGmemElemsPerAccess>>>{}));
 };
 
 }  // namespace flash

@@ -46,8 +46,8 @@ struct FwdSm90KernelTraits {
     // 8 rows of 64 elements with the 128 B swizzle where the head dim is a multiple of 64, else 8 rows of 32
     // elements with the 64 B swizzle (head dims 32, 96, 160, 224).
     static constexpr int kSmemRowElems = kHeadDim % 64 == 0 ? 64 : 32;
-    using SmemAtom = std::conditional_t<kSmemRowElems == 64, GMMA::Layout_K_SW128_Atom<Element>,
-                                        GMMA::Layout_K_SW64_Atom<Element>>;
+    using SmemAtom =
+        std::conditional_t<kSmemRowElems == 64, GMMA::Layout_K_SW128_Atom<Element>, GMMA::Layout_K_SW64_Atom<Element>>;
     using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
     using SmemLayoutKV = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
     // V viewed as (kHeadDim, kBlockN), the B operand of O += P V.
@@ -59,8 +59,9 @@ struct FwdSm90KernelTraits {
     static constexpr int kSmemKVElems = cosize_v<SmemLayoutKV>;
     // Q, then stages of (K, V): with three, two key blocks are in flight while one computes, which
     // memory-bound calls (decoding) need to keep the loads streaming; two where three do not fit.
-    static constexpr int kStagesKV =
-        (kSmemQElems + 6 * kSmemKVElems) * int(sizeof(Element)) * kCtasPerSm <= 227 * 1024 ? 3 : 2;
+    static constexpr int kStagesKV = (kSmemQElems + 6 * kSmemKVElems) * int(sizeof(Element)) * kCtasPerSm <= 227 * 1024
+                                         ? 3
+                                         : 2;
     static constexpr int kSmemBytes = (kSmemQElems + 2 * kStagesKV * kSmemKVElems) * int(sizeof(Element));
     static_assert(kSmemBytes * kCtasPerSm <= 227 * 1024, "sm_90 has 227 KiB of shared memory per SM for blocks");
 
@@ -69,10 +70,10 @@ struct FwdSm90KernelTraits {
     using GmemThreadLayout = Layout<Shape<Int<kNThreads / kGmemThreadsPerRow>, Int<kGmemThreadsPerRow>>,
                                     Stride<Int<kGmemThreadsPerRow>, _1>>;
     // Zero-filling cp.async: rows past the sequence end and columns past head_dim read as 0.
-    using GmemTiledCopyQKV = decltype(make_tiled_copy(
-        Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint128_t>, Element>{}, GmemThreadLayout{}, Layout<Shape<_1, _8>>{}));
-    using GmemTiledCopyO = decltype(make_tiled_copy(
-        Copy_Atom<UniversalCopy<uint128_t>, Element>{}, GmemThreadLayout{}, Layout<Shape<_1, _8>>{}));
+    using GmemTiledCopyQKV = decltype(make_tiled_copy(Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint128_t>, Element>{},
+                                                      GmemThreadLayout{}, Layout<Shape<_1, _8>>{}));
+    using GmemTiledCopyO = decltype(make_tiled_copy(Copy_Atom<UniversalCopy<uint128_t>, Element>{}, GmemThreadLayout{},
+                                                    Layout<Shape<_1, _8>>{}));
 };
 
 }  // namespace flash

@@ -18,9 +18,13 @@ __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162f
 template <typename Element>
 __device__ __forceinline__ Element from_float(float x);
 template <>
-__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+__device__ __forceinline__ __half from_float<__half>(float x) {
+    return __float2half_rn(x);
+}
 template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+    return __float2bfloat16_rn(x);
+}
 
 // Pair j of a head's head_dim / 2 pairs: the two elements it covers, and whether rotary mixes them. Rotated pairs
 // come first (j < rotary_dim / 2: elements (2j, 2j + 1) interleaved, (j, j + rotary_dim / 2) otherwise); the rest
@@ -68,8 +72,8 @@ __device__ __forceinline__ int cached_rows(const KVCachePrepParams& p, int b) {
 // Item ids run over the queries' pairs first (when rotating them), then the new keys' (each item also copies the
 // matching pair of the new values).
 template <typename Element>
-__global__ void __launch_bounds__(kThreads) kvcache_prep_kernel(const __grid_constant__ KVCachePrepParams p,
-                                                                 int64_t q_items, int64_t kv_items) {
+__global__ void __launch_bounds__(kThreads)
+    kvcache_prep_kernel(const __grid_constant__ KVCachePrepParams p, int64_t q_items, int64_t kv_items) {
     const int pairs = p.head_dim / 2;
     const bool rotary = p.cos_ptr != nullptr;
     for (int64_t item = int64_t(blockIdx.x) * kThreads + threadIdx.x; item < q_items + kv_items;
@@ -85,7 +89,8 @@ __global__ void __launch_bounds__(kThreads) kvcache_prep_kernel(const __grid_con
             const int b = int(rest / p.seqlen_q);
             const Element* src = static_cast<const Element*>(p.q_ptr) + b * p.q_strides[0] + i * p.q_strides[1] +
                                  h * p.q_strides[2];
-            Element* dst = static_cast<Element*>(p.q_rot_ptr) + ((int64_t(b) * p.seqlen_q + i) * p.num_heads + h) * p.head_dim;
+            Element* dst = static_cast<Element*>(p.q_rot_ptr) +
+                           ((int64_t(b) * p.seqlen_q + i) * p.num_heads + h) * p.head_dim;
             const int position = cached_rows(p, b) + (p.q_per_row_positions ? i : 0);
             write_pair(p, src, dst, j, position, rotary);
             continue;
@@ -109,8 +114,8 @@ __global__ void __launch_bounds__(kThreads) kvcache_prep_kernel(const __grid_con
             k_at = page * p.k_cache_strides[0] + in_page * p.k_cache_strides[1];
             v_at = page * p.v_cache_strides[0] + in_page * p.v_cache_strides[1];
         } else {
-            const int cache_b =
-                p.kv_batch_idx_ptr != nullptr ? min(max(p.kv_batch_idx_ptr[b], 0), p.kv_batches - 1) : b;
+            const int cache_b = p.kv_batch_idx_ptr != nullptr ? min(max(p.kv_batch_idx_ptr[b], 0), p.kv_batches - 1)
+                                                              : b;
             k_at = cache_b * p.k_cache_strides[0] + int64_t(row) * p.k_cache_strides[1];
             v_at = cache_b * p.v_cache_strides[0] + int64_t(row) * p.v_cache_strides[1];
         }
@@ -129,10 +134,12 @@ __global__ void __launch_bounds__(kThreads) kvcache_prep_kernel(const __grid_con
 
 cudaError_t run_kvcache_prep(const KVCachePrepParams& params, cudaStream_t stream) {
     const int64_t pairs = params.head_dim / 2;
-    const int64_t q_items =
-        params.q_rot_ptr != nullptr ? int64_t(params.batch) * params.seqlen_q * params.num_heads * pairs : 0;
-    const int64_t kv_items =
-        params.k_new_ptr != nullptr ? int64_t(params.batch) * params.seqlen_new * params.num_heads_k * pairs : 0;
+    const int64_t q_items = params.q_rot_ptr != nullptr
+                                ? int64_t(params.batch) * params.seqlen_q * params.num_heads * pairs
+                                : 0;
+    const int64_t kv_items = params.k_new_ptr != nullptr
+                                 ? int64_t(params.batch) * params.seqlen_new * params.num_heads_k * pairs
+                                 : 0;
     if (q_items + kv_items == 0) { return cudaSuccess; }
     // Enough CTAs to fill any GPU several times over; a grid-stride loop covers larger calls.
     const int64_t blocks = std::min<int64_t>((q_items + kv_items + kThreads - 1) / kThreads, 65536);

@@ -20,10 +20,10 @@ struct KVCachePrepParams {
     void* v_cache_ptr;
     int64_t k_cache_strides[3];  // batch row or page, row, head
     int64_t v_cache_strides[3];
-    const int* seqlens_ptr;        // (batch,) int32: where sequence b's new keys go (cache_seqlens); required to append
-    const int* kv_batch_idx_ptr;   // nullptr, or (batch,): the cache batch row of sequence b (clamped)
+    const int* seqlens_ptr;  // (batch,) int32: where sequence b's new keys go (cache_seqlens); required to append
+    const int* kv_batch_idx_ptr;  // nullptr, or (batch,): the cache batch row of sequence b (clamped)
     int kv_batches;
-    const int* block_table_ptr;    // nullptr, or (batch, max_pages) int32
+    const int* block_table_ptr;  // nullptr, or (batch, max_pages) int32
     int64_t block_table_batch_stride;
     int page_size;
     int num_pages;
@@ -38,7 +38,7 @@ struct KVCachePrepParams {
     const void* sin_ptr;
     int seqlen_ro;
     int rotary_dim;
-    bool interleaved;        // pairs (2i, 2i + 1) (GPT-J), else (i, i + rotary_dim / 2) (GPT-NeoX)
+    bool interleaved;  // pairs (2i, 2i + 1) (GPT-J), else (i, i + rotary_dim / 2) (GPT-NeoX)
     bool q_per_row_positions;  // query row i sits at cache_seqlens[b] + i (causal or local), else at cache_seqlens[b]
 
     int batch;

@@ -31,7 +31,7 @@ struct OnlineSoftmax {
     // correction of an unmoved row is exp2(0) = 1 exactly, so skipping changes no bit. In the mma.sync forward
     // ptxas predicates the rescale on the vote instead of branching around it, so its FMULs issue either way; but
     // it then interleaves them with the P V MMAs, and at head dim 128 that kernel spills half as much (84 bytes of
-    // stores against 176) and runs 2-7% faster than with the unconditional rescale (perf log 45). The vote is per
+    // stores against 176) and runs 2-7% faster than with the unconditional rescale, on an H200. The vote is per
     // warp, so a warp's lanes must hold whole rows, as in the mma.sync kernel.
     template <bool kSkipUnmoved = false, class ScoreTensor, class AccOTensor>
     __forceinline__ __device__ void update(ScoreTensor& scores, AccOTensor& acc_o) {

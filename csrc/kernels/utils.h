@@ -64,9 +64,9 @@ struct NoAfterK {
 // acc += A B^T with A and B in shared memory; the ldmatrix of k-slice i+1 is issued before the
 // MMAs of slice i so shared-memory latency hides behind tensor-core work. after_k(k) runs after the MMAs
 // of slice k, in the GEMM's basic block; ptxas still schedules it by its dependencies, so work that needs
-// nothing from the GEMM may be issued ahead of it (perf log 50).
-template <class TiledMma, class AccTensor, class RegA, class RegB, class SmemA, class SmemB, class CopyA,
-          class CopyB, class AfterK = NoAfterK>
+// nothing from the GEMM may be issued ahead of it; what the callback buys is one basic block, no branch between.
+template <class TiledMma, class AccTensor, class RegA, class RegB, class SmemA, class SmemB, class CopyA, class CopyB,
+          class AfterK = NoAfterK>
 __forceinline__ __device__ void gemm_smem_smem(const TiledMma& tiled_mma, AccTensor& acc, RegA& tCrA, RegB& tCrB,
                                                const SmemA& tCsA, const SmemB& tCsB, const CopyA& copy_a,
                                                const CopyB& copy_b, auto& tCrA_view, auto& tCrB_view,
@@ -86,9 +86,8 @@ __forceinline__ __device__ void gemm_smem_smem(const TiledMma& tiled_mma, AccTen
 
 // acc += A B^T with A already in registers and B in shared memory.
 template <class TiledMma, class AccTensor, class RegA, class RegB, class SmemB, class CopyB>
-__forceinline__ __device__ void gemm_reg_smem(const TiledMma& tiled_mma, AccTensor& acc, const RegA& tCrA,
-                                              RegB& tCrB, const SmemB& tCsB, const CopyB& copy_b,
-                                              auto& tCrB_view) {
+__forceinline__ __device__ void gemm_reg_smem(const TiledMma& tiled_mma, AccTensor& acc, const RegA& tCrA, RegB& tCrB,
+                                              const SmemB& tCsB, const CopyB& copy_b, auto& tCrB_view) {
     copy(copy_b, tCsB(_, _, _0{}), tCrB_view(_, _, _0{}));
     CUTE_UNROLL
     for (int k = 0; k < size<2>(tCrA); ++k) {

@@ -5,20 +5,16 @@
 
 namespace flash {
 
-bool wgmma_fwd_built() {
+FamilySet built_families([[maybe_unused]] Pass pass) {
+    // Every launcher holds its mma.sync kernel.
+    FamilySet families = FamilySet{}.with(KernelFamily::kMmaSync);
 #if defined(FLASH_ATTN2_SM90A) && !defined(FLASH_FWD_TILE_M)
-    return true;
-#else
-    return false;
+    if (pass == Pass::kFwd) { families = families.with(KernelFamily::kWgmma); }
 #endif
-}
-
-bool wgmma_bwd_built() {
 #if defined(FLASH_ATTN2_SM90A) && !defined(FLASH_BWD_TILE_M)
-    return true;
-#else
-    return false;
+    if (pass == Pass::kBwd) { families = families.with(KernelFamily::kWgmma); }
 #endif
+    return families;
 }
 
 }  // namespace flash

@@ -12,37 +12,40 @@
 
 namespace flash {
 
-// The mma.sync backward's tile per head dim (bwd_block_m, bwd_block_n in tile_size.h).
-template <int kHeadDim>
-struct BwdTileConfig {
-    static constexpr int kBlockM = bwd_block_m(kHeadDim);
-    static constexpr int kBlockN = bwd_block_n(kHeadDim);
-};
+// The tile set each family's backward launchers compile (tile_size.h).
+template <KernelFamily kFamily, int kHeadDim>
+constexpr TileSet kBwdTileSet = tile_set(kFamily, Pass::kBwd, kHeadDim, compiled_smem_budget(kFamily));
 
-// Tile-tuning builds (bench/tune_tiles.py --pass bwd) force one tile shape on every backward kernel.
+// The mma.sync backward's tile: the table's, or in tile-tuning builds (bench/tune_tiles.py --pass bwd) one
+// forced shape for every kernel.
+template <int kHeadDim, bool kCausal>
+constexpr TileShape bwd_mma_sync_tile() {
 #if defined(FLASH_BWD_TILE_M) && defined(FLASH_BWD_TILE_N)
-template <int kHeadDim>
-struct SelectedBwdTileConfig { static constexpr int kBlockM = FLASH_BWD_TILE_M, kBlockN = FLASH_BWD_TILE_N; };
+    return {FLASH_BWD_TILE_M, FLASH_BWD_TILE_N};
 #else
-template <int kHeadDim>
-using SelectedBwdTileConfig = BwdTileConfig<kHeadDim>;
+    return kBwdTileSet<KernelFamily::kMmaSync, kHeadDim>.tile_for(kCausal);
 #endif
+}
 
-// Hopper (sm_90a) warpgroup-MMA backward: 64 query rows by 128 keys up to head dim 128 (16 rows for short
-// queries at head dim 128), 64 by 64 (P and dS through shared memory) above. Deterministic mode runs the
-// mma.sync kernel.
+// Hopper (sm_90a) warpgroup-MMA backward: the narrow kernel up to head dim 128, the wide one above
+// (bwd_sm90_narrow). Deterministic mode runs the mma.sync kernel.
 enum class BwdSm90Kind { kNarrow, kWide };
 template <int kHeadDim>
-constexpr BwdSm90Kind kBwdSm90Kind = kHeadDim <= 128 ? BwdSm90Kind::kNarrow : BwdSm90Kind::kWide;
+constexpr BwdSm90Kind kBwdSm90Kind = bwd_sm90_narrow(kHeadDim) ? BwdSm90Kind::kNarrow : BwdSm90Kind::kWide;
 
-template <class Traits, auto kKernel>
+// Launches kKernel of Traits, whose tile is kTile of the wgmma set.
+template <class Traits, auto kKernel, TileShape kTile>
 cudaError_t launch_bwd_sm90(const BwdParams& params, cudaStream_t stream) {
-    static_assert(Traits::kBlockN == bwd_sm90_block_n(Traits::kHeadDim) &&
-                      (Traits::kBlockM == kBwdSm90BlockM ||
-                       (Traits::kBlockM == kBwdSm90ShortBlockM && bwd_sm90_has_short_query_tile(Traits::kHeadDim))),
-                  "the host sizes its grid decisions by them");
+    static_assert(Traits::kBlockM == kTile.block_m && Traits::kBlockN == kTile.block_n,
+                  "the host sizes its grid decisions by the table's tile");
     static_assert((Traits::kStagesKV > 1) == bwd_sm90_walks_key_blocks(Traits::kHeadDim),
                   "the host sets key_blocks_per_cta by it");
+    static_assert(sizeof(typename Traits::Element) == kElementBytes);
+    constexpr int kHeadDim = Traits::kHeadDim;
+    static_assert(Traits::kSmemBytesOneKV == bwd_wgmma_smem_bytes(kHeadDim, kTile.block_m, kTile.block_n, false) &&
+                      Traits::kSmemBytes ==
+                          bwd_wgmma_smem_bytes(kHeadDim, kTile.block_m, kTile.block_n, Traits::kStagesKV > 1),
+                  "the plans check a GPU's shared memory by the formula");
     if (params.key_blocks_per_cta < 1 || (Traits::kStagesKV == 1 && params.key_blocks_per_cta != 1)) {
         return cudaErrorNotSupported;
     }
@@ -57,28 +60,39 @@ cudaError_t launch_bwd_sm90(const BwdParams& params, cudaStream_t stream) {
 template <typename Element, int kHeadDim, bool kCausal, bool kVariants>
 cudaError_t run_bwd(const BwdParams& params, cudaStream_t stream) {
 #if defined(FLASH_ATTN2_SM90A) && !defined(FLASH_BWD_TILE_M)
-    if (params.use_wgmma && !params.deterministic) {
+    if (params.family == KernelFamily::kWgmma && !params.deterministic) {
+        constexpr TileSet kSet = kBwdTileSet<KernelFamily::kWgmma, kHeadDim>;
+        static_assert(kSet.exists(), "every compiled head dim has a wgmma tile set");
         if constexpr (kBwdSm90Kind<kHeadDim> == BwdSm90Kind::kNarrow) {
-            if constexpr (bwd_sm90_has_short_query_tile(kHeadDim)) {
+            if constexpr (kSet.short_tile.exists()) {
                 if (params.short_query_tiles) {
-                    using Traits = BwdSm90KernelTraits<Element, kHeadDim, kBwdSm90ShortBlockM, 128>;
-                    return launch_bwd_sm90<Traits, &flash_bwd_sm90_kernel<Traits, kCausal, kVariants>>(params, stream);
+                    constexpr TileShape kTile = kSet.short_tile;
+                    using Traits = BwdSm90KernelTraits<Element, kHeadDim, kTile.block_m, kTile.block_n>;
+                    return launch_bwd_sm90<Traits, &flash_bwd_sm90_kernel<Traits, kCausal, kVariants>, kTile>(params,
+                                                                                                              stream);
                 }
             }
-            using Traits = BwdSm90KernelTraits<Element, kHeadDim, kBwdSm90BlockM, 128>;
-            return launch_bwd_sm90<Traits, &flash_bwd_sm90_kernel<Traits, kCausal, kVariants>>(params, stream);
+            constexpr TileShape kTile = kSet.tile_for(kCausal);
+            using Traits = BwdSm90KernelTraits<Element, kHeadDim, kTile.block_m, kTile.block_n>;
+            return launch_bwd_sm90<Traits, &flash_bwd_sm90_kernel<Traits, kCausal, kVariants>, kTile>(params, stream);
         } else if constexpr (kBwdSm90Kind<kHeadDim> == BwdSm90Kind::kWide) {
             using Traits = BwdSm90WideKernelTraits<Element, kHeadDim>;
-            return launch_bwd_sm90<Traits, &flash_bwd_sm90_wide_kernel<Traits, kCausal, kVariants>>(params, stream);
+            return launch_bwd_sm90<Traits, &flash_bwd_sm90_wide_kernel<Traits, kCausal, kVariants>,
+                                   kSet.tile_for(kCausal)>(params, stream);
         }
     }
 #endif
     // Only the Hopper kernels walk several query heads or key blocks per CTA; the plan sets them only for
-    // those (wgmma_bwd_built()).
+    // those (built_families).
     if (params.heads_per_cta != 1 || params.key_blocks_per_cta != 1) { return cudaErrorNotSupported; }
-    using Config = SelectedBwdTileConfig<kHeadDim>;
-    static_assert(Config::kBlockM >= kBwdMinBlockM && Config::kBlockM <= kBwdMaxBlockM);
-    using Traits = BwdKernelTraits<Element, kHeadDim, Config::kBlockM, Config::kBlockN>;
+    constexpr TileShape kTile = bwd_mma_sync_tile<kHeadDim, kCausal>();
+    static_assert(kTile.block_m >= kBwdMinBlockM && kTile.block_m <= kBwdMaxBlockM);
+    using Traits = BwdKernelTraits<Element, kHeadDim, kTile.block_m, kTile.block_n>;
+    static_assert(sizeof(Element) == kElementBytes);
+    static_assert(Traits::kSmemLimitBytes == kBwdTileSet<KernelFamily::kMmaSync, kHeadDim>.smem_budget &&
+                      Traits::kSmemBytes ==
+                          bwd_mma_sync_smem_bytes(kHeadDim, kTile.block_m, kTile.block_n, Traits::kSmemLimitBytes),
+                  "the plans check a GPU's shared memory by the formula, for the budget the kernel is tuned for");
     // Key blocks along x: in deterministic mode a key block waits on its neighbour of the same (batch,
     // head) with the next lower CTA index, which must therefore be scheduled first.
     const dim3 grid((params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, params.batch, params.num_heads);

@@ -17,10 +17,30 @@ inline unsigned fwd_grid_x(const FwdParams& params, int block_m) {
     return unsigned((params.seqlen_q + block_m - 1) / block_m) * unsigned(params.num_splits);
 }
 
-// The Hopper kernel with the tile of Config (a FwdSm90TileConfig or FwdSm90ShortKeysTileConfig).
-template <typename Element, int kHeadDim, bool kCausal, bool kVariants, class Config>
+// The tile set each family's forward launchers compile (tile_size.h).
+template <KernelFamily kFamily, int kHeadDim>
+constexpr TileSet kFwdTileSet = tile_set(kFamily, Pass::kFwd, kHeadDim, compiled_smem_budget(kFamily));
+
+// The mma.sync forward's tile: the table's, or in tile-tuning builds (bench/tune_tiles.py) one forced shape for
+// every kernel. The plans read the table's either way, which only affects how well their heuristics fit.
+template <int kHeadDim, bool kCausal>
+constexpr TileShape fwd_mma_sync_tile() {
+#if defined(FLASH_FWD_TILE_M) && defined(FLASH_FWD_TILE_N) && defined(FLASH_FWD_TILE_WARPS)
+    return {FLASH_FWD_TILE_M, FLASH_FWD_TILE_N, FLASH_FWD_TILE_WARPS};
+#else
+    return kFwdTileSet<KernelFamily::kMmaSync, kHeadDim>.tile_for(kCausal);
+#endif
+}
+
+// The Hopper kernel with kTile, a tile of the wgmma set (its regular or short-key tile).
+template <typename Element, int kHeadDim, bool kCausal, bool kVariants, TileShape kTile>
 cudaError_t run_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
-    using Traits = FwdSm90KernelTraits<Element, kHeadDim, Config::kBlockM, Config::kBlockN, Config::kCtasPerSm>;
+    constexpr TileSet kSet = kFwdTileSet<KernelFamily::kWgmma, kHeadDim>;
+    using Traits = FwdSm90KernelTraits<Element, kHeadDim, kTile.block_m, kTile.block_n, kTile.ctas_per_sm>;
+    static_assert(sizeof(Element) == kElementBytes);
+    static_assert(Traits::kSmemBytes ==
+                      fwd_wgmma_smem_bytes(kHeadDim, kTile.block_m, kTile.block_n, kTile.ctas_per_sm, kSet.smem_budget),
+                  "the plans check a GPU's shared memory by the formula");
     const dim3 grid(fwd_grid_x(params, Traits::kBlockM), params.batch, params.num_heads);
     return launch_kernel<&flash_fwd_sm90_kernel<Traits, kCausal, kVariants>, Traits::kNThreads, Traits::kSmemBytes>(
         grid, params, stream);
@@ -30,21 +50,22 @@ cudaError_t run_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
 template <typename Element, int kHeadDim, bool kCausal, bool kVariants>
 cudaError_t run_fwd(const FwdParams& params, cudaStream_t stream) {
 #if defined(FLASH_ATTN2_SM90A) && !defined(FLASH_FWD_TILE_M)
-    if constexpr (FwdSm90ShortKeysTileConfig<kHeadDim, kCausal>::kEnabled) {
-        if (params.use_wgmma && params.short_key_tiles) {
-            return run_fwd_sm90<Element, kHeadDim, kCausal, kVariants, FwdSm90ShortKeysTileConfig<kHeadDim, kCausal>>(
-                params, stream);
+    if (params.family == KernelFamily::kWgmma) {
+        constexpr TileSet kSet = kFwdTileSet<KernelFamily::kWgmma, kHeadDim>;
+        static_assert(kSet.exists(), "every compiled head dim has a wgmma tile set");
+        if constexpr (kSet.short_tile.exists()) {
+            if (params.short_key_tiles) {
+                return run_fwd_sm90<Element, kHeadDim, kCausal, kVariants, kSet.short_tile>(params, stream);
+            }
         }
-    }
-    if constexpr (FwdSm90TileConfig<kHeadDim, kCausal>::kEnabled) {
-        if (params.use_wgmma) {
-            return run_fwd_sm90<Element, kHeadDim, kCausal, kVariants, FwdSm90TileConfig<kHeadDim, kCausal>>(params,
-                                                                                                        stream);
-        }
+        return run_fwd_sm90<Element, kHeadDim, kCausal, kVariants, kSet.tile_for(kCausal)>(params, stream);
     }
 #endif
-    using Config = SelectedTileConfig<kHeadDim, kCausal>;
-    using Traits = FwdKernelTraits<Element, kHeadDim, Config::kBlockM, Config::kBlockN, Config::kNWarps>;
+    constexpr TileShape kTile = fwd_mma_sync_tile<kHeadDim, kCausal>();
+    using Traits = FwdKernelTraits<Element, kHeadDim, kTile.block_m, kTile.block_n, kTile.warps>;
+    static_assert(sizeof(Element) == kElementBytes);
+    static_assert(Traits::kSmemBytes == fwd_mma_sync_smem_bytes(kHeadDim, kTile.block_m, kTile.block_n),
+                  "the plans check a GPU's shared memory by the formula");
     const dim3 grid(fwd_grid_x(params, Traits::kBlockM), params.batch, params.num_heads);
     return launch_kernel<&flash_fwd_kernel<Traits, kCausal, kVariants>, Traits::kNThreads, Traits::kSmemBytes>(
         grid, params, stream);

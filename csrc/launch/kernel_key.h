@@ -1,12 +1,43 @@
-// What selects a compiled kernel: pass, dtype, kernel head dim and mask (the axes of kernel_list.h). Plain
-// C++, shared by the registry and the plans.
+// What selects a compiled kernel: pass, dtype, kernel head dim and mask (the axes of kernel_list.h), and the
+// kernel family a launcher runs. Plain C++, shared by the registry, the launchers and the plans.
 #pragma once
+
+#include <cstdint>
 
 #include "generated/kernel_list.h"
 
 namespace flash {
 
 enum class Pass { kFwd = 0, kBwd = 1 };
+
+// How a kernel computes its GEMMs, which decides the GPUs that run it. One launcher holds every family of its
+// (pass, dtype, head dim, mask) and runs the plan's (FwdParams::family). The values index per-family bits
+// (FamilySet, plan.h) and fill one byte of FwdParams, so new families take the next values.
+enum class KernelFamily : uint8_t {
+    kMmaSync = 0,  // warp-level mma.sync (sm_80 and later)
+    kWgmma = 1,    // Hopper warpgroup MMAs (sm_90a code)
+};
+constexpr int kNumKernelFamilies = 2;
+
+// "mma_sync" or "wgmma": the plan op's and plan_override's spelling.
+constexpr const char* family_name(KernelFamily family) {
+    switch (family) {
+        case KernelFamily::kMmaSync: return "mma_sync";
+        case KernelFamily::kWgmma: return "wgmma";
+    }
+    return "unknown";
+}
+
+// Whether a GPU of compute capability cc_major.cc_minor runs the family's kernels. mma.sync's bf16 m16n8k16 is
+// an sm_80 instruction that every later GPU keeps. The wgmma kernels are sm_90a code: wgmma is an
+// arch-specific feature, which runs on sm_90 exactly and on no later GPU.
+constexpr bool family_runs_on(KernelFamily family, int cc_major, int cc_minor) {
+    switch (family) {
+        case KernelFamily::kMmaSync: return cc_major >= 8;
+        case KernelFamily::kWgmma: return cc_major == 9 && cc_minor == 0;
+    }
+    return false;
+}
 
 struct KernelKey {
     bool is_bf16;

@@ -33,8 +33,8 @@ std::vector<std::string> compiled_kernels();
 }  // namespace flash
 
 // Used once per generated .cu file; RUN is run_fwd or run_bwd.
-#define FLASH_REGISTER_KERNEL(RUN, ELEMENT, IS_BF16, HEAD_DIM, CAUSAL, VARIANTS, TAG)                          \
-    namespace {                                                                                              \
+#define FLASH_REGISTER_KERNEL(RUN, ELEMENT, IS_BF16, HEAD_DIM, CAUSAL, VARIANTS, TAG)                                 \
+    namespace {                                                                                                       \
     const bool registered_##TAG = ::flash::register_launcher(::flash::KernelKey{IS_BF16, HEAD_DIM, CAUSAL, VARIANTS}, \
-                                                             &::flash::RUN<ELEMENT, HEAD_DIM, CAUSAL, VARIANTS>);      \
+                                                             &::flash::RUN<ELEMENT, HEAD_DIM, CAUSAL, VARIANTS>);     \
     }

@@ -1,137 +1,270 @@
-// The tile shape of every kernel, per head dim: read by the launchers, which instantiate them, and by the host's
-// plans (plan.cpp), whose heuristics need the block sizes. Plain constants: this header is also compiled by the
-// host compiler.
+// The tile shape of every kernel, as one table keyed by (kernel family, pass, head dim, shared-memory budget),
+// and the shared memory each tile's kernel takes. The launchers instantiate the table's tiles and
+// static_assert that their kernels' shared memory is what the formulas here say; the plans (plan.cpp) read
+// the block sizes for their heuristics and the shared memory to check that the GPU has it. Plain constexpr
+// data and functions: this header is also compiled by the host compiler.
 #pragma once
 
-#include <cstddef>
-#include <utility>
+#include <initializer_list>
 
 #include "generated/kernel_list.h"
+#include "launch/kernel_key.h"
 
 namespace flash {
 
-// (kBlockM, kBlockN, warps) per head dim, measured on an H200 with bench/tune_tiles.py for head dims
-// 64, 128 and 256 (bench/results/h200/tune_fwd_nvidia-h200.md); 32 and 96 follow 64 and 128, and 160 to 224
-// follow 256. Up to head dim 128, 128-row tiles on four warps (32 query rows a warp) beat eight warps of
-// 16 rows even with a few bytes of spills: each K/V fragment read from shared memory feeds twice the MMAs.
-// Causal hdim 128 prefers 64-row query blocks (less work wasted on the diagonal). Above 128 the
-// accumulators leave no registers for 32 rows a warp, and 64x64 tiles on four warps win.
-template <int kHeadDim, bool kCausal>
-struct FwdTileConfig;
-template <bool kCausal> struct FwdTileConfig<32, kCausal> { static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 4; };
-template <bool kCausal> struct FwdTileConfig<64, kCausal> { static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 4; };
-template <bool kCausal> struct FwdTileConfig<96, kCausal> { static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 4; };
-template <> struct FwdTileConfig<128, false> { static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 4; };
-template <> struct FwdTileConfig<128, true> { static constexpr int kBlockM = 64, kBlockN = 128, kNWarps = 4; };
-template <bool kCausal> struct FwdTileConfig<160, kCausal> { static constexpr int kBlockM = 64, kBlockN = 64, kNWarps = 4; };
-template <bool kCausal> struct FwdTileConfig<192, kCausal> { static constexpr int kBlockM = 64, kBlockN = 64, kNWarps = 4; };
-template <bool kCausal> struct FwdTileConfig<224, kCausal> { static constexpr int kBlockM = 64, kBlockN = 64, kNWarps = 4; };
-template <bool kCausal> struct FwdTileConfig<256, kCausal> { static constexpr int kBlockM = 64, kBlockN = 64, kNWarps = 4; };
+// ---- Shared-memory budgets ----
 
-// Tile-tuning builds (bench/tune_tiles.py) force one tile shape on every kernel.
-#if defined(FLASH_FWD_TILE_M) && defined(FLASH_FWD_TILE_N) && defined(FLASH_FWD_TILE_WARPS)
-template <int kHeadDim, bool kCausal>
-struct ForcedTileConfig { static constexpr int kBlockM = FLASH_FWD_TILE_M, kBlockN = FLASH_FWD_TILE_N, kNWarps = FLASH_FWD_TILE_WARPS; };
-template <int kHeadDim, bool kCausal>
-using SelectedTileConfig = ForcedTileConfig<kHeadDim, kCausal>;
-#else
-template <int kHeadDim, bool kCausal>
-using SelectedTileConfig = FwdTileConfig<kHeadDim, kCausal>;
-#endif
+// The opt-in dynamic shared memory per block that a tile set is tuned for, and that each of its kernels fits:
+// sm_80's 163 KiB for the mma.sync kernels (BwdKernelTraits sizes its Q stages by it), sm_90's 227 KiB for the
+// wgmma kernels (FwdSm90KernelTraits sizes its K/V stages by it). A set for the 99 KiB of sm_86, sm_89 and
+// sm_120 would be more rows of kTileSets under a third budget, compiled by the launchers beside the 163 KiB
+// set, with FwdParams saying which runs.
+constexpr int kSmem163KiB = 163 * 1024;
+constexpr int kSmem227KiB = 227 * 1024;
 
-// Hopper (sm_90a) warpgroup-MMA kernel: (kBlockM, kBlockN, CTAs per SM) per head dim, warpgroups of 64 query
-// rows. Head dims 32 and 64 fit two CTAs per SM in registers (at most 128 per thread), so one CTA's softmax and
-// loads overlap the other's MMAs. 96 follows 128, and 160 and 224 follow 192 and 256.
-template <int kHeadDim, bool kCausal>
-struct FwdSm90TileConfig { static constexpr bool kEnabled = false; };
-template <bool kCausal> struct FwdSm90TileConfig<32, kCausal> { static constexpr bool kEnabled = true; static constexpr int kBlockM = 128, kBlockN = 64, kCtasPerSm = 2; };
-template <bool kCausal> struct FwdSm90TileConfig<64, kCausal> { static constexpr bool kEnabled = true; static constexpr int kBlockM = 128, kBlockN = 64, kCtasPerSm = 2; };
-template <bool kCausal> struct FwdSm90TileConfig<96, kCausal> { static constexpr bool kEnabled = true; static constexpr int kBlockM = 128, kBlockN = 128, kCtasPerSm = 1; };
-template <bool kCausal> struct FwdSm90TileConfig<128, kCausal> { static constexpr bool kEnabled = true; static constexpr int kBlockM = 128, kBlockN = 128, kCtasPerSm = 1; };
-template <bool kCausal> struct FwdSm90TileConfig<160, kCausal> { static constexpr bool kEnabled = true; static constexpr int kBlockM = 128, kBlockN = 64, kCtasPerSm = 1; };
-template <bool kCausal> struct FwdSm90TileConfig<192, kCausal> { static constexpr bool kEnabled = true; static constexpr int kBlockM = 128, kBlockN = 64, kCtasPerSm = 1; };
-template <bool kCausal> struct FwdSm90TileConfig<224, kCausal> { static constexpr bool kEnabled = true; static constexpr int kBlockM = 128, kBlockN = 64, kCtasPerSm = 1; };
-template <bool kCausal> struct FwdSm90TileConfig<256, kCausal> { static constexpr bool kEnabled = true; static constexpr int kBlockM = 128, kBlockN = 64, kCtasPerSm = 1; };
+// The budget of the one set per family that the launchers compile today.
+constexpr int compiled_smem_budget(KernelFamily family) {
+    return family == KernelFamily::kWgmma ? kSmem227KiB : kSmem163KiB;
+}
 
-// Head dim 128 over short key sequences (FwdParams::short_key_tiles): a 128-row CTA with one CTA per SM sees
-// only a few key blocks, so its Q load and output store are a large share of its time, with nothing else on
-// the SM to overlap them. One-warpgroup CTAs of 64 rows and 64-key blocks fit two per SM in shared memory and
-// registers, so one CTA's prologue and epilogue run under the other's MMAs.
-template <int kHeadDim, bool kCausal>
-struct FwdSm90ShortKeysTileConfig { static constexpr bool kEnabled = false; };
-template <bool kCausal> struct FwdSm90ShortKeysTileConfig<128, kCausal> { static constexpr bool kEnabled = true; static constexpr int kBlockM = 64, kBlockN = 64, kCtasPerSm = 2; };
-// The plans (plan.cpp) pick it at the short seqlen_k where it pays.
+// ---- The tile table ----
 
-// (kBlockM, kBlockN, CTAs resident per SM) of the forward kernel that run_fwd launches, for the host's
-// split-KV heuristic. Tile-tuning builds (FLASH_FWD_TILE_*, defined for nvcc only) and builds without sm_90a
-// code launch other tiles than reported here; that only affects how well the heuristic fits.
-struct FwdBlockShape {
-    int block_m;
-    int block_n;
-    int ctas_per_sm;
+// One kernel's tile.
+struct TileShape {
+    int block_m = 0;      // query rows per block (per step, backward); 0: no such tile
+    int block_n = 0;      // keys per block
+    int warps = 0;        // mma.sync forward: warps per CTA (the other kernels' warps follow from their kind)
+    int ctas_per_sm = 1;  // wgmma forward: CTAs per SM the kernel is built for, in registers and shared memory;
+                          // what the split-KV heuristic counts as resident
+
+    constexpr bool exists() const { return block_m > 0; }
 };
 
-template <int kHeadDim, bool kCausal>
-constexpr FwdBlockShape fwd_block_shape_of(bool wgmma, bool short_keys) {
-    if constexpr (FwdSm90ShortKeysTileConfig<kHeadDim, kCausal>::kEnabled) {
-        using Config = FwdSm90ShortKeysTileConfig<kHeadDim, kCausal>;
-        if (wgmma && short_keys) { return {Config::kBlockM, Config::kBlockN, Config::kCtasPerSm}; }
-    }
-    if constexpr (FwdSm90TileConfig<kHeadDim, kCausal>::kEnabled) {
-        using Config = FwdSm90TileConfig<kHeadDim, kCausal>;
-        if (wgmma) { return {Config::kBlockM, Config::kBlockN, Config::kCtasPerSm}; }
-    }
-    return {FwdTileConfig<kHeadDim, kCausal>::kBlockM, FwdTileConfig<kHeadDim, kCausal>::kBlockN, 1};
-}
+// The tiles of one (family, pass, kernel head dim, budget).
+struct TileSet {
+    KernelFamily family = KernelFamily::kMmaSync;
+    Pass pass = Pass::kFwd;
+    int head_dim = 0;          // 0: no set (tile_set's answer for a key the table lacks)
+    int smem_budget = 0;       // bytes per block the tiles are tuned for
+    TileShape tile;            // the non-causal kernel's tile, and every kernel's where causal_tile repeats it
+    TileShape causal_tile;     // the causal and variants kernels' tile
+    TileShape short_tile;  // wgmma only, where it pays: the forward's short-key tile (FwdParams::short_key_tiles),
+                           // the backward's short-query tile (BwdParams::short_query_tiles)
 
-// kernel_head_dim: one of the compiled head dims (kKernelHeadDims).
-template <bool kCausal, std::size_t... kIndex>
-constexpr FwdBlockShape fwd_block_shape(int kernel_head_dim, bool wgmma, bool short_keys,
-                                        std::index_sequence<kIndex...>) {
-    FwdBlockShape shape{};
-    ((kernel_head_dim == kKernelHeadDims[kIndex] &&
-      (shape = fwd_block_shape_of<kKernelHeadDims[kIndex], kCausal>(wgmma, short_keys), true)) ||
-     ...);
-    return shape;
-}
+    constexpr bool exists() const { return head_dim > 0; }
+    constexpr TileShape tile_for(bool causal) const { return causal ? causal_tile : tile; }
+};
 
-constexpr FwdBlockShape fwd_block_shape(int kernel_head_dim, bool causal, bool wgmma, bool short_keys) {
-    constexpr auto kIndices = std::make_index_sequence<kNumKernelHeadDims>{};
-    return causal ? fwd_block_shape<true>(kernel_head_dim, wgmma, short_keys, kIndices)
-                  : fwd_block_shape<false>(kernel_head_dim, wgmma, short_keys, kIndices);
-}
-
-// Whether the Hopper forward of this kernel head dim has a short-key tile (FwdSm90ShortKeysTileConfig).
-template <std::size_t... kIndex>
-constexpr bool fwd_has_short_key_tile(int kernel_head_dim, std::index_sequence<kIndex...>) {
-    return ((kernel_head_dim == kKernelHeadDims[kIndex] &&
-             FwdSm90ShortKeysTileConfig<kKernelHeadDims[kIndex], false>::kEnabled) ||
-            ...);
-}
-constexpr bool fwd_has_short_key_tile(int kernel_head_dim) {
-    return fwd_has_short_key_tile(kernel_head_dim, std::make_index_sequence<kNumKernelHeadDims>{});
-}
-
-// The mma.sync backward's (query rows, keys) per block: dK and dV of kBlockN keys stay in registers, so wide
-// heads take fewer keys per CTA. At head dim 64 the registers leave room for 128-row query blocks, which halve
-// the steps (and barriers) per key block: 6% faster on an H200 (bench/results/h200/tune_bwd_nvidia-h200.md).
-// BwdTileConfig (flash_bwd_launch.h) instantiates this rule.
-constexpr int bwd_block_m(int kernel_head_dim) { return kernel_head_dim == 64 ? 128 : 64; }
-constexpr int bwd_block_n(int kernel_head_dim) { return kernel_head_dim <= 128 ? 128 : 64; }
-
-// Query rows per step and keys per CTA of the Hopper backward kernels (flash_bwd_launch.h), for the plans'
-// choice of grid (flash_bwd_launch.h asserts its kernels match).
+// Query rows per step of the Hopper backward, and of its short-query tile.
 constexpr int kBwdSm90BlockM = 64;
-constexpr int bwd_sm90_block_n(int head_dim) { return head_dim <= 128 ? 128 : 64; }
-// Query rows per step of the Hopper backward's short-query tile (BwdParams::short_query_tiles), and the head
-// dims that have one.
 constexpr int kBwdSm90ShortBlockM = 16;
-constexpr bool bwd_sm90_has_short_query_tile(int head_dim) { return head_dim == 128; }
-// Query rows per step of the Hopper backward that a launch runs.
-constexpr int bwd_sm90_block_m(int head_dim, bool short_query_tiles) {
-    return short_query_tiles && bwd_sm90_has_short_query_tile(head_dim) ? kBwdSm90ShortBlockM : kBwdSm90BlockM;
+
+// mma.sync forward (block_m, block_n, warps), measured on an H200 with bench/tune_tiles.py for head dims 64,
+// 128 and 256 (bench/results/h200/tune_fwd_nvidia-h200.md); 32 and 96 follow 64 and 128, and 160 to 224 follow
+// 256. Up to head dim 128, 128-row tiles on four warps (32 query rows a warp) beat eight warps of 16 rows even
+// with a few bytes of spills: each K/V fragment read from shared memory feeds twice the MMAs. Causal head dim
+// 128 prefers 64-row query blocks (less work wasted on the diagonal). Above 128 the accumulators leave no
+// registers for 32 rows a warp, and 64x64 tiles on four warps win.
+//
+// wgmma forward (block_m, block_n, -, CTAs per SM), warpgroups of 64 query rows. Head dims 32 and 64 fit two
+// CTAs per SM in registers (at most 128 per thread), so one CTA's softmax and loads overlap the other's MMAs.
+// 96 follows 128, and 160 and 224 follow 192 and 256. Head dim 128's short-key tile: over short key sequences
+// a 128-row CTA alone on its SM sees only a few key blocks, so its Q load and output store are a large share
+// of its time with nothing to overlap them; one-warpgroup CTAs of 64 rows and 64-key blocks fit two per SM,
+// and one CTA's prologue and epilogue run under the other's MMAs. The plans pick it at the short seqlen_k where
+// it pays.
+//
+// mma.sync backward (block_m, block_n): dK and dV of block_n keys stay in registers, so wide heads take fewer
+// keys per CTA. At head dim 64 the registers leave room for 128-row query blocks, which halve the steps (and
+// barriers) per key block: 6% faster on an H200 (bench/results/h200/tune_bwd_nvidia-h200.md).
+//
+// wgmma backward (block_m, block_n): 64 query rows by 128 keys up to head dim 128 (the narrow kernel, each
+// warpgroup owning 64 keys), 64 by 64 above (the wide kernel, P and dS through shared memory); head dim 128 has
+// a 16-row short-query tile, where a 64-row tile would compute mostly padding.
+constexpr TileSet kTileSets[] = {
+    // family, pass, head dim, budget, tile, causal tile, short tile
+    {KernelFamily::kMmaSync, Pass::kFwd, 32, kSmem163KiB, {128, 64, 4}, {128, 64, 4}, {}},
+    {KernelFamily::kMmaSync, Pass::kFwd, 64, kSmem163KiB, {128, 64, 4}, {128, 64, 4}, {}},
+    {KernelFamily::kMmaSync, Pass::kFwd, 96, kSmem163KiB, {128, 64, 4}, {128, 64, 4}, {}},
+    {KernelFamily::kMmaSync, Pass::kFwd, 128, kSmem163KiB, {128, 64, 4}, {64, 128, 4}, {}},
+    {KernelFamily::kMmaSync, Pass::kFwd, 160, kSmem163KiB, {64, 64, 4}, {64, 64, 4}, {}},
+    {KernelFamily::kMmaSync, Pass::kFwd, 192, kSmem163KiB, {64, 64, 4}, {64, 64, 4}, {}},
+    {KernelFamily::kMmaSync, Pass::kFwd, 224, kSmem163KiB, {64, 64, 4}, {64, 64, 4}, {}},
+    {KernelFamily::kMmaSync, Pass::kFwd, 256, kSmem163KiB, {64, 64, 4}, {64, 64, 4}, {}},
+
+    {KernelFamily::kWgmma, Pass::kFwd, 32, kSmem227KiB, {128, 64, 0, 2}, {128, 64, 0, 2}, {}},
+    {KernelFamily::kWgmma, Pass::kFwd, 64, kSmem227KiB, {128, 64, 0, 2}, {128, 64, 0, 2}, {}},
+    {KernelFamily::kWgmma, Pass::kFwd, 96, kSmem227KiB, {128, 128, 0, 1}, {128, 128, 0, 1}, {}},
+    {KernelFamily::kWgmma, Pass::kFwd, 128, kSmem227KiB, {128, 128, 0, 1}, {128, 128, 0, 1}, {64, 64, 0, 2}},
+    {KernelFamily::kWgmma, Pass::kFwd, 160, kSmem227KiB, {128, 64, 0, 1}, {128, 64, 0, 1}, {}},
+    {KernelFamily::kWgmma, Pass::kFwd, 192, kSmem227KiB, {128, 64, 0, 1}, {128, 64, 0, 1}, {}},
+    {KernelFamily::kWgmma, Pass::kFwd, 224, kSmem227KiB, {128, 64, 0, 1}, {128, 64, 0, 1}, {}},
+    {KernelFamily::kWgmma, Pass::kFwd, 256, kSmem227KiB, {128, 64, 0, 1}, {128, 64, 0, 1}, {}},
+
+    {KernelFamily::kMmaSync, Pass::kBwd, 32, kSmem163KiB, {64, 128}, {64, 128}, {}},
+    {KernelFamily::kMmaSync, Pass::kBwd, 64, kSmem163KiB, {128, 128}, {128, 128}, {}},
+    {KernelFamily::kMmaSync, Pass::kBwd, 96, kSmem163KiB, {64, 128}, {64, 128}, {}},
+    {KernelFamily::kMmaSync, Pass::kBwd, 128, kSmem163KiB, {64, 128}, {64, 128}, {}},
+    {KernelFamily::kMmaSync, Pass::kBwd, 160, kSmem163KiB, {64, 64}, {64, 64}, {}},
+    {KernelFamily::kMmaSync, Pass::kBwd, 192, kSmem163KiB, {64, 64}, {64, 64}, {}},
+    {KernelFamily::kMmaSync, Pass::kBwd, 224, kSmem163KiB, {64, 64}, {64, 64}, {}},
+    {KernelFamily::kMmaSync, Pass::kBwd, 256, kSmem163KiB, {64, 64}, {64, 64}, {}},
+
+    {KernelFamily::kWgmma, Pass::kBwd, 32, kSmem227KiB, {kBwdSm90BlockM, 128}, {kBwdSm90BlockM, 128}, {}},
+    {KernelFamily::kWgmma, Pass::kBwd, 64, kSmem227KiB, {kBwdSm90BlockM, 128}, {kBwdSm90BlockM, 128}, {}},
+    {KernelFamily::kWgmma, Pass::kBwd, 96, kSmem227KiB, {kBwdSm90BlockM, 128}, {kBwdSm90BlockM, 128}, {}},
+    {KernelFamily::kWgmma,
+     Pass::kBwd,
+     128,
+     kSmem227KiB,
+     {kBwdSm90BlockM, 128},
+     {kBwdSm90BlockM, 128},
+     {kBwdSm90ShortBlockM, 128}},
+    {KernelFamily::kWgmma, Pass::kBwd, 160, kSmem227KiB, {kBwdSm90BlockM, 64}, {kBwdSm90BlockM, 64}, {}},
+    {KernelFamily::kWgmma, Pass::kBwd, 192, kSmem227KiB, {kBwdSm90BlockM, 64}, {kBwdSm90BlockM, 64}, {}},
+    {KernelFamily::kWgmma, Pass::kBwd, 224, kSmem227KiB, {kBwdSm90BlockM, 64}, {kBwdSm90BlockM, 64}, {}},
+    {KernelFamily::kWgmma, Pass::kBwd, 256, kSmem227KiB, {kBwdSm90BlockM, 64}, {kBwdSm90BlockM, 64}, {}},
+};
+
+// The set of exactly this key; !exists() when the table has none.
+constexpr TileSet tile_set(KernelFamily family, Pass pass, int head_dim, int smem_budget) {
+    for (const TileSet& set : kTileSets) {
+        if (set.family == family && set.pass == pass && set.head_dim == head_dim && set.smem_budget == smem_budget) {
+            return set;
+        }
+    }
+    return {};
 }
+
+// The set the plans take on a GPU whose blocks may opt in to max_smem bytes: of (family, pass, head dim), the
+// one of the largest budget at or below max_smem; on a GPU below every budget, the one of the smallest, whose
+// kernels the plans then compare with the GPU's shared memory one by one (kernel_smem_bytes): small head dims
+// may still fit. !exists() when the table has no set of (family, pass, head dim).
+constexpr TileSet tile_set_for(KernelFamily family, Pass pass, int head_dim, int max_smem) {
+    TileSet best{};
+    for (const TileSet& set : kTileSets) {
+        if (set.family != family || set.pass != pass || set.head_dim != head_dim) { continue; }
+        const bool fits = set.smem_budget <= max_smem;
+        const bool best_fits = best.exists() && best.smem_budget <= max_smem;
+        const bool better = !best.exists() || (fits && (!best_fits || set.smem_budget > best.smem_budget)) ||
+                            (!fits && !best_fits && set.smem_budget < best.smem_budget);
+        if (better) { best = set; }
+    }
+    return best;
+}
+
+// ---- Shared memory per block ----
+
+// What each kernel's traits compute (kernels/kernel_traits_*.h), in bytes. The launchers static_assert that
+// the two agree, so the plans' check of a GPU's shared memory (plan_call) and the kernels cannot drift.
+// Shared-memory tiles are dense (their swizzles permute within them): a (rows, cols) tile is rows * cols
+// elements of kElementBytes (fp16 and bf16 alike).
+constexpr int kElementBytes = 2;
+
+// mma.sync forward: Q, and one K and one V block (FwdKernelTraits).
+constexpr int fwd_mma_sync_smem_bytes(int head_dim, int block_m, int block_n) {
+    return (block_m * head_dim + 2 * block_n * head_dim) * kElementBytes;
+}
+
+// mma.sync backward (BwdKernelTraits): K, V, P and dS, plus per query stage Q and dO and the fp32 LSE and D of
+// their rows. Two stages (the next query block loads while this one computes) where they fit the budget, else
+// one.
+constexpr int bwd_mma_sync_stage_bytes(int head_dim, int block_m) {
+    return 2 * block_m * head_dim * kElementBytes + 2 * block_m * 4;
+}
+constexpr int bwd_mma_sync_fixed_bytes(int head_dim, int block_m, int block_n) {
+    return (2 * block_n * head_dim + 2 * block_m * block_n) * kElementBytes;
+}
+constexpr int bwd_mma_sync_q_stages(int head_dim, int block_m, int block_n, int smem_budget) {
+    return bwd_mma_sync_fixed_bytes(head_dim, block_m, block_n) + 2 * bwd_mma_sync_stage_bytes(head_dim, block_m) <=
+                   smem_budget
+               ? 2
+               : 1;
+}
+constexpr int bwd_mma_sync_smem_bytes(int head_dim, int block_m, int block_n, int smem_budget) {
+    return bwd_mma_sync_fixed_bytes(head_dim, block_m, block_n) +
+           bwd_mma_sync_q_stages(head_dim, block_m, block_n, smem_budget) * bwd_mma_sync_stage_bytes(head_dim, block_m);
+}
+
+// wgmma forward (FwdSm90KernelTraits): Q, and stages of (K, V) blocks. Three stages keep two key blocks in
+// flight while one computes, which memory-bound calls (decoding) need; two where ctas_per_sm CTAs of three do
+// not fit the budget of one SM.
+constexpr int fwd_wgmma_kv_stages(int head_dim, int block_m, int block_n, int ctas_per_sm, int smem_budget) {
+    return (block_m * head_dim + 6 * block_n * head_dim) * kElementBytes * ctas_per_sm <= smem_budget ? 3 : 2;
+}
+constexpr int fwd_wgmma_smem_bytes(int head_dim, int block_m, int block_n, int ctas_per_sm, int smem_budget) {
+    return (block_m * head_dim +
+            2 * fwd_wgmma_kv_stages(head_dim, block_m, block_n, ctas_per_sm, smem_budget) * block_n * head_dim) *
+           kElementBytes;
+}
+
+// The Hopper backward's kernels (flash_bwd_sm90_kernel.h): head dims up to 128 run the narrow one, whose
+// warpgroups own 64 keys each and which has a second K/V buffer to walk several key blocks per CTA; wider ones
+// run the wide one, P and dS through shared memory and one K/V buffer.
+constexpr bool bwd_sm90_narrow(int head_dim) { return head_dim <= 128; }
 // Whether that kernel can walk several key blocks per CTA (BwdParams::key_blocks_per_cta).
-constexpr bool bwd_sm90_walks_key_blocks(int head_dim) { return head_dim <= 128; }
+constexpr bool bwd_sm90_walks_key_blocks(int head_dim) { return bwd_sm90_narrow(head_dim); }
+
+// wgmma backward (BwdSm90BaseTraits::smem_bytes and its two kernels' traits): two stages of Q and dO with the
+// fp32 LSE and D of their rows, one K and V buffer, and scratch: dS^T (narrow) or P and dS (wide). The narrow
+// kernel rounds that to 1 KiB (where swizzle atoms repeat) and puts its second K/V buffer past it, so that a
+// launch of one key block per CTA (second_kv_buffer false) takes the smaller size.
+constexpr int bwd_wgmma_smem_bytes(int head_dim, int block_m, int block_n, bool second_kv_buffer) {
+    const bool narrow = bwd_sm90_narrow(head_dim);
+    const int scratch_elems = narrow ? block_n * block_m : 2 * block_m * block_n;
+    const int one_kv = (2 * 2 * block_m * head_dim + 2 * block_n * head_dim + scratch_elems) * kElementBytes +
+                       2 * 2 * block_m * 4;
+    if (!narrow) { return one_kv; }
+    const int one_kv_rounded = (one_kv + 1023) / 1024 * 1024;
+    return second_kv_buffer ? one_kv_rounded + 2 * block_n * head_dim * kElementBytes : one_kv_rounded;
+}
+
+// The dynamic shared memory of a launch of `tile` from `set`. second_kv_buffer: a Hopper backward that walks
+// several key blocks per CTA (key_blocks_per_cta > 1).
+constexpr int kernel_smem_bytes(const TileSet& set, const TileShape& tile, bool second_kv_buffer) {
+    const int d = set.head_dim;
+    if (set.family == KernelFamily::kWgmma) {
+        return set.pass == Pass::kFwd
+                   ? fwd_wgmma_smem_bytes(d, tile.block_m, tile.block_n, tile.ctas_per_sm, set.smem_budget)
+                   : bwd_wgmma_smem_bytes(d, tile.block_m, tile.block_n, second_kv_buffer);
+    }
+    return set.pass == Pass::kFwd ? fwd_mma_sync_smem_bytes(d, tile.block_m, tile.block_n)
+                                  : bwd_mma_sync_smem_bytes(d, tile.block_m, tile.block_n, set.smem_budget);
+}
+
+// ---- What the table promises ----
+
+// Every compiled head dim has a set of every (family, pass) at the family's compiled budget, and the table holds
+// no other set: the launchers compile only those, so a set for another budget needs its launch path first.
+// Short tiles exist in wgmma sets only (the mma.sync launchers have none).
+constexpr bool tile_table_is_complete() {
+    for (int d : kKernelHeadDims) {
+        for (KernelFamily family : {KernelFamily::kMmaSync, KernelFamily::kWgmma}) {
+            for (Pass pass : {Pass::kFwd, Pass::kBwd}) {
+                if (!tile_set(family, pass, d, compiled_smem_budget(family)).exists()) { return false; }
+            }
+        }
+    }
+    for (const TileSet& set : kTileSets) {
+        if (set.smem_budget != compiled_smem_budget(set.family)) { return false; }
+        if (set.short_tile.exists() && set.family != KernelFamily::kWgmma) { return false; }
+    }
+    return true;
+}
+static_assert(tile_table_is_complete(), "each head dim of kernel_list.h needs its compiled tiles here, and only those");
+
+// Every tile of every set fits the set's budget: ctas_per_sm CTAs of it for the wgmma forward, whose budget is
+// what an SM gives its blocks together; the Hopper backward with its second K/V buffer.
+constexpr bool tile_sets_fit_their_budgets() {
+    for (const TileSet& set : kTileSets) {
+        for (const TileShape& tile : {set.tile, set.causal_tile, set.short_tile}) {
+            if (tile.exists() && kernel_smem_bytes(set, tile, true) * tile.ctas_per_sm > set.smem_budget) {
+                return false;
+            }
+        }
+    }
+    return true;
+}
+static_assert(tile_sets_fit_their_budgets(), "a tile set's kernels fit its shared-memory budget");
 
 }  // namespace flash

@@ -3,11 +3,16 @@
 // (flash_attn_cuda/_ops.py). The ops themselves live in the stable-ABI library _C, which has no C++ autograd.
 //
 // Why it exists: decoding-sized calls are host-bound, and autograd in Python (torch.library.register_autograd,
-// which _ops.py uses on a torch this build has no such library for) costs those calls several microseconds
-// more, with or without grad (bench/results/perf_log.md, entry 38); here the backward node is recorded without
-// leaving C++. The backward ops have no autograd of their own (no double backward, as in flash-attn 2.x). As
-// there, the LSE is an output that requires grad but passes no gradient back; marking it non-differentiable
-// would trip compiled autograd, which asserts that no output of a C++ function is so marked.
+// which _ops.py uses on a torch this build has no such library for) costs every call several microseconds more,
+// with or without grad; here the backward node is recorded without leaving C++.
+//
+// Nothing here knows an op's arguments: the kernel is boxed, and reads the registered schemas. A forward op's
+// gradients come from its backward op (csrc/op_table.py pairs them), whose every argument is `d<output>` (the
+// gradient of a forward output), a forward output, or a forward argument of the same name, and whose every output
+// `d<name>` is the gradient of the forward argument `<name>`. A new op argument therefore needs no code here.
+// The backward ops have no autograd of their own (no double backward, as in flash-attn 2.x). As there, the LSE
+// is an output that requires grad but passes no gradient back; marking it non-differentiable would trip compiled
+// autograd, which asserts that no output of a C++ function is so marked.
 // Python.h first, as Python asks (it sets feature macros the system headers read).
 #include <Python.h>
 
@@ -15,226 +20,206 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
-#include <optional>
+#include <cstddef>
 #include <string>
-#include <tuple>
+#include <vector>
+
+#include "generated/autograd_pairs.h"
 
 namespace flash {
 namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
+using Stack = std::vector<c10::IValue>;
 
-// The ops' signatures, as their schemas in csrc/ops.cpp declare them. VARIANTS are the trailing attention-variant
-// arguments every one of them takes (window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state).
-#define FLASH_ATTN2_VARIANTS int64_t, int64_t, double, const std::optional<at::Tensor>&, double, \
-    const std::optional<at::Tensor>&
-using FwdSignature = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                        double, bool, bool, int64_t, const std::string&,
-                                                        FLASH_ATTN2_VARIANTS);
-using BwdSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    const at::Tensor&, double, bool, bool, const std::string&, FLASH_ATTN2_VARIANTS);
-using VarlenFwdSignature = std::tuple<at::Tensor, at::Tensor>(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
-    double, bool, bool, const std::string&, FLASH_ATTN2_VARIANTS);
-using VarlenBwdSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t, double, bool, bool,
-    const std::string&, FLASH_ATTN2_VARIANTS);
-#undef FLASH_ATTN2_VARIANTS
-
-// The ops are called through the dispatcher, below autograd, so that whatever implements them for the
-// inputs' device runs: the CUDA kernels, the fake implementations under torch.compile, Meta.
-template <typename Signature>
-c10::TypedOperatorHandle<Signature> op_handle(const char* name) {
-    return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
-}
-
-const c10::TypedOperatorHandle<FwdSignature>& fwd_op() {
-    static const auto op = op_handle<FwdSignature>("flash_attn2::fwd");
-    return op;
-}
-
-const c10::TypedOperatorHandle<BwdSignature>& bwd_op() {
-    static const auto op = op_handle<BwdSignature>("flash_attn2::bwd");
-    return op;
-}
-
-const c10::TypedOperatorHandle<VarlenFwdSignature>& varlen_fwd_op() {
-    static const auto op = op_handle<VarlenFwdSignature>("flash_attn2::varlen_fwd");
-    return op;
-}
-
-const c10::TypedOperatorHandle<VarlenBwdSignature>& varlen_bwd_op() {
-    static const auto op = op_handle<VarlenBwdSignature>("flash_attn2::varlen_bwd");
-    return op;
-}
-
-bool needs_graph(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-    return at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
-}
-
-// The attention-variant arguments, as both passes take them. The backward gets the forward's: the same window,
-// softcap and slopes, and the same rng_state, from which it regenerates the forward's dropout mask.
-struct Variants {
-    int64_t window_left;
-    int64_t window_right;
-    double softcap;
-    std::optional<at::Tensor> alibi_slopes;
-    double dropout_p;
-    std::optional<at::Tensor> rng_state;
-
-    // Non-tensor fields to saved_data; the tensors travel with save_for_backward (undefined when absent).
-    void save(AutogradContext* ctx) const {
-        ctx->saved_data["window_left"] = window_left;
-        ctx->saved_data["window_right"] = window_right;
-        ctx->saved_data["softcap"] = softcap;
-        ctx->saved_data["dropout_p"] = dropout_p;
-    }
-    static Variants load(AutogradContext* ctx, const at::Tensor& alibi_slopes, const at::Tensor& rng_state) {
-        auto optional = [](const at::Tensor& t) { return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt; };
-        return {ctx->saved_data["window_left"].toInt(), ctx->saved_data["window_right"].toInt(),
-                ctx->saved_data["softcap"].toDouble(), optional(alibi_slopes), ctx->saved_data["dropout_p"].toDouble(),
-                optional(rng_state)};
-    }
-    at::Tensor saved_alibi() const { return alibi_slopes.value_or(at::Tensor()); }
-    at::Tensor saved_rng() const { return rng_state.value_or(at::Tensor()); }
+// Where one argument of the backward op comes from.
+struct Source {
+    enum Kind { kOutputGrad, kOutput, kInput } kind;
+    size_t index;  // the forward output or argument
 };
 
-// The non-tensor settings both passes share, kept in the context's saved_data. The plan override reaches the
-// backward too, so a forced path holds for both passes.
-void save_settings(AutogradContext* ctx, double softmax_scale, bool causal, bool deterministic,
-                   const std::string& plan_override, const Variants& variants) {
-    ctx->saved_data["softmax_scale"] = softmax_scale;
-    ctx->saved_data["causal"] = causal;
-    ctx->saved_data["deterministic"] = deterministic;
-    ctx->saved_data["plan_override"] = plan_override;
-    variants.save(ctx);
+// A forward op, its backward op, and how the backward's arguments and outputs map onto the forward's.
+struct Pairing {
+    c10::OperatorHandle fwd;
+    c10::OperatorHandle bwd;
+    std::vector<size_t> differentiable;  // forward arguments with a gradient, in the backward's output order
+    std::vector<Source> sources;         // one per backward argument
+    std::vector<bool> saved_input;       // per forward argument: the backward reads it
+};
+
+// Tensor and Tensor? arguments travel through save_for_backward, the others through saved_data.
+bool is_tensor(const c10::Argument& arg) {
+    const c10::TypePtr& type = arg.type();
+    if (type->kind() == c10::TypeKind::OptionalType) {
+        return type->castRaw<c10::OptionalType>()->getElementType()->kind() == c10::TypeKind::TensorType;
+    }
+    return type->kind() == c10::TypeKind::TensorType;
 }
 
-// The gradient of `out` as the backward kernels read it: contiguous, and zeros when the loss did not use out
-// (with materialize_grads off it then arrives undefined).
-at::Tensor out_grad(const at::Tensor& grad, const at::Tensor& out) {
-    return grad.defined() ? grad.contiguous() : at::zeros_like(out, at::MemoryFormat::Contiguous);
+// saved_data's key of the pairing index; no argument has this name.
+constexpr const char* kPairingKey = "flash_attn2 pairing";
+
+size_t index_of(const std::vector<c10::Argument>& args, const std::string& name) {
+    for (size_t i = 0; i < args.size(); ++i) {
+        if (args[i].name() == name) { return i; }
+    }
+    return args.size();
 }
 
-// Gradients of the inputs: dq, dk, dv, then none for the `others` other arguments.
-variable_list input_grads(const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& dv, size_t others) {
-    variable_list grads{dq, dk, dv};
-    grads.resize(3 + others);
-    return grads;
+Pairing make_pairing(const char* fwd_name, const char* bwd_name) {
+    auto& dispatcher = c10::Dispatcher::singleton();
+    Pairing p{dispatcher.findSchemaOrThrow(fwd_name, ""), dispatcher.findSchemaOrThrow(bwd_name, ""), {}, {}, {}};
+    const auto& inputs = p.fwd.schema().arguments();
+    const auto& outputs = p.fwd.schema().returns();
+    p.saved_input.assign(inputs.size(), false);
+    for (const c10::Argument& arg : p.bwd.schema().arguments()) {
+        const std::string& name = arg.name();
+        const size_t grad_of = name.size() > 1 && name[0] == 'd' ? index_of(outputs, name.substr(1)) : outputs.size();
+        if (grad_of < outputs.size()) {
+            p.sources.push_back({Source::kOutputGrad, grad_of});
+        } else if (const size_t out = index_of(outputs, name); out < outputs.size()) {
+            p.sources.push_back({Source::kOutput, out});
+        } else {
+            const size_t in = index_of(inputs, name);
+            TORCH_CHECK(in < inputs.size(), bwd_name, "'s argument ", name, " is neither an output nor an argument of ",
+                        fwd_name);
+            p.sources.push_back({Source::kInput, in});
+            p.saved_input[in] = true;
+        }
+    }
+    for (const c10::Argument& ret : p.bwd.schema().returns()) {
+        const std::string& name = ret.name();
+        const size_t in = name.size() > 1 && name[0] == 'd' ? index_of(inputs, name.substr(1)) : inputs.size();
+        TORCH_CHECK(in < inputs.size(), bwd_name, "'s output ", name, " is the gradient of no argument of ", fwd_name);
+        p.differentiable.push_back(in);
+    }
+    return p;
 }
 
-// The forward functions' arguments after q, k and v: softmax_scale ... plan_override, then the Variants.
-constexpr size_t kFwdOtherArgs = 5 + 1;
-constexpr size_t kVarlenFwdOtherArgs = 8 + 1;  // from cu_seqlens_q
+// The pairings of generated/autograd_pairs.h, made from the schemas on first use (the op library registers
+// them before this one loads).
+const std::vector<Pairing>& pairings() {
+    static const std::vector<Pairing> all = [] {
+        std::vector<Pairing> made;
+        for (const auto& [fwd, bwd] : kAutogradPairs) { made.push_back(make_pairing(fwd, bwd)); }
+        return made;
+    }();
+    return all;
+}
+
+size_t pairing_index(const c10::OperatorHandle& op) {
+    const auto& all = pairings();
+    for (size_t i = 0; i < all.size(); ++i) {
+        if (all[i].fwd == op) { return i; }
+    }
+    TORCH_CHECK(false, "flash_attn_cuda autograd: ", op.schema().name(), " has no backward op");
+}
+
+// A gradient of a forward output as the backward kernels read it: contiguous, and zeros when the loss did not
+// use that output (with materialize_grads off it then arrives undefined).
+at::Tensor output_grad(const at::Tensor& grad, const at::Tensor& output) {
+    return grad.defined() ? grad.contiguous() : at::zeros_like(output, at::MemoryFormat::Contiguous);
+}
 
 struct FwdFunction : public torch::autograd::Function<FwdFunction> {
-    static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                 double softmax_scale, bool causal, bool deterministic, int64_t num_splits,
-                                 const std::string& plan_override, const Variants& variants) {
+    // differentiable: the forward arguments of pairing.differentiable (the node's inputs); args: every argument.
+    static variable_list forward(AutogradContext* ctx, at::TensorList differentiable, size_t pairing_at, Stack args) {
+        (void)differentiable;  // the node's inputs; args holds them too
+        const Pairing& pairing = pairings()[pairing_at];
         at::AutoDispatchBelowADInplaceOrView below_autograd;
-        auto [out, lse] = fwd_op().call(q, k, v, softmax_scale, causal, deterministic, num_splits, plan_override,
-                                        variants.window_left, variants.window_right, variants.softcap,
-                                        variants.alibi_slopes, variants.dropout_p, variants.rng_state);
-        ctx->save_for_backward({q, k, v, out, lse, variants.saved_alibi(), variants.saved_rng()});
-        save_settings(ctx, softmax_scale, causal, deterministic, plan_override, variants);
-        ctx->set_materialize_grads(false);  // the LSE's gradient is ignored: no zeros are made for it
-        return {out, lse};
+        Stack stack = args;
+        pairing.fwd.callBoxed(stack);
+        variable_list outputs;
+        outputs.reserve(stack.size());
+        for (const c10::IValue& value : stack) { outputs.push_back(value.toTensor()); }
+        // The backward's tensors travel through save_for_backward (undefined for an absent optional), everything
+        // else through saved_data under the argument's name.
+        variable_list to_save = outputs;
+        const auto& schema_args = pairing.fwd.schema().arguments();
+        for (size_t i = 0; i < args.size(); ++i) {
+            if (!pairing.saved_input[i]) { continue; }
+            if (is_tensor(schema_args[i])) {
+                to_save.push_back(args[i].isTensor() ? args[i].toTensor() : at::Tensor());
+            } else {
+                ctx->saved_data[schema_args[i].name()] = args[i];
+            }
+        }
+        ctx->save_for_backward(std::move(to_save));
+        ctx->saved_data[kPairingKey] = static_cast<int64_t>(pairing_at);
+        ctx->set_materialize_grads(false);  // gradients of unused outputs (the LSE's) are not made as zeros
+        return outputs;
     }
 
     static variable_list backward(AutogradContext* ctx, variable_list grads) {
+        const Pairing& pairing = pairings()[static_cast<size_t>(ctx->saved_data[kPairingKey].toInt())];
         const variable_list saved = ctx->get_saved_variables();
-        const Variants variants = Variants::load(ctx, saved[5], saved[6]);
-        auto [dq, dk, dv] = bwd_op().call(out_grad(grads[0], saved[3]), saved[0], saved[1], saved[2], saved[3],
-                                          saved[4], ctx->saved_data["softmax_scale"].toDouble(),
-                                          ctx->saved_data["causal"].toBool(),
-                                          ctx->saved_data["deterministic"].toBool(),
-                                          ctx->saved_data["plan_override"].toStringRef(), variants.window_left,
-                                          variants.window_right, variants.softcap, variants.alibi_slopes,
-                                          variants.dropout_p, variants.rng_state);
-        return input_grads(dq, dk, dv, kFwdOtherArgs);
+        const size_t num_outputs = pairing.fwd.schema().returns().size();
+        const auto& schema_args = pairing.fwd.schema().arguments();
+        // Saved tensor arguments follow the outputs, in argument order.
+        std::vector<size_t> saved_at(schema_args.size(), 0);
+        for (size_t i = 0, next = num_outputs; i < schema_args.size(); ++i) {
+            if (pairing.saved_input[i] && is_tensor(schema_args[i])) { saved_at[i] = next++; }
+        }
+        Stack stack;
+        stack.reserve(pairing.sources.size());
+        for (const Source& source : pairing.sources) {
+            if (source.kind == Source::kOutputGrad) {
+                stack.emplace_back(output_grad(grads[source.index], saved[source.index]));
+            } else if (source.kind == Source::kOutput) {
+                stack.emplace_back(saved[source.index]);
+            } else if (is_tensor(schema_args[source.index])) {
+                const at::Tensor& t = saved[saved_at[source.index]];
+                stack.push_back(t.defined() ? c10::IValue(t) : c10::IValue());
+            } else {
+                stack.push_back(ctx->saved_data[schema_args[source.index].name()]);
+            }
+        }
+        pairing.bwd.callBoxed(stack);
+        // One gradient per node input (the differentiable tensors), then none for the two other arguments.
+        variable_list result(pairing.differentiable.size() + 2);
+        for (size_t r = 0; r < pairing.differentiable.size(); ++r) { result[r] = stack[r].toTensor(); }
+        return result;
     }
 };
 
-struct VarlenFwdFunction : public torch::autograd::Function<VarlenFwdFunction> {
-    static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                 const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
-                                 int64_t max_seqlen_k, double softmax_scale, bool causal, bool deterministic,
-                                 const std::string& plan_override, const Variants& variants) {
+// The Autograd kernel of every paired forward op: below autograd when no differentiable argument requires grad,
+// else through FwdFunction, which records the backward node.
+void autograd_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet /*keys*/, Stack* stack) {
+    const size_t pairing_at = pairing_index(op);
+    const Pairing& pairing = pairings()[pairing_at];
+    const size_t num_args = op.schema().arguments().size();
+    const size_t first = stack->size() - num_args;
+    bool needs_graph = false;
+    std::vector<at::Tensor> differentiable;
+    if (at::GradMode::is_enabled()) {
+        for (size_t i : pairing.differentiable) {
+            const c10::IValue& value = (*stack)[first + i];
+            differentiable.push_back(value.isTensor() ? value.toTensor() : at::Tensor());
+            needs_graph = needs_graph || (value.isTensor() && value.toTensor().requires_grad());
+        }
+    }
+    if (!needs_graph) {
         at::AutoDispatchBelowADInplaceOrView below_autograd;
-        auto [out, lse] = varlen_fwd_op().call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                               softmax_scale, causal, deterministic, plan_override,
-                                               variants.window_left, variants.window_right, variants.softcap,
-                                               variants.alibi_slopes, variants.dropout_p, variants.rng_state);
-        ctx->save_for_backward(
-            {q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, variants.saved_alibi(), variants.saved_rng()});
-        save_settings(ctx, softmax_scale, causal, deterministic, plan_override, variants);
-        ctx->saved_data["max_seqlen_q"] = max_seqlen_q;
-        ctx->saved_data["max_seqlen_k"] = max_seqlen_k;
-        ctx->set_materialize_grads(false);
-        return {out, lse};
+        op.callBoxed(stack);
+        return;
     }
-
-    static variable_list backward(AutogradContext* ctx, variable_list grads) {
-        const variable_list saved = ctx->get_saved_variables();
-        const Variants variants = Variants::load(ctx, saved[7], saved[8]);
-        auto [dq, dk, dv] = varlen_bwd_op().call(
-            out_grad(grads[0], saved[3]), saved[0], saved[1], saved[2], saved[3], saved[4], saved[5], saved[6],
-            ctx->saved_data["max_seqlen_q"].toInt(), ctx->saved_data["max_seqlen_k"].toInt(),
-            ctx->saved_data["softmax_scale"].toDouble(), ctx->saved_data["causal"].toBool(),
-            ctx->saved_data["deterministic"].toBool(), ctx->saved_data["plan_override"].toStringRef(),
-            variants.window_left, variants.window_right, variants.softcap, variants.alibi_slopes, variants.dropout_p,
-            variants.rng_state);
-        return input_grads(dq, dk, dv, kVarlenFwdOtherArgs);
-    }
-};
-
-std::tuple<at::Tensor, at::Tensor> fwd_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                double softmax_scale, bool causal, bool deterministic,
-                                                int64_t num_splits, const std::string& plan_override,
-                                                int64_t window_left, int64_t window_right, double softcap,
-                                                const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
-                                                const std::optional<at::Tensor>& rng_state) {
-    if (!needs_graph(q, k, v)) {
-        at::AutoDispatchBelowADInplaceOrView below_autograd;
-        return fwd_op().call(q, k, v, softmax_scale, causal, deterministic, num_splits, plan_override, window_left,
-                             window_right, softcap, alibi_slopes, dropout_p, rng_state);
-    }
-    const Variants variants{window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state};
-    const variable_list outputs =
-        FwdFunction::apply(q, k, v, softmax_scale, causal, deterministic, num_splits, plan_override, variants);
-    return {outputs[0], outputs[1]};
-}
-
-std::tuple<at::Tensor, at::Tensor> varlen_fwd_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                       const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
-                                                       int64_t max_seqlen_q, int64_t max_seqlen_k,
-                                                       double softmax_scale, bool causal, bool deterministic,
-                                                       const std::string& plan_override, int64_t window_left,
-                                                       int64_t window_right, double softcap,
-                                                       const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
-                                                       const std::optional<at::Tensor>& rng_state) {
-    if (!needs_graph(q, k, v)) {
-        at::AutoDispatchBelowADInplaceOrView below_autograd;
-        return varlen_fwd_op().call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                                    causal, deterministic, plan_override, window_left, window_right, softcap,
-                                    alibi_slopes, dropout_p, rng_state);
-    }
-    const Variants variants{window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state};
-    const variable_list outputs =
-        VarlenFwdFunction::apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                                 causal, deterministic, plan_override, variants);
-    return {outputs[0], outputs[1]};
+    Stack args(stack->begin() + static_cast<std::ptrdiff_t>(first), stack->end());
+    stack->resize(first);
+    const variable_list outputs = FwdFunction::apply(at::TensorList(differentiable), pairing_at, std::move(args));
+    for (const at::Tensor& output : outputs) { stack->emplace_back(output); }
 }
 
 }  // namespace
 }  // namespace flash
 
 TORCH_LIBRARY_IMPL(flash_attn2, Autograd, m) {
-    m.impl("fwd", &flash::fwd_autograd);
-    m.impl("varlen_fwd", &flash::varlen_fwd_autograd);
+    for (const auto& [fwd, bwd] : flash::kAutogradPairs) {
+        (void)bwd;
+        // "flash_attn2::fwd" -> "fwd": the library's namespace is implied here.
+        m.impl(std::string(fwd).substr(std::string("flash_attn2::").size()).c_str(),
+               torch::CppFunction::makeFromBoxedFunction<&flash::autograd_kernel>());
+    }
 }
 
 // The Python module: `import flash_attn_cuda._autograd_torch<major>_<minor>` runs the registration above. Its
@@ -246,6 +231,6 @@ TORCH_LIBRARY_IMPL(flash_attn2, Autograd, m) {
 
 PyMODINIT_FUNC FLASH_ATTN2_CONCAT(PyInit_, FLASH_ATTN2_AUTOGRAD_MODULE)(void) {
     static PyModuleDef module_def = {PyModuleDef_HEAD_INIT, FLASH_ATTN2_STR(FLASH_ATTN2_AUTOGRAD_MODULE),
-                                     "C++ autograd of torch.ops.flash_attn2.fwd and varlen_fwd", -1, nullptr};
+                                     "C++ autograd of the forward ops of torch.ops.flash_attn2", -1, nullptr};
     return PyModule_Create(&module_def);
 }

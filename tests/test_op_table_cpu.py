@@ -1,0 +1,125 @@
+"""The op table (csrc/op_table.py): the generated files are current, the registered schemas are the table's, and
+the fakes and autograd that _ops.py derives from it behave as the ops do. No GPU needed."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+
+
+def load_generator():
+    if not (CSRC / "generate.py").is_file():
+        pytest.skip("no csrc/ next to the tests")
+    sys.path.insert(0, str(CSRC))
+    try:
+        spec = importlib.util.spec_from_file_location("flash_attn_generate", CSRC / "generate.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(CSRC))
+    return module
+
+
+def test_generated_files_are_current():
+    # Every generated file is committed; one that differs from the generator's output was edited by hand or not
+    # regenerated after a table change (`make generate`).
+    generator = load_generator()
+    stale = [
+        str(path.relative_to(CSRC.parent))
+        for path, text in generator.outputs().items()
+        if not path.is_file() or path.read_text() != text
+    ]
+    assert not stale, f"run `python csrc/generate.py`: {stale}"
+    on_disk = {p.name for p in generator.OUT_DIR.glob("*.cu")}
+    assert on_disk == {p.name for p in generator.outputs() if p.parent == generator.OUT_DIR}
+
+
+def test_registered_schemas_are_the_tables():
+    generator = load_generator()
+    import flash_attn_cuda  # noqa: F401  (registers the ops)
+
+    for op in generator.op_table.OPS:
+        registered = getattr(torch.ops.flash_attn2, op.name).default._schema
+        expected = torch._C.parse_schema("flash_attn2::" + generator.schema(op))
+        assert str(registered) == str(expected), op.name
+
+
+def test_python_table_matches_the_registered_ops():
+    import flash_attn_cuda  # noqa: F401
+    from flash_attn_cuda._op_table import OPS
+
+    for name, op in OPS.items():
+        schema = getattr(torch.ops.flash_attn2, name).default._schema
+        assert tuple(a.name for a in schema.arguments) == op["args"], name
+        if op["backward"]:
+            bwd = OPS[op["backward"]]
+            outputs = {r for r, _ in op["returns"]}
+            for arg in bwd["args"]:
+                assert arg in op["args"] or arg in outputs or arg[1:] in outputs, (name, arg)
+            assert all(r[0] == "d" and r[1:] in op["args"] for r, _ in bwd["returns"]), name
+
+
+def test_fakes_follow_the_table():
+    import flash_attn_cuda  # noqa: F401
+
+    with FakeTensorMode():
+        q = torch.empty(2, 33, 6, 64, dtype=torch.float16)
+        k = v = torch.empty(2, 17, 2, 64, dtype=torch.float16)
+        out, lse = torch.ops.flash_attn2.fwd(q, k, v, 0.125, True)
+        assert out.shape == q.shape and lse.shape == (2, 6, 33) and lse.dtype == torch.float32
+        cache = torch.empty(2, 40, 2, 64, dtype=torch.float16)
+        out, lse = torch.ops.flash_attn2.fwd_kvcache(q, cache, cache)
+        assert out.shape == q.shape and lse.shape == (2, 6, 33)
+        qv = torch.empty(50, 6, 64, dtype=torch.float16)
+        cu = torch.tensor([0, 20, 50], dtype=torch.int32)
+        out, lse = torch.ops.flash_attn2.varlen_fwd(qv, qv[:, :2], qv[:, :2], cu, cu, 30, 30, 0.125, False)
+        assert out.shape == qv.shape and lse.shape == (6, 50)
+        table = torch.zeros(2, 3, dtype=torch.int32)
+        pages = torch.empty(6, 16, 2, 64, dtype=torch.float16)
+        out, lse = torch.ops.flash_attn2.varlen_fwd_paged(qv, pages, pages, cu, cu, 30, 48, table, 0.125, False)
+        assert out.shape == qv.shape and lse.shape == (6, 50)
+
+
+@pytest.mark.parametrize("python_rule", [False, True])
+def test_autograd_passes_every_backward_argument(python_rule):
+    # The backward op receives the forward's arguments by name. A wrapper records the backward call on meta
+    # tensors, through the registered autograd (C++ where built, else Python) or the Python rule itself.
+    from flash_attn_cuda import _ops
+
+    q, k, v = (torch.empty(2, 9, 4, 64, dtype=torch.float16, device="meta").requires_grad_() for _ in range(3))
+    alibi = torch.empty(4, dtype=torch.float32, device="meta")
+    args = (q, k, v, 0.25, True, True, 0, "kernel=mma_sync", 3, 5, 7.0, alibi, 0.0, None)
+    if python_rule:
+        calls = []
+
+        def recorder(*a):
+            calls.append(a)
+            return torch.ops.flash_attn2.bwd.default(*a)
+
+        setup_context, backward = _ops._autograd_rule("fwd", backward_op=recorder)
+
+        class Ctx:
+            def save_for_backward(self, *tensors):
+                self.saved_tensors = tensors
+
+            def set_materialize_grads(self, value):
+                pass
+
+        ctx = Ctx()
+        output = torch.ops.flash_attn2.fwd.default(*(a.detach() if isinstance(a, torch.Tensor) else a for a in args))
+        setup_context(ctx, args, output)
+        grads = backward(ctx, torch.empty_like(output[0]), None)
+        (call,) = calls
+        assert call[1:4] == tuple(args[:3]) and call[4] is output[0] and call[5] is output[1]
+        assert call[6:] == (0.25, True, True, "kernel=mma_sync", 3, 5, 7.0, alibi, 0.0, None)
+        assert len(grads) == len(args) and all(g is None for g in grads[3:])
+        assert all(g.shape == q.shape for g in grads[:3])
+    else:
+        out, _ = torch.ops.flash_attn2.fwd(*args)
+        dq, dk, dv = torch.autograd.grad(out.sum(), (q, k, v))
+        assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -15,11 +17,23 @@ _ALIGN_ELEMS = 8  # the kernels move 16-byte (8-element) chunks
 AttnOutput = torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 
+class Variants(NamedTuple):
+    """The attention ops' variant arguments, in their schema order (the op table's variants group; a CPU test
+    checks the two agree). The ops take them as their trailing arguments."""
+
+    window_left: int
+    window_right: int
+    softcap: float
+    alibi_slopes: torch.Tensor | None
+    dropout_p: float
+    rng_state: torch.Tensor | None
+
+
 def _variants(
     q: torch.Tensor, dropout_p: float, window_size: tuple[int, int], softcap: float, alibi_slopes: torch.Tensor | None
-) -> tuple[int, int, float, torch.Tensor | None, float, torch.Tensor | None]:
-    """The ops' six trailing arguments (window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state) for
-    the public functions' variant arguments; with dropout, a fresh rng_state drawn from torch's generator."""
+) -> Variants:
+    """The ops' variant arguments for the public functions' ones; with dropout, a fresh rng_state drawn from
+    torch's generator."""
     try:
         left, right = window_size
     except (TypeError, ValueError):
@@ -29,7 +43,7 @@ def _variants(
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     rng_state = _ops.rng_state(q) if dropout_p > 0.0 else None
-    return int(left), int(right), float(softcap), alibi_slopes, float(dropout_p), rng_state
+    return Variants(int(left), int(right), float(softcap), alibi_slopes, float(dropout_p), rng_state)
 
 
 def _kernel_ready(x: torch.Tensor, head_dim: int, compiling: bool) -> torch.Tensor:
@@ -148,17 +162,17 @@ def flash_attn_func(
         out = out[..., :head_dim]
     if return_attn_probs:
         s_dmask = None
-        if variants[4] > 0.0:
+        if variants.dropout_p > 0.0:
             s_dmask = dropout.s_dmask(
                 q_in,
                 k_in,
                 scale_in,
                 bool(causal),
                 tuple(window_size),
-                variants[2],
+                variants.softcap,
                 alibi_slopes,
-                variants[4],
-                variants[5],
+                variants.dropout_p,
+                variants.rng_state,
             )
         return out, softmax_lse, s_dmask
     return out
@@ -244,17 +258,17 @@ def flash_attn_varlen_func(
         out = out[..., :head_dim]
     if return_attn_probs:
         s_dmask = None
-        if variants[4] > 0.0:
+        if variants.dropout_p > 0.0:
             s_dmask = dropout.s_dmask(
                 q_in,
                 k_in,
                 scale_in,
                 bool(causal),
                 tuple(window_size),
-                variants[2],
+                variants.softcap,
                 alibi_slopes,
-                variants[4],
-                variants[5],
+                variants.dropout_p,
+                variants.rng_state,
                 cu_seqlens_q,
                 cu_seqlens_k,
                 int(max_seqlen_q),
@@ -326,7 +340,7 @@ def _varlen_paged(
             "block_table: paged keys and values have no backward pass; call under torch.no_grad() or "
             "with tensors that do not require grad"
         )
-    left, right, softcap, alibi_slopes, _, _ = _variants(q, 0.0, window_size, softcap, alibi_slopes)
+    variants = _variants(q, 0.0, window_size, softcap, alibi_slopes)
     if softmax_scale is None:
         softmax_scale = head_dim**-0.5
     elif softmax_scale < 0:
@@ -346,10 +360,10 @@ def _varlen_paged(
         float(softmax_scale),
         bool(causal),
         forced()[1],
-        left,
-        right,
-        softcap,
-        alibi_slopes,
+        variants.window_left,
+        variants.window_right,
+        variants.softcap,
+        variants.alibi_slopes,
     )
     if out.shape[-1] != head_dim:
         out = out[..., :head_dim]
@@ -419,7 +433,7 @@ def flash_attn_with_kvcache(
         out (batch, seqlen_q, nheads, head_dim), or (out, softmax_lse) with return_softmax_lse.
     """
     head_dim = _check_cache_operands(q, k_cache, v_cache, 4, "(batch, seqlen_q, nheads, head_dim)")
-    left, right, softcap, alibi_slopes, _, _ = _variants(q, 0.0, window_size, softcap, alibi_slopes)
+    variants = _variants(q, 0.0, window_size, softcap, alibi_slopes)
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together")
     paged = isinstance(block_table, torch.Tensor) and block_table.dim() == 2
@@ -466,11 +480,11 @@ def flash_attn_with_kvcache(
         block_table,
         float(softmax_scale),
         bool(causal),
-        left,
-        right,
-        softcap,
+        variants.window_left,
+        variants.window_right,
+        variants.softcap,
         bool(rotary_interleaved),
-        alibi_slopes,
+        variants.alibi_slopes,
         int(num_splits) if num_splits else forced_splits,
         plan_override,
     )

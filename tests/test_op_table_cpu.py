@@ -123,3 +123,12 @@ def test_autograd_passes_every_backward_argument(python_rule):
         out, _ = torch.ops.flash_attn2.fwd(*args)
         dq, dk, dv = torch.autograd.grad(out.sum(), (q, k, v))
         assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+
+
+def test_public_variants_follow_the_schema():
+    # interface.py passes its Variants as the ops' trailing arguments, in this order.
+    from flash_attn_cuda._op_table import OPS
+    from flash_attn_cuda.interface import Variants
+
+    for name in ("fwd", "bwd", "varlen_fwd", "varlen_bwd"):
+        assert OPS[name]["args"][-len(Variants._fields) :] == Variants._fields, name

@@ -1,6 +1,6 @@
 """Decoding against a long KV cache: one query token per sequence, ours against SDPA and the HBM copy, in one run.
 
-The issue's bar: flash_attn_with_kvcache with a 1-token query runs at >= 90% of the HBM copy bandwidth measured
+The targets: flash_attn_with_kvcache with a 1-token query runs at >= 90% of the HBM copy bandwidth measured
 in the same run, and a paged cache (page sizes 16, 64, 256) runs within 10% of the contiguous cache. Shapes, all
 head dim 128, 32 query heads (bf16 unless --dtype fp16):
 

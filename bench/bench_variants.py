@@ -1,4 +1,4 @@
-"""Attention variants (issue 20): what a sliding window saves, what softcap, ALiBi and dropout cost, in one run.
+"""Attention variants: what a sliding window saves, what softcap, ALiBi and dropout cost, in one run.
 bf16, head dim 128, 16 heads, batch x seqlen = 16384 tokens; forward and backward (the backward alone:
 torch.autograd.grad of a kept output, as bench_fwd.py --pass bwd). Three sections:
 
@@ -311,7 +311,7 @@ def prepare(runner):
 
 def time_rounds(timers, row, args):
     """The implementations take turns, first in an untimed warm-up round (round -1, each one full turn, its times
-    dropped: on the H200 the first timing after a pause runs fast, perf log 35), then args.rounds times (round r
+    dropped: on the H200 the first timing after a pause runs fast), then args.rounds times (round r
     starts with the r-th, so none always follows the same one); in each turn the forward, then the backward.
     row["ms"][name][pass] is the median over the rounds, row["rounds_ms"] the rounds. A pass that fails is
     recorded and left out of later rounds."""

@@ -1,10 +1,10 @@
-"""Per-call host overhead of flash_attn_cuda, two builds compared (issue 19: the stable-ABI build against
-today's). Small calls are host-bound, so this times the host side of each call: time.perf_counter around the
+"""Per-call host overhead of flash_attn_cuda, two builds compared (say, before and after a change to the
+host path). Small calls are host-bound, so this times the host side of each call: time.perf_counter around the
 call, with no synchronization inside the timed region.
 
 Both builds register their ops as torch.ops.flash_attn2.*, so each runs in its own process. The driver starts
 one worker process per build and round, with PYTHONPATH=<that build's directory> prepended, alternating the
-order (old new, new old, ...), and compares the medians against the issue's bar: new may be slower than old
+order (old new, new old, ...), and compares the medians against a bar: new may be slower than old
 by at most max(10% of old, 3 us).
 
     python bench/call_overhead.py --impl old=/path/to/old --impl new=/path/to/new [--rounds 3] [--out-dir DIR]
@@ -448,7 +448,7 @@ def aggregate(per_impl):
 
 
 def verdict(old, new):
-    """(new - old in us, in % of old, allowed slowdown in us, PASS/FAIL) by the issue's bar."""
+    """(new - old in us, in % of old, allowed slowdown in us, PASS/FAIL) by the bar."""
     diff = new - old
     allowed = max(BAR_REL * old, BAR_ABS_US)
     return diff, 100.0 * diff / old if old else float("nan"), allowed, "PASS" if diff <= allowed else "FAIL"
@@ -487,7 +487,7 @@ def build_report(meta, impls, cells):
         rows.append(row)
 
     lines = [
-        "# Per-call host overhead (issue 19)",
+        "# Per-call host overhead",
         "",
         f"{meta['gpu']}, commit {meta['commit']}, {meta['date']}, torch {meta.get('torch')} "
         f"(CUDA {meta.get('cuda')}), rounds: {meta['rounds']}.",

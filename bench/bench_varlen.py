@@ -79,36 +79,9 @@ def main(argv=None):
             ),
         }
         row = {"causal": causal, "useful_flops_fwd": useful, "ms": {}, "tflops": {}, "errors": {}}
-        passes, times = {}, {}
         with warnings.catch_warnings(), sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
             warnings.simplefilter("ignore")
-            for name, (fn, inputs, grad_like) in runners.items():
-                try:
-                    out = fn()
-                    dout = grad_like(out)
-                except Exception as exc:
-                    row["errors"][name] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
-                    continue
-                passes[name] = {
-                    "fwd": fn,
-                    "bwd": lambda out=out, inputs=inputs, dout=dout: torch.autograd.grad(
-                        out, inputs, dout, retain_graph=True
-                    ),
-                }
-                times[name] = {"fwd": [], "bwd": []}
-            # The implementations take turns: an untimed warm-up round (round -1, each one full turn, its times
-            # dropped), then --rounds rounds, round r starting with the r-th; each cell is the median of its rounds.
-            names = list(passes)
-            for r in range(-1, a.rounds if names else -1):
-                for name in names[r % len(names) :] + names[: r % len(names)]:
-                    fns = passes[name]
-                    for pass_, f in list(fns.items()):
-                        ms, err = common.try_time(f, a.warmup, a.rep)
-                        if err:  # no further rounds for a pass that failed
-                            row["errors"][name] = f"{pass_}: {err}"
-                            del fns[pass_]
-                        elif r >= 0:
-                            times[name][pass_].append(ms)
+            times = common.time_fwd_bwd_in_turns(runners, row["errors"], a.warmup, a.rep, a.rounds)
         row["rounds_ms"] = times
         for name in runners:
             ms = {pass_: statistics.median(t) if t else None for pass_, t in times.get(name, {}).items()}

@@ -68,6 +68,39 @@ def try_time(fn, warmup, rep):
 # ------------------------------------------------------------------------------------------ SDPA layout
 
 
+def time_fwd_bwd_in_turns(runners, errors, warmup, rep, rounds):
+    """Times the forward and the backward of each runner, the runners taking turns: an untimed warm-up round
+    (each one full turn, its times dropped), then `rounds` rounds, round r starting with the r-th runner so that
+    none always follows the same one. runners: name -> (forward fn, its differentiable inputs, a function making
+    the output's gradient from the output). A runner whose first call fails, or a pass that fails later, is
+    recorded in errors[name] and not timed again. Returns {name: {"fwd": [ms per round], "bwd": [...]}}."""
+    passes, times = {}, {}
+    for name, (fn, inputs, grad_like) in runners.items():
+        try:
+            out = fn()
+            dout = grad_like(out)  # in out's layout
+        except Exception as exc:
+            errors[name] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+            continue
+        passes[name] = {
+            "fwd": fn,
+            "bwd": lambda out=out, inputs=inputs, dout=dout: torch.autograd.grad(out, inputs, dout, retain_graph=True),
+        }
+        times[name] = {"fwd": [], "bwd": []}
+    names = list(passes)
+    for r in range(-1, rounds if names else -1):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            fns = passes[name]
+            for pass_, f in list(fns.items()):
+                ms, err = try_time(f, warmup, rep)
+                if err:  # no further rounds for a pass that failed
+                    errors[name] = f"{pass_}: {err}"
+                    del fns[pass_]
+                elif r >= 0:
+                    times[name][pass_].append(ms)
+    return times
+
+
 def sdpa_view(x, requires_grad=None):
     """SDPA's own copy of a (b, s, h, d) tensor x, handed over as the (b, h, s, d) transposed view of a
     (b, s, h, d) tensor: the layout models give SDPA (q_proj(x).view(b, s, h, d).transpose(1, 2)) and the one

@@ -28,10 +28,6 @@ struct Variants : VariantArgs {
     bool alibi() const { return alibi_slopes.has_value(); }
     // causal fixes the window's right side at 0.
     int64_t right(bool causal) const { return causal ? 0 : window_right; }
-    // Whether the call runs a masked kernel: causal, or a window bounded on either side.
-    bool masked(bool causal) const { return causal || window_left >= 0 || window_right >= 0; }
-    // Whether the window is more than causal: a left edge, or a right edge past the diagonal ((-1, 0) is causal).
-    bool window(bool causal) const { return window_left >= 0 || right(causal) > 0; }
 };
 
 // A call that reads a KV cache: fwd_kvcache's arguments, or varlen_fwd_paged's block table alone (flash-attn 2.x

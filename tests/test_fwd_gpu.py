@@ -364,6 +364,7 @@ def test_cuda_graph_capture(causal):
     check_close("lse", lse, ref_lse, lowp_lse)
 
 
+@pytest.mark.multi_gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_inputs_on_second_device():
     # The op must run on the inputs' device, not the current one.

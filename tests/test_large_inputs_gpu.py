@@ -5,6 +5,12 @@ as exp(score - lse) at a key or query that lies outside the sequence then overfl
 times a zero-filled operand is NaN. Each call here packs every short length into one varlen batch, or loops
 over them densely, and checks out, lse, dq, dk and dv with the correctness rule, which rejects any NaN (with
 the atol of conftest.check_results).
+
+The same inputs also go through the paths that mask or scale on their own: sliding windows (few keys per row,
+window edges inside key blocks, rows that see no key), dropout (kept probabilities scaled by 1 / (1 - p); the
+reference takes the keep mask that flash_attn_cuda.dropout rebuilds from the call's rng_state), the
+deterministic backward (its own dQ accumulation, which must also give the same bits twice) and paged varlen
+(keys read page by page from a cache whose other rows hold large values too; forward only).
 """
 
 import itertools
@@ -23,14 +29,28 @@ from conftest import (
     poison_allocator,
     require_fwd_bwd_kernels,
     requires_gpu,
-    varlen_attention,
+    varlen_attention_ref,
 )
 
+import flash_attn_cuda
 from flash_attn_cuda import flash_attn_func, flash_attn_varlen_func
-from flash_attn_cuda.plan import force_plan
+from flash_attn_cuda.dropout import keep_mask, varlen_keep_mask
+from flash_attn_cuda.plan import force_plan, override_string, plan
 from flash_attn_cuda.reference import attention_ref
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
+
+
+@pytest.fixture(autouse=True)
+def _setup():
+    # The same draws on every run, so that no test passes or fails by the luck of its inputs.
+    torch.manual_seed(0)
+    # The float32 reference must not silently run its matmuls in TF32.
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    yield
+    torch.set_float32_matmul_precision(previous)
+
 
 # Every length up to 17, then both sides of the 64- and 128-row/key block edges.
 SHORT_LENS = list(range(1, 18)) + [63, 64, 65, 127, 128, 129]
@@ -48,6 +68,24 @@ PATHS = {
     "gqa_walk": {"gqa_walk": True},
     "gqa_per_head": {"gqa_walk": False},
 }
+# (seqlen_q, seqlen_k) of the dense window, dropout and deterministic checks: odd and unequal lengths both ways,
+# within one block and across the 64- and 128-row/key block edges. Every pair has some row that sees two keys or
+# more, so that no checked tensor has an all-zero reference (one visible key gives exact zeros in dq and dk).
+LENGTHS = [(3, 2), (5, 17), (17, 5), (65, 129), (129, 63)]
+EXHAUSTIVE_LENGTHS = LENGTHS + [(2, 2), (15, 16), (63, 64), (64, 65), (127, 129), (203, 113), (113, 203)]
+# Windows (left, right) on their own (not causal): a few keys on both sides, a left and a right edge alone. With
+# seqlen_q > seqlen_k, the right-bounded ones leave the first rows with no key at all.
+WINDOWS = {"both": (3, 2), "left": (21, -1), "right": (-1, 9)}
+# Also two keys per row, one side of width zero, edges half a block apart, and a window wider than every
+# sequence (full attention through the masked kernel).
+EXHAUSTIVE_WINDOWS = {**WINDOWS, "0-1": (0, 1), "1-0": (1, 0), "64-64": (64, 64), "wide": (1000, 1000)}
+# Dropout rates of the default run: a light one, and a heavy one whose 1 / (1 - p) = 2.5 scales the kept
+# probabilities up.
+DROPOUT_PS = (0.17, 0.6)
+EXHAUSTIVE_DROPOUT_PS = (0.01, 0.5, 0.9)
+# (lens_q, lens_k) of one varlen batch: every short length with seqlen_q == seqlen_k, then the same lengths
+# against other key lengths (seqlen_q > seqlen_k and the reverse), so that every block edge is crossed in one call.
+PACKED_LENS = (SHORT_LENS * 2, SHORT_LENS + SHORT_LENS[5:] + SHORT_LENS[:5])
 
 
 def scaled(shape, gain, dtype):
@@ -57,24 +95,96 @@ def scaled(shape, gain, dtype):
 NAMES = ("out", "lse", "dq", "dk", "dv")
 
 
-def reference(q, k, v, dout, causal, upcast):
-    """(out, lse, dq, dk, dv) of attention_ref on dense (batch, seqlen, heads, head_dim) inputs."""
+def require_variant_kernels(head_dim, dtype):
+    """Skips unless every mask is compiled: calls with a window or dropout run the variants kernels, and the plain
+    masked or unmasked kernels where the window amounts to no mask or a causal one."""
+    require_fwd_bwd_kernels(head_dim, dtype, False)
+    require_fwd_bwd_kernels(head_dim, dtype, True)
+    if not flash_attn_cuda.kernel_available(head_dim, dtype, True, backward=True, variants=True):
+        pytest.skip(f"variants kernels for head_dim={head_dim} {dtype} not compiled")
+
+
+def next_rng_state(device):
+    """The dropout rng_state that the next public call on ``device`` draws, left undrawn: the public functions
+    draw torch.randint(-2**63, 2**63 - 1, (2,), dtype=torch.int64) from torch's generator of the device, so the
+    same draw on a forked generator gives the same words."""
+    with torch.random.fork_rng(devices=[device]):
+        return torch.randint(-(2**63), 2**63 - 1, (2,), dtype=torch.int64, device=device)
+
+
+def check_plans(q, k, causal, force, *, window=(-1, -1), dropout_p=0.0, deterministic=False, lens=None):
+    """conftest.check_forced_plans on the call's sizes; with a window or dropout, also the plans of the call
+    itself, whose passes must keep the kernel family of the plain call (forced or the default)."""
+    plain = check_forced_plans(q, k, causal, force, deterministic=deterministic, lens=lens)
+    if not plain or (tuple(window) == (-1, -1) and not dropout_p):
+        return
+    choices = dict(force)
+    num_splits = choices.pop("num_splits", 0)
+    if lens is None:
+        batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
+    else:
+        batch, seqlen_q, seqlen_k = len(lens[0]), max(lens[0]), max(lens[1])
+    for pass_, plain_plan in plain.items():
+        p = plan(
+            pass_,
+            batch=batch,
+            seqlen_q=seqlen_q,
+            seqlen_k=seqlen_k,
+            nheads=q.shape[-2],
+            nheads_k=k.shape[-2],
+            head_dim=-(-q.shape[-1] // 8) * 8,
+            causal=causal,
+            deterministic=deterministic and pass_ == "bwd",
+            varlen=lens is not None,
+            num_splits=num_splits,
+            override=override_string(**choices),
+            dtype=q.dtype,
+            window_size=tuple(window),
+            dropout=dropout_p > 0,
+        )
+        assert p.kernel == plain_plan.kernel, (p, plain_plan)
+
+
+def rule_floors(attend, q, k, v, dout, scale, rows, dropout_p=0.0):
+    """conftest.gradient_floors; ``attend(q, k, v, upcast, dropped)`` is the reference with (dropped) or without the
+    call's dropout."""
+    return gradient_floors(attend, q, k, v, dout, scale, rows, dropout_p, lambda *args: attend(*args, dropped=False))
+
+
+def gradients(out, inputs, dout, deterministic):
+    """dq, dk and dv by autograd. The deterministic backward runs a second time, on freshly poisoned memory, and
+    must give the same bits (compared as 16-bit patterns, so that a NaN is left to the rule to report)."""
+    grads = torch.autograd.grad(out, inputs, dout, retain_graph=deterministic)
+    if deterministic:
+        poison_allocator(out.device)
+        again = torch.autograd.grad(out, inputs, dout)
+        for name, first, second in zip(NAMES[2:], grads, again):
+            same = torch.equal(first.contiguous().view(torch.int16), second.contiguous().view(torch.int16))
+            assert same, f"{name}: the deterministic backward gave other bits on a second run"
+    return grads
+
+
+def reference(q, k, v, dout, causal, upcast, **variant):
+    """(out, lse, dq, dk, dv) of attention_ref on dense (batch, seqlen, heads, head_dim) inputs; ``variant``:
+    attention_ref's window_size, dropout_p and dropout_mask."""
     leaves = [(t.detach().float() if upcast else t.detach()).requires_grad_() for t in (q, k, v)]
-    out, lse = attention_ref(*leaves, None, causal, upcast=upcast)
+    out, lse = attention_ref(*leaves, None, causal, upcast=upcast, **variant)
     grads = torch.autograd.grad(out, leaves, dout.float() if upcast else dout)
     return (out.detach(), lse, *grads)
 
 
-def check_dense_results(q, k, v, dout, ours, causal, label=""):
-    """The rule on ours = (out, lse, dq, dk, dv) of dense inputs."""
-    ref = reference(q, k, v, dout, causal, upcast=True)
-    lowp = reference(q, k, v, dout, causal, upcast=False)
+def check_dense_results(q, k, v, dout, ours, causal, label="", **variant):
+    """The rule on ours = (out, lse, dq, dk, dv) of dense inputs; ``variant`` as in reference."""
+    ref = reference(q, k, v, dout, causal, upcast=True, **variant)
+    lowp = reference(q, k, v, dout, causal, upcast=False, **variant)
 
-    def attend(q, k, v, upcast):
-        return attention_ref(q, k, v, None, causal, upcast=upcast)
+    def attend(q, k, v, upcast, dropped=True):
+        kwargs = variant if dropped else {n: x for n, x in variant.items() if n not in ("dropout_p", "dropout_mask")}
+        return attention_ref(q, k, v, None, causal, upcast=upcast, **kwargs)
 
     rows = q.shape[1] * (q.shape[2] // k.shape[2])
-    floors = gradient_floors(attend, q, k, v, dout, ours[0], q.shape[-1] ** -0.5, rows)
+    dropout_p = variant.get("dropout_p", 0.0)
+    floors = rule_floors(attend, q, k, v, dout, q.shape[-1] ** -0.5, rows, dropout_p)
     check_results(
         [f"{name}{label}" for name in NAMES],
         ours,
@@ -85,29 +195,66 @@ def check_dense_results(q, k, v, dout, ours, causal, label=""):
     )
 
 
-def check_dense(b, sq, sk, h, hk, head_dim, dtype, causal, gains=GAINS, force=None):
-    """The rule on a dense call run under force_plan(**force), whose choices its plans must take."""
+def check_dense(
+    b,
+    sq,
+    sk,
+    h,
+    hk,
+    head_dim,
+    dtype,
+    causal,
+    gains=GAINS,
+    force=None,
+    *,
+    window=(-1, -1),
+    dropout_p=0.0,
+    deterministic=False,
+):
+    """The rule on a dense call run under force_plan(**force), whose choices its plans must take. window,
+    dropout_p and deterministic go to the call; with dropout, the reference takes the keep mask of the
+    rng_state that the call draws."""
     q = scaled((b, sq, h, head_dim), gains[0], dtype).requires_grad_()
     k = scaled((b, sk, hk, head_dim), gains[1], dtype).requires_grad_()
     v = scaled((b, sk, hk, head_dim), gains[2], dtype).requires_grad_()
     force = dict(force or {})
-    check_forced_plans(q, k, causal, force)
+    check_plans(q, k, causal, force, window=window, dropout_p=dropout_p, deterministic=deterministic)
     dout = torch.randn(q.shape, device="cuda", dtype=dtype)
+    rng_state = next_rng_state(q.device) if dropout_p else None
     poison_allocator(q.device)
     with force_plan(**force):
-        out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
-        dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
-    check_dense_results(q, k, v, dout, (out, lse, dq, dk, dv), causal, f" (sq={sq}, sk={sk})")
+        out, lse, _ = flash_attn_func(
+            q,
+            k,
+            v,
+            dropout_p=dropout_p,
+            causal=causal,
+            window_size=window,
+            deterministic=deterministic,
+            return_attn_probs=True,
+        )
+        dq, dk, dv = gradients(out, (q, k, v), dout, deterministic)
+    details, variant = [f"sq={sq}", f"sk={sk}"], {}
+    if tuple(window) != (-1, -1):
+        details.append(f"window={tuple(window)}")
+        variant["window_size"] = tuple(window)
+    if dropout_p:
+        details.append(f"dropout_p={dropout_p}")
+        variant.update(dropout_p=dropout_p, dropout_mask=keep_mask(rng_state, dropout_p, b, h, sq, sk))
+    label = f" ({', '.join(details)})"
+    check_dense_results(q, k, v, dout, (out, lse, dq, dk, dv), causal, label, **variant)
 
 
-def check_varlen(lens_q, lens_k, h, hk, head_dim, dtype, causal, force=None):
-    """The rule on a varlen call run under force_plan(**force), whose choices its plans must take."""
+def check_varlen(lens_q, lens_k, h, hk, head_dim, dtype, causal, force=None, *, dropout_p=0.0, deterministic=False):
+    """The rule on a varlen call run under force_plan(**force), whose choices its plans must take; dropout_p and
+    deterministic as in check_dense (each sequence's keep mask from dropout.varlen_keep_mask)."""
     q = scaled((sum(lens_q), h, head_dim), GAINS[0], dtype).requires_grad_()
     k = scaled((sum(lens_k), hk, head_dim), GAINS[1], dtype).requires_grad_()
     v = scaled((sum(lens_k), hk, head_dim), GAINS[2], dtype).requires_grad_()
     force = dict(force or {})
-    check_forced_plans(q, k, causal, force, lens=(lens_q, lens_k))
+    check_plans(q, k, causal, force, dropout_p=dropout_p, deterministic=deterministic, lens=(lens_q, lens_k))
     dout = torch.randn(q.shape, device="cuda", dtype=dtype)
+    rng_state = next_rng_state(q.device) if dropout_p else None
     poison_allocator(q.device)
     with force_plan(**force):
         out, lse, _ = flash_attn_varlen_func(
@@ -118,21 +265,98 @@ def check_varlen(lens_q, lens_k, h, hk, head_dim, dtype, causal, force=None):
             cu_seqlens(lens_k),
             max(lens_q),
             max(lens_k),
+            dropout_p=dropout_p,
             causal=causal,
+            deterministic=deterministic,
             return_attn_probs=True,
         )
-        dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+        dq, dk, dv = gradients(out, (q, k, v), dout, deterministic)
+    masks = varlen_keep_mask(rng_state, dropout_p, h, lens_q, lens_k) if dropout_p else None
 
-    def attend(q, k, v, upcast):
-        return varlen_attention(q, k, v, lens_q, lens_k, causal, None, upcast)
+    def attend(q, k, v, upcast, dropped=True):
+        return varlen_attention_ref(
+            q,
+            k,
+            v,
+            lens_q,
+            lens_k,
+            None,
+            causal,
+            upcast,
+            dropout_p=dropout_p if dropped else 0.0,
+            dropout_masks=masks if dropped else None,
+        )
 
     def packed_reference(upcast):
         leaves = [(t.detach().float() if upcast else t.detach()).requires_grad_() for t in (q, k, v)]
         o, lse_ref = attend(*leaves, upcast)
         return (o.detach(), lse_ref, *torch.autograd.grad(o, leaves, dout.float() if upcast else dout))
 
-    floors = gradient_floors(attend, q, k, v, dout, out, head_dim**-0.5, max(lens_q) * (h // hk))
+    floors = rule_floors(attend, q, k, v, dout, head_dim**-0.5, max(lens_q) * (h // hk), dropout_p)
     check_results(NAMES, (out, lse, dq, dk, dv), packed_reference(True), packed_reference(False), dtype, floors)
+
+
+def check_varlen_paged(lens_q, lens_k, h, hk, head_dim, dtype, causal, page_size, force=None):
+    """The rule on out and lse of a paged varlen call (forward only) run under force_plan(**force), against the
+    reference on each sequence's keys gathered from its pages; the caches must come out untouched. Every cache
+    row holds large values, the rows past each sequence's end and the pages no sequence uses included."""
+    batch = len(lens_q)
+    max_pages = -(-max(lens_k) // page_size) + 1  # one table column that no key reaches
+    num_pages = batch * max_pages + 3  # and pages that no sequence names
+    block_table = torch.randperm(num_pages, device="cuda")[: batch * max_pages].view(batch, max_pages)
+    block_table = block_table.to(torch.int32)
+    q = scaled((sum(lens_q), h, head_dim), GAINS[0], dtype)
+    k_cache = scaled((num_pages, page_size, hk, head_dim), GAINS[1], dtype)
+    v_cache = scaled((num_pages, page_size, hk, head_dim), GAINS[2], dtype)
+    force = dict(force or {})
+    p = plan(
+        "fwd",
+        batch=batch,
+        seqlen_q=max(lens_q),
+        seqlen_k=max(lens_k),
+        nheads=h,
+        nheads_k=hk,
+        head_dim=-(-head_dim // 8) * 8,
+        causal=causal,
+        varlen=True,
+        override=override_string(**force),
+        dtype=dtype,
+        kvcache=True,
+        paged=True,
+    )
+    # A paged call runs the variants kernel, neither packs query heads nor splits the keys, and keeps a forced
+    # kernel family.
+    assert p.variants and p.gqa_pack == 1 and p.num_splits == 1, p
+    if "kernel" in force:
+        assert p.kernel == force["kernel"], p
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    poison_allocator(q.device)
+    with force_plan(**force):
+        out, lse, s_dmask = flash_attn_varlen_func(
+            q,
+            k_cache,
+            v_cache,
+            cu_seqlens(lens_q),
+            cu_seqlens(lens_k),
+            max(lens_q),
+            max(lens_k),
+            causal=causal,
+            return_attn_probs=True,
+            block_table=block_table,
+        )
+    assert s_dmask is None
+    assert out.shape == q.shape and out.dtype == dtype
+    assert lse.shape == (h, sum(lens_q)) and lse.dtype == torch.float32
+    pages = [block_table[i].long() for i in range(batch)]
+    k_dense = torch.cat([k_cache[pages[i]].flatten(0, 1)[: lens_k[i]] for i in range(batch)])
+    v_dense = torch.cat([v_cache[pages[i]].flatten(0, 1)[: lens_k[i]] for i in range(batch)])
+
+    def attend(upcast):
+        return varlen_attention_ref(q, k_dense, v_dense, lens_q, lens_k, None, causal, upcast)
+
+    check_results(("out", "lse"), (out, lse), attend(True), attend(False), dtype)
+    for name, after, before in (("k_cache", k_cache, k_before), ("v_cache", v_cache, v_before)):
+        assert torch.equal(after.view(torch.int16), before.view(torch.int16)), f"{name} changed"
 
 
 # ---------------------------------------------------------------- large magnitudes
@@ -146,8 +370,7 @@ def test_large_magnitude_short_lengths_varlen(head_dim, causal, dtype, backward)
     # One varlen batch holds every short length with seqlen_q == seqlen_k, then the same lengths against other
     # key lengths (seqlen_q > seqlen_k and the reverse), so every block edge is crossed in one call.
     require_fwd_bwd_kernels(head_dim, dtype, causal)
-    lens_k_other = SHORT_LENS[5:] + SHORT_LENS[:5]
-    check_varlen(SHORT_LENS * 2, SHORT_LENS + lens_k_other, 5, 5, head_dim, dtype, causal, BACKWARDS[backward])
+    check_varlen(*PACKED_LENS, 5, 5, head_dim, dtype, causal, BACKWARDS[backward])
 
 
 @pytest.mark.parametrize("backward", list(BACKWARDS))
@@ -187,14 +410,146 @@ def test_large_magnitude_other_paths(path, causal, dtype):
         check_dense(2, sq, sk, 6, 2, 128, dtype, causal, force=PATHS[path])
 
 
+# Gains of q, k and v at the edges of what the correctness rule can judge (tests/test_checker_cpu.py holds the
+# same ones): large values (v * 30) with scores as large as the low-precision reference still resolves (q and k
+# * 3; at * 6 a bfloat16 reference is off by more than half of dq); tiny tensors everywhere (* 3e-3; at 1e-3 the
+# dk of fp16 is subnormal, a few ulps of the smallest spacing, and the fp16 reference cannot resolve it); and
+# tiny keys between large queries and values, where dq scales with |K| alone and dk with |Q|.
+EXTREME_GAINS = {"large": (3.0, 3.0, 30.0), "tiny": (3e-3, 3e-3, 3e-3), "mixed": (30.0, 1e-3, 30.0)}
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize(
-    "gains", [(30.0, 30.0, 30.0), (1e-3, 1e-3, 1e-3), (30.0, 1e-3, 30.0)], ids=["x30", "x1e-3", "mixed"]
-)
+@pytest.mark.parametrize("gains", list(EXTREME_GAINS.values()), ids=list(EXTREME_GAINS))
 def test_extreme_gains(gains, dtype):
     require_fwd_bwd_kernels(64, dtype, True)
     for sq, sk in [(1, 1), (3, 70), (70, 3), (129, 129)]:
         check_dense(2, sq, sk, 4, 2, 64, dtype, True, gains=gains)
+
+
+# ---------------------------------------------------------------- large magnitudes: windows, dropout, deterministic
+# backward, paged varlen
+#
+# fp16 in the default run (the narrower range of the two dtypes), both dtypes and every kernel head dim in the
+# exhaustive one.
+
+
+def require_paged_kernels(head_dim, dtype):
+    """Skips unless the forward variants kernel, which paged calls run, is compiled."""
+    if not flash_attn_cuda.kernel_available(head_dim, dtype, True, variants=True):
+        pytest.skip(f"variants forward kernel for head_dim={head_dim} {dtype} not compiled")
+
+
+@pytest.mark.parametrize("backward", list(BACKWARDS))
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("window", list(WINDOWS))
+def test_large_magnitude_window(window, head_dim, backward):
+    # A window leaves each row only a few keys (rows whose LSE is far below zero) and puts its edges inside key
+    # blocks, whose keys the masked kernel masks or skips on its own. 6 query heads on 2 key/value heads, so that
+    # dK and dV sum over a group.
+    require_variant_kernels(head_dim, torch.float16)
+    for sq, sk in LENGTHS:
+        check_dense(2, sq, sk, 6, 2, head_dim, torch.float16, False, force=BACKWARDS[backward], window=WINDOWS[window])
+
+
+@pytest.mark.parametrize("backward", list(BACKWARDS))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_large_magnitude_dropout(head_dim, causal, backward):
+    # Dropout scales the kept probabilities by 1 / (1 - p) in the forward, and dP by as much in the backward, which
+    # draws the mask again from the saved rng_state.
+    require_variant_kernels(head_dim, torch.float16)
+    for dropout_p, (sq, sk) in itertools.product(DROPOUT_PS, LENGTHS):
+        check_dense(2, sq, sk, 6, 2, head_dim, torch.float16, causal, force=BACKWARDS[backward], dropout_p=dropout_p)
+
+
+@pytest.mark.parametrize("backward", list(BACKWARDS))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_large_magnitude_dropout_varlen(causal, backward):
+    # Every short length in one varlen batch: each sequence draws its own mask, counted from its own first row and
+    # key, and its last query and key blocks end inside the packed tensors.
+    require_variant_kernels(64, torch.float16)
+    check_varlen(*PACKED_LENS, 5, 5, 64, torch.float16, causal, BACKWARDS[backward], dropout_p=0.3)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_large_magnitude_deterministic(head_dim, causal):
+    # The deterministic backward runs the mma.sync kernels, whose CTAs add into dQ in a fixed order (semaphores per
+    # sequence, head and query block): dense calls with GQA, then every short length packed into one varlen batch.
+    require_fwd_bwd_kernels(head_dim, torch.float16, causal)
+    for sq, sk in LENGTHS:
+        check_dense(2, sq, sk, 6, 2, head_dim, torch.float16, causal, deterministic=True)
+    check_varlen(*PACKED_LENS, 5, 5, head_dim, torch.float16, causal, deterministic=True)
+
+
+@pytest.mark.parametrize("kernel", list(BACKWARDS))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("page_size", [16, 48])
+def test_large_magnitude_paged_varlen(page_size, causal, kernel):
+    # Keys and values read page by page (forward only; BACKWARDS names the kernel families): every short length
+    # packed into one batch, plus queries that see no key and a sequence with no query. The rows past each
+    # sequence's end hold large values too, which a key read past the end would bring into the softmax.
+    require_paged_kernels(128, torch.float16)
+    lens_q, lens_k = PACKED_LENS
+    check_varlen_paged(lens_q + [3, 0], lens_k + [0, 5], 6, 2, 128, torch.float16, causal, page_size, BACKWARDS[kernel])
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("backward", list(BACKWARDS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("head_dim", KERNEL_HEAD_DIMS)
+@pytest.mark.parametrize("window", list(EXHAUSTIVE_WINDOWS))
+def test_large_magnitude_window_exhaustive(window, head_dim, dtype, backward):
+    require_variant_kernels(head_dim, dtype)
+    for sq, sk in EXHAUSTIVE_LENGTHS:
+        check_dense(
+            2, sq, sk, 6, 2, head_dim, dtype, False, force=BACKWARDS[backward], window=EXHAUSTIVE_WINDOWS[window]
+        )
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("backward", list(BACKWARDS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", KERNEL_HEAD_DIMS)
+def test_large_magnitude_dropout_exhaustive(head_dim, causal, dtype, backward):
+    require_variant_kernels(head_dim, dtype)
+    for dropout_p, (sq, sk) in itertools.product(EXHAUSTIVE_DROPOUT_PS, EXHAUSTIVE_LENGTHS):
+        check_dense(2, sq, sk, 6, 2, head_dim, dtype, causal, force=BACKWARDS[backward], dropout_p=dropout_p)
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", KERNEL_HEAD_DIMS)
+def test_large_magnitude_deterministic_exhaustive(head_dim, causal, dtype):
+    require_fwd_bwd_kernels(head_dim, dtype, causal)
+    for sq, sk in EXHAUSTIVE_LENGTHS:
+        check_dense(2, sq, sk, 6, 2, head_dim, dtype, causal, deterministic=True)
+    check_varlen(*PACKED_LENS, 6, 2, head_dim, dtype, causal, deterministic=True)
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("backward", list(BACKWARDS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", KERNEL_HEAD_DIMS)
+def test_large_magnitude_dropout_varlen_exhaustive(head_dim, causal, dtype, backward):
+    require_variant_kernels(head_dim, dtype)
+    for dropout_p in EXHAUSTIVE_DROPOUT_PS:
+        check_varlen(*PACKED_LENS, 6, 2, head_dim, dtype, causal, BACKWARDS[backward], dropout_p=dropout_p)
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("kernel", list(BACKWARDS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("page_size", [16, 48, 256])
+@pytest.mark.parametrize("head_dim", KERNEL_HEAD_DIMS)
+def test_large_magnitude_paged_varlen_exhaustive(head_dim, page_size, causal, dtype, kernel):
+    require_paged_kernels(head_dim, dtype)
+    lens_q, lens_k = PACKED_LENS
+    check_varlen_paged(lens_q + [3, 0], lens_k + [0, 5], 6, 2, head_dim, dtype, causal, page_size, BACKWARDS[kernel])
 
 
 # ---------------------------------------------------------------- batches beyond 65535

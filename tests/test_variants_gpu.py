@@ -5,13 +5,15 @@ out, lse, dq, dk and dv against attention_ref with the same variant arguments, i
 and in the input dtype (ref_lowp); dq and dk get conftest's gradient floors. Dropout runs are compared with the
 reference under the keep mask that flash_attn_cuda.dropout derives from the call's rng_state: either an
 rng_state of our own passed to torch.ops.flash_attn2.* directly, or the one the public function draws, found
-again by seeding torch's generator and drawing as it does (see draw_rng_state).
+again by seeding torch's generator and drawing as it does (see draw_rng_state). Apart from that comparison,
+which needs the kernels to drop what keep_mask drops, each pass's own keep decisions are read back from its
+results (V the identity in the forward, a one-hot dO in the backward) and compared with keep_mask entry for entry.
 
-The default run covers every variant family at every kernel head dim, odd and unequal lengths both ways, rows
-that see no key, GQA/MQA and seqlen_q == 1, both dtypes, and both kernel families (kernel=mma_sync forced, and
-the default, which is the warpgroup-MMA kernel on Hopper), plus the dropout machinery (S_dmask, seeding, CUDA
-graphs, torch.compile, TorchScript, opcheck) and argument validation. ``--exhaustive`` adds the cross products.
-Configurations whose kernels were not compiled are skipped.
+The default run covers every variant family at every kernel head dim, odd and unequal lengths both ways, lengths
+of 2 and 5, rows that see no key, GQA/MQA and seqlen_q == 1, both dtypes, and both kernel families (kernel=mma_sync
+forced, and the default, which is the warpgroup-MMA kernel on Hopper), strided q, k, v and dout, plus the dropout
+machinery (the kernels' masks, S_dmask, seeding, CUDA graphs, torch.compile, TorchScript, opcheck) and argument
+validation. ``--exhaustive`` adds the cross products. Configurations whose kernels were not compiled are skipped.
 """
 
 import dataclasses
@@ -27,12 +29,11 @@ from conftest import (
     check_forced_plans,
     check_results,
     cu_seqlens,
-    fp32_cancellation_floor,
+    gradient_floors,
     poison_allocator,
     rand,
     require_fwd_bwd_kernels,
     requires_gpu,
-    rounded_output_floors,
     varlen_attention_ref,
 )
 
@@ -203,13 +204,10 @@ def reference_with_grads(attend, q, k, v, dout, upcast):
     return (out.detach(), lse.detach(), *grads)
 
 
-def variant_floors(attend, q, k, v, dout, out, scale, rows, dropout_p):
-    """conftest.gradient_floors for a variant call. With dropout, dP is dO V^T scaled by 1 / (1 - p), so the
-    float32 rounding floor grows by as much; the rounded-output floor holds as it is (D = rowsum(dO * O), and dS
-    is off by P_ij delta_i with the undropped P, the gradient of the undropped LSE)."""
-    fp32 = fp32_cancellation_floor(q, k, v, dout, scale, rows) / (1.0 - dropout_p)
-    dq, dk = rounded_output_floors(attend, q, k, v, dout, out)
-    return {"dq": fp32 + dq, "dk": fp32 + dk}
+def variant_floors(attend, q, k, v, dout, scale, rows, dropout_p):
+    """conftest.gradient_floors for a variant call; ``attend(q, k, v, upcast, dropped)`` is its reference, with
+    (dropped) or without the call's dropout."""
+    return gradient_floors(attend, q, k, v, dout, scale, rows, dropout_p, lambda *args: attend(*args, dropped=False))
 
 
 def make_inputs(b, sq, sk, h, hk, d, dtype, gain=1.0):
@@ -280,6 +278,7 @@ def run_dense(
     via=None,
     seed=1234,
     rng_state=None,
+    dout=None,
 ):
     """Forward and backward of one dense call, checked against the reference. Returns a dict of the results.
 
@@ -287,6 +286,7 @@ def run_dense(
     dropout an rng_state of our own (``rng_state``, or one drawn here). via="func": flash_attn_func under
     force_plan, gradients by autograd; with dropout the call runs right after torch.manual_seed(seed), and the
     reference uses the rng_state that seed gives (draw_rng_state). Default: "op" with dropout, else "func".
+    dout: the gradient of out (any layout); default fresh random values shaped like q.
     """
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -294,7 +294,7 @@ def run_dense(
     force = dict(force or {})
     plans = check_variant_plans(q, k, variant, slopes, force, deterministic=deterministic)
     scale = d**-0.5 if softmax_scale is None else softmax_scale
-    dout = torch.randn_like(q)
+    dout = torch.randn_like(q) if dout is None else dout
     s_dmask = None
     if via == "op":
         if variant.dropout_p and rng_state is None:
@@ -331,7 +331,7 @@ def run_dense(
         mask = keep_mask(rng_state, variant.dropout_p, b, h, sq, sk).to(q.device)
         assert mask.shape == (b, h, sq, sk) and mask.dtype == torch.bool
 
-    def attend(q, k, v, upcast):
+    def attend(q, k, v, upcast, dropped=True):
         return attention_ref(
             q,
             k,
@@ -339,14 +339,14 @@ def run_dense(
             softmax_scale,
             variant.causal,
             upcast=upcast,
-            dropout_p=variant.dropout_p,
-            dropout_mask=mask,
+            dropout_p=variant.dropout_p if dropped else 0.0,
+            dropout_mask=mask if dropped else None,
             **ref_variant_kwargs(variant, slopes),
         )
 
     ref = reference_with_grads(attend, q, k, v, dout, upcast=True)
     lowp = reference_with_grads(attend, q, k, v, dout, upcast=False)
-    floors = variant_floors(attend, q, k, v, dout, out, abs(scale), sq * (h // hk), variant.dropout_p)
+    floors = variant_floors(attend, q, k, v, dout, abs(scale), sq * (h // hk), variant.dropout_p)
     check_results(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv), ref, lowp, q.dtype, floors)
     return {
         "out": out,
@@ -398,6 +398,30 @@ def test_variant_head_dims(family, head_dim, pair):
     check_shape_variant(shape, FAMILIES[family], dtype, kernel)
 
 
+# Lengths shorter than any tile, each way round: every row and key of the call sits in one partial block.
+SHORT_SEQLENS = [(2, 5), (5, 2)]
+
+
+def short_seqlen_cases():
+    """One case per kernel head dim and pair of SHORT_SEQLENS: the variant, (dtype, kernel) and heads rotate so that
+    the cases meet every variant, and each head dim both kernel families, at the cost of one small call each."""
+    names = list(VARIANTS)
+    heads = [(4, 4), (6, 2), (4, 1)]
+    cases = []
+    for i, (head_dim, (sq, sk)) in enumerate(itertools.product(KERNEL_HEAD_DIMS, SHORT_SEQLENS)):
+        name, pair = names[i % len(names)], ALL_PAIRS[i % len(ALL_PAIRS)]
+        h, hk = heads[i % len(heads)]
+        case_id = f"d{head_dim}-sq{sq}-sk{sk}-{name}-{pair_id(pair)}"
+        cases.append(pytest.param((2, sq, sk, h, hk, head_dim), name, pair, id=case_id))
+    return cases
+
+
+@pytest.mark.parametrize("shape, name, pair", short_seqlen_cases())
+def test_short_seqlens_every_head_dim(shape, name, pair):
+    """Two and five rows and keys, both ways round, at every kernel head dim."""
+    check_shape_variant(shape, VARIANTS[name], *pair)
+
+
 @pytest.mark.parametrize("pair", PAIRS, ids=pair_id)
 @pytest.mark.parametrize("scale", [0.05, -0.3])
 def test_explicit_softmax_scale(scale, pair):
@@ -438,15 +462,20 @@ HOPPER_PATHS = {
 }
 
 
-@pytest.mark.parametrize("dropout", [False, True], ids=["no-dropout", "dropout"])
-@pytest.mark.parametrize("path", list(HOPPER_PATHS))
+# Each path with and without dropout, but for forced key splits: dropout never splits the keys (the plan keeps one
+# split; test_plan_cpu checks it), so that pair would run the path it means to test only without dropout;
+# test_dropout_decode_split runs a shape whose plain call splits.
+FORCED_PATH_CASES = [
+    pytest.param(path, dropout, id=f"{path}-{'dropout' if dropout else 'no-dropout'}")
+    for path, (force, _) in HOPPER_PATHS.items()
+    for dropout in (False, True)
+    if not (dropout and "num_splits" in force)
+]
+
+
+@pytest.mark.parametrize("path, dropout", FORCED_PATH_CASES)
 def test_forced_paths(path, dropout):
     force, (b, sq, sk, h, hk) = HOPPER_PATHS[path]
-    if dropout and "num_splits" in force:
-        pytest.skip(
-            "dropout never splits the keys (the plan keeps one split; test_plan_cpu checks it), "
-            "and test_dropout_decode_split runs a shape whose plain call splits"
-        )
     require_kernels(128, torch.bfloat16)
     # No left window edge: under one, the Hopper backward keeps one key block per CTA whatever key_blocks says.
     variant = V(window=(-1, 50), softcap=20.0, alibi="batch_heads", dropout_p=0.2 if dropout else 0.0)
@@ -465,6 +494,94 @@ def test_window_split_kv_with_empty_splits(causal):
     variant = V(causal=causal, window=(100, -1 if causal else 30), softcap=10.0, alibi="heads")
     plans = run_dense(q, k, v, variant, slopes=alibi_slopes("heads", 2, 4), force={"num_splits": 7})["plans"]
     assert plans["fwd"].num_splits == 7, plans["fwd"]
+
+
+# ---------------------------------------------------------------- strided inputs and gradients
+
+
+def strided(shape, dtype, layout, device="cuda"):
+    """Fresh random values of ``shape`` (batch, seqlen, heads, head_dim) as a non-contiguous view that the ops take
+    as it is (last dim contiguous, the other strides multiples of 8 elements, a 16-byte aligned start):
+
+    - seq_major: (seqlen, batch, heads, head_dim) storage;
+    - heads_major: (batch, heads, seqlen, head_dim) storage, the layout of scaled_dot_product_attention;
+    - guard_bands: a slice of a NaN-filled buffer with rows before and after the sequence, an extra head and 24
+      elements past head_dim;
+    - every_other_row: the odd rows of a NaN-filled buffer of twice the length.
+
+    In the NaN-filled layouts, a kernel that reads outside the view meets NaN, which no result may hold (0 * NaN is
+    NaN too).
+    """
+    b, s, h, d = shape
+    nan = float("nan")
+    if layout == "seq_major":
+        view = torch.empty(s, b, h, d, dtype=dtype, device=device).transpose(0, 1)
+    elif layout == "heads_major":
+        view = torch.empty(b, h, s, d, dtype=dtype, device=device).transpose(1, 2)
+    elif layout == "guard_bands":
+        view = torch.full((b, s + 8, h + 1, d + 24), nan, dtype=dtype, device=device)[:, 3 : 3 + s, :h, :d]
+    elif layout == "every_other_row":
+        view = torch.full((b, 2 * s, h, d), nan, dtype=dtype, device=device)[:, 1::2]
+    else:
+        raise ValueError(layout)
+    view.copy_(torch.randn(shape, dtype=dtype, device=device))
+    assert view.shape == shape and not view.is_contiguous(), layout
+    return view
+
+
+# (layout, via, variant, (dtype, kernel), shape): each layout through the ops (which read the views in place) and
+# through flash_attn_func (which passes aligned views on uncopied, and whose backward gets the same views back from
+# autograd), with the variants, dtypes and kernel families rotating. No heads_major case has a single key/value
+# head, whose heads_major view would be contiguous.
+STRIDED_INPUT_CASES = [
+    ("seq_major", "op", "dropout-combo", PAIRS[0], (2, 113, 203, 6, 2, 64)),
+    ("seq_major", "func", "combo-causal", PAIRS[1], (2, 203, 113, 4, 1, 128)),
+    ("heads_major", "op", "combo", OTHER_PAIRS[0], (2, 203, 113, 4, 2, 128)),
+    ("heads_major", "func", "dropout-combo", OTHER_PAIRS[1], (2, 113, 203, 6, 2, 64)),
+    ("guard_bands", "op", "dropout", PAIRS[1], (2, 113, 203, 6, 2, 128)),
+    ("guard_bands", "func", "alibi-bh-causal", PAIRS[0], (2, 203, 113, 4, 2, 64)),
+]
+
+
+@pytest.mark.parametrize(
+    "layout, via, name, pair, shape",
+    [pytest.param(*case, id=f"{case[0]}-{case[1]}-{case[2]}-{pair_id(case[3])}") for case in STRIDED_INPUT_CASES],
+)
+def test_strided_inputs(layout, via, name, pair, shape):
+    """q, k and v as strided views in both passes."""
+    dtype, kernel = pair
+    b, sq, sk, h, hk, d = shape
+    variant = VARIANTS[name]
+    assert variant.gain == 1.0  # a gain would multiply the views into contiguous copies
+    require_kernels(d, dtype)
+    q = strided((b, sq, h, d), dtype, layout)
+    k, v = strided((b, sk, hk, d), dtype, layout), strided((b, sk, hk, d), dtype, layout)
+    run_dense(q, k, v, variant, slopes=alibi_slopes(variant.alibi, b, h), force=kernel_force(kernel), via=via)
+
+
+# (layout, via, variant, (dtype, kernel), shape), rotating as STRIDED_INPUT_CASES.
+STRIDED_DOUT_CASES = [
+    ("heads_major", "op", "dropout-combo", PAIRS[0], (2, 113, 203, 6, 2, 64)),
+    ("heads_major", "func", "combo", PAIRS[1], (2, 203, 113, 4, 1, 128)),
+    ("guard_bands", "op", "combo-causal", OTHER_PAIRS[0], (2, 203, 113, 4, 1, 128)),
+    ("guard_bands", "func", "dropout-combo", OTHER_PAIRS[1], (2, 113, 203, 6, 2, 64)),
+    ("every_other_row", "op", "win-both", PAIRS[1], (2, 113, 203, 6, 2, 128)),
+    ("every_other_row", "func", "dropout", PAIRS[0], (2, 203, 113, 4, 2, 64)),
+]
+
+
+@pytest.mark.parametrize(
+    "layout, via, name, pair, shape",
+    [pytest.param(*case, id=f"{case[0]}-{case[1]}-{case[2]}-{pair_id(case[3])}") for case in STRIDED_DOUT_CASES],
+)
+def test_noncontiguous_dout(layout, via, name, pair, shape):
+    """dout a strided view: the backward op reads it in place, and the backward of flash_attn_func gets it from
+    autograd."""
+    dtype, kernel = pair
+    b, sq, sk, h, hk, d = shape
+    require_kernels(d, dtype)
+    dout = strided((b, sq, h, d), dtype, layout)
+    check_shape_variant(shape, VARIANTS[name], dtype, kernel, via=via, dout=dout)
 
 
 # ---------------------------------------------------------------- deterministic backward
@@ -557,7 +674,7 @@ def run_varlen(lens_q, lens_k, h, hk, d, dtype, variant, *, force=None, determin
         masks = [m.to(q.device) for m in varlen_keep_mask(rng_state, variant.dropout_p, h, lens_q, lens_k)]
         assert [tuple(m.shape) for m in masks] == [(h, lq, lk) for lq, lk in zip(lens_q, lens_k)]
 
-    def attend(q, k, v, upcast):
+    def attend(q, k, v, upcast, dropped=True):
         return varlen_attention_ref(
             q,
             k,
@@ -567,14 +684,14 @@ def run_varlen(lens_q, lens_k, h, hk, d, dtype, variant, *, force=None, determin
             scale,
             variant.causal,
             upcast,
-            dropout_p=variant.dropout_p,
-            dropout_masks=masks,
+            dropout_p=variant.dropout_p if dropped else 0.0,
+            dropout_masks=masks if dropped else None,
             **ref_variant_kwargs(variant, slopes),
         )
 
     ref = reference_with_grads(attend, q, k, v, dout, upcast=True)
     lowp = reference_with_grads(attend, q, k, v, dout, upcast=False)
-    floors = variant_floors(attend, q, k, v, dout, out, scale, max(lens_q) * (h // hk), variant.dropout_p)
+    floors = variant_floors(attend, q, k, v, dout, scale, max(lens_q) * (h // hk), variant.dropout_p)
     check_results(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv), ref, lowp, dtype, floors)
     return {
         "q": q,
@@ -754,7 +871,10 @@ DMASK_CASES = {
 def test_dropout_s_dmask_and_seed(case):
     """flash_attn_func with dropout: out, lse and gradients match the reference under the keep mask of the
     rng_state that torch.manual_seed(s) makes it draw; S_dmask carries P with exactly that mask's dropped entries
-    negated, zeros elsewhere, and keeps 1 - p of the visible entries."""
+    negated, zeros elsewhere, and keeps 1 - p of the visible entries.
+
+    S_dmask is computed on the host from that same keep mask, so this checks the wrapper (the rng_state it hands
+    on, S_dmask's layout, padding and signs), not the kernels' decisions: test_kernel_dropout_mask reads those."""
     variant, (b, sq, sk, h, hk, d), dtype = DMASK_CASES[case]
     require_kernels(d, dtype)
     q, k, v = make_inputs(b, sq, sk, h, hk, d, dtype)
@@ -807,6 +927,366 @@ def test_varlen_dropout_s_dmask_and_seed():
         kept, counted = kept + n_kept, counted + n
         q0, k0 = q0 + lq, k0 + lk
     assert abs(kept / counted - (1 - variant.dropout_p)) <= keep_fraction_bound(counted, variant.dropout_p)
+
+
+# ---------------------------------------------------------------- dropout: the kernels' own keep decisions
+#
+# S_dmask is computed on the host from flash_attn_cuda.dropout.keep_mask, so it cannot show what the kernels drop.
+# These tests read each pass's keep decisions back from its results and compare them, entry for entry, with
+# keep_mask (varlen_keep_mask):
+#
+# - forward: V is the identity on a block of head_dim keys of each sequence (its other rows zero), so column c of
+#   out is P[:, c0 + c] * keep / (1 - p) for the block's first key c0: exactly zero where the forward dropped the
+#   entry, and nonzero where it kept it;
+# - backward: dV = (P * keep / (1 - p))^T dO, so a one-hot dO whose column i * group + g picks query row r0 + i of
+#   the g-th query head of each key/value head (group query heads per key/value head) makes column i * group + g of
+#   dV that row as the backward regenerated it, read key-major.
+#
+# Blocks of keys (forward) and of query rows (backward) are observed one call at a time, with the same rng_state.
+# q is halved, which keeps every visible probability of these shapes far above MASK_MIN_PROB; a kept entry then
+# stays nonzero through every rounding, fp16's smallest subnormal being 2^-24.
+MASK_Q_GAIN = 0.5
+MASK_MIN_PROB = 2.0**-20
+
+
+class MaskProbe:
+    """One dropout call, dense or varlen, whose keep decisions are read back from the kernels.
+
+    q, k: dense (batch, seqlen, heads, head_dim), or packed (total, heads, head_dim) with ``lens`` = (lens_q, lens_k).
+    force: force_plan keywords. via: "op", the ops with an rng_state of our own, or "func", flash_attn_func and
+    flash_attn_varlen_func under force_plan right after torch.manual_seed(seed), which makes them draw that same
+    rng_state. Variants: window, causal and softcap (no ALiBi, whose biases would push far keys' probabilities
+    below MASK_MIN_PROB).
+    """
+
+    def __init__(self, q, k, variant, force, lens=None, via="op", seed=2024):
+        assert variant.dropout_p > 0 and variant.alibi is None and variant.gain == 1.0, variant
+        self.q, self.k, self.variant, self.lens, self.via, self.seed = q, k, variant, lens, via, seed
+        self.force = dict(force)
+        self.scale = q.shape[-1] ** -0.5
+        nheads = q.shape[-2]
+        if lens is None:
+            b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+            self.lens_q, self.lens_k = [sq] * b, [sk] * b
+        else:
+            self.lens_q, self.lens_k = list(lens[0]), list(lens[1])
+            self.cu_q, self.cu_k = cu_seqlens(self.lens_q, q.device), cu_seqlens(self.lens_k, q.device)
+        # (first packed query row, seqlen_q, first packed key row, seqlen_k) of each sequence (dense: batch row).
+        self.seqs = list(
+            zip(
+                itertools.accumulate([0, *self.lens_q]),
+                self.lens_q,
+                itertools.accumulate([0, *self.lens_k]),
+                self.lens_k,
+            )
+        )
+        torch.manual_seed(seed)
+        self.rng_state = draw_rng_state(q.device)
+        p = variant.dropout_p
+        if lens is None:
+            self.dense_mask = keep_mask(self.rng_state, p, b, nheads, sq, sk).to(q.device)
+            self.keep = list(self.dense_mask.unbind(0))
+        else:
+            self.dense_mask = None
+            self.keep = [m.to(q.device) for m in varlen_keep_mask(self.rng_state, p, nheads, self.lens_q, self.lens_k)]
+
+    def packed(self, x):
+        """A dense (batch, seqlen, ...) tensor as the packed rows (batch * seqlen, ...); packed ones as they are."""
+        return x.flatten(0, 1) if self.lens is None else x
+
+    def check_plans(self):
+        check_variant_plans(self.q, self.k, self.variant, None, self.force, lens=self.lens)
+
+    def _op_args(self):
+        choices = {name: value for name, value in self.force.items() if name != "num_splits"}
+        return override_string(**choices), op_variant_args(self.variant, None, self.rng_state)
+
+    def forward(self, v, grad=False):
+        """(out, lse, graph) of the call with values v, run on poisoned memory. graph: (out, leaves) to differentiate
+        with via="func" and ``grad``, else None."""
+        q, k, causal = self.q, self.k, self.variant.causal
+        poison_allocator(q.device)
+        if self.via == "op":
+            override, extra = self._op_args()
+            if self.lens is None:
+                splits = self.force.get("num_splits", 0)
+                out, lse = ops.fwd(q, k, v, self.scale, causal, False, splits, override, *extra)
+            else:
+                max_q, max_k = max(self.lens_q), max(self.lens_k)
+                out, lse = ops.varlen_fwd(
+                    q, k, v, self.cu_q, self.cu_k, max_q, max_k, self.scale, causal, False, override, *extra
+                )
+            return out, lse, None
+        leaves = [t.detach().requires_grad_(grad) for t in (q, k, v)]
+        kwargs = dict(softmax_scale=self.scale, return_attn_probs=True, **func_variant_kwargs(self.variant, None))
+        torch.manual_seed(self.seed)
+        with force_plan(**self.force):
+            if self.lens is None:
+                out, lse, _ = flash_attn_func(*leaves, **kwargs)
+            else:
+                sizes = (self.cu_q, self.cu_k, max(self.lens_q), max(self.lens_k))
+                out, lse, _ = flash_attn_varlen_func(*leaves, *sizes, **kwargs)
+        return out.detach(), lse.detach(), ((out, leaves) if grad else None)
+
+    def backward(self, dout, v, out, lse, graph):
+        """(dq, dk, dv) of the call with values v for the gradient dout, run on poisoned memory."""
+        q, k, causal = self.q, self.k, self.variant.causal
+        poison_allocator(q.device)
+        if self.via == "op":
+            override, extra = self._op_args()
+            if self.lens is None:
+                return ops.bwd(dout, q, k, v, out, lse, self.scale, causal, False, override, *extra)
+            max_q, max_k = max(self.lens_q), max(self.lens_k)
+            return ops.varlen_bwd(
+                dout, q, k, v, out, lse, self.cu_q, self.cu_k, max_q, max_k, self.scale, causal, False, override, *extra
+            )
+        graph_out, leaves = graph
+        with force_plan(**self.force):
+            return torch.autograd.grad(graph_out, leaves, dout, retain_graph=True)
+
+    def attend(self, q, k, v, upcast):
+        """The reference (out, lse) of the call under keep_mask's decisions."""
+        variant = self.variant
+        kwargs = dict(window_size=variant.window, softcap=variant.softcap, dropout_p=variant.dropout_p)
+        if self.lens is None:
+            return attention_ref(
+                q, k, v, self.scale, variant.causal, upcast=upcast, dropout_mask=self.dense_mask, **kwargs
+            )
+        return varlen_attention_ref(
+            q, k, v, self.lens_q, self.lens_k, self.scale, variant.causal, upcast, dropout_masks=self.keep, **kwargs
+        )
+
+    def visible(self, seq):
+        """bool (seqlen_q, seqlen_k) of sequence ``seq``: the keys each row sees."""
+        _, len_q, _, len_k = self.seqs[seq]
+        return visible_mask(len_q, len_k, self.variant.causal, self.variant.window, self.q.device)
+
+    def probs(self, seq):
+        """float32 (nheads, seqlen_q, seqlen_k) of sequence ``seq``: the reference probabilities before dropout."""
+        q0, len_q, k0, len_k = self.seqs[seq]
+        q, k = self.packed(self.q)[None, q0 : q0 + len_q], self.packed(self.k)[None, k0 : k0 + len_k]
+        variant = self.variant
+        return attention_probs(q, k, self.scale, variant.causal, window_size=variant.window, softcap=variant.softcap)[0]
+
+    def unobserved(self):
+        """Per sequence, float32 (nheads, seqlen_q, seqlen_k) NaN, to be overwritten by what the kernels show."""
+        nheads = self.q.shape[-2]
+        return [torch.full((nheads, lq, lk), float("nan"), device=self.q.device) for _, lq, _, lk in self.seqs]
+
+
+def observe_forward_mask(probe):
+    """Per sequence, float32 (nheads, seqlen_q, seqlen_k): P * keep / (1 - p) as the forward applied it, read from
+    out with V the identity on one block of head_dim keys per call. Each call's out and lse meet the correctness
+    rule, and the columns of out past a sequence's keys are exactly zero."""
+    q, k = probe.q, probe.k
+    d = q.shape[-1]
+    packed_k = probe.packed(k)
+    observed = probe.unobserved()
+    for c0 in range(0, max(probe.lens_k), d):
+        v = torch.zeros(packed_k.shape, dtype=k.dtype, device=k.device)
+        for _, _, k0, len_k in probe.seqs:
+            n = min(d, len_k - c0)
+            if n > 0:
+                # Row k0 + c0 + c of V (key c0 + c of the sequence) is the unit vector e_c, for every key/value head.
+                v[k0 + c0 : k0 + c0 + n, :, :n] = torch.eye(n, dtype=k.dtype, device=k.device)[:, None, :]
+        v = v.view(k.shape)
+        out, lse, _ = probe.forward(v)
+        ref = probe.attend(q, k, v, upcast=True)
+        lowp = probe.attend(q, k, v, upcast=False)
+        check_results(("out", "lse"), (out, lse), ref, lowp, q.dtype)
+        out = probe.packed(out)
+        for (q0, len_q, _, len_k), seen in zip(probe.seqs, observed):
+            n = max(0, min(d, len_k - c0))
+            rows = out[q0 : q0 + len_q]  # (seqlen_q, nheads, head_dim)
+            seen[:, :, c0 : c0 + n] = rows[:, :, :n].permute(1, 0, 2).float()
+            assert (rows[:, :, n:] == 0).all(), "out must be zero in the columns where every row of V is zero"
+    return observed
+
+
+def observe_backward_mask(probe):
+    """Per sequence, float32 (nheads, seqlen_q, seqlen_k): P * keep / (1 - p) as the backward regenerated it, read
+    from dV with a one-hot dO that picks head_dim // group query rows per query head and call (V random). Each call's
+    dv meets the correctness rule, and the columns of dV past the picked rows are exactly zero."""
+    q, k = probe.q, probe.k
+    nheads, nheads_k, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    group = nheads // nheads_k
+    rows_per_call = d // group
+    v = rand(*k.shape, dtype=k.dtype, device=k.device)
+    out, lse, graph = probe.forward(v, grad=True)
+    heads = torch.arange(nheads, device=q.device)
+    packed_q = probe.packed(q)
+    observed = probe.unobserved()
+    for r0 in range(0, max(probe.lens_q), rows_per_call):
+        dout = torch.zeros(packed_q.shape, dtype=q.dtype, device=q.device)
+        for q0, len_q, _, _ in probe.seqs:
+            n = min(rows_per_call, len_q - r0)
+            if n > 0:
+                # Row r0 + i of query head hh (hh % group of its key/value head) is the unit vector
+                # e_(i * group + hh % group).
+                i = torch.arange(n, device=q.device)[:, None]
+                dout[q0 + r0 + i, heads, i * group + heads % group] = 1
+        dout = dout.view(q.shape)
+        dq, dk, dv = probe.backward(dout, v, out, lse, graph)
+        # dq and dk are checked with random dO elsewhere; dv is what this test reads.
+        ref = reference_with_grads(probe.attend, q, k, v, dout, upcast=True)
+        lowp = reference_with_grads(probe.attend, q, k, v, dout, upcast=False)
+        check_results(("dv",), (dv,), ref[4:], lowp[4:], q.dtype)
+        dv = probe.packed(dv)
+        for (_, len_q, k0, len_k), seen in zip(probe.seqs, observed):
+            n = max(0, min(rows_per_call, len_q - r0))
+            cols = dv[k0 : k0 + len_k]  # (seqlen_k, nheads_k, head_dim)
+            if n > 0:
+                # Column i * group + g of key/value head kh is row r0 + i of query head kh * group + g.
+                block = cols[:, :, : n * group].unflatten(-1, (n, group))  # (seqlen_k, nheads_k, n, group)
+                seen[:, r0 : r0 + n, :] = block.permute(1, 3, 2, 0).reshape(nheads, n, len_k).float()
+            assert (cols[:, :, n * group :] == 0).all(), "dV must be zero in the columns where every row of dO is zero"
+    return observed
+
+
+def check_kernel_keep(pass_, probe, observed):
+    """Asserts that ``observed`` (observe_forward_mask or observe_backward_mask) is NaN-free, nonnegative, zero
+    outside the attention mask, and nonzero exactly where keep_mask (varlen_keep_mask) keeps the entry."""
+    compared = dropped = 0
+    for seq, (seen, keep) in enumerate(zip(observed, probe.keep)):
+        if seen.numel() == 0:
+            continue
+        where = f"{pass_}, sequence {seq}"
+        assert not torch.isnan(seen).any(), f"{where}: NaN, or entries left unobserved"
+        assert (seen >= 0).all(), f"{where}: negative entries"
+        visible = probe.visible(seq).expand_as(keep)
+        assert (seen[~visible] == 0).all(), f"{where}: nonzero entries outside the attention mask"
+        if not visible.any():
+            continue
+        smallest = probe.probs(seq)[visible].min().item()
+        assert smallest > MASK_MIN_PROB, f"{where}: a visible P of {smallest:.3e} could round to zero"
+        wrong = visible & ((seen != 0) != keep)
+        if wrong.any():
+            head, row, key = wrong.nonzero()[0].tolist()
+            pytest.fail(
+                f"{where}: {wrong.sum().item()} of {visible.sum().item()} visible entries differ from the keep mask, "
+                f"the first at head {head}, query row {row}, key {key}, which keep_mask "
+                f"{'keeps' if keep[head, row, key] else 'drops'}"
+            )
+        compared += visible.sum().item()
+        dropped += (visible & ~keep).sum().item()
+    assert 0 < dropped < compared, f"{pass_}: {dropped} of {compared} compared entries dropped; need both kinds"
+
+
+def check_kernel_masks(q, k, variant, force, lens=None, via="op"):
+    """Both passes' keep decisions of one call against keep_mask (varlen_keep_mask)."""
+    probe = MaskProbe(q, k, variant, force, lens=lens, via=via)
+    probe.check_plans()
+    check_kernel_keep("forward", probe, observe_forward_mask(probe))
+    check_kernel_keep("backward", probe, observe_backward_mask(probe))
+
+
+def forced_family(kernel, head_dim, dtype):
+    """force_plan keywords that run ``kernel`` ("mma_sync" or "wgmma"). The warpgroup-MMA kernels run only on sm_90
+    with a build that holds them; elsewhere the plan reports a forced kernel=wgmma off (it runs mma_sync, as
+    test_plan_cpu checks), so such a test is skipped there, its mma_sync twin covering that GPU. Where they do run,
+    check_forced_plans asserts that each call takes them."""
+    if kernel == "wgmma":
+        for pass_ in ("fwd", "bwd"):
+            sizes = dict(batch=1, seqlen_q=128, seqlen_k=128, nheads=1, nheads_k=1, head_dim=head_dim, dtype=dtype)
+            try:
+                runs = plan(pass_, override="kernel=wgmma", **sizes).kernel == "wgmma"
+            except (ValueError, RuntimeError):  # refused outright rather than reported off
+                runs = False
+            if not runs:
+                pytest.skip("the warpgroup-MMA kernels do not run on this GPU or build")
+    return {"kernel": kernel}
+
+
+def dense_mask_inputs(shape, dtype):
+    b, sq, sk, h, hk, d = shape
+    return rand(b, sq, h, d, dtype=dtype) * MASK_Q_GAIN, rand(b, sk, hk, d, dtype=dtype)
+
+
+def varlen_mask_inputs(lens_q, lens_k, h, hk, d, dtype):
+    return rand(sum(lens_q), h, d, dtype=dtype) * MASK_Q_GAIN, rand(sum(lens_k), hk, d, dtype=dtype)
+
+
+# name: ((batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim), variant). Lengths off the tile sizes and in both
+# orders, one query row, one key; MHA, GQA and MQA; windows on both sides, causal with and without a left edge, rows
+# that see no key (causal with seqlen_q > seqlen_k). Each case has a head dim of its own, so that the default run
+# meets several tile shapes, and as many keys per forward call and query rows per backward call.
+MASK_CASES = {
+    "sq17-sk200-mha-window": ((2, 17, 200, 4, 4, 64), V(window=(37, 19), dropout_p=0.3)),
+    "sq200-sk113-gqa-causal": ((2, 200, 113, 6, 2, 128), V(causal=True, dropout_p=0.25)),
+    "sq113-sk17-gqa-causal-left": ((2, 113, 17, 8, 2, 32), V(causal=True, window=(5, -1), dropout_p=0.4)),
+    "sq1-sk200-mqa-softcap": ((3, 1, 200, 4, 1, 256), V(softcap=5.0, dropout_p=0.2)),
+    "sq5-sk1-gqa": ((2, 5, 1, 4, 2, 96), V(dropout_p=0.5)),
+    "sq113-sk113-window-right": ((2, 113, 113, 2, 2, 224), V(window=(0, 10), softcap=20.0, dropout_p=0.15)),
+}
+
+# Sequences: empty ones each way, one row, one key, lengths off the tile sizes, seqlen_q above and below seqlen_k.
+MASK_LENS_Q = [0, 1, 17, 113, 200, 5, 2, 17]
+MASK_LENS_K = [7, 17, 0, 200, 113, 5, 1, 0]
+VARLEN_MASK_VARIANTS = {
+    "causal-left": V(causal=True, window=(50, -1), dropout_p=0.3),
+    "window-softcap": V(window=(20, 40), softcap=8.0, dropout_p=0.15),
+}
+
+# (kernel family, dtype): the mma.sync kernels in bf16 and the warpgroup-MMA ones in fp16 (--exhaustive: every pair).
+MASK_FAMILIES = [("mma_sync", torch.bfloat16), ("wgmma", torch.float16)]
+
+
+def family_id(family):
+    kernel, dtype = family
+    return f"{kernel}-{dict(zip(DTYPES, DTYPE_IDS)).get(dtype, str(dtype))}"
+
+
+@pytest.mark.parametrize("family", MASK_FAMILIES, ids=family_id)
+@pytest.mark.parametrize("case", list(MASK_CASES))
+def test_kernel_dropout_mask(case, family):
+    """The forward's and the backward's own keep decisions, entry for entry, against keep_mask."""
+    shape, variant = MASK_CASES[case]
+    kernel, dtype = family
+    d = shape[-1]
+    require_kernels(d, dtype)
+    force = forced_family(kernel, d, dtype)
+    check_kernel_masks(*dense_mask_inputs(shape, dtype), variant, force)
+
+
+@pytest.mark.parametrize("family", MASK_FAMILIES, ids=family_id)
+@pytest.mark.parametrize("name", list(VARLEN_MASK_VARIANTS))
+def test_kernel_dropout_mask_varlen(name, family):
+    """As test_kernel_dropout_mask through the varlen ops: each sequence draws as batch row b of a dense call, with
+    positions counted from its start (varlen_keep_mask)."""
+    kernel, dtype = family
+    require_kernels(64, dtype)
+    force = forced_family(kernel, 64, dtype)
+    q, k = varlen_mask_inputs(MASK_LENS_Q, MASK_LENS_K, 6, 2, 64, dtype)
+    check_kernel_masks(q, k, VARLEN_MASK_VARIANTS[name], force, lens=(MASK_LENS_Q, MASK_LENS_K))
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_kernel_dropout_mask_public_functions(varlen):
+    """flash_attn_func and flash_attn_varlen_func, forward and autograd backward, on the plan's own kernels: the
+    rng_state they draw after torch.manual_seed reaches both passes' kernels, which drop what keep_mask drops."""
+    require_kernels(128, torch.bfloat16)
+    if varlen:
+        q, k = varlen_mask_inputs(MASK_LENS_Q, MASK_LENS_K, 8, 2, 128, torch.bfloat16)
+        lens, variant = (MASK_LENS_Q, MASK_LENS_K), VARLEN_MASK_VARIANTS["window-softcap"]
+    else:
+        q, k = dense_mask_inputs((2, 200, 113, 4, 1, 128), torch.bfloat16)
+        lens, variant = None, V(causal=True, window=(60, -1), dropout_p=0.35)
+    check_kernel_masks(q, k, variant, {}, lens=lens, via="func")
+
+
+# HOPPER_PATHS but the forced key splits, which dropout rules out.
+MASK_PATHS = {path: value for path, value in HOPPER_PATHS.items() if "num_splits" not in value[0]}
+
+
+@pytest.mark.parametrize("path", list(MASK_PATHS))
+def test_kernel_dropout_mask_forced_paths(path):
+    """The keep decisions under each forced Hopper tile and work split (reported off and run as planned on other
+    GPUs): a different tile or walk over the heads and keys must not change which entries are dropped."""
+    force, (b, sq, sk, h, hk) = MASK_PATHS[path]
+    require_kernels(128, torch.bfloat16)
+    # No left window edge: under one, the Hopper backward keeps one key block per CTA whatever key_blocks says.
+    variant = V(window=(-1, 50), softcap=20.0, dropout_p=0.2)
+    check_kernel_masks(*dense_mask_inputs((b, sq, sk, h, hk, 128), torch.bfloat16), variant, force)
 
 
 def test_dropout_seeding():
@@ -1158,15 +1638,22 @@ def test_exhaustive_varlen(name, head_dim, pair):
     run_varlen(LENS_Q, LENS_K, 6, 2, head_dim, dtype, VARIANTS[name], force=kernel_force(kernel))
 
 
+# Every variant on every path but the dropout variants on forced key splits, which dropout rules out (see
+# FORCED_PATH_CASES).
+EXHAUSTIVE_FORCED_PATH_CASES = [
+    pytest.param(name, path, id=f"{name}-{path}")
+    for name, variant in VARIANTS.items()
+    for path, (force, _) in HOPPER_PATHS.items()
+    if not (variant.dropout_p and "num_splits" in force)
+]
+
+
 @pytest.mark.exhaustive
-@pytest.mark.parametrize("path", list(HOPPER_PATHS))
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("name", list(VARIANTS))
-def test_exhaustive_forced_paths(name, dtype, path):
+@pytest.mark.parametrize("name, path", EXHAUSTIVE_FORCED_PATH_CASES)
+def test_exhaustive_forced_paths(name, path, dtype):
     force, (b, sq, sk, h, hk) = HOPPER_PATHS[path]
     variant = VARIANTS[name]
-    if variant.dropout_p and "num_splits" in force:
-        pytest.skip("split-KV is forced without dropout only")
     check_shape_variant((b, sq, sk, h, hk, 128), variant, dtype, "default", force=force)
 
 
@@ -1181,3 +1668,56 @@ def test_exhaustive_dropout(name, seqlens, dropout_p, pair):
     sq, sk = seqlens
     variant = dataclasses.replace(VARIANTS[name], dropout_p=dropout_p)
     check_shape_variant((2, sq, sk, 8, 2, 64), variant, *pair)
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("pair", ALL_PAIRS, ids=pair_id)
+@pytest.mark.parametrize("head_dim", KERNEL_HEAD_DIMS)
+@pytest.mark.parametrize("seqlens", [(2, 2), (2, 5), (5, 2), (5, 5)], ids=lambda p: f"sq{p[0]}-sk{p[1]}")
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_exhaustive_short_seqlens(name, seqlens, head_dim, pair):
+    sq, sk = seqlens
+    h, hk = exhaustive_heads(sq, sk)
+    check_shape_variant((2, sq, sk, h, hk, head_dim), VARIANTS[name], *pair)
+
+
+# Every kernel family and dtype (MASK_FAMILIES takes one dtype per family).
+ALL_MASK_FAMILIES = list(itertools.product(("mma_sync", "wgmma"), DTYPES))
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("family", ALL_MASK_FAMILIES, ids=family_id)
+@pytest.mark.parametrize("head_dim", KERNEL_HEAD_DIMS)
+@pytest.mark.parametrize("case", list(MASK_CASES))
+def test_exhaustive_kernel_dropout_mask(case, head_dim, family):
+    shape, variant = MASK_CASES[case]
+    kernel, dtype = family
+    require_kernels(head_dim, dtype)
+    force = forced_family(kernel, head_dim, dtype)
+    check_kernel_masks(*dense_mask_inputs((*shape[:-1], head_dim), dtype), variant, force)
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("family", ALL_MASK_FAMILIES, ids=family_id)
+@pytest.mark.parametrize("head_dim", KERNEL_HEAD_DIMS)
+@pytest.mark.parametrize("name", list(VARLEN_MASK_VARIANTS))
+def test_exhaustive_kernel_dropout_mask_varlen(name, head_dim, family):
+    kernel, dtype = family
+    require_kernels(head_dim, dtype)
+    force = forced_family(kernel, head_dim, dtype)
+    q, k = varlen_mask_inputs(MASK_LENS_Q, MASK_LENS_K, 6, 2, head_dim, dtype)
+    check_kernel_masks(q, k, VARLEN_MASK_VARIANTS[name], force, lens=(MASK_LENS_Q, MASK_LENS_K))
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("family", MASK_FAMILIES, ids=family_id)
+@pytest.mark.parametrize("dropout_p", [0.01, 0.5, 0.9])
+# Cases with thousands of visible entries, so that both rates' rare outcome (a drop at 0.01, a keep at 0.9) occurs.
+@pytest.mark.parametrize("case", ["sq17-sk200-mha-window", "sq200-sk113-gqa-causal", "sq1-sk200-mqa-softcap"])
+def test_exhaustive_kernel_dropout_mask_rates(case, dropout_p, family):
+    shape, variant = MASK_CASES[case]
+    kernel, dtype = family
+    require_kernels(shape[-1], dtype)
+    force = forced_family(kernel, shape[-1], dtype)
+    variant = dataclasses.replace(variant, dropout_p=dropout_p)
+    check_kernel_masks(*dense_mask_inputs(shape, dtype), variant, force)

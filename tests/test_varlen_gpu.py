@@ -78,7 +78,7 @@ def check_varlen(lens_q, lens_k, h, hk, head_dim, dtype, causal, deterministic=F
     def attend(q, k, v, upcast):
         return varlen_attention(q, k, v, lens_q, lens_k, causal, scale, upcast)
 
-    floors = gradient_floors(attend, q, k, v, dout, out, scale, max(lens_q) * (h // hk))
+    floors = gradient_floors(attend, q, k, v, dout, scale, max(lens_q) * (h // hk))
     check_results(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv), ref, lowp, dtype, floors)
     return dq, dk, dv
 

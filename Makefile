@@ -15,7 +15,7 @@ smoke-wheel:
 	PYTHON=$(PYTHON) bash tools/smoke_test_wheel.sh $(wildcard wheelhouse/flash_attn_cuda-*.whl)
 
 test:
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m pytest -q tests -n 8
 
 test-all:
 	$(PYTHON) -m pytest -q tests --exhaustive

@@ -119,6 +119,21 @@ MIN_MAGNITUDE, MAX_MAGNITUDE = 1e-3, 30.0
 # drawn so that the standard deviation of every value the references compute stays under 1/64 of that: no value
 # of these sums of products comes near 64 standard deviations, so every reference value is finite and in range.
 FP16_SIGMA = 65504.0 / 64
+# The largest standard deviation of the logits (softmax_scale q k^T) at which the low-precision reference still
+# judges the results: beyond it the rule's bound exceeds half of the result and conftest.check_close rejects the
+# check as one that zeros would pass. Measured on the CPU with the reference rounded to the dtype standing in for
+# the kernel: in bfloat16, logits of standard deviation 16 were judged and 25 and 36 were not; fp16, with three
+# more mantissa bits, judged 36 (and 75 in an explicit example below, on an H200).
+LOGIT_STD = {torch.bfloat16: 12.0, torch.float16: 64.0}
+# With few keys, logits that far apart leave every row one key that dominates: dq and dk are then smaller than the
+# error the kernels' D (read from the rounded output) can make, and no check of them can discriminate. On the CPU,
+# seqlen_q 1 and seqlen_k 2 in fp16 with logits of standard deviation 10 gave max|dq| 1.9e-4 against a bound of
+# 1.1e-3, and one or two rows on two keys with a standard deviation of 2 still a bound over half of dq or dk.
+FEW_KEYS_LOGIT_STD = 0.5
+# fp16 gradients of tiny inputs fall among its subnormals (below 6.1e-5), where a few ulps of the smallest spacing
+# are the whole result and the fp16 reference cannot resolve it; fp16 magnitudes start at 0.1, so that the
+# products of two that dq and dk scale with stay at 1e-2 or above.
+MIN_FP16_MAGNITUDE = 0.1
 
 DEFAULT_DENSE_EXAMPLES = 20
 DEFAULT_VARLEN_EXAMPLES = 10
@@ -451,25 +466,30 @@ def three_digits_below(x):
     return three_digits(math.floor(x / unit) * unit)
 
 
-def magnitudes(cap=MAX_MAGNITUDE):
-    """Log-uniform in [1e-3, min(30, cap)], shrinking to 1 (or to the top where it is below 1); three digits keep
-    the printed example short."""
+def magnitudes(cap=MAX_MAGNITUDE, floor=MIN_MAGNITUDE):
+    """Log-uniform in [max(floor, 1e-3) but at most the top, min(30, cap)], shrinking to 1 (or to the top where it
+    is below 1); three digits keep the printed example short."""
     top = three_digits_below(min(cap, MAX_MAGNITUDE))
     assert top >= MIN_MAGNITUDE, f"a magnitude cap of {cap} leaves no magnitude to draw"
-    exponent = st.floats(math.log10(MIN_MAGNITUDE), math.log10(top))
-    return st.one_of(st.just(min(1.0, top)), exponent.map(lambda e: min(three_digits(10**e), top)))
+    bottom = min(max(floor, MIN_MAGNITUDE), top)
+    exponent = st.floats(math.log10(bottom), math.log10(top))
+    return st.one_of(
+        st.just(min(max(1.0, bottom), top)), exponent.map(lambda e: min(max(three_digits(10**e), bottom), top))
+    )
 
 
 def effective_scale(case):
     return case.head_dim**-0.5 if case.softmax_scale is None else case.softmax_scale
 
 
-def score_cap(dtype, head_dim, q_magnitude):
+def score_cap(dtype, head_dim, q_magnitude, scale, keys):
     """The largest key magnitude for which q k^T (a sum of head_dim products, of standard deviation
-    |q| |k| sqrt(head_dim), which the fp16 reference computes before any scale) stays within FP16_SIGMA."""
-    if dtype != torch.float16:
-        return MAX_MAGNITUDE
-    return FP16_SIGMA / (q_magnitude * math.sqrt(head_dim))
+    |q| |k| sqrt(head_dim), which the fp16 reference computes before any scale) stays within FP16_SIGMA, and the
+    logits, ``scale`` times that, within LOGIT_STD of the dtype (FEW_KEYS_LOGIT_STD with fewer than 16 keys)."""
+    spread = q_magnitude * math.sqrt(head_dim)
+    logit_std = LOGIT_STD[dtype] if keys >= 16 else FEW_KEYS_LOGIT_STD
+    cap = logit_std / (abs(scale) * spread) if scale else MAX_MAGNITUDE
+    return min(cap, FP16_SIGMA / spread) if dtype == torch.float16 else cap
 
 
 def gradient_cap(dtype, head_dim, scale, qk_magnitude, rows, dropout_p):
@@ -484,11 +504,12 @@ def gradient_cap(dtype, head_dim, scale, qk_magnitude, rows, dropout_p):
 
 
 @st.composite
-def attention_magnitudes(draw, dtype, head_dim, scale, rows, dropout_p):
+def attention_magnitudes(draw, dtype, head_dim, scale, rows, dropout_p, keys):
     """(q, k, v) magnitudes whose reference values fp16 holds (score_cap, gradient_cap)."""
-    q = draw(magnitudes())
-    k = draw(magnitudes(score_cap(dtype, head_dim, q)))
-    v = draw(magnitudes(gradient_cap(dtype, head_dim, scale, max(q, k), rows, dropout_p)))
+    floor = MIN_FP16_MAGNITUDE if dtype == torch.float16 else MIN_MAGNITUDE
+    q = draw(magnitudes(floor=floor))
+    k = draw(magnitudes(score_cap(dtype, head_dim, q, scale, keys), floor))
+    v = draw(magnitudes(gradient_cap(dtype, head_dim, scale, max(q, k), rows, dropout_p), floor))
     return q, k, v
 
 
@@ -573,7 +594,7 @@ def attention_fields(draw, config, layouts, lens_q, lens_k, group):
         causal=causal,
         softmax_scale=softmax_scale,
         layouts=tuple(draw(st.sampled_from(layouts)) for _ in "qkv"),
-        magnitudes=draw(attention_magnitudes(dtype, head_dim, scale, rows, dropout_p)),
+        magnitudes=draw(attention_magnitudes(dtype, head_dim, scale, rows, dropout_p, max(lens_k))),
         deterministic=draw(st.booleans()),
         force=draw(forced_choices()),
         seed=draw(st.integers(0, 2**31 - 1)),
@@ -629,15 +650,17 @@ def cache_fields(draw, config, lens_q, lens_k, layouts):
     """The variant and input fields that KVCache and PagedVarlen share (no dropout: inference calls)."""
     head_dim, dtype = config
     softmax_scale = draw(softmax_scales())
-    q_magnitude = draw(magnitudes())
-    k_magnitude = draw(magnitudes(score_cap(dtype, head_dim, q_magnitude)))
+    scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
+    floor = MIN_FP16_MAGNITUDE if dtype == torch.float16 else MIN_MAGNITUDE
+    q_magnitude = draw(magnitudes(floor=floor))
+    k_magnitude = draw(magnitudes(score_cap(dtype, head_dim, q_magnitude, scale, max(lens_k)), floor))
     return dict(
         head_dim=head_dim,
         dtype=dtype,
         causal=draw(st.booleans()),
         softmax_scale=softmax_scale,
         layouts=tuple(draw(st.sampled_from(layout)) for layout in layouts),
-        magnitudes=(q_magnitude, k_magnitude, draw(magnitudes())),
+        magnitudes=(q_magnitude, k_magnitude, draw(magnitudes(floor=floor))),
         force=draw(forced_choices(CACHE_FORCE)),
         seed=draw(st.integers(0, 2**31 - 1)),
         **draw(variant_args(max(lens_q), max(lens_k), dropout=False)),
@@ -772,12 +795,24 @@ def make_qkv(case, q_shape, kv_shape, gen, device="cuda"):
     )
 
 
+def longest_distance(case):
+    """The largest query-key distance a call of ``case`` can have: its longest sequence or cache."""
+    lengths = [getattr(case, name, 0) for name in ("seqlen_q", "seqlen_k", "capacity")]
+    lengths += [*getattr(case, "lens_q", ()), *getattr(case, "lens_k", ())]
+    lengths.append((getattr(case, "pages_per_seq", 0) or 0) * (getattr(case, "page_size", 0) or 0))
+    return max(lengths + [1])
+
+
 def make_slopes(case, batch, nheads, gen, device="cuda"):
-    """float32 ALiBi slopes in [0, 1): None, (nheads,) or (batch, nheads) (batch: sequences, for varlen)."""
+    """float32 ALiBi slopes: None, (nheads,) or (batch, nheads) (batch: sequences, for varlen), uniform in [0, 1)
+    but at most LOGIT_STD / the longest distance: the low-precision reference adds the biases, up to slope times
+    distance, to the logits in the input dtype, and beyond that spread cannot judge the results (with slopes up to
+    1, a bfloat16 call of 512 queries on 16 keys gave a bound of 4.4 on an output of 3.1, on the CPU)."""
     if case.alibi is None:
         return None
     shape = (nheads,) if case.alibi == "heads" else (batch, nheads)
-    return torch.rand(shape, generator=gen, device=device)
+    top = min(1.0, LOGIT_STD[case.dtype] / longest_distance(case))
+    return torch.rand(shape, generator=gen, device=device) * top
 
 
 def dropout_rng_state(case, q):

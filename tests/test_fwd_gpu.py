@@ -32,6 +32,8 @@ pytestmark = [pytest.mark.gpu, requires_gpu]
 
 fwd = torch.ops.flash_attn2.fwd
 SEQLENS = [1, 17, 113, 1023, 2049]
+# The largest standard deviation of the logits at which a bfloat16 reference still judges the output.
+BF16_LOGIT_STD = 12.0
 LAYOUTS = ["contiguous", "packed", "seq_major", "heads_major", "guard_bands"]
 
 
@@ -277,8 +279,12 @@ def test_flash_attn_func_returns_tensor(causal):
 @pytest.mark.parametrize("scale", [0.02, 1.0])
 @pytest.mark.parametrize("q_gain", [1.0, 8.0], ids=["q1", "q8"])
 def test_softmax_scale_and_peaky_scores(q_gain, scale, causal, dtype):
-    # Large logits make the running max move a lot between key blocks, stressing the rescaling.
+    # Large logits make the running max move a lot between key blocks, stressing the rescaling. A bfloat16
+    # reference cannot resolve logits of standard deviation much above 12 (the rule would pass zeros; conftest),
+    # so in bfloat16 the gain stops there: q * 8 at scale 1 would give 90.
     require_kernel(128, dtype, causal)
+    if dtype == torch.bfloat16:
+        q_gain = min(q_gain, BF16_LOGIT_STD / (scale * math.sqrt(128)))
     q, k, v = make_qkv(2, 511, 1023, 4, 4, 128, dtype)
     run_and_check(q * q_gain, k, v, causal, softmax_scale=scale)
     run_and_check(q * q_gain, k, v, causal, softmax_scale=scale, via="func")

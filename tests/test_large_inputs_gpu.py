@@ -173,8 +173,24 @@ def reference(q, k, v, dout, causal, upcast, **variant):
     return (out.detach(), lse, *grads)
 
 
+def judges_dq_dk(sq, sk, causal, window=(-1, -1), dropout_p=0.0):
+    """Whether the rule can judge dq and dk of a dense call with large-magnitude inputs: at least 4 rows that see
+    two keys or more, in expectation after dropout. With fewer, the scores (standard deviation about 15) leave each
+    row's softmax nearly one-hot and dq, dk near the rounding of the low-precision reference."""
+    left, right = window
+    if causal:
+        right = 0
+    rows = 0
+    for i in range(sq):
+        lo = 0 if left < 0 else max(0, i + sk - sq - left)
+        hi = sk - 1 if right < 0 else min(sk - 1, i + sk - sq + right)
+        rows += hi - lo + 1 >= 2
+    return rows * (1 - dropout_p) >= 4
+
+
 def check_dense_results(q, k, v, dout, ours, causal, label="", **variant):
-    """The rule on ours = (out, lse, dq, dk, dv) of dense inputs; ``variant`` as in reference."""
+    """The rule on ours = (out, lse, dq, dk, dv) of dense inputs; ``variant`` as in reference. An entry of ours
+    that is None is left unjudged."""
     ref = reference(q, k, v, dout, causal, upcast=True, **variant)
     lowp = reference(q, k, v, dout, causal, upcast=False, **variant)
 
@@ -185,11 +201,12 @@ def check_dense_results(q, k, v, dout, ours, causal, label="", **variant):
     rows = q.shape[1] * (q.shape[2] // k.shape[2])
     dropout_p = variant.get("dropout_p", 0.0)
     floors = rule_floors(attend, q, k, v, dout, q.shape[-1] ** -0.5, rows, dropout_p)
+    judged = [i for i, o in enumerate(ours) if o is not None]
     check_results(
-        [f"{name}{label}" for name in NAMES],
-        ours,
-        ref,
-        lowp,
+        [f"{NAMES[i]}{label}" for i in judged],
+        [ours[i] for i in judged],
+        [ref[i] for i in judged],
+        [lowp[i] for i in judged],
         q.dtype,
         {f"{name}{label}": value for name, value in floors.items()},
     )
@@ -234,6 +251,13 @@ def check_dense(
             return_attn_probs=True,
         )
         dq, dk, dv = gradients(out, (q, k, v), dout, deterministic)
+    if not judges_dq_dk(sq, sk, causal, window, dropout_p):
+        # Too few rows that see two keys or more: dq and dk are then sums of a few products of near-one-hot
+        # probabilities, which the low-precision reference cannot resolve at these gains (the rule cannot judge
+        # them, so zeros would pass). They must still be free of NaN, the failure these inputs are after.
+        for name, grad in (("dq", dq), ("dk", dk)):
+            assert not grad.isnan().any(), f"{name} (sq={sq}, sk={sk}): NaN"
+        dq, dk = None, None
     details, variant = [f"sq={sq}", f"sk={sk}"], {}
     if tuple(window) != (-1, -1):
         details.append(f"window={tuple(window)}")

@@ -4,6 +4,7 @@ Helpers live here (rather than in a package) so test modules can ``from conftest
 under pytest's default import mode.
 """
 
+import functools
 import itertools
 import math
 import os
@@ -283,18 +284,19 @@ def fp32_cancellation_floor(q, k, v, dout, scale, rows):
     return {"dq": base * amax(k), "dk": base * amax(q) * math.sqrt(max(rows, 1))}
 
 
-def rounded_output_floors(attend, q, k, v, dout, scale, undropped=None):
+def rounded_output_floors(attend, q, k, v, dout, scale, dropout=False):
     """(dq, dk) per-entry floors for D read from the output rounded to the input dtype.
 
-    ``attend(q, k, v, upcast)`` is the reference, returning (out, lse); ``undropped`` the same without dropout
-    (default: ``attend``). With the exact output O, D_i is off by delta_i = sum_d dO_id (round(O) - O)_id, so dS
-    is off by -P_ij delta_i (the undropped P): dq_i by delta_i d lse_i / d q_i = delta_i scale sum_j P_ij k_j, and
-    dk_j by scale sum_i delta_i P_ij q_i. The floors take delta_i at its size from the rounded reference output,
-    sum_d |dO_id| |round(O) - O|_id, with |q_i| in dk (any signs), times 2 for what first order leaves.
+    ``attend(q, k, v, upcast)`` is the reference, returning (out, lse); with ``dropout``, the call had dropout and
+    ``attend(q, k, v, upcast, dropped=False)`` is the same reference without it. With the exact output O, D_i is
+    off by delta_i = sum_d dO_id (round(O) - O)_id, so dS is off by -P_ij delta_i (the undropped P): dq_i by
+    delta_i d lse_i / d q_i = delta_i scale sum_j P_ij k_j, and dk_j by scale sum_i delta_i P_ij q_i. The floors
+    take delta_i at its size from the rounded reference output, sum_d |dO_id| |round(O) - O|_id, with |q_i| in dk
+    (any signs), times 2 for what first order leaves.
     """
     if not q.numel() or not k.numel():
         return 0.0, 0.0
-    undropped = undropped or attend
+    undropped = functools.partial(attend, dropped=False) if dropout else attend
     dtype = q.dtype
     with torch.no_grad():
         ref_out, _ = attend(q.detach().float(), k.detach().float(), v.detach().float(), True)
@@ -313,12 +315,12 @@ def rounded_output_floors(attend, q, k, v, dout, scale, undropped=None):
     return 2 * dq.abs(), 2 * scale * dk
 
 
-def gradient_floors(attend, q, k, v, dout, scale, rows, dropout_p=0.0, undropped=None):
+def gradient_floors(attend, q, k, v, dout, scale, rows, dropout_p=0.0):
     """{"dq": Floor, "dk": Floor} for a backward (see above). ``rows``: the most query rows that add into one
     key's dk (seqlen_q times the GQA group). With dropout, dP is dO V^T scaled by 1 / (1 - p), and the float32
-    rounding floor grows by as much; ``undropped`` is then ``attend`` without dropout."""
+    rounding floor grows by as much; ``attend`` then takes ``dropped=False`` for the reference without it."""
     fp32 = fp32_cancellation_floor(q, k, v, dout, scale, rows)
-    dq, dk = rounded_output_floors(attend, q, k, v, dout, scale, undropped)
+    dq, dk = rounded_output_floors(attend, q, k, v, dout, scale, dropout=dropout_p > 0)
     return {
         "dq": Floor(dq, fp32["dq"] / (1.0 - dropout_p)),
         "dk": Floor(dk, fp32["dk"] / (1.0 - dropout_p)),

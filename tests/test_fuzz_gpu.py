@@ -1197,9 +1197,7 @@ def record(case):
 def gradient_floors_for(case, attend, q, k, v, dout, rows):
     """conftest.gradient_floors of a case; ``attend(q, k, v, upcast, dropped)`` is its reference with (dropped) or
     without the call's dropout."""
-    dropout_p = getattr(case, "dropout_p", 0.0)
-    undropped = lambda *args: attend(*args, dropped=False)  # noqa: E731
-    return gradient_floors(attend, q, k, v, dout, abs(effective_scale(case)), rows, dropout_p, undropped)
+    return gradient_floors(attend, q, k, v, dout, abs(effective_scale(case)), rows, getattr(case, "dropout_p", 0.0))
 
 
 def dense_results(case):

@@ -155,12 +155,6 @@ def check_plans(q, k, causal, force, *, window=(-1, -1), dropout_p=0.0, determin
         assert p.kernel == plain_plan.kernel, (p, plain_plan)
 
 
-def rule_floors(attend, q, k, v, dout, scale, rows, dropout_p=0.0):
-    """conftest.gradient_floors; ``attend(q, k, v, upcast, dropped)`` is the reference with (dropped) or without the
-    call's dropout."""
-    return gradient_floors(attend, q, k, v, dout, scale, rows, dropout_p, lambda *args: attend(*args, dropped=False))
-
-
 def gradients(out, inputs, dout, deterministic):
     """dq, dk and dv by autograd. The deterministic backward runs a second time, on freshly poisoned memory, and
     must give the same bits (compared as 16-bit patterns, so that a NaN is left to the rule to report)."""
@@ -210,7 +204,7 @@ def check_dense_results(q, k, v, dout, ours, causal, label="", **variant):
 
     rows = q.shape[1] * (q.shape[2] // k.shape[2])
     dropout_p = variant.get("dropout_p", 0.0)
-    floors = rule_floors(attend, q, k, v, dout, q.shape[-1] ** -0.5, rows, dropout_p)
+    floors = gradient_floors(attend, q, k, v, dout, q.shape[-1] ** -0.5, rows, dropout_p)
     judged = [i for i, o in enumerate(ours) if o is not None]
     check_results(
         [f"{NAMES[i]}{label}" for i in judged],
@@ -328,7 +322,7 @@ def check_varlen(lens_q, lens_k, h, hk, head_dim, dtype, causal, force=None, *, 
         o, lse_ref = attend(*leaves, upcast)
         return (o.detach(), lse_ref, *torch.autograd.grad(o, leaves, dout.float() if upcast else dout))
 
-    floors = rule_floors(attend, q, k, v, dout, head_dim**-0.5, max(lens_q) * (h // hk), dropout_p)
+    floors = gradient_floors(attend, q, k, v, dout, head_dim**-0.5, max(lens_q) * (h // hk), dropout_p)
     check_results(NAMES, (out, lse, dq, dk, dv), packed_reference(True), packed_reference(False), dtype, floors)
 
 

@@ -211,12 +211,6 @@ def reference_with_grads(attend, q, k, v, dout, upcast):
     return (out.detach(), lse.detach(), *grads)
 
 
-def variant_floors(attend, q, k, v, dout, scale, rows, dropout_p):
-    """conftest.gradient_floors for a variant call; ``attend(q, k, v, upcast, dropped)`` is its reference, with
-    (dropped) or without the call's dropout."""
-    return gradient_floors(attend, q, k, v, dout, scale, rows, dropout_p, lambda *args: attend(*args, dropped=False))
-
-
 # The largest gain of bf16 inputs: q and k * 2 give scores of standard deviation 4 (2 softcaps of softcap2-big, whose
 # tanh still saturates). The rule cannot judge larger bf16 scores under a tight softcap: at gain 4 (deviation 16),
 # seqlen_q 1023 against seqlen_k 17 and head dim 256, dk's rounded-output floor, which sums |q_i| over all 1023 rows
@@ -366,7 +360,7 @@ def run_dense(
 
     ref = reference_with_grads(attend, q, k, v, dout, upcast=True)
     lowp = reference_with_grads(attend, q, k, v, dout, upcast=False)
-    floors = variant_floors(attend, q, k, v, dout, abs(scale), sq * (h // hk), variant.dropout_p)
+    floors = gradient_floors(attend, q, k, v, dout, abs(scale), sq * (h // hk), variant.dropout_p)
     check_results(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv), ref, lowp, q.dtype, floors)
     return {
         "out": out,
@@ -712,7 +706,7 @@ def run_varlen(lens_q, lens_k, h, hk, d, dtype, variant, *, force=None, determin
 
     ref = reference_with_grads(attend, q, k, v, dout, upcast=True)
     lowp = reference_with_grads(attend, q, k, v, dout, upcast=False)
-    floors = variant_floors(attend, q, k, v, dout, scale, max(lens_q) * (h // hk), variant.dropout_p)
+    floors = gradient_floors(attend, q, k, v, dout, scale, max(lens_q) * (h // hk), variant.dropout_p)
     check_results(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv), ref, lowp, dtype, floors)
     return {
         "q": q,

@@ -30,7 +30,8 @@ memory (conftest.poison_allocator) and applies the correctness rule to each resu
 float32 (ref) and in the input dtype (ref_lowp), with the atol of conftest.check_results, as every test of the
 suite does: one ulp of the dtype (tiny tensors) and, for dq and dk, the two errors that FlashAttention-2's
 backward has by construction (conftest.gradient_floors). A failure prints the falsifying example as a constructor
-call, to paste into the *_REGRESSIONS lists below.
+call, to paste into the *_REGRESSIONS lists below. Where one to three query rows see two keys or more, dq and dk
+are checked for NaN only (MIN_ROWS_ON_TWO_KEYS).
 
 The default run (`python -m pytest tests/test_fuzz_gpu.py`) draws a few dozen examples in total. The tests marked
 exhaustive draw FLASH_ATTN2_FUZZ_EXAMPLES examples each (default 500):
@@ -62,6 +63,7 @@ from conftest import (
     kernel_head_dim,
     poison_allocator,
     requires_gpu,
+    rows_on_two_keys,
     varlen_attention_ref,
 )
 
@@ -1161,16 +1163,34 @@ def unrepresentable(names, ours, ref, lowp, dtype):
     return bad
 
 
-def check(ours, ref, lowp, dtype, floors=None, names=NAMES):
-    """The correctness rule on the named results (conftest.check_results), after the NaN check."""
+def check(ours, ref, lowp, dtype, floors=None, names=NAMES, judge_dq_dk=True):
+    """The correctness rule on the named results (conftest.check_results), after the NaN check. judge_dq_dk=False
+    leaves dq and dk at the NaN check (judges_dq_dk)."""
     for name, o in zip(names, ours):
         n_nan = torch.isnan(o).sum().item()
         assert n_nan == 0, f"{name}: {n_nan} NaN of {o.numel()} entries"
+    if not judge_dq_dk:
+        kept = [i for i, name in enumerate(names) if name not in ("dq", "dk")]
+        names, ours, ref, lowp = ([seq[i] for i in kept] for seq in (names, ours, ref, lowp))
     # The magnitudes are drawn so that the dtype holds every reference value (score_cap, gradient_cap): an example
     # that it does not is a fault of those caps, never one to pass over.
     bad = unrepresentable(names, ours, ref, lowp, dtype)
     assert not bad, f"{bad}: the references leave the dtype's range; the magnitude caps must rule this example out"
     check_results(names, ours, ref, lowp, dtype, floors)
+
+
+# The fewest query rows, over a call's sequences and in expectation after dropout, that must see two keys or more
+# for the rule to judge dq and dk. A varlen example of 459 causal queries on 2 keys (bfloat16, logits of standard
+# deviation 0.5) has one such row, and its dk bound was 1.7x max|dk| on an H200: the low-precision reference's
+# own error on one row's dP - D is as large as the result. The large-magnitude tests use the same count. With no
+# such row, dq and dk are zero (each row sees one key or none), which the rule judges: they stay checked.
+MIN_ROWS_ON_TWO_KEYS = 4
+
+
+def judges_dq_dk(case, lens_q, lens_k):
+    """Whether the rule can judge dq and dk of a case with these sequence lengths (MIN_ROWS_ON_TWO_KEYS)."""
+    rows = sum(rows_on_two_keys(sq, sk, case.causal, case.window) for sq, sk in zip(lens_q, lens_k))
+    return rows == 0 or rows * (1.0 - case.dropout_p) >= MIN_ROWS_ON_TWO_KEYS
 
 
 def record(case):
@@ -1274,14 +1294,18 @@ def bits(t):
 def check_dense(case):
     record(case)
     ours, ref, lowp, floors = dense_results(case)
-    check(ours, ref, lowp, case.dtype, floors)
+    judged = judges_dq_dk(case, [case.seqlen_q], [case.seqlen_k])
+    event("dq, dk judged" if judged else "dq, dk checked for NaN only")
+    check(ours, ref, lowp, case.dtype, floors, judge_dq_dk=judged)
 
 
 def check_varlen(case):
     record(case)
     event("a sequence of no queries or no keys" if 0 in case.lens_q + case.lens_k else "no empty sequence")
     ours, ref, lowp, floors = varlen_results(case)
-    check(ours, ref, lowp, case.dtype, floors)
+    judged = judges_dq_dk(case, case.lens_q, case.lens_k)
+    event("dq, dk judged" if judged else "dq, dk checked for NaN only")
+    check(ours, ref, lowp, case.dtype, floors, judge_dq_dk=judged)
 
 
 def check_kvcache(case):

@@ -29,6 +29,7 @@ from conftest import (
     poison_allocator,
     require_fwd_bwd_kernels,
     requires_gpu,
+    rows_on_two_keys,
     varlen_attention_ref,
 )
 
@@ -181,15 +182,7 @@ def judges_dq_dk(sq, sk, causal, window=(-1, -1), dropout_p=0.0):
     """Whether the rule can judge dq and dk of a dense call with large-magnitude inputs: at least 4 rows that see
     two keys or more, in expectation after dropout. With fewer, the scores (standard deviation about 15) leave each
     row's softmax nearly one-hot and dq, dk near the rounding of the low-precision reference."""
-    left, right = window
-    if causal:
-        right = 0
-    rows = 0
-    for i in range(sq):
-        lo = 0 if left < 0 else max(0, i + sk - sq - left)
-        hi = sk - 1 if right < 0 else min(sk - 1, i + sk - sq + right)
-        rows += hi - lo + 1 >= 2
-    return rows * (1 - dropout_p) >= 4
+    return rows_on_two_keys(sq, sk, causal, window) * (1 - dropout_p) >= 4
 
 
 def check_dense_results(q, k, v, dout, ours, causal, label="", **variant):

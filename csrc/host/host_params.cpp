@@ -5,6 +5,8 @@
 #include <climits>
 #include <cmath>
 
+#include "launch/tile_size.h"
+
 namespace flash {
 
 View4 view4(const Tensor& t) {
@@ -120,6 +122,7 @@ void set_fwd_params(FwdParams& params, const View4& q, const View4& k, const Vie
     params.gqa_pack = static_cast<int>(plan.gqa_pack);
     params.family = plan.family;
     params.short_key_tiles = plan.short_key_tile;
+    params.small_smem_tiles = plan.family == KernelFamily::kMmaSync && plan.tile_budget == kSmem99KiB;
     params.num_splits = plan.num_splits;
     params.softmax_scale = static_cast<float>(softmax_scale);
     params.score_scale = params.softmax_scale;

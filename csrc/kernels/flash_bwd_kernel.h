@@ -65,16 +65,19 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
     Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));  // (kBlockN, kHeadDim)
     Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));  // (kBlockN, kHeadDim)
 
-    // Shared memory: Q and dO (kStagesQ stages each), K, V, P, dS, then the LSE and D rows of each stage.
+    // Shared memory: Q and dO (kStagesQ stages each), K, V, P, dS, then the LSE and D rows of each stage. With V
+    // in registers, P and dS take V's buffer once V has been read from it.
     extern __shared__ __align__(128) char smem[];
     Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)),
                             typename Traits::SmemLayoutQ{});  // (kBlockM, kHeadDim)
     Tensor sdO = make_tensor(sQ.data() + kStagesQ * kQElems, typename Traits::SmemLayoutQ{});  // (kBlockM, kHeadDim)
     Tensor sK = make_tensor(sdO.data() + kStagesQ * kQElems, typename Traits::SmemLayoutKV{});  // (kBlockN, kHeadDim)
     Tensor sV = make_tensor(sK.data() + size(sK), typename Traits::SmemLayoutKV{});  // (kBlockN, kHeadDim)
-    Tensor sP = make_tensor(sV.data() + size(sV), typename Traits::SmemLayoutPdS{});  // (kBlockM, kBlockN)
+    Tensor sP = make_tensor(Traits::kVInRegs ? sV.data() : sV.data() + size(sV),
+                            typename Traits::SmemLayoutPdS{});  // (kBlockM, kBlockN)
     Tensor sdS = make_tensor(sP.data() + size(sP), typename Traits::SmemLayoutPdS{});  // (kBlockM, kBlockN)
-    float* s_lse = reinterpret_cast<float*>(raw_pointer_cast((sdS.data() + size(sdS)).get()));  // (kStagesQ, kBlockM)
+    const auto rows_start = Traits::kVInRegs ? sV.data() + size(sV) : sdS.data() + size(sdS);
+    float* s_lse = reinterpret_cast<float*>(raw_pointer_cast(rows_start.get()));  // (kStagesQ, kBlockM)
     float* s_dsum = s_lse + kStagesQ * kBlockM;  // (kStagesQ, kBlockM)
     Tensor sQt = make_tensor(sQ.data(), typename Traits::SmemLayoutQt{});  // (kHeadDim, kBlockM)
     Tensor sdOt = make_tensor(sdO.data(), typename Traits::SmemLayoutQt{});  // (kHeadDim, kBlockM)
@@ -195,6 +198,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
     copy_zfill(gmem_tiled_copy, tVgV, tVsV, tKVcKV, k_rows_left, params.head_dim);
     if (m_block_begin < m_block_end) { load_q_do(m_block_begin, 0); }
     cp_async_fence();
+    if constexpr (Traits::kVInRegs) {
+        cp_async_wait<0>();
+        __syncthreads();  // V has landed
+        copy(copy_b_sdp, tSsV, tSrV_view);
+        __syncthreads();  // every warp holds its V fragments before any writes P or dS over them
+    }
 
     const int m_blocks_max = (params.seqlen_q + kBlockM - 1) / kBlockM;
     int* dq_semaphore = params.dq_semaphore_ptr + (index_t(batch_idx) * params.num_heads + head_idx) * m_blocks_max;
@@ -218,7 +227,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
         Tensor tSsQ_stage = at_stage<kQElems>(tSsQ, stage);
         Tensor tSsdO_stage = at_stage<kQElems>(tSsdO, stage);
         gemm_smem_smem(mma_sdp, acc_s, tSrQ, tSrK, tSsQ_stage, tSsK, copy_a_sdp, copy_b_sdp, tSrQ_view, tSrK_view);
-        gemm_smem_smem(mma_sdp, acc_dp, tSrdO, tSrV, tSsdO_stage, tSsV, copy_a_sdp, copy_b_sdp, tSrdO_view, tSrV_view);
+        if constexpr (Traits::kVInRegs) {
+            gemm_smem_reg(mma_sdp, acc_dp, tSrdO, tSrV, tSsdO_stage, copy_a_sdp, tSrdO_view);
+        } else {
+            gemm_smem_smem(mma_sdp, acc_dp, tSrdO, tSrV, tSsdO_stage, tSsV, copy_a_sdp, copy_b_sdp, tSrdO_view,
+                           tSrV_view);
+        }
 
         Tensor scores = as_rowcol(acc_s);  // (rows, cols)
         Tensor dp = as_rowcol(acc_dp);  // (rows, cols)

@@ -392,6 +392,12 @@ def _sizes(q, k, lens, max_seqlens):
     return len(lens[0]), *(max_seqlens or (max(lens[0], default=0), max(lens[1], default=0)))
 
 
+# FLASH_ATTN2_MAX_SMEM: a whole run planned for a GPU with that much shared memory per block (flash_attn_cuda.plan);
+# None when unset.
+MAX_SMEM = int(os.environ["FLASH_ATTN2_MAX_SMEM"]) if os.environ.get("FLASH_ATTN2_MAX_SMEM") else None
+SMEM_227KIB = 232448  # the Hopper kernels' tile sets
+
+
 def device_plan(pass_, q, k, causal, *, deterministic=False, lens=None, max_seqlens=None, num_splits=0, **choices):
     """The plan of one pass of a call with q and k on the current GPU and this build, under
     ``force_plan(num_splits, **choices)``. Dense q (batch, seqlen_q, nheads, head_dim); varlen q
@@ -442,8 +448,14 @@ def check_forced_plans(q, k, causal, force, *, deterministic=False, lens=None, m
         )
         plans[pass_] = p
         assert p.pass_ == pass_, p
+        # Under a shared-memory limit below the Hopper kernels' 227 KiB (max_smem, or FLASH_ATTN2_MAX_SMEM for the
+        # whole run), the mma.sync kernels run whatever the forced family.
+        limits = [x for x in (force.get("max_smem"), MAX_SMEM) if x]
         if "kernel" in force:
-            assert p.kernel == force["kernel"], p
+            hopper_fits = not limits or min(limits) >= SMEM_227KIB
+            assert p.kernel == (force["kernel"] if hopper_fits else "mma_sync"), p
+        if limits:
+            assert p.smem <= min(limits) and p.tile_budget <= min(limits), p
         hopper = p.kernel == "wgmma"
         if pass_ == "fwd":
             if num_splits:

@@ -130,6 +130,31 @@ def test_mma_sync_backward_forced(sq, sk, head_dim, causal, dtype):
     )
 
 
+# The shared memory per block of sm_86, sm_89 and sm_120 (A10, L4, L40S, RTX 30xx to 50xx).
+SMEM_99KIB = 101376
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["", "deterministic"])
+@pytest.mark.parametrize("head_dim", [*KERNEL_HEAD_DIMS, 200])
+@pytest.mark.parametrize("sq, sk", [(17, 301), (301, 17), (257, 257)], ids=lambda v: str(v))
+def test_99kib_tile_set(sq, sk, head_dim, deterministic, causal, dtype):
+    # The mma.sync kernels' tiles for GPUs with 99 KiB of shared memory per block, run here through max_smem:
+    # every kernel of the set fits, head dim 224's (and 200's) backward runs head dim 256's kernel.
+    require_fwd_bwd_kernels(head_dim, dtype, causal)
+    plans = check_grads(
+        rand(2, sq, 6, head_dim, dtype=dtype),
+        rand(2, sk, 2, head_dim, dtype=dtype),
+        rand(2, sk, 2, head_dim, dtype=dtype),
+        causal,
+        deterministic=deterministic,
+        force={"max_smem": SMEM_99KIB},
+    )
+    for p in plans.values():
+        assert p.kernel == "mma_sync" and p.tile_budget == SMEM_99KIB and 0 < p.smem <= SMEM_99KIB, p
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", KERNEL_HEAD_DIMS)

@@ -625,8 +625,9 @@ SMALL_OVERRIDE_CASES = ["", "kernel=wgmma", "short_keys=1;short_queries=1"]
 def test_99kib_budget(gpu, head_dim, pass_, deterministic, mask, shape, override):
     # The mma.sync kernels' 99 KiB set fits every head dim, pass and mask (a head dim without a 99 KiB tile runs
     # a wider one's kernel).
+    gpu_args = SMALL_GPUS[gpu]
     p = smem_plan(
-        pass_, SMALL_GPUS[gpu], head_dim, mask, shape, deterministic=deterministic, override=override, max_smem=SMEM_99KIB
+        pass_, gpu_args, head_dim, mask, shape, deterministic=deterministic, override=override, max_smem=SMEM_99KIB
     )
     assert p.kernel == "mma_sync" and p.tile_budget == SMEM_99KIB, p
     assert 0 < p.smem <= SMEM_99KIB, p
@@ -639,7 +640,14 @@ def test_99kib_default_for_named_arch(arch):
     for pass_ in ("fwd", "bwd"):
         for head_dim in KERNEL_HEAD_DIMS:
             p = plan(
-                pass_, batch=2, seqlen_q=512, seqlen_k=512, nheads=8, nheads_k=8, head_dim=head_dim, arch=arch,
+                pass_,
+                batch=2,
+                seqlen_q=512,
+                seqlen_k=512,
+                nheads=8,
+                nheads_k=8,
+                head_dim=head_dim,
+                arch=arch,
                 num_sms=80,
             )
             assert p.tile_budget == SMEM_99KIB and 0 < p.smem <= SMEM_99KIB, (arch, p)
@@ -661,7 +669,15 @@ def test_99kib_default_for_named_arch(arch):
 )
 def test_99kib_tiles(pass_, head_dim, causal, tile, smem):
     p = plan(
-        pass_, batch=2, seqlen_q=512, seqlen_k=512, nheads=8, nheads_k=8, head_dim=head_dim, causal=causal, arch=86,
+        pass_,
+        batch=2,
+        seqlen_q=512,
+        seqlen_k=512,
+        nheads=8,
+        nheads_k=8,
+        head_dim=head_dim,
+        causal=causal,
+        arch=86,
         num_sms=84,
     )
     assert (p.block_m, p.block_n, p.smem) == (*tile, smem), p

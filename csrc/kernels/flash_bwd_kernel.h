@@ -43,7 +43,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
     // Varlen grids are sized for the longest sequence; this one may have no keys here.
     if (n_block * kBlockN >= binfo.seqlen_k) { return; }
     const auto bounds = BlockBounds<kBlockM, kBlockN, kCausal, kVariants>::of_sequence(params, binfo);
-    const ScoreMod score_mod(params, batch_idx, binfo);
+    const ScoreMod<Element> score_mod(params, batch_idx, binfo);
     const Dropout dropout(params, batch_idx, head_idx);
     const int m_block_begin = bounds.m_block_begin(n_block);  // the query blocks that see this key block
     const int m_block_end = bounds.m_block_end(n_block);
@@ -253,7 +253,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
             dropout.template apply</*kQueryIsRow=*/true, /*kNegate=*/true>(scores, tScS_rc, pos.q0, pos.k0);
         }
         compute_ds</*kQueryIsRow=*/true, kVariants>(dp, scores, tScS_rc, [&](int row) { return dsum_stage[row]; },
-                                                    DsMods{score_mod, head_idx}, pos, lse_log2_of);
+                                                    DsMods<Element>{score_mod, head_idx}, pos, lse_log2_of);
         Tensor rP = convert_fragment_kept<Element>(acc_s, kVariants && dropout.active());
         Tensor rdS = convert_fragment<Element>(acc_dp);
         copy(copy_store_sdp, thr_copy_store_sdp.retile_S(rP), tPsP);

@@ -15,7 +15,7 @@ import torch
 
 from flash_attn_cuda import _kernel_list
 from flash_attn_cuda.plan import override_string, plan
-from flash_attn_cuda.reference import attention_ref
+from flash_attn_cuda.reference import attention_ref, effective_dropout_p
 
 # ---------------------------------------------------------------- shared constants
 #
@@ -322,8 +322,8 @@ def gradient_floors(attend, q, k, v, dout, scale, rows, dropout_p=0.0):
     fp32 = fp32_cancellation_floor(q, k, v, dout, scale, rows)
     dq, dk = rounded_output_floors(attend, q, k, v, dout, scale, dropout=dropout_p > 0)
     return {
-        "dq": Floor(dq, fp32["dq"] / (1.0 - dropout_p)),
-        "dk": Floor(dk, fp32["dk"] / (1.0 - dropout_p)),
+        "dq": Floor(dq, fp32["dq"] / (1.0 - effective_dropout_p(dropout_p))),
+        "dk": Floor(dk, fp32["dk"] / (1.0 - effective_dropout_p(dropout_p))),
     }
 
 

@@ -50,7 +50,7 @@ from flash_attn_cuda import (
 )
 from flash_attn_cuda.dropout import keep_mask, varlen_keep_mask
 from flash_attn_cuda.plan import force_plan, override_string, plan
-from flash_attn_cuda.reference import attention_probs, attention_ref, visible_mask
+from flash_attn_cuda.reference import attention_probs, attention_ref, effective_dropout_p, visible_mask
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 
@@ -839,8 +839,15 @@ def round_up(n, m=128):
 
 
 def keep_fraction_bound(n, p):
-    """Six standard deviations of the kept fraction of n independent entries (and a floor for tiny n)."""
+    """Six standard deviations of the kept fraction of n independent entries (and a floor for tiny n), p the
+    dropout_p of the call (the kernels drop with effective_dropout_p(p))."""
+    p = effective_dropout_p(p)
     return 6.0 * math.sqrt(p * (1.0 - p) / max(n, 1)) + 1e-3
+
+
+def kept_fraction(p):
+    """The fraction of entries a call of dropout_p keeps, in expectation."""
+    return 1.0 - effective_dropout_p(p)
 
 
 def reference_probs(q, k, causal, window, softcap, slopes, softmax_scale=None):
@@ -905,7 +912,7 @@ def test_dropout_s_dmask_and_seed(case):
         pad[:, :sq, :sk] = 0
         n_kept, n = check_s_dmask(s_dmask[i, :, :sq, :sk], pad, probs[i], result["mask"][i], visible, dtype)
         kept, counted = kept + n_kept, counted + n
-    assert abs(kept / counted - (1 - variant.dropout_p)) <= keep_fraction_bound(counted, variant.dropout_p)
+    assert abs(kept / counted - kept_fraction(variant.dropout_p)) <= keep_fraction_bound(counted, variant.dropout_p)
 
 
 def test_varlen_dropout_s_dmask_and_seed():
@@ -941,19 +948,19 @@ def test_varlen_dropout_s_dmask_and_seed():
         )
         kept, counted = kept + n_kept, counted + n
         q0, k0 = q0 + lq, k0 + lk
-    assert abs(kept / counted - (1 - variant.dropout_p)) <= keep_fraction_bound(counted, variant.dropout_p)
+    assert abs(kept / counted - kept_fraction(variant.dropout_p)) <= keep_fraction_bound(counted, variant.dropout_p)
 
 
 # ---------------------------------------------------------------- dropout: the kernels' own keep decisions
 #
 # S_dmask is computed on the host from flash_attn_cuda.dropout.keep_mask, so it cannot show what the kernels drop.
 # These tests read each pass's keep decisions back from its results and compare them, entry for entry, with
-# keep_mask (varlen_keep_mask):
+# keep_mask (varlen_keep_mask). p' below is effective_dropout_p(p), the probability the kernels drop with:
 #
 # - forward: V is the identity on a block of head_dim keys of each sequence (its other rows zero), so column c of
-#   out is P[:, c0 + c] * keep / (1 - p) for the block's first key c0: exactly zero where the forward dropped the
+#   out is P[:, c0 + c] * keep / (1 - p') for the block's first key c0: exactly zero where the forward dropped the
 #   entry, and nonzero where it kept it;
-# - backward: dV = (P * keep / (1 - p))^T dO, so a one-hot dO whose column i * group + g picks query row r0 + i of
+# - backward: dV = (P * keep / (1 - p'))^T dO, so a one-hot dO whose column i * group + g picks query row r0 + i of
 #   the g-th query head of each key/value head (group query heads per key/value head) makes column i * group + g of
 #   dV that row as the backward regenerated it, read key-major.
 #
@@ -1090,7 +1097,7 @@ class MaskProbe:
 
 
 def observe_forward_mask(probe):
-    """Per sequence, float32 (nheads, seqlen_q, seqlen_k): P * keep / (1 - p) as the forward applied it, read from
+    """Per sequence, float32 (nheads, seqlen_q, seqlen_k): P * keep / (1 - p') as the forward applied it, read from
     out with V the identity on one block of head_dim keys per call. Each call's out and lse meet the correctness
     rule, and the columns of out past a sequence's keys are exactly zero."""
     q, k = probe.q, probe.k
@@ -1108,7 +1115,7 @@ def observe_forward_mask(probe):
         out, lse, _ = probe.forward(v)
         ref = probe.attend(q, k, v, upcast=True)
         lowp = probe.attend(q, k, v, upcast=False)
-        # One value of V decides each entry of out (a single P_ij / (1 - p)), which the kernel rounds twice (P to the
+        # One value of V decides each entry of out (a single P_ij / (1 - p')), which the kernel rounds twice (P to the
         # input dtype for the product, then out) while ref_lowp's softmax may land closer: the one-ulp term of
         # conftest's small tensors, given explicitly since these tensors can be larger (H200: dv of the same
         # observation in fp16 was 2.5x the low-precision error off). One ulp of max|ref| stays far below max|ref|.
@@ -1123,7 +1130,7 @@ def observe_forward_mask(probe):
 
 
 def observe_backward_mask(probe):
-    """Per sequence, float32 (nheads, seqlen_q, seqlen_k): P * keep / (1 - p) as the backward regenerated it, read
+    """Per sequence, float32 (nheads, seqlen_q, seqlen_k): P * keep / (1 - p') as the backward regenerated it, read
     from dV with a one-hot dO that picks head_dim // group query rows per query head and call (V random). Each call's
     dv meets the correctness rule, and the columns of dV past the picked rows are exactly zero."""
     q, k = probe.q, probe.k
@@ -1149,7 +1156,7 @@ def observe_backward_mask(probe):
         # dq and dk are checked with random dO elsewhere; dv is what this test reads.
         ref = reference_with_grads(probe.attend, q, k, v, dout, upcast=True)
         lowp = reference_with_grads(probe.attend, q, k, v, dout, upcast=False)
-        # With the one-hot dO each entry of dv is a single P_ij / (1 - p), which the kernel rounds twice (P to the
+        # With the one-hot dO each entry of dv is a single P_ij / (1 - p'), which the kernel rounds twice (P to the
         # input dtype for the product, then dv) while ref_lowp's softmax may land closer: exactly the case of
         # conftest's one-ulp term (few values decide each entry), which it applies by itself only to tensors of at
         # most SMALL_TENSOR entries, so it is passed here (H200, test_kernel_dropout_mask_varlen[causal-left-wgmma-
@@ -1377,9 +1384,9 @@ def test_dropout_decode_split(h, hk):
 
 def test_dropout_cuda_graph_replays_draw_fresh_masks():
     """flash_attn_func with dropout captured in a CUDA graph: each replay draws a new rng_state (torch's
-    generator is graph-safe), so replays differ; each keeps 1 - p of the entries, and what it keeps is P / (1 - p).
+    generator is graph-safe), so replays differ; each keeps 1 - p' of the entries, and what it keeps is P / (1 - p').
 
-    V is the identity (head_dim == seqlen_k), so out[b, i, h, j] = P[b, h, i, j] * keep / (1 - p) shows the mask.
+    V is the identity (head_dim == seqlen_k), so out[b, i, h, j] = P[b, h, i, j] * keep / (1 - p') shows the mask.
     """
     require_kernels(64, torch.bfloat16)
     b, sq, sk, h, p = 4, 256, 64, 8, 0.25
@@ -1406,8 +1413,8 @@ def test_dropout_cuda_graph_replays_draw_fresh_masks():
         replays.append(out.clone())
         kept = out != 0
         n = kept.numel()
-        assert abs(kept.float().mean().item() - (1 - p)) <= keep_fraction_bound(n, p)
-        torch.testing.assert_close(out.float()[kept] * (1 - p), probs[kept], rtol=2**-6, atol=1e-6)
+        assert abs(kept.float().mean().item() - kept_fraction(p)) <= keep_fraction_bound(n, p)
+        torch.testing.assert_close(out.float()[kept] * kept_fraction(p), probs[kept], rtol=2**-6, atol=1e-6)
     assert not torch.equal(replays[0], replays[1]), "two replays drew the same dropout mask"
 
 

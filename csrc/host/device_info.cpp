@@ -64,9 +64,9 @@ Target target_of(int device, bool noncausal_built) {
     target.num_sms = std::max(device_attribute(cudaDevAttrMultiProcessorCount, device), 1);
     target.max_smem = device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
     if (max_smem_limit() == 0) {
-        throw std::invalid_argument("FLASH_ATTN2_MAX_SMEM must be bytes of shared memory per block, an integer in [1, " +
-                                    std::to_string(kMaxForcedSmem) + "], got '" +
-                                    std::getenv("FLASH_ATTN2_MAX_SMEM") + "'");
+        throw std::invalid_argument(
+            "FLASH_ATTN2_MAX_SMEM must be bytes of shared memory per block, an integer in [1, " +
+            std::to_string(kMaxForcedSmem) + "], got '" + std::getenv("FLASH_ATTN2_MAX_SMEM") + "'");
     }
     if (max_smem_limit() > 0) {
         target.max_smem = target.max_smem > 0 ? std::min(target.max_smem, max_smem_limit()) : max_smem_limit();

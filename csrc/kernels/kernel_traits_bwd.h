@@ -76,7 +76,8 @@ struct BwdKernelTraits {
     // Per stage: Q and dO tiles, then the LSE and D of their rows (fp32).
     static constexpr int kSmemStageBytes = 2 * kSmemQElems * int(sizeof(Element)) + 2 * kBlockM * int(sizeof(float));
     static_assert(!kVInRegs || 2 * kSmemPdSElems <= kSmemKVElems, "P and dS must fit in V's buffer");
-    static constexpr int kSmemFixedBytes = (2 * kSmemKVElems + (kVInRegs ? 0 : 2 * kSmemPdSElems)) * int(sizeof(Element));
+    static constexpr int kSmemFixedBytes = (2 * kSmemKVElems + (kVInRegs ? 0 : 2 * kSmemPdSElems)) *
+                                           int(sizeof(Element));
     // Q and dO are double-buffered (the next query block loads while this one computes) when that fits the
     // budget; otherwise the next block loads during the dQ GEMM.
     static constexpr int kSmemLimitBytes = kSmemBudget;

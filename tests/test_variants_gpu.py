@@ -500,6 +500,24 @@ def test_forced_paths(path, dropout):
         assert bwd_plan.key_blocks_per_cta == force["key_blocks"], bwd_plan
 
 
+# The shared memory per block of sm_86, sm_89 and sm_120 (A10, L4, L40S, RTX 30xx to 50xx).
+SMEM_99KIB = 101376
+
+
+@pytest.mark.parametrize("head_dim", [*KERNEL_HEAD_DIMS, 200])
+@pytest.mark.parametrize("dropout", [False, True], ids=["no-dropout", "dropout"])
+def test_99kib_tile_set(head_dim, dropout):
+    # The variants kernels of the mma.sync tile set for 99 KiB GPUs, planned as on such a GPU (max_smem): head dim
+    # 224's (and 200's) backward runs head dim 256's kernel there.
+    require_kernels(-(-head_dim // 32) * 32, torch.bfloat16)
+    b, sq, sk, h, hk = 2, 113, 301, 6, 2
+    variant = V(causal=True, window=(40, -1), softcap=20.0, alibi="batch_heads", dropout_p=0.2 if dropout else 0.0)
+    q, k, v = make_inputs(b, sq, sk, h, hk, head_dim, torch.bfloat16)
+    plans = run_dense(q, k, v, variant, slopes=alibi_slopes(variant.alibi, b, h), force={"max_smem": SMEM_99KIB})
+    for p in plans["plans"].values():
+        assert p.kernel == "mma_sync" and p.tile_budget == SMEM_99KIB and 0 < p.smem <= SMEM_99KIB, p
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_window_split_kv_with_empty_splits(causal):
     """A narrow window over 4097 keys split 7 ways: most splits see no key of some rows, or of any row."""

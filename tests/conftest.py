@@ -15,7 +15,7 @@ import torch
 
 from flash_attn_cuda import _kernel_list
 from flash_attn_cuda.plan import override_string, plan
-from flash_attn_cuda.reference import attention_ref, effective_dropout_p
+from flash_attn_cuda.reference import attention_ref, effective_dropout_p, visible_mask
 
 # ---------------------------------------------------------------- shared constants
 #
@@ -328,17 +328,10 @@ def gradient_floors(attend, q, k, v, dout, scale, rows, dropout_p=0.0):
 
 
 def rows_on_two_keys(seqlen_q, seqlen_k, causal, window=(-1, -1)):
-    """How many query rows of one (sequence, head) see two keys or more: query i sits at position
-    i + seqlen_k - seqlen_q and sees the keys within the window (causal: right side 0) of it. dq and dk of a row
-    that sees one key are zero, so with few such rows they are sums of a few terms each, about as small as the
+    """How many query rows of one (sequence, head) see two keys or more (reference.visible_mask). dq and dk of a
+    row that sees one key are zero, so with few such rows they are sums of a few terms each, about as small as the
     rounding of D = rowsum(dO O) that moves them, and the rule cannot judge them (see the design notes)."""
-    left, right = window
-    if causal:
-        right = 0
-    position = torch.arange(seqlen_q) + (seqlen_k - seqlen_q)
-    lo = torch.zeros_like(position) if left < 0 else (position - left).clamp(min=0)
-    hi = torch.full_like(position, seqlen_k - 1) if right < 0 else (position + right).clamp(max=seqlen_k - 1)
-    return int((hi - lo + 1 >= 2).sum())
+    return int((visible_mask(seqlen_q, seqlen_k, causal, window).sum(-1) >= 2).sum())
 
 
 def check_results(names, ours, ref, lowp, dtype, floors=None):

@@ -356,24 +356,46 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
 
     // dK picks up the softmax scale here (dS is the gradient of the scaled scores); dQ gets it when its
     // fp32 buffer is converted. dV picks up dropout's 1 / (1 - p) (1 without dropout): it summed kept P unscaled.
-    Tensor tKVcdKV = thr_mma_dkv.partition_C(cKV);
-    auto store_dk_dv = [&](auto out_type) {
-        using Out = decltype(out_type);
-        Tensor mdK = binfo.dk_view<Out>(params, batch_idx, head_idx);  // (seqlen_k, head_dim)
-        Tensor mdV = binfo.dv_view<Out>(params, batch_idx, head_idx);  // (seqlen_k, head_dim)
-        Tensor gdK = local_tile(mdK, Shape<Int<kBlockN>, Int<kHeadDim>>{},
-                                make_coord(n_block, 0));  // (kBlockN, kHeadDim)
-        Tensor gdV = local_tile(mdV, Shape<Int<kBlockN>, Int<kHeadDim>>{},
-                                make_coord(n_block, 0));  // (kBlockN, kHeadDim)
-        store_acc<Out>(acc_dk, tKVcdKV, gdK, k_rows_left, params.head_dim, params.softmax_scale);
-        store_acc<Out>(acc_dv, tKVcdKV, gdV, k_rows_left, params.head_dim, kVariants ? params.dropout_keep_scale : 1.f);
-    };
     // GQA slices are summed over each group on the host: kept in fp32 so the sum is rounded once.
     if (params.dkv_fp32) {
-        store_dk_dv(float{});
-    } else {
-        store_dk_dv(Element{});
+        Tensor tKVcdKV = thr_mma_dkv.partition_C(cKV);
+        Tensor gdK = local_tile(binfo.dk_view<float>(params, batch_idx, head_idx), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                                make_coord(n_block, 0));  // (kBlockN, kHeadDim)
+        Tensor gdV = local_tile(binfo.dv_view<float>(params, batch_idx, head_idx), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                                make_coord(n_block, 0));  // (kBlockN, kHeadDim)
+        store_acc<float>(acc_dk, tKVcdKV, gdK, k_rows_left, params.head_dim, params.softmax_scale);
+        store_acc<float>(acc_dv, tKVcdKV, gdV, k_rows_left, params.head_dim,
+                         kVariants ? params.dropout_keep_scale : 1.f);
+        return;
     }
+    // Element-typed dK and dV go through K's and V's buffers, as in the Hopper backward: each thread then writes
+    // whole 16 B chunks of rows, where its accumulator holds 4 B pairs, half a 32 B sector per row of a warp's
+    // store.
+    __syncthreads();  // every warp is done with K and V (and with P and dS, in V's buffer when V is in registers)
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_dk); ++i) { acc_dk(i) *= params.softmax_scale; }
+    if constexpr (kVariants) {
+        CUTE_UNROLL
+        for (int i = 0; i < size(acc_dv); ++i) { acc_dv(i) *= params.dropout_keep_scale; }
+    }
+    Tensor rdK = convert_fragment<Element>(acc_dk);
+    Tensor rdV = convert_fragment<Element>(acc_dv);
+    auto smem_tiled_copy = make_tiled_copy_C(typename Traits::SmemCopyAtomStore{}, mma_dkv);
+    auto smem_thr_copy = smem_tiled_copy.get_thread_slice(tidx);
+    copy(smem_tiled_copy, smem_thr_copy.retile_S(rdK), smem_thr_copy.partition_D(sK));
+    copy(smem_tiled_copy, smem_thr_copy.retile_S(rdV), smem_thr_copy.partition_D(sV));
+    __syncthreads();
+    typename Traits::GmemTiledCopyStore gmem_tiled_copy_store;
+    auto gmem_thr_copy_store = gmem_tiled_copy_store.get_thread_slice(tidx);
+    Tensor gdK = local_tile(binfo.dk_view<Element>(params, batch_idx, head_idx), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                            make_coord(n_block, 0));  // (kBlockN, kHeadDim)
+    Tensor gdV = local_tile(binfo.dv_view<Element>(params, batch_idx, head_idx), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                            make_coord(n_block, 0));  // (kBlockN, kHeadDim)
+    Tensor tdKVcdKV = gmem_thr_copy_store.partition_D(cKV);  // (CPY, CPY_N, CPY_D)
+    copy_to_gmem(gmem_tiled_copy_store, gmem_thr_copy_store.partition_S(sK), gmem_thr_copy_store.partition_D(gdK),
+                 tdKVcdKV, k_rows_left, params.head_dim);
+    copy_to_gmem(gmem_tiled_copy_store, gmem_thr_copy_store.partition_S(sV), gmem_thr_copy_store.partition_D(gdV),
+                 tdKVcdKV, k_rows_left, params.head_dim);
 }
 
 }  // namespace flash

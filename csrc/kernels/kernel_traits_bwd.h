@@ -90,11 +90,13 @@ struct BwdKernelTraits {
     using SmemCopyAtomStore = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<32>, Element>;
 
     static constexpr int kGmemThreadsPerRow = FwdKernelTraits<Element, kHeadDim, 64, 64, 4>::kGmemThreadsPerRow;
-    using GmemTiledCopyLoad = decltype(make_tiled_copy(
-        Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint128_t>, Element>{},
-        Layout<Shape<Int<kNThreads / kGmemThreadsPerRow>, Int<kGmemThreadsPerRow>>,
-               Stride<Int<kGmemThreadsPerRow>, _1>>{},
-        Layout<Shape<_1, _8>>{}));
+    using GmemThreadLayout = Layout<Shape<Int<kNThreads / kGmemThreadsPerRow>, Int<kGmemThreadsPerRow>>,
+                                    Stride<Int<kGmemThreadsPerRow>, _1>>;
+    using GmemTiledCopyLoad = decltype(make_tiled_copy(Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint128_t>, Element>{},
+                                                       GmemThreadLayout{}, Layout<Shape<_1, _8>>{}));
+    // dK and dV leave through shared memory (K's and V's buffers), 16 B per thread and access.
+    using GmemTiledCopyStore = decltype(make_tiled_copy(Copy_Atom<UniversalCopy<uint128_t>, Element>{},
+                                                        GmemThreadLayout{}, Layout<Shape<_1, _8>>{}));
 };
 
 }  // namespace flash

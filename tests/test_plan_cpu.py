@@ -661,8 +661,8 @@ def test_99kib_default_for_named_arch(arch):
         ("fwd", 128, True, (64, 64), 49152),
         # Backward, head dim 64: K, V, P, dS of 128 keys (64 KiB) and two 64-row Q/dO stages (2 x 16.5 KiB).
         ("bwd", 64, False, (64, 128), 99328),
-        # Head dim 128: K, V, P, dS of 64 keys (48 KiB) and one stage (32.5 KiB).
-        ("bwd", 128, False, (64, 64), 82432),
+        # Head dim 128: K and V of 64 keys (32 KiB), P and dS in V's, and two stages (2 x 32.5 KiB).
+        ("bwd", 128, False, (64, 64), 99328),
         # Head dim 256: 32-key blocks, K and V (2 x 16 KiB) with P and dS in V's, and one stage (64.5 KiB).
         ("bwd", 256, True, (64, 32), 98816),
     ],

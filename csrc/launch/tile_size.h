@@ -90,10 +90,11 @@ constexpr int kBwdSm90ShortBlockM = 16;
 // there, FlashAttention-2's measured choice for these GPUs, 128 x 32 and causal 64 x 64 on four warps, 48 KiB
 // each, so that two CTAs share an SM where the 163 KiB set's 64 KiB and 80 KiB tiles leave one. Backward:
 // the largest tile of 64 query rows whose K, V, P, dS and one Q/dO stage fit, two stages where they fit too
-// (head dims 32, 64 and 96). Head dim 192 takes 32-key blocks; head dim 256 too, with V in registers and P and
-// dS in its shared memory, which leaves 98816 bytes; head dim 224 has no tile whose GEMMs the eight warps
-// divide (32 x 224 and 64 x 224 need 64-column slices) and runs head dim 256's kernel, zero-padded
-// (kernel_head_dim_for).
+// (head dims 32, 64 and 96). Head dim 128 holds V in registers and puts P and dS in its shared memory, which
+// makes room for two stages (99328 bytes), as FlashAttention-2 does on these GPUs. Head dim 192 takes 32-key
+// blocks; head dim 256 too, with V in registers, which leaves 98816 bytes; head dim 224 has no tile whose GEMMs
+// the eight warps divide (32 x 224 and 64 x 224 need 64-column slices) and runs head dim 256's kernel,
+// zero-padded (kernel_head_dim_for).
 //
 // wgmma backward (block_m, block_n): 64 query rows by 128 keys up to head dim 128 (the narrow kernel, each
 // warpgroup owning 64 keys), 64 by 64 above (the wide kernel, P and dS through shared memory); head dim 128 has
@@ -139,7 +140,7 @@ constexpr TileSet kTileSets[] = {
     {KernelFamily::kMmaSync, Pass::kBwd, 32, kSmem99KiB, {64, 128}, {64, 128}, {}},
     {KernelFamily::kMmaSync, Pass::kBwd, 64, kSmem99KiB, {64, 128}, {64, 128}, {}},
     {KernelFamily::kMmaSync, Pass::kBwd, 96, kSmem99KiB, {64, 64}, {64, 64}, {}},
-    {KernelFamily::kMmaSync, Pass::kBwd, 128, kSmem99KiB, {64, 64}, {64, 64}, {}},
+    {KernelFamily::kMmaSync, Pass::kBwd, 128, kSmem99KiB, {64, 64, 0, 1, true}, {64, 64, 0, 1, true}, {}},
     {KernelFamily::kMmaSync, Pass::kBwd, 160, kSmem99KiB, {64, 64}, {64, 64}, {}},
     {KernelFamily::kMmaSync, Pass::kBwd, 192, kSmem99KiB, {64, 32}, {64, 32}, {}},
     {KernelFamily::kMmaSync, Pass::kBwd, 256, kSmem99KiB, {64, 32, 0, 1, true}, {64, 32, 0, 1, true}, {}},

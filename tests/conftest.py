@@ -391,11 +391,14 @@ MAX_SMEM = int(os.environ["FLASH_ATTN2_MAX_SMEM"]) if os.environ.get("FLASH_ATTN
 SMEM_227KIB = 232448  # the Hopper kernels' tile sets
 
 
-def device_plan(pass_, q, k, causal, *, deterministic=False, lens=None, max_seqlens=None, num_splits=0, **choices):
+def device_plan(
+    pass_, q, k, causal, *, deterministic=False, lens=None, max_seqlens=None, num_splits=0, variants=None, **choices
+):
     """The plan of one pass of a call with q and k on the current GPU and this build, under
     ``force_plan(num_splits, **choices)``. Dense q (batch, seqlen_q, nheads, head_dim); varlen q
     (total_q, nheads, head_dim) with ``lens`` = (lens_q, lens_k), and the call's (max_seqlen_q, max_seqlen_k)
-    if not the maxima of the lengths."""
+    if not the maxima of the lengths. ``variants``: the call's window_size, alibi, dropout and softcap, as
+    flash_attn_cuda.plan.plan takes them."""
     head_dim = -(-q.shape[-1] // 8) * 8  # as padded by the wrapper
     batch, seqlen_q, seqlen_k = _sizes(q, k, lens, max_seqlens)
     return plan(
@@ -412,6 +415,7 @@ def device_plan(pass_, q, k, causal, *, deterministic=False, lens=None, max_seql
         num_splits=num_splits,
         override=override_string(**choices),
         dtype=q.dtype,
+        **(variants or {}),
     )
 
 

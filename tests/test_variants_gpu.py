@@ -30,6 +30,7 @@ from conftest import (
     check_forced_plans,
     check_results,
     cu_seqlens,
+    device_plan,
     gradient_floors,
     one_ulp,
     poison_allocator,
@@ -244,30 +245,21 @@ def check_variant_plans(q, k, variant, slopes, force, *, deterministic=False, le
         return {}
     choices = dict(force)
     num_splits = choices.pop("num_splits", 0)
-    if lens is None:
-        batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
-    else:
-        batch, seqlen_q, seqlen_k = len(lens[0]), max(lens[0]), max(lens[1])
+    variants = dict(
+        window_size=variant.window, alibi=slopes is not None, dropout=variant.dropout_p > 0, softcap=variant.softcap
+    )
     plans = {}
     for pass_ in ("fwd", "bwd"):
-        p = plan(
+        p = device_plan(
             pass_,
-            batch=batch,
-            seqlen_q=seqlen_q,
-            seqlen_k=seqlen_k,
-            nheads=q.shape[-2],
-            nheads_k=k.shape[-2],
-            head_dim=-(-q.shape[-1] // 8) * 8,
-            causal=variant.causal,
+            q,
+            k,
+            variant.causal,
             deterministic=deterministic and pass_ == "bwd",
-            varlen=lens is not None,
+            lens=lens,
             num_splits=num_splits,
-            override=override_string(**choices),
-            dtype=q.dtype,
-            window_size=variant.window,
-            alibi=slopes is not None,
-            dropout=variant.dropout_p > 0,
-            softcap=variant.softcap,
+            variants=variants,
+            **choices,
         )
         assert p.kernel == plain[pass_].kernel, (p, plain[pass_])
         plans[pass_] = p

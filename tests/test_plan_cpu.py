@@ -639,17 +639,7 @@ def test_99kib_default_for_named_arch(arch):
     # Without max_smem a named arch takes its documented budget: 99 KiB for these, whose plans take that set.
     for pass_ in ("fwd", "bwd"):
         for head_dim in KERNEL_HEAD_DIMS:
-            p = plan(
-                pass_,
-                batch=2,
-                seqlen_q=512,
-                seqlen_k=512,
-                nheads=8,
-                nheads_k=8,
-                head_dim=head_dim,
-                arch=arch,
-                num_sms=80,
-            )
+            p = make(pass_, {"arch": arch, "num_sms": 80}, head_dim=head_dim)
             assert p.tile_budget == SMEM_99KIB and 0 < p.smem <= SMEM_99KIB, (arch, p)
 
 
@@ -668,18 +658,7 @@ def test_99kib_default_for_named_arch(arch):
     ],
 )
 def test_99kib_tiles(pass_, head_dim, causal, tile, smem):
-    p = plan(
-        pass_,
-        batch=2,
-        seqlen_q=512,
-        seqlen_k=512,
-        nheads=8,
-        nheads_k=8,
-        head_dim=head_dim,
-        causal=causal,
-        arch=86,
-        num_sms=84,
-    )
+    p = make(pass_, {"arch": 86, "num_sms": 84}, head_dim=head_dim, causal=causal)
     assert (p.block_m, p.block_n, p.smem) == (*tile, smem), p
 
 
@@ -695,17 +674,7 @@ def test_max_smem_selects_the_tile_set():
             )
             expected = SMEM_99KIB if budget < SMEM_163KIB else SMEM_163KIB
             assert small.kernel == "mma_sync" and small.tile_budget == expected, (budget, small)
-            forced = plan(
-                pass_,
-                batch=2,
-                seqlen_q=512,
-                seqlen_k=512,
-                nheads=8,
-                nheads_k=8,
-                head_dim=128,
-                override=f"max_smem={budget}",
-                **H200,
-            )
+            forced = make(pass_, max_smem=budget)
             assert forced == small, (forced, small)
 
 

@@ -327,6 +327,20 @@ def gradient_floors(attend, q, k, v, dout, scale, rows, dropout_p=0.0):
     }
 
 
+# The largest standard deviation of the logits (softmax_scale q k^T) at which the low-precision reference still
+# judges the results: beyond it the rule's bound exceeds half of the result and check_close rejects the check as
+# one that zeros would pass. Measured on the CPU with the reference rounded to the dtype standing in for the
+# kernel: in bfloat16, logits of standard deviation 16 were judged and 25 and 36 were not; fp16, with three more
+# mantissa bits, judged 36 (and 75 in an explicit example of the fuzz suite, on an H200).
+LOGIT_STD = {torch.bfloat16: 12.0, torch.float16: 64.0}
+
+# The fewest query rows, over a call's sequences and in expectation after dropout, that must see two keys or more
+# for the rule to judge dq and dk (rows_on_two_keys). A varlen example of 459 causal queries on 2 keys (bfloat16,
+# logits of standard deviation 0.5) has one such row, and its dk bound was 1.7x max|dk| on an H200: the
+# low-precision reference's own error on one row's dP - D is as large as the result.
+MIN_ROWS_ON_TWO_KEYS = 4
+
+
 def rows_on_two_keys(seqlen_q, seqlen_k, causal, window=(-1, -1)):
     """How many query rows of one (sequence, head) see two keys or more (reference.visible_mask). dq and dk of a
     row that sees one key are zero, so with few such rows they are sums of a few terms each, about as small as the

@@ -31,7 +31,7 @@ float32 (ref) and in the input dtype (ref_lowp), with the atol of conftest.check
 suite does: one ulp of the dtype (tiny tensors) and, for dq and dk, the two errors that FlashAttention-2's
 backward has by construction (conftest.gradient_floors). A failure prints the falsifying example as a constructor
 call, to paste into the *_REGRESSIONS lists below. Where one to three query rows see two keys or more, dq and dk
-are checked for NaN only (MIN_ROWS_ON_TWO_KEYS).
+are checked for NaN only (conftest.MIN_ROWS_ON_TWO_KEYS).
 
 The default run (`python -m pytest tests/test_fuzz_gpu.py`) draws a few dozen examples in total. The tests marked
 exhaustive draw FLASH_ATTN2_FUZZ_EXAMPLES examples each (default 500):
@@ -55,6 +55,8 @@ from conftest import (
     DTYPE_NAMES,
     DTYPES,
     KERNEL_HEAD_DIMS,
+    LOGIT_STD,
+    MIN_ROWS_ON_TWO_KEYS,
     amax,
     check_forced_plans,
     check_results,
@@ -122,16 +124,11 @@ MIN_MAGNITUDE, MAX_MAGNITUDE = 1e-3, 30.0
 # drawn so that the standard deviation of every value the references compute stays under 1/64 of that: no value
 # of these sums of products comes near 64 standard deviations, so every reference value is finite and in range.
 FP16_SIGMA = 65504.0 / 64
-# The largest standard deviation of the logits (softmax_scale q k^T) at which the low-precision reference still
-# judges the results: beyond it the rule's bound exceeds half of the result and conftest.check_close rejects the
-# check as one that zeros would pass. Measured on the CPU with the reference rounded to the dtype standing in for
-# the kernel: in bfloat16, logits of standard deviation 16 were judged and 25 and 36 were not; fp16, with three
-# more mantissa bits, judged 36 (and 75 in an explicit example below, on an H200).
-LOGIT_STD = {torch.bfloat16: 12.0, torch.float16: 64.0}
-# With few keys, logits that far apart leave every row one key that dominates: dq and dk are then smaller than the
-# error the kernels' D (read from the rounded output) can make, and no check of them can discriminate. On the CPU,
-# seqlen_q 1 and seqlen_k 2 in fp16 with logits of standard deviation 10 gave max|dq| 1.9e-4 against a bound of
-# 1.1e-3, and one or two rows on two keys with a standard deviation of 2 still a bound over half of dq or dk.
+# With few keys, logits as far apart as conftest.LOGIT_STD leave every row one key that dominates: dq and dk are
+# then smaller than the error the kernels' D (read from the rounded output) can make, and no check of them can
+# discriminate. On the CPU, seqlen_q 1 and seqlen_k 2 in fp16 with logits of standard deviation 10 gave max|dq|
+# 1.9e-4 against a bound of 1.1e-3, and one or two rows on two keys with a standard deviation of 2 still a bound
+# over half of dq or dk.
 FEW_KEYS_LOGIT_STD = 0.5
 # fp16 gradients of tiny inputs fall among its subnormals (below 6.1e-5), where a few ulps of the smallest spacing
 # are the whole result and the fp16 reference cannot resolve it; fp16 magnitudes start at 0.1, so that the
@@ -1172,16 +1169,10 @@ def check(ours, ref, lowp, dtype, floors=None, names=NAMES, judge_dq_dk=True):
     check_results(names, ours, ref, lowp, dtype, floors)
 
 
-# The fewest query rows, over a call's sequences and in expectation after dropout, that must see two keys or more
-# for the rule to judge dq and dk. A varlen example of 459 causal queries on 2 keys (bfloat16, logits of standard
-# deviation 0.5) has one such row, and its dk bound was 1.7x max|dk| on an H200: the low-precision reference's
-# own error on one row's dP - D is as large as the result. The large-magnitude tests use the same count. With no
-# such row, dq and dk are zero (each row sees one key or none), which the rule judges: they stay checked.
-MIN_ROWS_ON_TWO_KEYS = 4
-
-
 def judges_dq_dk(case, lens_q, lens_k):
-    """Whether the rule can judge dq and dk of a case with these sequence lengths (MIN_ROWS_ON_TWO_KEYS)."""
+    """Whether the rule can judge dq and dk of a case with these sequence lengths (conftest.MIN_ROWS_ON_TWO_KEYS).
+    With no such row, dq and dk are zero (each row sees one key or none), which the rule judges: they stay
+    checked."""
     rows = sum(rows_on_two_keys(sq, sk, case.causal, case.window) for sq, sk in zip(lens_q, lens_k))
     return rows == 0 or rows * (1.0 - case.dropout_p) >= MIN_ROWS_ON_TWO_KEYS
 

@@ -15,6 +15,7 @@ from conftest import (
     DTYPE_IDS,
     DTYPES,
     KERNEL_HEAD_DIMS,
+    LOGIT_STD,
     PARTIAL_HEAD_DIMS,
     check_close,
     check_forced_plans,
@@ -32,8 +33,6 @@ pytestmark = [pytest.mark.gpu, requires_gpu]
 
 fwd = torch.ops.flash_attn2.fwd
 SEQLENS = [1, 17, 113, 1023, 2049]
-# The largest standard deviation of the logits at which a bfloat16 reference still judges the output.
-BF16_LOGIT_STD = 12.0
 LAYOUTS = ["contiguous", "packed", "seq_major", "heads_major", "guard_bands"]
 
 
@@ -284,7 +283,7 @@ def test_softmax_scale_and_peaky_scores(q_gain, scale, causal, dtype):
     # so in bfloat16 the gain stops there: q * 8 at scale 1 would give 90.
     require_kernel(128, dtype, causal)
     if dtype == torch.bfloat16:
-        q_gain = min(q_gain, BF16_LOGIT_STD / (scale * math.sqrt(128)))
+        q_gain = min(q_gain, LOGIT_STD[dtype] / (scale * math.sqrt(128)))
     q, k, v = make_qkv(2, 511, 1023, 4, 4, 128, dtype)
     run_and_check(q * q_gain, k, v, causal, softmax_scale=scale)
     run_and_check(q * q_gain, k, v, causal, softmax_scale=scale, via="func")

@@ -21,6 +21,7 @@ from conftest import (
     DTYPE_IDS,
     DTYPES,
     KERNEL_HEAD_DIMS,
+    MIN_ROWS_ON_TWO_KEYS,
     check_close,
     check_forced_plans,
     check_results,
@@ -170,10 +171,11 @@ def reference(q, k, v, dout, causal, upcast, **variant):
 
 
 def judges_dq_dk(sq, sk, causal, window=(-1, -1), dropout_p=0.0):
-    """Whether the rule can judge dq and dk of a dense call with large-magnitude inputs: at least 4 rows that see
-    two keys or more, in expectation after dropout. With fewer, the scores (standard deviation about 15) leave each
-    row's softmax nearly one-hot and dq, dk near the rounding of the low-precision reference."""
-    return rows_on_two_keys(sq, sk, causal, window) * (1 - dropout_p) >= 4
+    """Whether the rule can judge dq and dk of a dense call with large-magnitude inputs: at least
+    MIN_ROWS_ON_TWO_KEYS rows that see two keys or more, in expectation after dropout. With fewer, the scores
+    (standard deviation about 15) leave each row's softmax nearly one-hot and dq, dk near the rounding of the
+    low-precision reference."""
+    return rows_on_two_keys(sq, sk, causal, window) * (1 - dropout_p) >= MIN_ROWS_ON_TWO_KEYS
 
 
 def check_dense_results(q, k, v, dout, ours, causal, label="", **variant):

@@ -14,6 +14,7 @@ from conftest import (
     DTYPE_IDS,
     DTYPES,
     KERNEL_HEAD_DIMS,
+    SMEM_99KIB,
     check_forced_plans,
     check_results,
     gradient_floors,
@@ -128,10 +129,6 @@ def test_mma_sync_backward_forced(sq, sk, head_dim, causal, dtype):
         causal,
         force={"kernel": "mma_sync"},
     )
-
-
-# The shared memory per block of sm_86, sm_89 and sm_120 (A10, L4, L40S, RTX 30xx to 50xx).
-SMEM_99KIB = 101376
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)

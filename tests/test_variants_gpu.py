@@ -26,6 +26,7 @@ from conftest import (
     DTYPE_IDS,
     DTYPES,
     KERNEL_HEAD_DIMS,
+    SMEM_99KIB,
     Floor,
     check_forced_plans,
     check_results,
@@ -490,10 +491,6 @@ def test_forced_paths(path, dropout):
     bwd_plan = plans["bwd"]
     if "key_blocks" in force and bwd_plan.kernel == "wgmma":
         assert bwd_plan.key_blocks_per_cta == force["key_blocks"], bwd_plan
-
-
-# The shared memory per block of sm_86, sm_89 and sm_120 (A10, L4, L40S, RTX 30xx to 50xx).
-SMEM_99KIB = 101376
 
 
 @pytest.mark.parametrize("head_dim", [*KERNEL_HEAD_DIMS, 200])

@@ -603,6 +603,26 @@ def test_mma_sync_backward_stages_by_budget():
     # Head dim 64's 128-row blocks: two stages, 162 KiB.
     p = plan("bwd", batch=2, seqlen_q=512, seqlen_k=512, nheads=8, nheads_k=8, head_dim=64, **A100)
     assert p.smem == 165888, p
+    # On Hopper (mma.sync forced, or deterministic mode) head dims 224 and 256 take the 227 KiB set: the same
+    # 64 x 64 tile with two stages; narrower heads have two stages at 163 KiB already and keep that set.
+    for head_dim, smem in ((256, 214016), (224, 189440)):
+        for override, deterministic in (("kernel=mma_sync", False), ("", True)):
+            p = plan(
+                "bwd",
+                batch=2,
+                seqlen_q=512,
+                seqlen_k=512,
+                nheads=8,
+                nheads_k=8,
+                head_dim=head_dim,
+                override=override,
+                deterministic=deterministic,
+                **H200,
+            )
+            assert p.kernel == "mma_sync" and p.tile_budget == SMEM_227KIB and p.smem == smem, p
+            assert (p.block_m, p.block_n) == (64, 64), p
+    p = plan("bwd", batch=2, seqlen_q=512, seqlen_k=512, nheads=8, nheads_k=8, head_dim=128, deterministic=True, **H200)
+    assert p.tile_budget == SMEM_163KIB and p.smem == 164864, p
 
 
 SMALL_GPUS = {

@@ -18,7 +18,7 @@ inline unsigned fwd_grid_x(const FwdParams& params, int block_m) {
 }
 
 // The forward tile set of (family, head dim, budget) that the launchers compile (tile_size.h).
-template <KernelFamily kFamily, int kHeadDim, int kBudget = largest_smem_budget(kFamily)>
+template <KernelFamily kFamily, int kHeadDim, int kBudget = base_smem_budget(kFamily)>
 constexpr TileSet kFwdTileSet = tile_set(kFamily, Pass::kFwd, kHeadDim, kBudget);
 
 // The mma.sync forward's tile in the set of kBudget: the table's, or in tile-tuning builds (bench/tune_tiles.py)
@@ -79,7 +79,7 @@ cudaError_t run_fwd(const FwdParams& params, cudaStream_t stream) {
     constexpr bool kSameTile = kSmallTile.block_m == kTile.block_m && kSmallTile.block_n == kTile.block_n &&
                                kSmallTile.warps == kTile.warps;
     if constexpr (!kSameTile) {
-        if (params.small_smem_tiles) {
+        if (params.mma_sync_tile_set == MmaSyncTileSet::k99KiB) {
             return run_fwd_mma_sync<Element, kHeadDim, kCausal, kVariants, kSmallTile>(params, stream);
         }
     }

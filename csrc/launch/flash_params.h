@@ -91,8 +91,8 @@ struct FwdParams {
     KernelFamily family;  // the plan's kernel family, which the launchers run (Plan::family)
     bool short_key_tiles;  // with the wgmma family: the forward runs the tile set's short-key tile (the plan checked
                            // it exists)
-    bool small_smem_tiles;  // with the mma.sync family: the launchers run the 99 KiB tile set (Plan::tile_budget),
-                            // else the 163 KiB one. In the padding before num_splits: no field moves
+    MmaSyncTileSet mma_sync_tile_set;  // with the mma.sync family: the tile set the launchers run (Plan::tile_budget;
+                                       // one byte, in the padding before num_splits)
 
     // Split-KV forward (dense batches only): each (query block, sequence, head) is computed by num_splits
     // CTAs over disjoint key ranges, which write fp32 partials that run_fwd_combine merges into o_ptr/lse_ptr.

@@ -123,7 +123,7 @@ void set_fwd_params(FwdParams& params, const View4& q, const View4& k, const Vie
     params.family = plan.family;
     params.short_key_tiles = plan.short_key_tile;
     params.mma_sync_tile_set = plan.family == KernelFamily::kMmaSync ? mma_sync_tile_set(plan.tile_budget)
-                                                                      : MmaSyncTileSet::k163KiB;
+                                                                     : MmaSyncTileSet::k163KiB;
     params.num_splits = plan.num_splits;
     params.softmax_scale = static_cast<float>(softmax_scale);
     params.score_scale = params.softmax_scale;

@@ -257,16 +257,17 @@ def describe_image(image):
     return f"sm_{arch} SASS" if kind == "sass" else f"compute_{arch} PTX, JIT-compiled at first use"
 
 
-# The GPU classes the library is made for: (capability, examples, opt-in shared memory per block in KiB, the
-# kernel families their plans take). The mma.sync kernels run everywhere, with the tile set of the GPU's shared
-# memory (163 or 99 KiB); Hopper runs the wgmma kernels from sm_90a SASS.
+# The GPU classes the library is made for: (capability, examples, opt-in shared memory per block in KiB). The
+# mma.sync kernels run everywhere, with the tile set of the GPU's shared memory (99 or 163 KiB, and on Hopper the
+# 163 KiB set with a 227 KiB backward at head dims 224 and 256); Hopper runs the wgmma kernels from sm_90a SASS,
+# and the mma.sync ones in deterministic mode (backward) or without sm_90a SASS.
 GPU_CLASSES = (
-    ((8, 0), "A100, A30", 163, "mma.sync"),
-    ((8, 6), "A10, A40, RTX 30xx", 99, "mma.sync"),
-    ((8, 7), "Jetson Orin", 163, "mma.sync"),
-    ((8, 9), "L4, L40S, RTX 40xx", 99, "mma.sync"),
-    ((9, 0), "H100, H200", 227, "wgmma (sm_90a SASS), else mma.sync"),
-    ((12, 0), "RTX 50xx, RTX PRO 6000 Blackwell", 99, "mma.sync"),
+    ((8, 0), "A100, A30", 163),
+    ((8, 6), "A10, A40, RTX 30xx", 99),
+    ((8, 7), "Jetson Orin", 163),
+    ((8, 9), "L4, L40S, RTX 40xx", 99),
+    ((9, 0), "H100, H200", 227),
+    ((12, 0), "RTX 50xx, RTX PRO 6000 Blackwell", 99),
 )
 
 
@@ -274,9 +275,14 @@ def class_images(archs, ptx_archs):
     """One dict per GPU_CLASSES entry: its capability, examples, the kernel image this build runs on it (or None)
     and the text that says so."""
     rows = []
-    for capability, examples, smem_kib, families in GPU_CLASSES:
+    for capability, examples, smem_kib in GPU_CLASSES:
         image = kernel_image(capability, archs, ptx_archs)
-        tiles = f"{families}, {smem_kib} KiB tiles" if "wgmma" not in families else families
+        if smem_kib == 227:
+            mma_sync = "mma.sync, 163 KiB tiles (227 KiB for the backward at head dims 224 and 256)"
+            hopper_sass = image is not None and tuple(image) == ("sass", "90a")
+            tiles = f"wgmma; {mma_sync} in deterministic mode" if hopper_sass else mma_sync
+        else:
+            tiles = f"mma.sync, {smem_kib} KiB tiles"
         rows.append(
             {
                 "capability": f"{capability[0]}.{capability[1]}",

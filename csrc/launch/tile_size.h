@@ -103,9 +103,10 @@ constexpr int kBwdSm90ShortBlockM = 16;
 // the largest tile of 64 query rows whose K, V, P, dS and one Q/dO stage fit, two stages where they fit too
 // (head dims 32, 64 and 96). Head dim 128 holds V in registers and puts P and dS in its shared memory, which
 // makes room for two stages (99328 bytes), as FlashAttention-2 does on these GPUs. Head dim 192 takes 32-key
-// blocks; head dim 256 too, with V in registers, which leaves 98816 bytes; head dim 224 has no tile whose GEMMs
-// the eight warps divide (32 x 224 and 64 x 224 need 64-column slices) and runs head dim 256's kernel,
-// zero-padded (kernel_head_dim_for).
+// blocks; head dim 256 too, with V in registers, which leaves 98816 bytes. Head dim 224 has no tile that fits:
+// the dK and dV GEMMs of 32-key blocks (32 x 224) have no layout of 16 x 16 pieces that eight warps divide, and
+// 64-key blocks take 112.5 KiB even with V in registers; it runs head dim 256's kernel, zero-padded
+// (kernel_head_dim_for).
 //
 // The mma.sync backward's set for 227 KiB (Hopper), FlashAttention-2's choice there: head dims 224 and 256 keep
 // the 64 x 64 tile and double-buffer Q and dO (209 KiB at 256), which 163 KiB leaves single-buffered; narrower
@@ -192,8 +193,10 @@ constexpr TileSet tile_set(KernelFamily family, Pass pass, int head_dim, int sme
 // The set the plans take on a GPU whose blocks may opt in to max_smem bytes: of (family, pass, head dim), the
 // one of the largest budget at or below max_smem; on a GPU below every budget, the one of the smallest, whose
 // kernels the plans then compare with the GPU's shared memory one by one (kernel_smem_bytes): small head dims
-// may still fit. !exists() when the table has no set of (family, pass, head dim).
+// may still fit; where max_smem is unknown (<= 0), the base set. !exists() when the table has no set of (family,
+// pass, head dim).
 constexpr TileSet tile_set_for(KernelFamily family, Pass pass, int head_dim, int max_smem) {
+    if (max_smem <= 0) { return tile_set(family, pass, head_dim, base_smem_budget(family)); }
     TileSet best{};
     for (const TileSet& set : kTileSets) {
         if (set.family != family || set.pass != pass || set.head_dim != head_dim) { continue; }

@@ -24,11 +24,9 @@ IMPLS = ["ours", "flash", "cudnn", "efficient"]
 # ours_det: deterministic=True (its backward differs); ours_mma: the mma.sync kernels on a Hopper GPU, which
 # otherwise runs the warpgroup-MMA ones (force_plan(kernel="mma_sync"), forward and backward); ours_mma99: the
 # mma.sync kernels' tile set for GPUs with 99 KiB of shared memory per block (sm_86, sm_89, sm_120), planned as
-# on such a GPU (force_plan(max_smem=101376)); ours_mma163: the mma.sync kernels with the A100's set (163 KiB),
-# where Hopper has a set of its own (the backward at head dims 224 and 256).
-OPTIONAL_IMPLS = ["ours_det", "ours_mma", "ours_mma99", "ours_mma163"]
+# on such a GPU (force_plan(max_smem=101376)).
+OPTIONAL_IMPLS = ["ours_det", "ours_mma", "ours_mma99"]
 SMEM_99KIB = 101376
-SMEM_163KIB = 166912
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 SANITY_REL_TOL = 0.05  # a loose "is it the same function" check against SDPA, not the correctness rule
 
@@ -124,7 +122,6 @@ def make_runners(lib, lib_err, q, k, v, qt, kt, vt, causal, impls):
                 ctx = {
                     "ours_mma": mma_sync_plan(),
                     "ours_mma99": mma_sync_plan(max_smem=SMEM_99KIB),
-                    "ours_mma163": mma_sync_plan(max_smem=SMEM_163KIB),
                 }.get(name, contextlib.nullcontext)
                 runners[name] = (
                     ctx

@@ -258,9 +258,9 @@ def describe_image(image):
 
 
 # The GPU classes the library is made for: (capability, examples, opt-in shared memory per block in KiB). The
-# mma.sync kernels run everywhere, with the tile set of the GPU's shared memory (99 or 163 KiB, and on Hopper the
-# 163 KiB set with a 227 KiB backward at head dims 224 and 256); Hopper runs the wgmma kernels from sm_90a SASS,
-# and the mma.sync ones in deterministic mode (backward) or without sm_90a SASS.
+# mma.sync kernels run everywhere, with the tile set of the GPU's shared memory (99 KiB, else 163 KiB); Hopper runs
+# the wgmma kernels from sm_90a SASS, and the mma.sync ones in deterministic mode (backward) or without sm_90a
+# SASS.
 GPU_CLASSES = (
     ((8, 0), "A100, A30", 163),
     ((8, 6), "A10, A40, RTX 30xx", 99),
@@ -278,7 +278,7 @@ def class_images(archs, ptx_archs):
     for capability, examples, smem_kib in GPU_CLASSES:
         image = kernel_image(capability, archs, ptx_archs)
         if smem_kib == 227:
-            mma_sync = "mma.sync, 163 KiB tiles (227 KiB for the backward at head dims 224 and 256)"
+            mma_sync = "mma.sync, 163 KiB tiles"
             hopper_sass = image is not None and tuple(image) == ("sass", "90a")
             tiles = f"wgmma; {mma_sync} in deterministic mode" if hopper_sass else mma_sync
         else:

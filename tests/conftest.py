@@ -402,8 +402,7 @@ def _sizes(q, k, lens, max_seqlens):
 # FLASH_ATTN2_MAX_SMEM: a whole run planned for a GPU with that much shared memory per block (flash_attn_cuda.plan);
 # None when unset.
 MAX_SMEM = int(os.environ["FLASH_ATTN2_MAX_SMEM"]) if os.environ.get("FLASH_ATTN2_MAX_SMEM") else None
-SMEM_227KIB = 232448  # the Hopper kernels' tile sets, and the mma.sync backward's at head dims 224 and 256
-SMEM_163KIB = 166912  # the mma.sync kernels' set for sm_80 (A100)
+SMEM_227KIB = 232448  # the Hopper kernels' tile sets
 SMEM_99KIB = 101376  # the mma.sync kernels' set for sm_86, sm_89 and sm_120 (A10, L4, L40S, RTX 30xx to 50xx)
 
 

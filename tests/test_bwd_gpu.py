@@ -15,7 +15,6 @@ from conftest import (
     DTYPES,
     KERNEL_HEAD_DIMS,
     SMEM_99KIB,
-    SMEM_163KIB,
     check_forced_plans,
     check_results,
     gradient_floors,
@@ -115,33 +114,21 @@ def test_seqlens(seqlens, head_dim, causal, dtype):
     )
 
 
-# (head dim, query heads, key/value heads, max_smem). GQA sums dK and dV in fp32 slices, equal heads write them
-# from the kernel; max_smem=163 KiB runs the A100's set where Hopper has a set of its own (head dims 224, 256).
-MMA_FORCED_CASES = [
-    *((d, 6, 2, None) for d in KERNEL_HEAD_DIMS),
-    *((d, 4, 4, None) for d in KERNEL_HEAD_DIMS),
-    *((d, 4, 4, SMEM_163KIB) for d in (224, 256)),
-]
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize(
-    "head_dim, h, hk, max_smem",
-    MMA_FORCED_CASES,
-    ids=[f"d{d}-{'gqa' if h != hk else 'mha'}{'-163kib' if m else ''}" for d, h, hk, m in MMA_FORCED_CASES],
-)
+@pytest.mark.parametrize("head_dim", KERNEL_HEAD_DIMS)
+@pytest.mark.parametrize("h, hk", [(6, 2), (4, 4)], ids=["gqa", "mha"])
 @pytest.mark.parametrize("sq, sk", [(17, 1023), (1023, 113), (257, 257), (2, 5), (5, 2)], ids=lambda v: str(v))
-def test_mma_sync_backward_forced(sq, sk, head_dim, h, hk, max_smem, causal, dtype):
+def test_mma_sync_backward_forced(sq, sk, h, hk, head_dim, causal, dtype):
     # Hopper runs the warpgroup-MMA backward for these head dims; the mma.sync one (what Ampere runs) must
-    # stay correct there too.
+    # stay correct there too. GQA sums dK and dV in fp32 slices; equal heads write them from the kernel.
     require_fwd_bwd_kernels(head_dim, dtype, causal)
     check_grads(
         rand(2, sq, h, head_dim, dtype=dtype),
         rand(2, sk, hk, head_dim, dtype=dtype),
         rand(2, sk, hk, head_dim, dtype=dtype),
         causal,
-        force={"kernel": "mma_sync", **({"max_smem": max_smem} if max_smem else {})},
+        force={"kernel": "mma_sync"},
     )
 
 
@@ -362,31 +349,23 @@ def test_padded_head_dim(head_dim, causal):
     )
 
 
-# Head dims 64 and 128 add each query block's dQ within the dV GEMM. With one Q stage (224 and 256 on 163 KiB
-# GPUs) 224 adds after the next block's load and 256 one half each way; with two (their 227 KiB set, which Hopper
-# runs) 224 adds within the dV GEMM and 256 its second half after the dK GEMM (flash_bwd_kernel.h). Each orders
-# its turns in deterministic mode differently; max_smem plans the 163 KiB set on any GPU that has more.
-@pytest.mark.parametrize(
-    "head_dim, max_smem",
-    [(64, None), (128, None), (224, None), (256, None), (224, SMEM_163KIB), (256, SMEM_163KIB)],
-    ids=["64", "128", "224", "256", "224-163kib", "256-163kib"],
-)
+# Head dims 64 and 128 add each query block's dQ within the dV GEMM, 224 after the next block's load, and 256
+# one half each way (flash_bwd_kernel.h): each orders its turns in deterministic mode differently.
+@pytest.mark.parametrize("head_dim", [64, 128, 224, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("sq, sk", [(1023, 1023), (300, 1023), (1023, 700)])
-def test_deterministic_is_bitwise_reproducible(sq, sk, causal, head_dim, max_smem):
+def test_deterministic_is_bitwise_reproducible(sq, sk, causal, head_dim):
     require_fwd_bwd_kernels(head_dim, torch.bfloat16, causal)
-    force = {"max_smem": max_smem} if max_smem else {}
     q = rand(2, sq, 8, head_dim, dtype=torch.bfloat16).requires_grad_()
     k, v = (rand(2, sk, 2, head_dim, dtype=torch.bfloat16).requires_grad_() for _ in range(2))
     dout = rand(2, sq, 8, head_dim, dtype=torch.bfloat16)
     runs = []
-    with force_plan(**force):
-        for _ in range(3):
-            out = flash_attn_func(q, k, v, causal=causal, deterministic=True)
-            runs.append(torch.autograd.grad(out, (q, k, v), dout))
+    for _ in range(3):
+        out = flash_attn_func(q, k, v, causal=causal, deterministic=True)
+        runs.append(torch.autograd.grad(out, (q, k, v), dout))
     for other in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(runs[0], other))
-    check_grads(q, k, v, causal, deterministic=True, force=force)
+    check_grads(q, k, v, causal, deterministic=True)
 
 
 @pytest.mark.parametrize("transposed", [False, True], ids=["contiguous", "bhsd-transposed"])

@@ -306,10 +306,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
         // further was slower (docs/design-notes.md, 'mma.sync backward: dQ reductions and basic blocks').
         // With one Q stage the next Q and dO load once the dV and dK GEMMs are done with this block's; the
         // remaining chunks then overlap that load. Only one chunk runs ahead: its accumulator is live next to
-        // dK and dV, so with two stages a second chunk (head dim 256) follows the dK GEMM.
+        // dK and dV.
         constexpr int kDqChunks = kHeadDim / kDqChunk;
-        constexpr int kDqChunksFirst = kStagesQ == 2 ? 1 : kDqChunks - 1;
-        static_assert(kDqChunksFirst <= 1 && kDqChunksFirst <= kDqChunks);
+        constexpr int kDqChunksFirst = kStagesQ == 2 ? kDqChunks : kDqChunks - 1;
+        static_assert(kDqChunksFirst <= 1);
         Tensor tKVsdOt_stage = at_stage<kQElems>(tKVsdOt, stage);
         Tensor tKVsQt_stage = at_stage<kQElems>(tKVsQt, stage);
         if constexpr (kDqChunksFirst == 1) {
@@ -332,8 +332,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
                 load_q_do(m_block + 1, 0);
                 cp_async_fence();
             }
-        }
-        if constexpr (kDqChunksFirst < kDqChunks) {
             if constexpr (kDqChunksFirst == 0) { wait_dq_turn(); }
             CUTE_UNROLL
             for (int chunk = kDqChunksFirst; chunk < kDqChunks; ++chunk) {

@@ -102,20 +102,12 @@ cudaError_t run_bwd(const BwdParams& params, cudaStream_t stream) {
     // Only the Hopper kernels walk several query heads or key blocks per CTA; the plan sets them only for
     // those (built_families).
     if (params.heads_per_cta != 1 || params.key_blocks_per_cta != 1) { return cudaErrorNotSupported; }
-    switch (params.mma_sync_tile_set) {
-        case MmaSyncTileSet::k99KiB:
-            // A head dim without a 99 KiB set runs a wider one's kernel (kernel_head_dim_for): never this one.
-            if constexpr (kBwdTileSet<KernelFamily::kMmaSync, kHeadDim, kSmem99KiB>.exists()) {
-                return run_bwd_mma_sync<Element, kHeadDim, kCausal, kVariants, kSmem99KiB>(params, stream);
-            }
-            return cudaErrorNotSupported;
-        case MmaSyncTileSet::k227KiB:
-            // Only head dims with a 227 KiB set are planned with it (tile_set_for).
-            if constexpr (kBwdTileSet<KernelFamily::kMmaSync, kHeadDim, kSmem227KiB>.exists()) {
-                return run_bwd_mma_sync<Element, kHeadDim, kCausal, kVariants, kSmem227KiB>(params, stream);
-            }
-            return cudaErrorNotSupported;
-        case MmaSyncTileSet::k163KiB: break;
+    if (params.mma_sync_tile_set == MmaSyncTileSet::k99KiB) {
+        // A head dim without a 99 KiB set runs a wider one's kernel (kernel_head_dim_for): never this one.
+        if constexpr (kBwdTileSet<KernelFamily::kMmaSync, kHeadDim, kSmem99KiB>.exists()) {
+            return run_bwd_mma_sync<Element, kHeadDim, kCausal, kVariants, kSmem99KiB>(params, stream);
+        }
+        return cudaErrorNotSupported;
     }
     return run_bwd_mma_sync<Element, kHeadDim, kCausal, kVariants, kSmem163KiB>(params, stream);
 }

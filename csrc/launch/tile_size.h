@@ -16,31 +16,26 @@ namespace flash {
 
 // The opt-in dynamic shared memory per block that a tile set is tuned for, and that each of its kernels fits:
 // sm_80's 163 KiB and the 99 KiB of sm_86, sm_89 and sm_120 for the mma.sync kernels (BwdKernelTraits sizes its
-// Q stages by it), sm_90's 227 KiB for the wgmma kernels (FwdSm90KernelTraits sizes its K/V stages by it) and for
-// the mma.sync backward of the widest heads, which runs on Hopper in deterministic mode or when forced. The plans
-// take the set of the largest budget the GPU offers that the head dim has (tile_set_for), and
-// FwdParams::mma_sync_tile_set tells the mma.sync launchers which set that is.
+// Q stages by it), sm_90's 227 KiB for the wgmma kernels (FwdSm90KernelTraits sizes its K/V stages by it). The
+// plans take the set of the largest budget the GPU offers (tile_set_for), and FwdParams::mma_sync_tile_set tells
+// the mma.sync launchers which of their two sets that is.
 constexpr int kSmem99KiB = 99 * 1024;
 constexpr int kSmem163KiB = 163 * 1024;
 constexpr int kSmem227KiB = 227 * 1024;
 
 // Whether the launchers of `family` compile a tile set of `budget`.
 constexpr bool compiles_smem_budget(KernelFamily family, int budget) {
-    return family == KernelFamily::kWgmma ? budget == kSmem227KiB
-                                          : budget == kSmem163KiB || budget == kSmem99KiB || budget == kSmem227KiB;
+    return family == KernelFamily::kWgmma ? budget == kSmem227KiB : budget == kSmem163KiB || budget == kSmem99KiB;
 }
-// The budget of the set every head dim of a family has: the one that runs on the GPUs the family is made for
-// (sm_80 for mma.sync). Smaller budgets have a set per head dim or run a wider head dim's; larger ones have sets
-// only where they pay.
+// The budget of the set every head dim of a family has, the largest, which runs on the GPUs the family is made
+// for (sm_80 for mma.sync); a smaller budget has a set per head dim, or a wider head dim's runs there.
 constexpr int base_smem_budget(KernelFamily family) {
     return family == KernelFamily::kWgmma ? kSmem227KiB : kSmem163KiB;
 }
 
 // The mma.sync launchers' set of a plan's tile_budget (FwdParams::mma_sync_tile_set).
 constexpr MmaSyncTileSet mma_sync_tile_set(int budget) {
-    return budget == kSmem99KiB    ? MmaSyncTileSet::k99KiB
-           : budget == kSmem227KiB ? MmaSyncTileSet::k227KiB
-                                   : MmaSyncTileSet::k163KiB;
+    return budget == kSmem99KiB ? MmaSyncTileSet::k99KiB : MmaSyncTileSet::k163KiB;
 }
 
 // ---- The tile table ----
@@ -108,10 +103,6 @@ constexpr int kBwdSm90ShortBlockM = 16;
 // 64-key blocks take 112.5 KiB even with V in registers; it runs head dim 256's kernel, zero-padded
 // (kernel_head_dim_for).
 //
-// The mma.sync backward's set for 227 KiB (Hopper), FlashAttention-2's choice there: head dims 224 and 256 keep
-// the 64 x 64 tile and double-buffer Q and dO (209 KiB at 256), which 163 KiB leaves single-buffered; narrower
-// heads already have two stages at 163 KiB and run that set.
-//
 // wgmma backward (block_m, block_n): 64 query rows by 128 keys up to head dim 128 (the narrow kernel, each
 // warpgroup owning 64 keys), 64 by 64 above (the wide kernel, P and dS through shared memory); head dim 128 has
 // a 16-row short-query tile, where a 64-row tile would compute mostly padding.
@@ -160,9 +151,6 @@ constexpr TileSet kTileSets[] = {
     {KernelFamily::kMmaSync, Pass::kBwd, 160, kSmem99KiB, {64, 64}, {64, 64}, {}},
     {KernelFamily::kMmaSync, Pass::kBwd, 192, kSmem99KiB, {64, 32}, {64, 32}, {}},
     {KernelFamily::kMmaSync, Pass::kBwd, 256, kSmem99KiB, {64, 32, 0, 1, true}, {64, 32, 0, 1, true}, {}},
-
-    {KernelFamily::kMmaSync, Pass::kBwd, 224, kSmem227KiB, {64, 64}, {64, 64}, {}},
-    {KernelFamily::kMmaSync, Pass::kBwd, 256, kSmem227KiB, {64, 64}, {64, 64}, {}},
 
     {KernelFamily::kWgmma, Pass::kBwd, 32, kSmem227KiB, {kBwdSm90BlockM, 128}, {kBwdSm90BlockM, 128}, {}},
     {KernelFamily::kWgmma, Pass::kBwd, 64, kSmem227KiB, {kBwdSm90BlockM, 128}, {kBwdSm90BlockM, 128}, {}},
@@ -293,15 +281,14 @@ constexpr int kernel_smem_bytes(const TileSet& set, const TileShape& tile, bool 
 
 // ---- What the table promises ----
 
-// Every compiled head dim has a set of every (family, pass) at the family's base budget, and at each smaller
-// budget a set, or a wider head dim has one there (kernel_head_dim_for); larger budgets are optional (a head dim
-// without one runs its base set); the table holds no set of a budget the launchers do not compile. Short tiles
-// exist in wgmma sets only (the mma.sync launchers have none).
+// Every compiled head dim has a set of every (family, pass) at the family's base budget, and at each of its
+// other budgets a set, or a wider head dim has one there (kernel_head_dim_for); the table holds no set of a
+// budget the launchers do not compile. Short tiles exist in wgmma sets only (the mma.sync launchers have none).
 constexpr bool tile_table_is_complete() {
     for (KernelFamily family : {KernelFamily::kMmaSync, KernelFamily::kWgmma}) {
         for (Pass pass : {Pass::kFwd, Pass::kBwd}) {
             for (int budget : {kSmem99KiB, kSmem163KiB, kSmem227KiB}) {
-                if (!compiles_smem_budget(family, budget) || budget > base_smem_budget(family)) { continue; }
+                if (!compiles_smem_budget(family, budget)) { continue; }
                 bool wider_has_one = false;
                 for (int i = kNumKernelHeadDims - 1; i >= 0; --i) {
                     const bool has_one = tile_set(family, pass, kKernelHeadDims[i], budget).exists();

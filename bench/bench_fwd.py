@@ -22,8 +22,11 @@ import common  # noqa: E402
 
 IMPLS = ["ours", "flash", "cudnn", "efficient"]
 # ours_det: deterministic=True (its backward differs); ours_mma: the mma.sync kernels on a Hopper GPU, which
-# otherwise runs the warpgroup-MMA ones (force_plan(kernel="mma_sync"), forward and backward).
-OPTIONAL_IMPLS = ["ours_det", "ours_mma"]
+# otherwise runs the warpgroup-MMA ones (force_plan(kernel="mma_sync"), forward and backward); ours_mma99: the
+# mma.sync kernels' tile set for GPUs with 99 KiB of shared memory per block (sm_86, sm_89, sm_120), planned as
+# on such a GPU (force_plan(max_smem=101376)).
+OPTIONAL_IMPLS = ["ours_det", "ours_mma", "ours_mma99"]
+SMEM_99KIB = 101376
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 SANITY_REL_TOL = 0.05  # a loose "is it the same function" check against SDPA, not the correctness rule
 
@@ -85,14 +88,14 @@ def timed_pass(fn, inputs, pass_, sdpa=False):
     return (lambda: torch.autograd.grad(fn(), inputs, dout)), out
 
 
-def mma_sync_plan():
-    """A context factory that forces the mma.sync kernels (forward and backward) on the calls made inside it,
-    or an error string when this flash_attn_cuda has no plans."""
+def mma_sync_plan(**choices):
+    """A context factory that forces the mma.sync kernels (forward and backward) on the calls made inside it, with
+    further force_plan choices, or an error string when this flash_attn_cuda has no plans."""
     try:
         from flash_attn_cuda.plan import force_plan
     except Exception as exc:
         return f"no force_plan: {type(exc).__name__}: {exc}"
-    return lambda: force_plan(kernel="mma_sync")
+    return lambda: force_plan(kernel="mma_sync", **choices)
 
 
 def make_runners(lib, lib_err, q, k, v, qt, kt, vt, causal, impls):
@@ -108,7 +111,7 @@ def make_runners(lib, lib_err, q, k, v, qt, kt, vt, causal, impls):
     }
     runners = {}
     for name in impls:
-        if name in ("ours", "ours_det", "ours_mma"):
+        if name in ("ours", *OPTIONAL_IMPLS):
             hdim, dtype = q.shape[-1], q.dtype
             det = name == "ours_det"
             if lib is None:
@@ -116,7 +119,10 @@ def make_runners(lib, lib_err, q, k, v, qt, kt, vt, causal, impls):
             elif hasattr(lib, "kernel_available") and not lib.kernel_available(hdim, dtype, causal):
                 runners[name] = f"kernel not compiled (hdim {hdim}, {dtype}, causal={causal})"
             else:
-                ctx = mma_sync_plan() if name == "ours_mma" else contextlib.nullcontext
+                ctx = {
+                    "ours_mma": mma_sync_plan(),
+                    "ours_mma99": mma_sync_plan(max_smem=SMEM_99KIB),
+                }.get(name, contextlib.nullcontext)
                 runners[name] = (
                     ctx
                     if isinstance(ctx, str)

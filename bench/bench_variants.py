@@ -1,5 +1,5 @@
 """Attention variants: what a sliding window saves, what softcap, ALiBi and dropout cost, in one run.
-bf16, head dim 128, 16 heads, batch x seqlen = 16384 tokens; forward and backward (the backward alone:
+bf16 (--dtype fp16), head dim 128, 16 heads, batch x seqlen = 16384 tokens; forward and backward (the backward alone:
 torch.autograd.grad of a kept output, as bench_fwd.py --pass bwd). Three sections:
 
   window         ours with window_size=(1024, 0), causal (Mistral style), and (512, 512), non-causal, against
@@ -15,6 +15,7 @@ torch.autograd.grad of a kept output, as bench_fwd.py --pass bwd). Three section
     python bench/bench_variants.py                       # all three sections -> variants_<gpu-slug>.{json,md,png}
     python bench/bench_variants.py --quick --rounds 3    # fewer shapes
     python bench/bench_variants.py --dry-run             # the shape list and a rough time estimate, no GPU
+    python bench/bench_variants.py --family mma_sync     # ours on the mma.sync kernels (on Hopper: forced)
 """
 
 import argparse
@@ -34,7 +35,7 @@ sys.path.append(os.path.dirname(HERE))  # repo root, last: an installed flash_at
 import common  # noqa: E402
 
 DEVICE = "cuda"
-DTYPE = torch.bfloat16
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 TOKENS, NHEADS, HDIM = 16384, 16, 128
 SOFTCAP, DROPOUT_P = 30.0, 0.1
 WINDOWS = (((1024, 0), True), ((512, 512), False))  # (window_size, causal)
@@ -52,6 +53,13 @@ def parse_args(argv=None):
         help=f"comma-separated subset of {','.join(SECTIONS)}",
     )
     p.add_argument("--quick", action="store_true", help="fewer shapes (window: 16384; others: 8192) and repetitions")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument(
+        "--family",
+        choices=["auto", "mma_sync"],
+        default="auto",
+        help="ours' kernels: the plan's (auto) or the mma.sync ones, forced where the GPU has the Hopper ones",
+    )
     p.add_argument("--rounds", type=int, default=3, help="turns each implementation takes per shape (median)")
     p.add_argument("--warmup", type=int, default=None, help="untimed calls per measurement (default 5, --quick 3)")
     p.add_argument("--rep", type=int, default=None, help="timed calls per measurement, >= 20 (default 30, --quick 20)")
@@ -238,7 +246,16 @@ def load_ours():
         return None, f"import failed: {type(exc).__name__}: {exc}"
 
 
-def make_runners(lib, lib_err, g, specs, q, k, v, qt, kt, vt):
+def ours_context(family):
+    """The context factory ours runs under: nothing, or force_plan(kernel="mma_sync") for --family mma_sync."""
+    if family == "auto":
+        return contextlib.nullcontext
+    from flash_attn_cuda.plan import force_plan
+
+    return lambda: force_plan(kernel=family)
+
+
+def make_runners(lib, lib_err, g, specs, q, k, v, qt, kt, vt, family="auto"):
     """name -> (context factory, fn, inputs, grad_like: dout in out's layout) or an error string."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -260,7 +277,7 @@ def make_runners(lib, lib_err, g, specs, q, k, v, qt, kt, vt):
                 lib_err
                 if lib is None
                 else (
-                    contextlib.nullcontext,
+                    ours_context(family),
                     lambda kw=kw: lib.flash_attn_func(q, k, v, **kw),
                     (q, k, v),
                     torch.randn_like,
@@ -363,11 +380,12 @@ def bench_group(lib, lib_err, g, args):
     gen = torch.Generator(device=DEVICE).manual_seed(s * 7 + int(g["causal"]) + 1009 * SECTIONS.index(g["section"]))
     # Fresh random data, made before timing: (b, s, h, d) for ours, and for SDPA its own copy as the transposed
     # views of (b, s, h, d) tensors, the layout models give it (common.sdpa_view).
-    q, k, v = (torch.randn(b, s, h, d, device=DEVICE, dtype=DTYPE, generator=gen).requires_grad_() for _ in range(3))
+    dtype = DTYPES[args.dtype]
+    q, k, v = (torch.randn(b, s, h, d, device=DEVICE, dtype=dtype, generator=gen).requires_grad_() for _ in range(3))
     qt, kt, vt = (common.sdpa_view(x) for x in (q, k, v))
     row = new_row(g)
     timers, outs = {}, {}
-    for name, runner in make_runners(lib, lib_err, g, specs, q, k, v, qt, kt, vt).items():
+    for name, runner in make_runners(lib, lib_err, g, specs, q, k, v, qt, kt, vt, args.family).items():
         ctx, fns, out, err = prepare(runner)
         if err:
             row["errors"][name] = err
@@ -498,7 +516,7 @@ def markdown(meta, rows):
             f"Times in ms (median); in parentheses the overhead, variant time over plain time minus 1. softcap "
             f"{SOFTCAP}; ALiBi slopes 2^(-8(i+1)/h), fp32 (nheads,). `plain TFLOP/s` by the FA2 convention."
             + (
-                " `efficient`: SDPA EFFICIENT_ATTENTION, plain, and with ALiBi as an explicit additive bf16 "
+                " `efficient`: SDPA EFFICIENT_ATTENTION, plain, and with ALiBi as an explicit additive "
                 "bias (1, h, s, s) (-inf above the diagonal when causal), built before timing; "
                 "`ours/eff alibi`: its time over our ALiBi time (above 1: ours faster)."
                 if eff
@@ -645,7 +663,8 @@ def plot(path, meta, rows):
 
 def write_reports(out_dir, meta, rows):
     os.makedirs(out_dir, exist_ok=True)
-    base = os.path.join(out_dir, f"variants_{meta['gpu_slug']}")
+    suffix = "".join(f"_{x}" for x in (meta["family"], meta["dtype"]) if x not in ("auto", "bf16"))
+    base = os.path.join(out_dir, f"variants_{meta['gpu_slug']}{suffix}")
     with open(base + ".json", "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     text = markdown(meta, rows)
@@ -689,8 +708,10 @@ def main(argv=None):
     lib, lib_err = load_ours()
     meta = common.stamp()
     meta.update(
-        title="Attention variants: sliding window, softcap, ALiBi, dropout (bf16, hdim 128)",
-        dtype="bf16",
+        title=f"Attention variants: sliding window, softcap, ALiBi, dropout ({args.dtype}, hdim 128"
+        + (", ours on mma.sync)" if args.family == "mma_sync" else ")"),
+        dtype=args.dtype,
+        family=args.family,
         tokens=TOKENS,
         nheads=NHEADS,
         hdim=HDIM,
@@ -703,8 +724,10 @@ def main(argv=None):
         sections=args.sections,
     )
     meta["method"] = (
-        f"bf16, {NHEADS} heads, head dim {HDIM}, batch x seqlen = {TOKENS} tokens. fwd: the call under no_grad; "
-        "bwd: torch.autograd.grad of an output made once (graph kept), the backward alone. After an untimed "
+        f"{args.dtype}, {NHEADS} heads, head dim {HDIM}, batch x seqlen = {TOKENS} tokens"
+        + (", ours forced to the mma.sync kernels" if args.family == "mma_sync" else "")
+        + ". fwd: the call under no_grad; bwd: torch.autograd.grad of an output made once (graph kept), the "
+        "backward alone. After an untimed "
         f"warm-up round, each cell: the median over {args.rounds} rounds in which the implementations of a shape "
         "take turns (round r starts with the r-th; in each turn the forward, then the backward), each round the "
         f"median of {args.rep} timed calls (CUDA events) after {args.warmup} warm-up calls. Inputs: ours (b,s,h,d) "

@@ -7,30 +7,31 @@ rebuilt here, bit for bit, on any device, from the rng_state the Python wrappers
 Layout of the draw (the same in every pass, dense or varlen):
 
 - key = (low 32 bits of seed, high 32 bits of seed)
-- one Philox call per counter (i & ~8, j & ~1, b * nheads + h, low 32 bits of offset) serves the four entries
-  {i, i + 8} x {j, j + 1} of query head h of batch row (varlen: sequence) b; entry (i, j) takes output word
-  2 * bit3(i) + bit0(j) (the rows 8 apart and the column pairs that one thread holds in the kernels' MMA
-  accumulator layouts)
-- the entry is kept iff that word >= min(floor(p * 2^32), 2^32 - 1) (at least 1 when p > 0)
+- one Philox call per counter (i & ~8, j & ~25, b * nheads + h, low 32 bits of offset) serves the sixteen
+  entries {i, i + 8} x {j, j + 1, j + 8, j + 9, j + 16, j + 17, j + 24, j + 25} of query head h of batch row
+  (varlen: sequence) b, i with bit 3 clear and j with bits 0, 3 and 4 clear; entry (i, j) takes byte
+  (j >> 3) & 3 of output word 2 * bit3(i) + bit0(j) (the rows 8 apart, the column pairs and the 8-column groups
+  that one thread holds in the kernels' MMA accumulator layouts)
+- the entry is dropped iff that byte < round(256 p), at least 1 and at most 255 for p > 0: it drops with
+  probability p' = reference.effective_dropout_p(p), and the kept entries are scaled by 1 / (1 - p')
 
 Everything is done on int64 tensors that hold uint32 values, since torch has no unsigned 32-bit arithmetic.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
 
-from .reference import attention_probs
+from .reference import attention_probs, effective_dropout_p
 
 _MASK32 = 0xFFFFFFFF
 _MULTIPLIERS = (0xD2511F53, 0xCD9E8D57)
 _KEY_BUMPS = (0x9E3779B9, 0xBB67AE85)
 _ROUNDS = 10
-# Entries per chunk of keep_mask. The generator makes one call per four entries and holds a few dozen int64
-# temporaries of one word per call at its peak: about 60 MB at 2^20 entries, beside the bool result.
+# Entries per chunk of keep_mask. The generator makes one call per sixteen entries and holds a few dozen int64
+# temporaries of one word per call, and the (word, byte) decisions, at its peak: tens of MB at 2^20 entries.
 _CHUNK_ENTRIES = 1 << 20
 
 
@@ -72,12 +73,8 @@ def philox4x32_10(
 
 
 def _threshold(dropout_p: float) -> int:
-    """The smallest generator word that keeps an entry: floor(p * 2^32), capped at 2^32 - 1, and at least 1 for any
-    p > 0 (as the kernels' threshold, so that a tiny p still drops the word 0)."""
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    threshold = min(math.floor(float(dropout_p) * 2.0**32), _MASK32)
-    return max(threshold, 1) if dropout_p > 0.0 else 0
+    """The smallest byte that keeps an entry: 256 p', p' = effective_dropout_p(dropout_p) (0 for p = 0)."""
+    return round(effective_dropout_p(dropout_p) * 256.0)
 
 
 def _seed_and_offset(rng_state: torch.Tensor) -> tuple[int, int]:
@@ -100,9 +97,12 @@ def _row_counters(start: int, length: int, device: torch.device | str | None) ->
 
 
 def _col_counters(length: int, device: torch.device | str | None) -> torch.Tensor:
-    """The second counter word of the Philox calls covering columns [0, length): call 2 c serves columns 2 c
-    (words 0 and 2) and 2 c + 1 (words 1 and 3)."""
-    return 2 * torch.arange(-(-length // 2), device=device)  # (pairs,)
+    """The second counter word of the Philox calls covering columns [0, length): the calls of block m (columns
+    32 m .. 32 m + 31) are 32 m + 2 t for t < 4, and call 32 m + 2 t serves columns 32 m + 8 g + 2 t (words 0 and
+    2) and 32 m + 8 g + 2 t + 1 (words 1 and 3), g < 4 the byte of each word."""
+    blocks = -(-length // 32)
+    blocks_start = 32 * torch.arange(blocks, device=device)
+    return (blocks_start[:, None] + 2 * torch.arange(4, device=device)[None, :]).flatten()  # (blocks * 4,)
 
 
 def _keep(
@@ -122,13 +122,16 @@ def _keep(
     if out.numel() == 0:
         return out
 
-    # The rows are rounded up to whole 16-blocks and the columns to pairs, so that the four words of each call land
-    # in a fixed pattern; the rows and the heads are processed in chunks of about _CHUNK_ENTRIES entries.
+    # The rows are rounded up to whole 16-blocks and the columns to whole 32-blocks, so that the sixteen bytes of
+    # each call land in a fixed pattern; the rows and the heads are processed in chunks of about _CHUNK_ENTRIES
+    # entries.
     col_counters = _col_counters(seqlen_k, device)
-    col_pairs = len(col_counters)
-    rows_per_chunk = max(16, _CHUNK_ENTRIES // (col_pairs * 2) // 16 * 16)
-    heads_per_chunk = max(1, _CHUNK_ENTRIES // (min(rows_per_chunk, seqlen_q) * col_pairs * 2))
+    col_blocks = len(col_counters) // 4
+    cols = col_blocks * 32
+    rows_per_chunk = max(16, _CHUNK_ENTRIES // cols // 16 * 16)
+    heads_per_chunk = max(1, _CHUNK_ENTRIES // (min(rows_per_chunk, seqlen_q) * cols))
     heads = torch.arange(first_head, first_head + count, device=device)
+    byte_shifts = 8 * torch.arange(4, device=device)
     for h0 in range(0, count, heads_per_chunk):
         head_counters = heads[h0 : h0 + heads_per_chunk] & _MASK32
         for r0 in range(0, seqlen_q, rows_per_chunk):
@@ -140,15 +143,15 @@ def _keep(
                 head_counters[:, None, None],
                 offset & _MASK32,
             )
-            words = philox4x32_10(*counters, *key)
-            # (word, head, call row, call column); word = 2 * row bit 3 + column bit 0.
-            kept = torch.stack([w >= threshold for w in torch.broadcast_tensors(*words)])
+            words = torch.stack(torch.broadcast_tensors(*philox4x32_10(*counters, *key)))
+            # (word, head, call row, call column, byte); word = 2 * row bit 3 + column bit 0, byte = column bits 3-4.
+            kept = ((words[..., None] >> byte_shifts) & 0xFF) >= threshold
             h, row_blocks = len(head_counters), len(row_counters) // 8
             # Split the word index into its row and column bits and put each next to its position:
-            # (row bit, column bit, head, row block, row in half-block, column pair)
-            # -> (head, row block, row bit, row, column pair, column bit).
-            kept = kept.view(2, 2, h, row_blocks, 8, col_pairs).permute(2, 3, 0, 4, 5, 1)
-            kept = kept.reshape(h, row_blocks * 16, col_pairs * 2)
+            # (row bit, column bit, head, row block, row in half-block, column block, column pair, byte)
+            # -> (head, row block, row bit, row, column block, byte, column pair, column bit).
+            kept = kept.view(2, 2, h, row_blocks, 8, col_blocks, 4, 4).permute(2, 3, 0, 4, 5, 7, 6, 1)
+            kept = kept.reshape(h, row_blocks * 16, cols)
             out[h0 : h0 + h, r0 : r0 + rows] = kept[:, :rows, :seqlen_k]
     return out
 

@@ -4,6 +4,8 @@ Printed, in order:
 - the package version, the torch and CUDA versions the build used and the ones running now (with the driver's
   CUDA version when libcuda can be loaded);
 - the build's kernel images (SASS archs, embedded PTX), head dims and dtypes, and the kernels the extension holds;
+- the kernel image that each GPU class (A100, A10/RTX 30xx, L4/L40S/RTX 40xx, H100/H200, RTX 50xx) runs from
+  this build, and the tile set its shared memory takes;
 - every visible GPU with its compute capability and SM count, and the kernel image it would run;
 - a self-test of about a second on the current GPU: one forward and backward of ``flash_attn_func`` checked
   against the float32 reference with the project's rule, max|ours - ref| <= 2 * max|ref_lowp - ref| + 1e-5.
@@ -255,6 +257,43 @@ def describe_image(image):
     return f"sm_{arch} SASS" if kind == "sass" else f"compute_{arch} PTX, JIT-compiled at first use"
 
 
+# The GPU classes the library is made for: (capability, examples, opt-in shared memory per block in KiB). The
+# mma.sync kernels run everywhere, with the tile set of the GPU's shared memory (99 KiB, else 163 KiB); Hopper runs
+# the wgmma kernels from sm_90a SASS, and the mma.sync ones in deterministic mode (backward) or without sm_90a
+# SASS.
+GPU_CLASSES = (
+    ((8, 0), "A100, A30", 163),
+    ((8, 6), "A10, A40, RTX 30xx", 99),
+    ((8, 7), "Jetson Orin", 163),
+    ((8, 9), "L4, L40S, RTX 40xx", 99),
+    ((9, 0), "H100, H200", 227),
+    ((12, 0), "RTX 50xx, RTX PRO 6000 Blackwell", 99),
+)
+
+
+def class_images(archs, ptx_archs):
+    """One dict per GPU_CLASSES entry: its capability, examples, the kernel image this build runs on it (or None)
+    and the text that says so."""
+    rows = []
+    for capability, examples, smem_kib in GPU_CLASSES:
+        image = kernel_image(capability, archs, ptx_archs)
+        if smem_kib == 227:
+            mma_sync = "mma.sync, 163 KiB tiles"
+            hopper_sass = image is not None and tuple(image) == ("sass", "90a")
+            tiles = f"wgmma; {mma_sync} in deterministic mode" if hopper_sass else mma_sync
+        else:
+            tiles = f"mma.sync, {smem_kib} KiB tiles"
+        rows.append(
+            {
+                "capability": f"{capability[0]}.{capability[1]}",
+                "examples": examples,
+                "image": list(image) if image else None,
+                "text": f"{describe_image(image)}; {tiles}" if image else "no kernel image in this build",
+            }
+        )
+    return rows
+
+
 # ---------------------------------------------------------------- GPUs
 
 
@@ -427,6 +466,7 @@ def collect():
         "extension": {"loaded": package is not None, "error": error, "hints": [], "compiled": None},
         "warnings": warnings,
         "gpus": [],
+        "gpu_classes": [],
         "device": None,
         "self_test": None,
     }
@@ -436,6 +476,8 @@ def collect():
         facts["extension"]["compiled"] = compiled_summary(package)
         facts["extension"]["autograd"] = getattr(getattr(package, "_ops", None), "AUTOGRAD", None)
         facts["warnings"] += version_problems(build, runtime)
+    if build is not None and build.get("archs") is not None:
+        facts["gpu_classes"] = class_images(build["archs"], build.get("ptx_archs") or [])
     try:
         facts["gpus"] = gpu_facts(build)
     except Exception as exc:  # a driver that torch cannot initialise
@@ -520,6 +562,10 @@ def render_setup(facts):
         else (f"yes, {_arch_list(b['ptx_archs'], 'compute_')}" if b["ptx_archs"] else "no")
     )
     lines.append(f"  archs        SASS {sass}; PTX embedded: {ptx}")
+    if facts.get("gpu_classes"):
+        lines.append("  GPU classes  the kernel image each runs from this build:")
+        for row in facts["gpu_classes"]:
+            lines.append(f"    sm_{row['capability'].replace('.', '')} ({row['examples']}): {row['text']}")
     for key, label in (("head_dims", "head dims"), ("dtypes", "dtypes")):
         if b[key] is None and ext["loaded"]:
             lines.append(f"  {label:<12} {_join(ext['compiled'][key])} (from the compiled kernels)")

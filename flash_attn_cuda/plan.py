@@ -14,10 +14,15 @@ by ``;``:
 - ``gqa_walk=0|1``: whether a Hopper GQA/MQA backward CTA walks every query head of its key/value head;
 - ``key_blocks=n``: key blocks per Hopper backward CTA (head dims up to 128);
 - ``short_keys=0|1``: the Hopper forward's short-key tile (head dim 128);
-- ``short_queries=0|1``: the Hopper backward's 16-row query tile (head dim 128).
+- ``short_queries=0|1``: the Hopper backward's 16-row query tile (head dim 128);
+- ``max_smem=bytes``: plan as on a GPU with at most this much shared memory per block, so that a larger GPU
+  runs a smaller one's tile sets (``max_smem=101376``: the mma.sync kernels' 99 KiB set of sm_86, sm_89 and
+  sm_120).
 
 A key left out keeps the heuristic's choice. ``force_plan`` sets both for the public functions
-(``flash_attn_func`` and the others) called inside it, forward and backward.
+(``flash_attn_func`` and the others) called inside it, forward and backward. Two environment variables, read
+once per process, make whole test runs take another path: ``FLASH_ATTN2_DISABLE_WGMMA=1`` (the mma.sync kernels
+on Hopper) and ``FLASH_ATTN2_MAX_SMEM=bytes`` (``max_smem`` for every call).
 """
 
 import contextlib
@@ -33,7 +38,7 @@ from . import _ops  # noqa: F401  (loads torch.ops.flash_attn2)
 # ContextVar's get().
 _forced = (0, "")
 
-_OVERRIDE_KEYS = ("kernel", "gqa_walk", "key_blocks", "short_keys", "short_queries")
+_OVERRIDE_KEYS = ("kernel", "gqa_walk", "key_blocks", "short_keys", "short_queries", "max_smem")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +60,7 @@ class Plan:
     key_blocks_per_cta: int  # backward: consecutive key blocks one CTA walks
     dkv_fp32_slices: bool  # backward: per-query-head fp32 dK/dV slices summed afterwards (GQA without a walk)
     smem: int  # bytes of dynamic shared memory per block that the kernel is launched with
+    tile_budget: int  # bytes per block the tile set that runs is made for: 166912 or 101376 (mma.sync), 232448
 
 
 def override_string(
@@ -63,6 +69,7 @@ def override_string(
     key_blocks: int | None = None,
     short_keys: bool | None = None,
     short_queries: bool | None = None,
+    max_smem: int | None = None,
 ) -> str:
     """The ``plan_override`` op argument for these choices (None: the heuristic decides)."""
     values = {
@@ -71,6 +78,7 @@ def override_string(
         "key_blocks": key_blocks,
         "short_keys": short_keys,
         "short_queries": short_queries,
+        "max_smem": max_smem,
     }
     parts = []
     for key in _OVERRIDE_KEYS:

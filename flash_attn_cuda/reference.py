@@ -11,6 +11,9 @@ The attention variants follow the semantics of the kernels (and of flash-attn 2.
 - softcap c > 0 replaces the scaled score s by c * tanh(s / c); ALiBi then adds -slope * |p - j|; the masked scores
   become -inf; softmax; dropout last, on the probabilities.
 - A row that sees no key has out = 0 and lse = +inf, so that exp(score - lse) is 0 in its backward.
+- Dropout acts at a resolution of 1/256 (the kernels draw 8 random bits per probability): an entry is dropped
+  with probability p' = effective_dropout_p(p), round(256 p) / 256 but at least 1/256, and the kept ones are
+  scaled by 1 / (1 - p'), so that the expected output is the output without dropout.
 """
 
 from __future__ import annotations
@@ -18,6 +21,16 @@ from __future__ import annotations
 import math
 
 import torch
+
+
+def effective_dropout_p(dropout_p: float) -> float:
+    """The dropout probability the kernels apply for ``dropout_p``: round(256 p) / 256, at least 1/256 and at most
+    255/256 for p > 0, and 0 for p = 0 (each probability is dropped when 8 random bits fall below 256 p')."""
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if dropout_p == 0.0:
+        return 0.0
+    return min(max(math.floor(float(dropout_p) * 256.0 + 0.5), 1), 255) / 256.0
 
 
 def visible_mask(
@@ -169,7 +182,8 @@ def attention_ref(
         softcap: if > 0, a score s = softmax_scale * q.k becomes softcap * tanh(s / softcap).
         alibi_slopes: float32 (nheads,) or (batch, nheads); adds -slope * |p - j| to the score of key j
             (after softcap).
-        dropout_p: dropout probability; the kept probabilities are scaled by 1 / (1 - dropout_p).
+        dropout_p: dropout probability; the kept probabilities are scaled by 1 / (1 - p'), p' =
+            effective_dropout_p(dropout_p), the probability the mask drops with.
         dropout_mask: bool (batch, nheads, seqlen_q, seqlen_k), True where an entry is kept; required when
             dropout_p > 0 (flash_attn_cuda.dropout.keep_mask gives the kernels' mask).
 
@@ -195,7 +209,7 @@ def attention_ref(
     if dropout_mask is not None:
         # Dropout acts on the probabilities only: the lse above stays that of the full softmax, which is what
         # the kernels store and what their backward recomputes P from.
-        probs = probs * dropout_mask.to(probs.device) / (1.0 - dropout_p)
+        probs = probs * dropout_mask.to(probs.device) / (1.0 - effective_dropout_p(dropout_p))
 
     group = q.shape[2] // k.shape[2]
     v = v.repeat_interleave(group, dim=2)

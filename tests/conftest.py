@@ -15,7 +15,7 @@ import torch
 
 from flash_attn_cuda import _kernel_list
 from flash_attn_cuda.plan import override_string, plan
-from flash_attn_cuda.reference import attention_ref, visible_mask
+from flash_attn_cuda.reference import attention_ref, effective_dropout_p, visible_mask
 
 # ---------------------------------------------------------------- shared constants
 #
@@ -322,8 +322,8 @@ def gradient_floors(attend, q, k, v, dout, scale, rows, dropout_p=0.0):
     fp32 = fp32_cancellation_floor(q, k, v, dout, scale, rows)
     dq, dk = rounded_output_floors(attend, q, k, v, dout, scale, dropout=dropout_p > 0)
     return {
-        "dq": Floor(dq, fp32["dq"] / (1.0 - dropout_p)),
-        "dk": Floor(dk, fp32["dk"] / (1.0 - dropout_p)),
+        "dq": Floor(dq, fp32["dq"] / (1.0 - effective_dropout_p(dropout_p))),
+        "dk": Floor(dk, fp32["dk"] / (1.0 - effective_dropout_p(dropout_p))),
     }
 
 
@@ -399,11 +399,21 @@ def _sizes(q, k, lens, max_seqlens):
     return len(lens[0]), *(max_seqlens or (max(lens[0], default=0), max(lens[1], default=0)))
 
 
-def device_plan(pass_, q, k, causal, *, deterministic=False, lens=None, max_seqlens=None, num_splits=0, **choices):
+# FLASH_ATTN2_MAX_SMEM: a whole run planned for a GPU with that much shared memory per block (flash_attn_cuda.plan);
+# None when unset.
+MAX_SMEM = int(os.environ["FLASH_ATTN2_MAX_SMEM"]) if os.environ.get("FLASH_ATTN2_MAX_SMEM") else None
+SMEM_227KIB = 232448  # the Hopper kernels' tile sets
+SMEM_99KIB = 101376  # the mma.sync kernels' set for sm_86, sm_89 and sm_120 (A10, L4, L40S, RTX 30xx to 50xx)
+
+
+def device_plan(
+    pass_, q, k, causal, *, deterministic=False, lens=None, max_seqlens=None, num_splits=0, variants=None, **choices
+):
     """The plan of one pass of a call with q and k on the current GPU and this build, under
     ``force_plan(num_splits, **choices)``. Dense q (batch, seqlen_q, nheads, head_dim); varlen q
     (total_q, nheads, head_dim) with ``lens`` = (lens_q, lens_k), and the call's (max_seqlen_q, max_seqlen_k)
-    if not the maxima of the lengths."""
+    if not the maxima of the lengths. ``variants``: the call's window_size, alibi, dropout and softcap, as
+    flash_attn_cuda.plan.plan takes them."""
     head_dim = -(-q.shape[-1] // 8) * 8  # as padded by the wrapper
     batch, seqlen_q, seqlen_k = _sizes(q, k, lens, max_seqlens)
     return plan(
@@ -420,6 +430,7 @@ def device_plan(pass_, q, k, causal, *, deterministic=False, lens=None, max_seql
         num_splits=num_splits,
         override=override_string(**choices),
         dtype=q.dtype,
+        **(variants or {}),
     )
 
 
@@ -449,8 +460,14 @@ def check_forced_plans(q, k, causal, force, *, deterministic=False, lens=None, m
         )
         plans[pass_] = p
         assert p.pass_ == pass_, p
+        # Under a shared-memory limit below the Hopper kernels' 227 KiB (max_smem, or FLASH_ATTN2_MAX_SMEM for the
+        # whole run), the mma.sync kernels run whatever the forced family.
+        limits = [x for x in (force.get("max_smem"), MAX_SMEM) if x]
         if "kernel" in force:
-            assert p.kernel == force["kernel"], p
+            hopper_fits = not limits or min(limits) >= SMEM_227KIB
+            assert p.kernel == (force["kernel"] if hopper_fits else "mma_sync"), p
+        if limits:
+            assert p.smem <= min(limits) and p.tile_budget <= min(limits), p
         hopper = p.kernel == "wgmma"
         if pass_ == "fwd":
             if num_splits:

@@ -14,6 +14,7 @@ from conftest import (
     DTYPE_IDS,
     DTYPES,
     KERNEL_HEAD_DIMS,
+    SMEM_99KIB,
     check_forced_plans,
     check_results,
     gradient_floors,
@@ -116,18 +117,45 @@ def test_seqlens(seqlens, head_dim, causal, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", KERNEL_HEAD_DIMS)
+@pytest.mark.parametrize("h, hk", [(6, 2), (4, 4)], ids=["gqa", "mha"])
 @pytest.mark.parametrize("sq, sk", [(17, 1023), (1023, 113), (257, 257), (2, 5), (5, 2)], ids=lambda v: str(v))
-def test_mma_sync_backward_forced(sq, sk, head_dim, causal, dtype):
+def test_mma_sync_backward_forced(sq, sk, h, hk, head_dim, causal, dtype):
     # Hopper runs the warpgroup-MMA backward for these head dims; the mma.sync one (what Ampere runs) must
-    # stay correct there too.
+    # stay correct there too. GQA sums dK and dV in fp32 slices; equal heads write them from the kernel.
     require_fwd_bwd_kernels(head_dim, dtype, causal)
     check_grads(
-        rand(2, sq, 6, head_dim, dtype=dtype),
-        rand(2, sk, 2, head_dim, dtype=dtype),
-        rand(2, sk, 2, head_dim, dtype=dtype),
+        rand(2, sq, h, head_dim, dtype=dtype),
+        rand(2, sk, hk, head_dim, dtype=dtype),
+        rand(2, sk, hk, head_dim, dtype=dtype),
         causal,
         force={"kernel": "mma_sync"},
     )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["", "deterministic"])
+@pytest.mark.parametrize("head_dim", [*KERNEL_HEAD_DIMS, 200])
+@pytest.mark.parametrize(
+    "sq, sk, h, hk", [(17, 301, 6, 2), (301, 17, 3, 3), (257, 257, 4, 4)], ids=["gqa-sq<sk", "sq>sk", "sq=sk"]
+)
+def test_99kib_tile_set(sq, sk, h, hk, head_dim, deterministic, causal, dtype):
+    # The mma.sync kernels' tiles for GPUs with 99 KiB of shared memory per block, run here through max_smem:
+    # every kernel of the set fits, head dim 224's (and 200's) backward runs head dim 256's kernel. GQA sums dK and
+    # dV in fp32 slices; equal heads write them from the kernel, through K's and V's shared memory.
+    require_fwd_bwd_kernels(head_dim, dtype, causal)
+    if head_dim > 192:
+        require_fwd_bwd_kernels(256, dtype, causal)
+    plans = check_grads(
+        rand(2, sq, h, head_dim, dtype=dtype),
+        rand(2, sk, hk, head_dim, dtype=dtype),
+        rand(2, sk, hk, head_dim, dtype=dtype),
+        causal,
+        deterministic=deterministic,
+        force={"max_smem": SMEM_99KIB},
+    )
+    for p in plans.values():
+        assert p.kernel == "mma_sync" and p.tile_budget == SMEM_99KIB and 0 < p.smem <= SMEM_99KIB, p
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)

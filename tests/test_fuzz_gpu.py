@@ -61,6 +61,7 @@ from conftest import (
     check_forced_plans,
     check_results,
     cu_seqlens,
+    device_plan,
     gradient_floors,
     kernel_head_dim,
     poison_allocator,
@@ -1051,29 +1052,21 @@ def check_plans(case, q, k, lens=None, max_seqlens=None):
     if not plain or not has_variants(case):
         return
     num_splits = force.pop("num_splits", 0)
-    if lens is None:
-        batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
-    else:
-        batch, (seqlen_q, seqlen_k) = len(lens[0]), max_seqlens
+    variants = dict(
+        window_size=case.window, alibi=case.alibi is not None, dropout=case.dropout_p > 0, softcap=case.softcap
+    )
     for pass_ in ("fwd", "bwd"):
-        p = plan(
+        p = device_plan(
             pass_,
-            batch=batch,
-            seqlen_q=seqlen_q,
-            seqlen_k=seqlen_k,
-            nheads=q.shape[-2],
-            nheads_k=k.shape[-2],
-            head_dim=-(-q.shape[-1] // 8) * 8,
-            causal=case.causal,
+            q,
+            k,
+            case.causal,
             deterministic=case.deterministic and pass_ == "bwd",
-            varlen=lens is not None,
+            lens=lens,
+            max_seqlens=max_seqlens,
             num_splits=num_splits,
-            override=override_string(**force),
-            dtype=q.dtype,
-            window_size=case.window,
-            alibi=case.alibi is not None,
-            dropout=case.dropout_p > 0,
-            softcap=case.softcap,
+            variants=variants,
+            **force,
         )
         assert p.kernel == plain[pass_].kernel, (p, plain[pass_])
         if pass_ == "fwd" and num_splits and lens is None:

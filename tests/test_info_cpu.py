@@ -138,6 +138,22 @@ def test_parse_arch():
 # ---------------------------------------------------------------- build metadata and versions
 
 
+def test_class_images():
+    # sm_80 SASS runs on every sm_8x GPU; sm_120 JIT-compiles the compute_80 PTX; Hopper takes its sm_90a SASS.
+    rows = {row["capability"]: row for row in info.class_images(["80", "90a"], ["80"])}
+    assert rows["8.0"]["image"] == ["sass", "80"] and "163 KiB tiles" in rows["8.0"]["text"]
+    assert rows["8.6"]["image"] == ["sass", "80"] and "99 KiB tiles" in rows["8.6"]["text"]
+    assert rows["8.9"]["image"] == ["sass", "80"] and "99 KiB tiles" in rows["8.9"]["text"]
+    assert rows["9.0"]["image"] == ["sass", "90a"] and "wgmma" in rows["9.0"]["text"]
+    assert rows["12.0"]["image"] == ["ptx", "80"] and "JIT" in rows["12.0"]["text"]
+    # Hopper without sm_90a SASS runs the mma.sync kernels, JIT-compiled from the PTX (sm_80 SASS is for sm_8x).
+    rows = {row["capability"]: row for row in info.class_images(["80"], ["80"])}
+    assert rows["9.0"]["image"] == ["ptx", "80"] and "wgmma" not in rows["9.0"]["text"], rows["9.0"]
+    # A Hopper-only build has nothing for the others.
+    rows = {row["capability"]: row for row in info.class_images(["90a"], [])}
+    assert rows["8.6"]["image"] is None and rows["8.6"]["text"] == "no kernel image in this build"
+
+
 def test_load_build_info(tmp_path):
     path = tmp_path / "_build_info.py"
     path.write_text(BUILD_INFO_TEXT)

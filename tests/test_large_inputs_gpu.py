@@ -26,6 +26,7 @@ from conftest import (
     check_forced_plans,
     check_results,
     cu_seqlens,
+    device_plan,
     gradient_floors,
     poison_allocator,
     require_fwd_bwd_kernels,
@@ -132,27 +133,17 @@ def check_plans(q, k, causal, force, *, window=(-1, -1), dropout_p=0.0, determin
         return
     choices = dict(force)
     num_splits = choices.pop("num_splits", 0)
-    if lens is None:
-        batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
-    else:
-        batch, seqlen_q, seqlen_k = len(lens[0]), max(lens[0]), max(lens[1])
     for pass_, plain_plan in plain.items():
-        p = plan(
+        p = device_plan(
             pass_,
-            batch=batch,
-            seqlen_q=seqlen_q,
-            seqlen_k=seqlen_k,
-            nheads=q.shape[-2],
-            nheads_k=k.shape[-2],
-            head_dim=-(-q.shape[-1] // 8) * 8,
-            causal=causal,
+            q,
+            k,
+            causal,
             deterministic=deterministic and pass_ == "bwd",
-            varlen=lens is not None,
+            lens=lens,
             num_splits=num_splits,
-            override=override_string(**choices),
-            dtype=q.dtype,
-            window_size=tuple(window),
-            dropout=dropout_p > 0,
+            variants=dict(window_size=tuple(window), dropout=dropout_p > 0),
+            **choices,
         )
         assert p.kernel == plain_plan.kernel, (p, plain_plan)
 

@@ -25,7 +25,7 @@ except ImportError:
 
 from flash_attn_cuda import dropout  # noqa: E402
 from flash_attn_cuda.dropout import keep_mask, philox4x32_10, s_dmask, varlen_keep_mask  # noqa: E402
-from flash_attn_cuda.reference import attention_probs, attention_ref, visible_mask  # noqa: E402
+from flash_attn_cuda.reference import attention_probs, attention_ref, effective_dropout_p, visible_mask  # noqa: E402
 
 M32 = 0xFFFFFFFF
 
@@ -101,12 +101,13 @@ def keep_mask_literal(seed, offset, dropout_p, batch, nheads, seqlen_q, seqlen_k
     i = torch.arange(seqlen_q)[None, :, None]
     j = torch.arange(seqlen_k)[None, None, :]
     bh = torch.arange(batch * nheads)[:, None, None]
-    words = philox4x32_10(i & ~8, j & ~1, bh, offset & M32, seed & M32, (seed >> 32) & M32)
+    words = philox4x32_10(i & ~8, j & ~25, bh, offset & M32, seed & M32, (seed >> 32) & M32)
     words = torch.stack(torch.broadcast_tensors(*words))
     which = (2 * ((i >> 3) & 1) + (j & 1)).expand(batch * nheads, -1, -1)
     word = words.gather(0, which[None])[0]
-    threshold = min(math.floor(dropout_p * 2.0**32), M32)
-    return (word >= threshold).view(batch, nheads, seqlen_q, seqlen_k)
+    byte = (word >> (8 * ((j >> 3) & 3))) & 0xFF
+    threshold = min(max(math.floor(dropout_p * 256 + 0.5), 1), 255)
+    return (byte >= threshold).view(batch, nheads, seqlen_q, seqlen_k)
 
 
 @pytest.mark.parametrize(
@@ -134,15 +135,32 @@ def test_keep_mask_chunks(monkeypatch, chunk):
 def test_keep_fraction(p):
     n = 2 * 4 * 128 * 128
     kept = keep_mask(rng_state(2024, 11), p, 2, 4, 128, 128).double().mean().item()
-    sigma = math.sqrt(p * (1 - p) / n)
-    assert abs(kept - (1 - p)) < 5 * sigma, (kept, 1 - p, sigma)
+    p_applied = effective_dropout_p(p)
+    assert abs(p_applied - p) <= 1 / 512
+    sigma = math.sqrt(p_applied * (1 - p_applied) / n)
+    assert abs(kept - (1 - p_applied)) < 5 * sigma, (kept, 1 - p_applied, sigma)
+
+
+def test_effective_dropout_p():
+    # Multiples of 1/256, rounded to nearest; at least 1/256 and at most 255/256 for p > 0.
+    assert effective_dropout_p(0.0) == 0.0
+    assert effective_dropout_p(0.1) == 26 / 256
+    assert effective_dropout_p(0.5) == 0.5
+    assert effective_dropout_p(1e-9) == 1 / 256
+    assert effective_dropout_p(1 - 1e-9) == 255 / 256
+    assert effective_dropout_p(3.49 / 256) == 3 / 256 and effective_dropout_p(3.51 / 256) == 4 / 256
+    for bad in (1.0, -0.1):
+        with pytest.raises(ValueError, match="dropout_p"):
+            effective_dropout_p(bad)
 
 
 def test_keep_mask_edges_of_p():
     state = rng_state(5, 6)
     assert keep_mask(state, 0.0, 1, 2, 40, 40).all()
-    # Just under 1: the threshold is capped at 2^32 - 1, so only that word keeps an entry.
-    assert keep_mask(state, 1 - 2**-40, 1, 2, 40, 40).sum() <= 1
+    # Just under 1 the threshold is 255: only the byte 255 keeps an entry, 1 in 256.
+    n = 2 * 64 * 64
+    kept = keep_mask(state, 1 - 2**-40, 1, 2, 64, 64).sum().item()
+    assert abs(kept - n / 256) < 5 * math.sqrt(n / 256), kept
     for bad in (1.0, -0.1):
         with pytest.raises(ValueError, match="dropout_p"):
             keep_mask(state, bad, 1, 1, 4, 4)
@@ -151,13 +169,17 @@ def test_keep_mask_edges_of_p():
 
 
 def test_keep_threshold_boundary():
-    # Entry (b, h, i, j) = (1, 0, 9, 2) of a (2, 3) call reads word 2 (bit 3 of i set) of the call at counter
-    # (1, 2, 3, offset): it is kept at p = word / 2^32 (threshold = word) and dropped just above.
+    # Entry (b, h, i, j) = (1, 0, 9, 19) of a (2, 3) call reads byte 2 (bits 3-4 of j) of word 3 (bit 3 of i and bit
+    # 0 of j set) of the call at counter (1, 2, 3, offset): it is kept at the threshold round(256 p) = byte and
+    # dropped just above.
     seed, offset = 0x0123_4567_89AB_CDEF, 77
-    word = int(philox4x32_10(1, 2, 3, offset, seed & M32, seed >> 32)[2])
+    word = int(philox4x32_10(1, 2, 3, offset, seed & M32, seed >> 32)[3])
+    byte = (word >> 16) & 0xFF
     state = rng_state(seed, offset)
-    assert keep_mask(state, word / 2**32, 2, 3, 10, 3)[1, 0, 9, 2]
-    assert not keep_mask(state, (word + 1) / 2**32, 2, 3, 10, 3)[1, 0, 9, 2]
+    if byte > 0:
+        assert keep_mask(state, byte / 256, 2, 3, 10, 20)[1, 0, 9, 19]
+    if byte < 255:
+        assert not keep_mask(state, (byte + 1) / 256, 2, 3, 10, 20)[1, 0, 9, 19]
 
 
 def test_keep_mask_is_a_function_of_rng_state():
@@ -254,7 +276,7 @@ def naive_attention(q, k, v, scale, causal=False, window=(-1, -1), softcap=0.0, 
         for j, w in zip(keys, weights):
             prob = w / total
             if keep is not None:
-                prob = prob * bool(keep[bi, hi, i, j]) / (1 - dropout_p)
+                prob = prob * bool(keep[bi, hi, i, j]) / (1 - effective_dropout_p(dropout_p))
             out[bi, i, hi] += prob * v[bi, j, kv_head].double()
     return out, lse
 

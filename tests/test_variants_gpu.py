@@ -26,10 +26,14 @@ from conftest import (
     DTYPE_IDS,
     DTYPES,
     KERNEL_HEAD_DIMS,
+    MAX_SMEM,
+    SMEM_99KIB,
+    SMEM_227KIB,
     Floor,
     check_forced_plans,
     check_results,
     cu_seqlens,
+    device_plan,
     gradient_floors,
     one_ulp,
     poison_allocator,
@@ -50,7 +54,7 @@ from flash_attn_cuda import (
 )
 from flash_attn_cuda.dropout import keep_mask, varlen_keep_mask
 from flash_attn_cuda.plan import force_plan, override_string, plan
-from flash_attn_cuda.reference import attention_probs, attention_ref, visible_mask
+from flash_attn_cuda.reference import attention_probs, attention_ref, effective_dropout_p, visible_mask
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 
@@ -244,30 +248,21 @@ def check_variant_plans(q, k, variant, slopes, force, *, deterministic=False, le
         return {}
     choices = dict(force)
     num_splits = choices.pop("num_splits", 0)
-    if lens is None:
-        batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
-    else:
-        batch, seqlen_q, seqlen_k = len(lens[0]), max(lens[0]), max(lens[1])
+    variants = dict(
+        window_size=variant.window, alibi=slopes is not None, dropout=variant.dropout_p > 0, softcap=variant.softcap
+    )
     plans = {}
     for pass_ in ("fwd", "bwd"):
-        p = plan(
+        p = device_plan(
             pass_,
-            batch=batch,
-            seqlen_q=seqlen_q,
-            seqlen_k=seqlen_k,
-            nheads=q.shape[-2],
-            nheads_k=k.shape[-2],
-            head_dim=-(-q.shape[-1] // 8) * 8,
-            causal=variant.causal,
+            q,
+            k,
+            variant.causal,
             deterministic=deterministic and pass_ == "bwd",
-            varlen=lens is not None,
+            lens=lens,
             num_splits=num_splits,
-            override=override_string(**choices),
-            dtype=q.dtype,
-            window_size=variant.window,
-            alibi=slopes is not None,
-            dropout=variant.dropout_p > 0,
-            softcap=variant.softcap,
+            variants=variants,
+            **choices,
         )
         assert p.kernel == plain[pass_].kernel, (p, plain[pass_])
         plans[pass_] = p
@@ -498,6 +493,24 @@ def test_forced_paths(path, dropout):
     bwd_plan = plans["bwd"]
     if "key_blocks" in force and bwd_plan.kernel == "wgmma":
         assert bwd_plan.key_blocks_per_cta == force["key_blocks"], bwd_plan
+
+
+@pytest.mark.parametrize("head_dim", [*KERNEL_HEAD_DIMS, 200])
+@pytest.mark.parametrize("dropout", [False, True], ids=["no-dropout", "dropout"])
+@pytest.mark.parametrize("h, hk", [(6, 2), (3, 3)], ids=["gqa", "mha"])
+def test_99kib_tile_set(h, hk, head_dim, dropout):
+    # The variants kernels of the mma.sync tile set for 99 KiB GPUs, planned as on such a GPU (max_smem): head dim
+    # 224's (and 200's) backward runs head dim 256's kernel there. GQA sums dK and dV in fp32 slices; equal heads
+    # write them from the kernel, through K's and V's shared memory.
+    require_kernels(-(-head_dim // 32) * 32, torch.bfloat16)
+    if head_dim > 192:
+        require_kernels(256, torch.bfloat16)
+    b, sq, sk = 2, 113, 301
+    variant = V(causal=True, window=(40, -1), softcap=20.0, alibi="batch_heads", dropout_p=0.2 if dropout else 0.0)
+    q, k, v = make_inputs(b, sq, sk, h, hk, head_dim, torch.bfloat16)
+    plans = run_dense(q, k, v, variant, slopes=alibi_slopes(variant.alibi, b, h), force={"max_smem": SMEM_99KIB})
+    for p in plans["plans"].values():
+        assert p.kernel == "mma_sync" and p.tile_budget == SMEM_99KIB and 0 < p.smem <= SMEM_99KIB, p
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -839,8 +852,15 @@ def round_up(n, m=128):
 
 
 def keep_fraction_bound(n, p):
-    """Six standard deviations of the kept fraction of n independent entries (and a floor for tiny n)."""
+    """Six standard deviations of the kept fraction of n independent entries (and a floor for tiny n), p the
+    dropout_p of the call (the kernels drop with effective_dropout_p(p))."""
+    p = effective_dropout_p(p)
     return 6.0 * math.sqrt(p * (1.0 - p) / max(n, 1)) + 1e-3
+
+
+def kept_fraction(p):
+    """The fraction of entries a call of dropout_p keeps, in expectation."""
+    return 1.0 - effective_dropout_p(p)
 
 
 def reference_probs(q, k, causal, window, softcap, slopes, softmax_scale=None):
@@ -905,7 +925,7 @@ def test_dropout_s_dmask_and_seed(case):
         pad[:, :sq, :sk] = 0
         n_kept, n = check_s_dmask(s_dmask[i, :, :sq, :sk], pad, probs[i], result["mask"][i], visible, dtype)
         kept, counted = kept + n_kept, counted + n
-    assert abs(kept / counted - (1 - variant.dropout_p)) <= keep_fraction_bound(counted, variant.dropout_p)
+    assert abs(kept / counted - kept_fraction(variant.dropout_p)) <= keep_fraction_bound(counted, variant.dropout_p)
 
 
 def test_varlen_dropout_s_dmask_and_seed():
@@ -941,19 +961,19 @@ def test_varlen_dropout_s_dmask_and_seed():
         )
         kept, counted = kept + n_kept, counted + n
         q0, k0 = q0 + lq, k0 + lk
-    assert abs(kept / counted - (1 - variant.dropout_p)) <= keep_fraction_bound(counted, variant.dropout_p)
+    assert abs(kept / counted - kept_fraction(variant.dropout_p)) <= keep_fraction_bound(counted, variant.dropout_p)
 
 
 # ---------------------------------------------------------------- dropout: the kernels' own keep decisions
 #
 # S_dmask is computed on the host from flash_attn_cuda.dropout.keep_mask, so it cannot show what the kernels drop.
 # These tests read each pass's keep decisions back from its results and compare them, entry for entry, with
-# keep_mask (varlen_keep_mask):
+# keep_mask (varlen_keep_mask). p' below is effective_dropout_p(p), the probability the kernels drop with:
 #
 # - forward: V is the identity on a block of head_dim keys of each sequence (its other rows zero), so column c of
-#   out is P[:, c0 + c] * keep / (1 - p) for the block's first key c0: exactly zero where the forward dropped the
+#   out is P[:, c0 + c] * keep / (1 - p') for the block's first key c0: exactly zero where the forward dropped the
 #   entry, and nonzero where it kept it;
-# - backward: dV = (P * keep / (1 - p))^T dO, so a one-hot dO whose column i * group + g picks query row r0 + i of
+# - backward: dV = (P * keep / (1 - p'))^T dO, so a one-hot dO whose column i * group + g picks query row r0 + i of
 #   the g-th query head of each key/value head (group query heads per key/value head) makes column i * group + g of
 #   dV that row as the backward regenerated it, read key-major.
 #
@@ -1090,7 +1110,7 @@ class MaskProbe:
 
 
 def observe_forward_mask(probe):
-    """Per sequence, float32 (nheads, seqlen_q, seqlen_k): P * keep / (1 - p) as the forward applied it, read from
+    """Per sequence, float32 (nheads, seqlen_q, seqlen_k): P * keep / (1 - p') as the forward applied it, read from
     out with V the identity on one block of head_dim keys per call. Each call's out and lse meet the correctness
     rule, and the columns of out past a sequence's keys are exactly zero."""
     q, k = probe.q, probe.k
@@ -1108,7 +1128,7 @@ def observe_forward_mask(probe):
         out, lse, _ = probe.forward(v)
         ref = probe.attend(q, k, v, upcast=True)
         lowp = probe.attend(q, k, v, upcast=False)
-        # One value of V decides each entry of out (a single P_ij / (1 - p)), which the kernel rounds twice (P to the
+        # One value of V decides each entry of out (a single P_ij / (1 - p')), which the kernel rounds twice (P to the
         # input dtype for the product, then out) while ref_lowp's softmax may land closer: the one-ulp term of
         # conftest's small tensors, given explicitly since these tensors can be larger (H200: dv of the same
         # observation in fp16 was 2.5x the low-precision error off). One ulp of max|ref| stays far below max|ref|.
@@ -1123,7 +1143,7 @@ def observe_forward_mask(probe):
 
 
 def observe_backward_mask(probe):
-    """Per sequence, float32 (nheads, seqlen_q, seqlen_k): P * keep / (1 - p) as the backward regenerated it, read
+    """Per sequence, float32 (nheads, seqlen_q, seqlen_k): P * keep / (1 - p') as the backward regenerated it, read
     from dV with a one-hot dO that picks head_dim // group query rows per query head and call (V random). Each call's
     dv meets the correctness rule, and the columns of dV past the picked rows are exactly zero."""
     q, k = probe.q, probe.k
@@ -1149,7 +1169,7 @@ def observe_backward_mask(probe):
         # dq and dk are checked with random dO elsewhere; dv is what this test reads.
         ref = reference_with_grads(probe.attend, q, k, v, dout, upcast=True)
         lowp = reference_with_grads(probe.attend, q, k, v, dout, upcast=False)
-        # With the one-hot dO each entry of dv is a single P_ij / (1 - p), which the kernel rounds twice (P to the
+        # With the one-hot dO each entry of dv is a single P_ij / (1 - p'), which the kernel rounds twice (P to the
         # input dtype for the product, then dv) while ref_lowp's softmax may land closer: exactly the case of
         # conftest's one-ulp term (few values decide each entry), which it applies by itself only to tensors of at
         # most SMALL_TENSOR entries, so it is passed here (H200, test_kernel_dropout_mask_varlen[causal-left-wgmma-
@@ -1208,8 +1228,9 @@ def forced_family(kernel, head_dim, dtype):
     """force_plan keywords that run ``kernel`` ("mma_sync" or "wgmma"). The warpgroup-MMA kernels run only on sm_90
     with a build that holds them; elsewhere the plan reports a forced kernel=wgmma off (it runs mma_sync, as
     test_plan_cpu checks), so such a test is skipped there, its mma_sync twin covering that GPU. Where they do run,
-    check_forced_plans asserts that each call takes them."""
-    if kernel == "wgmma":
+    check_forced_plans asserts that each call takes them. Under FLASH_ATTN2_MAX_SMEM below their tiles the whole
+    run plans as on a smaller GPU: such a test runs the mma.sync kernels, as check_forced_plans expects there."""
+    if kernel == "wgmma" and (MAX_SMEM is None or MAX_SMEM >= SMEM_227KIB):
         for pass_ in ("fwd", "bwd"):
             sizes = dict(batch=1, seqlen_q=128, seqlen_k=128, nheads=1, nheads_k=1, head_dim=head_dim, dtype=dtype)
             try:
@@ -1377,9 +1398,9 @@ def test_dropout_decode_split(h, hk):
 
 def test_dropout_cuda_graph_replays_draw_fresh_masks():
     """flash_attn_func with dropout captured in a CUDA graph: each replay draws a new rng_state (torch's
-    generator is graph-safe), so replays differ; each keeps 1 - p of the entries, and what it keeps is P / (1 - p).
+    generator is graph-safe), so replays differ; each keeps 1 - p' of the entries, and what it keeps is P / (1 - p').
 
-    V is the identity (head_dim == seqlen_k), so out[b, i, h, j] = P[b, h, i, j] * keep / (1 - p) shows the mask.
+    V is the identity (head_dim == seqlen_k), so out[b, i, h, j] = P[b, h, i, j] * keep / (1 - p') shows the mask.
     """
     require_kernels(64, torch.bfloat16)
     b, sq, sk, h, p = 4, 256, 64, 8, 0.25
@@ -1406,8 +1427,8 @@ def test_dropout_cuda_graph_replays_draw_fresh_masks():
         replays.append(out.clone())
         kept = out != 0
         n = kept.numel()
-        assert abs(kept.float().mean().item() - (1 - p)) <= keep_fraction_bound(n, p)
-        torch.testing.assert_close(out.float()[kept] * (1 - p), probs[kept], rtol=2**-6, atol=1e-6)
+        assert abs(kept.float().mean().item() - kept_fraction(p)) <= keep_fraction_bound(n, p)
+        torch.testing.assert_close(out.float()[kept] * kept_fraction(p), probs[kept], rtol=2**-6, atol=1e-6)
     assert not torch.equal(replays[0], replays[1]), "two replays drew the same dropout mask"
 
 

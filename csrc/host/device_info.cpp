@@ -4,6 +4,8 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <stdexcept>
+#include <string>
 
 namespace flash {
 
@@ -38,6 +40,21 @@ FamilySet disabled_families() {
     return disabled;
 }
 
+// FLASH_ATTN2_MAX_SMEM=bytes plans every call of the process as on a GPU with at most that much shared memory
+// per block, as plan_override's max_smem does per call: a test run of the 99 KiB tile sets on a larger GPU.
+// Read once; -1 when unset, 0 when not an integer in [1, kMaxForcedSmem] (target_of refuses it).
+int max_smem_limit() {
+    static const int limit = [] {
+        const char* value = std::getenv("FLASH_ATTN2_MAX_SMEM");
+        if (value == nullptr) { return -1; }
+        char* end = nullptr;
+        const long bytes = std::strtol(value, &end, 10);
+        const bool valid = end != value && *end == '\0' && bytes > 0 && bytes <= kMaxForcedSmem;
+        return valid ? static_cast<int>(bytes) : 0;
+    }();
+    return limit;
+}
+
 }  // namespace
 
 Target target_of(int device, bool noncausal_built) {
@@ -46,6 +63,14 @@ Target target_of(int device, bool noncausal_built) {
     target.cc_minor = device_attribute(cudaDevAttrComputeCapabilityMinor, device);
     target.num_sms = std::max(device_attribute(cudaDevAttrMultiProcessorCount, device), 1);
     target.max_smem = device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    if (max_smem_limit() == 0) {
+        throw std::invalid_argument(
+            "FLASH_ATTN2_MAX_SMEM must be bytes of shared memory per block, an integer in [1, " +
+            std::to_string(kMaxForcedSmem) + "], got '" + std::getenv("FLASH_ATTN2_MAX_SMEM") + "'");
+    }
+    if (max_smem_limit() > 0) {
+        target.max_smem = target.max_smem > 0 ? std::min(target.max_smem, max_smem_limit()) : max_smem_limit();
+    }
     target.fwd_built = built_families(Pass::kFwd);
     target.bwd_built = built_families(Pass::kBwd);
     target.disabled = disabled_families();

@@ -5,6 +5,8 @@
 #include <climits>
 #include <cmath>
 
+#include "launch/tile_size.h"
+
 namespace flash {
 
 View4 view4(const Tensor& t) {
@@ -120,6 +122,8 @@ void set_fwd_params(FwdParams& params, const View4& q, const View4& k, const Vie
     params.gqa_pack = static_cast<int>(plan.gqa_pack);
     params.family = plan.family;
     params.short_key_tiles = plan.short_key_tile;
+    params.mma_sync_tile_set = plan.family == KernelFamily::kMmaSync ? mma_sync_tile_set(plan.tile_budget)
+                                                                     : MmaSyncTileSet::k163KiB;
     params.num_splits = plan.num_splits;
     params.softmax_scale = static_cast<float>(softmax_scale);
     params.score_scale = params.softmax_scale;
@@ -166,11 +170,12 @@ void set_variant_params(FwdParams& params, const Variants& variants, bool causal
     params.dropout_keep_scale = 1.f;
     if (variants.dropout()) {
         params.rng_state_ptr = static_cast<const int64_t*>(variants.rng_state->data_ptr());
-        // Dropped when the element's 32 random bits fall below p * 2^32 (dropout.h); at least 1, so that a tiny
-        // p still reads as dropout.
-        const double threshold = std::floor(variants.dropout_p * 4294967296.0);
-        params.dropout_threshold = static_cast<uint32_t>(std::clamp(threshold, 1.0, 4294967295.0));
-        params.dropout_keep_scale = static_cast<float>(1.0 / (1.0 - variants.dropout_p));
+        // Dropped when the element's 8 random bits fall below round(256 p), at least 1 (a tiny p still reads as
+        // dropout) and at most 255 (dropout.h). The kept elements scale by the inverse of the probability that
+        // really keeps them, so that the expected output is the undropped one (reference.effective_dropout_p).
+        const double threshold = std::clamp(std::floor(variants.dropout_p * 256.0 + 0.5), 1.0, 255.0);
+        params.dropout_threshold = static_cast<uint32_t>(threshold);
+        params.dropout_keep_scale = static_cast<float>(256.0 / (256.0 - threshold));
     }
 }
 

@@ -87,12 +87,15 @@ constexpr KernelFamily kFamilyPreference[] = {KernelFamily::kWgmma, KernelFamily
 static_assert(sizeof(kFamilyPreference) / sizeof(kFamilyPreference[0]) == kNumKernelFamilies);
 
 // Whether `family` can run this pass of `p` on `t`: the GPU runs it, the build holds it, the process has not
-// turned it off, and the pass allows it (deterministic mode runs the mma.sync backward, whose key blocks add
-// into dQ in a fixed order).
+// turned it off, the pass allows it (deterministic mode runs the mma.sync backward, whose key blocks add into dQ
+// in a fixed order), and one of its tile sets fits the GPU's shared memory (on a GPU, or under a max_smem
+// override, below the wgmma set's 227 KiB, the mma.sync kernels run).
 bool can_run(KernelFamily family, const Problem& p, const Target& t) {
     const bool pass_allows = !(family == KernelFamily::kWgmma && p.pass == Pass::kBwd && p.deterministic);
+    const int head_dim = kernel_head_dim_for(family, p.pass, kernel_head_dim(p.head_dim), t.max_smem);
+    const bool fits = set_fits(tile_set_for(family, p.pass, head_dim, t.max_smem), t.max_smem);
     return family_runs_on(family, t.cc_major, t.cc_minor) && t.built(p.pass).has(family) && !t.disabled.has(family) &&
-           pass_allows;
+           pass_allows && fits;
 }
 
 // The forced family where it can run, else the first of kFamilyPreference that can; mma.sync when none can
@@ -111,6 +114,7 @@ void plan_fwd(const Problem& p, const Target& t, int forced_splits, const PlanOv
     const int64_t seqlen_q = p.seqlen_q * plan.gqa_pack;  // the kernel's sizes, after packing
     const int64_t nheads = p.nheads / plan.gqa_pack;
     const TileSet set = tile_set_for(plan.family, Pass::kFwd, plan.kernel_head_dim, t.max_smem);
+    plan.tile_budget = set.smem_budget;
     // Decoding from a paged cache also takes the short-key tile. Each key row finds its page (FwdTile::copy_paged),
     // which costs far more instructions per key than a dense load; with the queries in one 64-row warpgroup, the
     // 128-row tile's second warpgroup only loads, and its CTA's load and compute phases take turns. Two 64-row
@@ -143,6 +147,7 @@ void plan_bwd(const Problem& p, const Target& t, const PlanOverride& o, Plan& pl
     const int hd = plan.kernel_head_dim;
     const bool wgmma = plan.family == KernelFamily::kWgmma;
     const TileSet set = tile_set_for(plan.family, Pass::kBwd, hd, t.max_smem);
+    plan.tile_budget = set.smem_budget;
     plan.short_query_tile = set.short_tile.exists() && choose(o.short_queries, seqlen_q <= kBwdShortQueriesMax);
     const TileShape tile = plan.short_query_tile ? set.short_tile : set.tile_for(plan.causal);
     plan.block_m = tile.block_m;
@@ -242,18 +247,27 @@ std::string parse_plan_override(std::string_view text, PlanOverride& out) {
         } else if (key == "gqa_walk" || key == "short_keys" || key == "short_queries") {
             int& field = key == "gqa_walk" ? out.gqa_walk : key == "short_keys" ? out.short_keys : out.short_queries;
             if (!parse_int(value, 0, 1, field)) { return where + ": " + std::string(key) + " must be 0 or 1"; }
+        } else if (key == "max_smem") {
+            if (!parse_int(value, 1, kMaxForcedSmem, out.max_smem)) {
+                return where + ": max_smem must be bytes of shared memory per block, an integer in [1, " +
+                       std::to_string(kMaxForcedSmem) + "]";
+            }
         } else if (key == "key_blocks") {
             if (!parse_int(value, 1, kMaxForcedKeyBlocks, out.key_blocks)) {
                 return where + ": key_blocks must be an integer in [1, " + std::to_string(kMaxForcedKeyBlocks) + "]";
             }
         } else {
-            return where + ": unknown key (kernel, gqa_walk, key_blocks, short_keys, short_queries)";
+            return where + ": unknown key (kernel, gqa_walk, key_blocks, short_keys, short_queries, max_smem)";
         }
     }
     return "";
 }
 
-Plan make_plan(const Problem& p, const Target& t, int num_splits, const PlanOverride& o) {
+Plan make_plan(const Problem& p, const Target& target, int num_splits, const PlanOverride& o) {
+    // max_smem=bytes plans for a GPU with at most that much shared memory per block, so that a larger GPU runs
+    // the tile sets of a smaller one (the 99 KiB set on an sm_80 or sm_90 GPU, in tests).
+    Target t = target;
+    if (o.max_smem > 0) { t.max_smem = t.max_smem > 0 ? std::min(t.max_smem, o.max_smem) : o.max_smem; }
     Plan plan{};
     plan.pass = p.pass;
     plan.kernel_head_dim = kernel_head_dim(p.head_dim);
@@ -274,6 +288,7 @@ Plan make_plan(const Problem& p, const Target& t, int num_splits, const PlanOver
                       p.nheads > p.nheads_k;
     plan.gqa_pack = pack ? p.nheads / p.nheads_k : 1;
     plan.family = choose_family(p, t, o);
+    plan.kernel_head_dim = kernel_head_dim_for(plan.family, p.pass, plan.kernel_head_dim, t.max_smem);
     plan.num_splits = 1;
     plan.heads_per_cta = 1;
     plan.key_blocks_per_cta = 1;
@@ -294,8 +309,8 @@ std::string smem_shortfall(const Problem& problem, const Plan& plan, const Targe
     }
     return head_dim + (plan.pass == Pass::kFwd ? " forward" : " backward") + " (kernel=" + family_name(plan.family) +
            ") needs " + kib(plan.smem_bytes) + " KiB of shared memory per block; this GPU offers " +
-           kib(target.max_smem) + " KiB. Its tiles are made for GPUs with " + kib(set.smem_budget) +
-           " KiB, and flash_attn_cuda has no tiles for this GPU's budget yet";
+           kib(target.max_smem) + " KiB. Its smallest tiles are made for GPUs with " + kib(set.smem_budget) +
+           " KiB, and flash_attn_cuda has none for less";
 }
 
 std::string to_string(const Plan& plan) {
@@ -307,7 +322,8 @@ std::string to_string(const Plan& plan) {
             field("gqa_pack", plan.gqa_pack) + field("num_splits", plan.num_splits) +
             field("short_key_tile", plan.short_key_tile) + field("short_query_tile", plan.short_query_tile) +
             field("heads_per_cta", plan.heads_per_cta) + field("key_blocks_per_cta", plan.key_blocks_per_cta) +
-            field("dkv_fp32_slices", plan.dkv_fp32_slices) + field("smem", plan.smem_bytes);
+            field("dkv_fp32_slices", plan.dkv_fp32_slices) + field("smem", plan.smem_bytes) +
+            field("tile_budget", plan.tile_budget);
     text.pop_back();
     return text;
 }

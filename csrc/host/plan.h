@@ -98,6 +98,7 @@ struct PlanOverride {
     int key_blocks = -1;  // key_blocks=n, n >= 1
     int short_keys = -1;  // short_keys=0|1
     int short_queries = -1;  // short_queries=0|1
+    int max_smem = -1;  // max_smem=bytes: plan as if the GPU offered at most this much shared memory per block
 };
 
 struct Plan {
@@ -117,15 +118,19 @@ struct Plan {
     int key_blocks_per_cta;  // backward: consecutive key blocks one CTA walks
     bool dkv_fp32_slices;  // backward: GQA without a walk, one fp32 dK/dV slice per query head, summed afterwards
     int smem_bytes;  // dynamic shared memory per block of the kernel that runs, as launched (tile_size.h)
+    int tile_budget;  // the shared-memory budget of the tile set that runs (tile_size.h): mma.sync 163 KiB or
+                      // 99 KiB, wgmma 227 KiB
 };
 
 // Largest num_splits a call may force (run_fwd_combine merges at most 128 partials).
 constexpr int kMaxForcedSplits = 128;
 // Largest key_blocks a plan_override may force.
 constexpr int kMaxForcedKeyBlocks = 128;
+// Largest max_smem a plan_override may give (bytes), above any GPU's.
+constexpr int kMaxForcedSmem = 1 << 20;
 
 // Parses plan_override ("key=value" pairs separated by ';', keys kernel, gqa_walk, key_blocks, short_keys,
-// short_queries). Returns an error message naming plan_override, or "" when `text` is well formed.
+// short_queries, max_smem). Returns an error message naming plan_override, or "" when `text` is well formed.
 std::string parse_plan_override(std::string_view text, PlanOverride& out);
 
 // The plan of `problem` on `target`. num_splits: the forward's op argument (0: the heuristic decides;

@@ -30,9 +30,10 @@ enum class HideP { kBeforeExp, kInExp };
 // s: the scores S (or S^T), overwritten with P = exp2(s * scale_log2 - lse_log2_of(q)), where lse_log2_of(q)
 // is the LSE of tile query q times log2(e). coords: the tile positions of s's values; mask: this tile's
 // TileMask; score_mod applies first (kVariants only), at the tile's absolute position pos.
-template <bool kQueryIsRow, HideP kHide, bool kVariants, class Mask, class STensor, class CoordTensor, class LseLog2Of>
+template <bool kQueryIsRow, HideP kHide, bool kVariants, class Mask, class STensor, class CoordTensor, class Element,
+          class LseLog2Of>
 __forceinline__ __device__ void compute_p(STensor& s, const CoordTensor& coords, const Mask& mask,
-                                          const ScoreMod& score_mod, const ScorePos& pos, float scale_log2,
+                                          const ScoreMod<Element>& score_mod, const ScorePos& pos, float scale_log2,
                                           LseLog2Of lse_log2_of) {
     static_assert(decltype(size(s))::value == decltype(size(coords))::value, "one coordinate per value");
     if constexpr (kVariants) { apply_score_mod<kQueryIsRow>(score_mod, s, coords, pos); }
@@ -60,8 +61,9 @@ __forceinline__ __device__ void compute_p(STensor& s, const CoordTensor& coords,
 
 // What compute_ds needs of the variants of a call, for query head `head`: read from params where used, as
 // ScoreMod does.
+template <class Element>
 struct DsMods {
-    const ScoreMod& score_mod;
+    const ScoreMod<Element>& score_mod;
     int head;
 
     __forceinline__ __device__ bool dropout() const { return score_mod.params.dropout_threshold != 0u; }
@@ -70,9 +72,10 @@ struct DsMods {
 };
 
 // dS of one tile with the variants of mods (compute_ds's branch; see there).
-template <bool kQueryIsRow, class DpTensor, class PTensor, class CoordTensor, class DsumOf, class LseLog2Of>
+template <bool kQueryIsRow, class DpTensor, class PTensor, class CoordTensor, class DsumOf, class Element,
+          class LseLog2Of>
 __forceinline__ __device__ void compute_ds_variants(DpTensor& dp, const PTensor& p, const CoordTensor& coords,
-                                                    DsumOf dsum_of, const DsMods& mods, const ScorePos& pos,
+                                                    DsumOf dsum_of, const DsMods<Element>& mods, const ScorePos& pos,
                                                     LseLog2Of lse_log2_of) {
     const FwdParams& params = mods.score_mod.params;
     const bool dropout = mods.dropout();
@@ -117,9 +120,9 @@ __forceinline__ __device__ void compute_ds_variants(DpTensor& dp, const PTensor&
 //   The recovery's error is that of log2 and of the fp32 LSE, far below the input dtype's rounding.
 // pos: the tile's absolute position; lse_log2_of as in compute_p.
 template <bool kQueryIsRow, bool kVariants, class DpTensor, class PTensor, class CoordTensor, class DsumOf,
-          class LseLog2Of>
+          class Element, class LseLog2Of>
 __forceinline__ __device__ void compute_ds(DpTensor& dp, const PTensor& p, const CoordTensor& coords, DsumOf dsum_of,
-                                           const DsMods& mods, const ScorePos& pos, LseLog2Of lse_log2_of) {
+                                           const DsMods<Element>& mods, const ScorePos& pos, LseLog2Of lse_log2_of) {
     static_assert(decltype(size(dp))::value == decltype(size(p))::value &&
                       decltype(size(dp))::value == decltype(size(coords))::value,
                   "dP, P and coords of one tile");

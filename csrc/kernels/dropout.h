@@ -5,12 +5,14 @@
 // redraws rng_state gets a fresh one. flash_attn_cuda/dropout.py computes the same mask in PyTorch.
 //
 // The random bits come from Philox4x32-10 (Salmon et al., SC 2011): key = the seed, counter = (row with bit 3
-// cleared, key with bit 0 cleared, sequence * num_heads + head, the offset's low word). One call yields four
-// 32-bit words, one for each element of {row, row + 8} x {key, key + 1}: in the accumulator layouts of mma.sync
-// and wgmma a thread holds exactly such groups (rows 8 apart, adjacent column pairs), so every word is used. Only
-// the Hopper backward's transposed S^T (keys as rows) gives a thread half of each group, which costs it twice the
-// calls per element. An element is dropped when its word is below FwdParams::dropout_threshold (32 bits of
-// resolution on p).
+// cleared, key with bits 0, 3 and 4 cleared, sequence * num_heads + head, the offset's low word). One call yields
+// sixteen bytes, one for each element of {row, row + 8} x {key, key + 1} x {key + 8 g : g < 4}: element (q, k)
+// takes byte (k >> 3) & 3 of word 2 * bit3(q) + bit0(k). In the accumulator layouts of mma.sync and wgmma a
+// thread holds rows 8 apart, adjacent column pairs and every 8-column group of its columns, so where a warp owns
+// 32 consecutive keys (the forward kernels) every byte of a call is used. The mma.sync backward's warps own
+// 8-column groups 32 or 16 keys apart and use four or eight bytes of a call; the Hopper backward's transposed
+// S^T (keys as rows) gives a thread keys 8 apart and queries 8 apart, four bytes of a call. An element is dropped
+// when its byte is below FwdParams::dropout_threshold (8 bits of resolution on p, as flash-attn 2.x).
 #pragma once
 
 #include <cstdint>
@@ -66,37 +68,51 @@ struct Dropout {
         const uint32_t offset = uint32_t(uint64_t(params.rng_state_ptr[1]));
         const uint32_t stream = uint32_t(batch_idx) * uint32_t(params.num_heads) + uint32_t(head_idx);
         const uint32_t threshold = params.dropout_threshold;
-        auto bits = [&](int row, int key) {
-            return philox4x32_10(uint32_t(row) & ~8u, uint32_t(key) & ~1u, stream, offset, key0, key1);
+        auto bits = [&](int q, uint32_t key_counter) {
+            return philox4x32_10(uint32_t(q) & ~8u, key_counter, stream, offset, key0, key1);
         };
-        auto drop = [&](float& x, uint32_t word) {
-            if (word < threshold) { x = kNegate ? -x : 0.f; }
+        // Drops x when byte (k >> 3) & 3 of its word is below the threshold.
+        auto drop = [&](float& x, uint32_t word, int k) {
+            if (((word >> ((uint32_t(k) & 24u))) & 0xFFu) < threshold) { x = kNegate ? -x : 0.f; }
         };
         if constexpr (kQueryIsRow) {
-            // Rows r, r + 1 are queries q, q + 8; columns c, c + 1 keys k, k + 1: one group each.
+            // Rows r, r + 1 are queries q, q + 8; columns c, c + 1 keys k, k + 1. Consecutive column pairs whose
+            // keys differ only in bits 3 and 4 share a call: it is made again only when the key counter changes,
+            // which for a given pair happens alike in every thread of a warp.
             CUTE_UNROLL
             for (int r = 0; r < size<0>(p); r += 2) {
+                const int q = q0 + query_of<true>(coords, r, 0);
+                uint4 w = make_uint4(0u, 0u, 0u, 0u);
+                uint32_t current = ~0u;  // no key counter: bit 0 is always clear in one
                 CUTE_UNROLL
                 for (int c = 0; c < size<1>(p); c += 2) {
-                    const uint4 w = bits(q0 + query_of<true>(coords, r, c), k0 + key_of<true>(coords, r, c));
-                    drop(p(r, c), w.x);
-                    drop(p(r, c + 1), w.y);
-                    drop(p(r + 1, c), w.z);
-                    drop(p(r + 1, c + 1), w.w);
+                    const int k = k0 + key_of<true>(coords, r, c);
+                    const uint32_t key_counter = uint32_t(k) & ~25u;
+                    if (key_counter != current) {
+                        w = bits(q, key_counter);
+                        current = key_counter;
+                    }
+                    drop(p(r, c), w.x, k);
+                    drop(p(r, c + 1), w.y, k);
+                    drop(p(r + 1, c), w.z, k);
+                    drop(p(r + 1, c + 1), w.w, k);
                 }
             }
         } else {
             // Rows r, r + 1 are keys k, k + 8; columns c and c + 2 queries q, q + 8 (c in an even 8-column group).
-            // Keys k and k + 1 are another thread's, so each group gives this thread two of its four words.
+            // Keys k and k + 1 are another thread's: one call gives this thread the four bytes of (k, k + 8) x
+            // (q, q + 8), in the word pair of k's bit 0.
             CUTE_UNROLL
-            for (int r = 0; r < size<0>(p); ++r) {
+            for (int r = 0; r < size<0>(p); r += 2) {
                 CUTE_UNROLL
                 for (int c = 0; c < size<1>(p); c += ((c & 1) == 0 ? 1 : 3)) {
                     const int key = k0 + key_of<false>(coords, r, c);
-                    const uint4 w = bits(q0 + query_of<false>(coords, r, c), key);
+                    const uint4 w = bits(q0 + query_of<false>(coords, r, c), uint32_t(key) & ~25u);
                     const bool odd = (key & 1) != 0;
-                    drop(p(r, c), odd ? w.y : w.x);
-                    drop(p(r, c + 2), odd ? w.w : w.z);
+                    drop(p(r, c), odd ? w.y : w.x, key);
+                    drop(p(r, c + 2), odd ? w.w : w.z, key);
+                    drop(p(r + 1, c), odd ? w.y : w.x, key + 8);
+                    drop(p(r + 1, c + 2), odd ? w.w : w.z, key + 8);
                 }
             }
         }

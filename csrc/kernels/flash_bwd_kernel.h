@@ -43,7 +43,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
     // Varlen grids are sized for the longest sequence; this one may have no keys here.
     if (n_block * kBlockN >= binfo.seqlen_k) { return; }
     const auto bounds = BlockBounds<kBlockM, kBlockN, kCausal, kVariants>::of_sequence(params, binfo);
-    const ScoreMod score_mod(params, batch_idx, binfo);
+    const ScoreMod<Element> score_mod(params, batch_idx, binfo);
     const Dropout dropout(params, batch_idx, head_idx);
     const int m_block_begin = bounds.m_block_begin(n_block);  // the query blocks that see this key block
     const int m_block_end = bounds.m_block_end(n_block);
@@ -65,16 +65,19 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
     Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));  // (kBlockN, kHeadDim)
     Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));  // (kBlockN, kHeadDim)
 
-    // Shared memory: Q and dO (kStagesQ stages each), K, V, P, dS, then the LSE and D rows of each stage.
+    // Shared memory: Q and dO (kStagesQ stages each), K, V, P, dS, then the LSE and D rows of each stage. With V
+    // in registers, P and dS take V's buffer once V has been read from it.
     extern __shared__ __align__(128) char smem[];
     Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)),
                             typename Traits::SmemLayoutQ{});  // (kBlockM, kHeadDim)
     Tensor sdO = make_tensor(sQ.data() + kStagesQ * kQElems, typename Traits::SmemLayoutQ{});  // (kBlockM, kHeadDim)
     Tensor sK = make_tensor(sdO.data() + kStagesQ * kQElems, typename Traits::SmemLayoutKV{});  // (kBlockN, kHeadDim)
     Tensor sV = make_tensor(sK.data() + size(sK), typename Traits::SmemLayoutKV{});  // (kBlockN, kHeadDim)
-    Tensor sP = make_tensor(sV.data() + size(sV), typename Traits::SmemLayoutPdS{});  // (kBlockM, kBlockN)
+    Tensor sP = make_tensor(Traits::kVInRegs ? sV.data() : sV.data() + size(sV),
+                            typename Traits::SmemLayoutPdS{});  // (kBlockM, kBlockN)
     Tensor sdS = make_tensor(sP.data() + size(sP), typename Traits::SmemLayoutPdS{});  // (kBlockM, kBlockN)
-    float* s_lse = reinterpret_cast<float*>(raw_pointer_cast((sdS.data() + size(sdS)).get()));  // (kStagesQ, kBlockM)
+    const auto rows_start = Traits::kVInRegs ? sV.data() + size(sV) : sdS.data() + size(sdS);
+    float* s_lse = reinterpret_cast<float*>(raw_pointer_cast(rows_start.get()));  // (kStagesQ, kBlockM)
     float* s_dsum = s_lse + kStagesQ * kBlockM;  // (kStagesQ, kBlockM)
     Tensor sQt = make_tensor(sQ.data(), typename Traits::SmemLayoutQt{});  // (kHeadDim, kBlockM)
     Tensor sdOt = make_tensor(sdO.data(), typename Traits::SmemLayoutQt{});  // (kHeadDim, kBlockM)
@@ -195,6 +198,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
     copy_zfill(gmem_tiled_copy, tVgV, tVsV, tKVcKV, k_rows_left, params.head_dim);
     if (m_block_begin < m_block_end) { load_q_do(m_block_begin, 0); }
     cp_async_fence();
+    if constexpr (Traits::kVInRegs) {
+        cp_async_wait<0>();
+        __syncthreads();  // V has landed
+        copy(copy_b_sdp, tSsV, tSrV_view);
+        __syncthreads();  // every warp holds its V fragments before any writes P or dS over them
+    }
 
     const int m_blocks_max = (params.seqlen_q + kBlockM - 1) / kBlockM;
     int* dq_semaphore = params.dq_semaphore_ptr + (index_t(batch_idx) * params.num_heads + head_idx) * m_blocks_max;
@@ -218,7 +227,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
         Tensor tSsQ_stage = at_stage<kQElems>(tSsQ, stage);
         Tensor tSsdO_stage = at_stage<kQElems>(tSsdO, stage);
         gemm_smem_smem(mma_sdp, acc_s, tSrQ, tSrK, tSsQ_stage, tSsK, copy_a_sdp, copy_b_sdp, tSrQ_view, tSrK_view);
-        gemm_smem_smem(mma_sdp, acc_dp, tSrdO, tSrV, tSsdO_stage, tSsV, copy_a_sdp, copy_b_sdp, tSrdO_view, tSrV_view);
+        if constexpr (Traits::kVInRegs) {
+            gemm_smem_reg(mma_sdp, acc_dp, tSrdO, tSrV, tSsdO_stage, copy_a_sdp, tSrdO_view);
+        } else {
+            gemm_smem_smem(mma_sdp, acc_dp, tSrdO, tSrV, tSsdO_stage, tSsV, copy_a_sdp, copy_b_sdp, tSrdO_view,
+                           tSrV_view);
+        }
 
         Tensor scores = as_rowcol(acc_s);  // (rows, cols)
         Tensor dp = as_rowcol(acc_dp);  // (rows, cols)
@@ -239,7 +253,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
             dropout.template apply</*kQueryIsRow=*/true, /*kNegate=*/true>(scores, tScS_rc, pos.q0, pos.k0);
         }
         compute_ds</*kQueryIsRow=*/true, kVariants>(dp, scores, tScS_rc, [&](int row) { return dsum_stage[row]; },
-                                                    DsMods{score_mod, head_idx}, pos, lse_log2_of);
+                                                    DsMods<Element>{score_mod, head_idx}, pos, lse_log2_of);
         Tensor rP = convert_fragment_kept<Element>(acc_s, kVariants && dropout.active());
         Tensor rdS = convert_fragment<Element>(acc_dp);
         copy(copy_store_sdp, thr_copy_store_sdp.retile_S(rP), tPsP);
@@ -342,24 +356,46 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
 
     // dK picks up the softmax scale here (dS is the gradient of the scaled scores); dQ gets it when its
     // fp32 buffer is converted. dV picks up dropout's 1 / (1 - p) (1 without dropout): it summed kept P unscaled.
-    Tensor tKVcdKV = thr_mma_dkv.partition_C(cKV);
-    auto store_dk_dv = [&](auto out_type) {
-        using Out = decltype(out_type);
-        Tensor mdK = binfo.dk_view<Out>(params, batch_idx, head_idx);  // (seqlen_k, head_dim)
-        Tensor mdV = binfo.dv_view<Out>(params, batch_idx, head_idx);  // (seqlen_k, head_dim)
-        Tensor gdK = local_tile(mdK, Shape<Int<kBlockN>, Int<kHeadDim>>{},
-                                make_coord(n_block, 0));  // (kBlockN, kHeadDim)
-        Tensor gdV = local_tile(mdV, Shape<Int<kBlockN>, Int<kHeadDim>>{},
-                                make_coord(n_block, 0));  // (kBlockN, kHeadDim)
-        store_acc<Out>(acc_dk, tKVcdKV, gdK, k_rows_left, params.head_dim, params.softmax_scale);
-        store_acc<Out>(acc_dv, tKVcdKV, gdV, k_rows_left, params.head_dim, kVariants ? params.dropout_keep_scale : 1.f);
-    };
     // GQA slices are summed over each group on the host: kept in fp32 so the sum is rounded once.
     if (params.dkv_fp32) {
-        store_dk_dv(float{});
-    } else {
-        store_dk_dv(Element{});
+        Tensor tKVcdKV = thr_mma_dkv.partition_C(cKV);
+        Tensor gdK = local_tile(binfo.dk_view<float>(params, batch_idx, head_idx), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                                make_coord(n_block, 0));  // (kBlockN, kHeadDim)
+        Tensor gdV = local_tile(binfo.dv_view<float>(params, batch_idx, head_idx), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                                make_coord(n_block, 0));  // (kBlockN, kHeadDim)
+        store_acc<float>(acc_dk, tKVcdKV, gdK, k_rows_left, params.head_dim, params.softmax_scale);
+        store_acc<float>(acc_dv, tKVcdKV, gdV, k_rows_left, params.head_dim,
+                         kVariants ? params.dropout_keep_scale : 1.f);
+        return;
     }
+    // Element-typed dK and dV go through K's and V's buffers, as in the Hopper backward: each thread then writes
+    // whole 16 B chunks of rows, where its accumulator holds 4 B pairs, half a 32 B sector per row of a warp's
+    // store.
+    __syncthreads();  // every warp is done with K and V (and with P and dS, in V's buffer when V is in registers)
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_dk); ++i) { acc_dk(i) *= params.softmax_scale; }
+    if constexpr (kVariants) {
+        CUTE_UNROLL
+        for (int i = 0; i < size(acc_dv); ++i) { acc_dv(i) *= params.dropout_keep_scale; }
+    }
+    Tensor rdK = convert_fragment<Element>(acc_dk);
+    Tensor rdV = convert_fragment<Element>(acc_dv);
+    auto smem_tiled_copy = make_tiled_copy_C(typename Traits::SmemCopyAtomStore{}, mma_dkv);
+    auto smem_thr_copy = smem_tiled_copy.get_thread_slice(tidx);
+    copy(smem_tiled_copy, smem_thr_copy.retile_S(rdK), smem_thr_copy.partition_D(sK));
+    copy(smem_tiled_copy, smem_thr_copy.retile_S(rdV), smem_thr_copy.partition_D(sV));
+    __syncthreads();
+    typename Traits::GmemTiledCopyStore gmem_tiled_copy_store;
+    auto gmem_thr_copy_store = gmem_tiled_copy_store.get_thread_slice(tidx);
+    Tensor gdK = local_tile(binfo.dk_view<Element>(params, batch_idx, head_idx), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                            make_coord(n_block, 0));  // (kBlockN, kHeadDim)
+    Tensor gdV = local_tile(binfo.dv_view<Element>(params, batch_idx, head_idx), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                            make_coord(n_block, 0));  // (kBlockN, kHeadDim)
+    Tensor tdKVcdKV = gmem_thr_copy_store.partition_D(cKV);  // (CPY, CPY_N, CPY_D)
+    copy_to_gmem(gmem_tiled_copy_store, gmem_thr_copy_store.partition_S(sK), gmem_thr_copy_store.partition_D(gdK),
+                 tdKVcdKV, k_rows_left, params.head_dim);
+    copy_to_gmem(gmem_tiled_copy_store, gmem_thr_copy_store.partition_S(sV), gmem_thr_copy_store.partition_D(gdV),
+                 tdKVcdKV, k_rows_left, params.head_dim);
 }
 
 }  // namespace flash

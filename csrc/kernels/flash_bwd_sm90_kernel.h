@@ -374,7 +374,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     BwdSm90Block<Traits, kCausal, kVariants> blk(params, smem_bwd_sm90);
     if (!blk.has_keys()) { return; }
     const int tidx = threadIdx.x;
-    const ScoreMod score_mod(params, blk.batch_idx, blk.binfo);
+    const ScoreMod<Element> score_mod(params, blk.batch_idx, blk.binfo);
 
     Tensor sdSt = blk.smem(blk.scratch_base, typename Traits::SmemLayoutdSt{});  // (kBlockN, kBlockM)
     Tensor sdS = blk.smem(blk.scratch_base, typename Traits::SmemLayoutdS{});  // (kBlockM, kBlockN)
@@ -447,7 +447,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             warpgroup_wait_for<1>(acc_dpt);
             Tensor dpt = gmma_as_rowcol(acc_dpt);  // (key rows, query cols)
             compute_ds</*kQueryIsRow=*/false, kVariants>(dpt, st, tStcSt_rc, [&](int col) { return dsum_stage[col]; },
-                                                         DsMods{score_mod, step.head}, pos, lse_log2_of);
+                                                         DsMods<Element>{score_mod, step.head}, pos, lse_log2_of);
             Tensor rdSt = convert_fragment<Element>(acc_dpt);
             Tensor tKVrdSt = make_tensor(rdSt.data(),
                                          gmma_acc_as_a_operand_layout(rdSt.layout()));  // (MMA, MMA_N, MMA_K)
@@ -516,7 +516,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     static_assert(Traits::kStagesKV == 1, "one key block per CTA");
     if (!blk.has_keys()) { return; }
     const int tidx = threadIdx.x;
-    const ScoreMod score_mod(params, blk.batch_idx, blk.binfo);
+    const ScoreMod<Element> score_mod(params, blk.batch_idx, blk.binfo);
 
     Element* p_base = blk.scratch_base;
     Element* ds_base = blk.scratch_base + Traits::kSmemPElems;
@@ -576,7 +576,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         Tensor dp = gmma_as_rowcol(acc_dp);  // (query rows, key cols)
         compute_ds</*kQueryIsRow=*/true, kVariants>(dp, s, tScS_rc, [&](int row) {
             return blk.s_dsum[stage * kBlockM + row];
-        }, DsMods{score_mod, step.head}, pos, lse_log2_of);
+        }, DsMods<Element>{score_mod, step.head}, pos, lse_log2_of);
 
         // P and dS to shared memory: the next three GEMMs read them across both warpgroups' keys.
         auto smem_thr_copy_pds = smem_tiled_copy_pds.get_thread_slice(loop_tidx);

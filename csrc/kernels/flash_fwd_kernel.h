@@ -36,7 +36,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const _
     const int m_block = tile.m_block;
     const BlockInfo& binfo = tile.binfo;
     const auto& bounds = tile.bounds;
-    const ScoreMod score_mod(params, tile.batch_idx, binfo);
+    const ScoreMod<Element> score_mod(params, tile.batch_idx, binfo);
     const Dropout dropout(params, tile.batch_idx, tile.head_idx);
 
     const auto gQKV = tile.template gmem_qkv<Element, kHeadDim>(params);

@@ -40,7 +40,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kCtasPerSm)
     const int m_block = tile.m_block;
     const BlockInfo& binfo = tile.binfo;
     const auto& bounds = tile.bounds;
-    const ScoreMod score_mod(params, tile.batch_idx, binfo);
+    const ScoreMod<Element> score_mod(params, tile.batch_idx, binfo);
     const Dropout dropout(params, tile.batch_idx, tile.head_idx);
     const int n_block_begin = tile.n_block_begin();
     const int n_block_end = tile.n_block_end();

@@ -28,16 +28,20 @@ struct BwdWarpTiling {
 // (kBlockM, kBlockN); dV += P^T dO and dK += dS^T Q are (kBlockN, kHeadDim); dQ = dS K is
 // (kBlockM, kHeadDim). Operands a GEMM needs transposed are read through transposed shared-memory
 // views with transposing ldmatrix.
-template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_>
+// kSmemBudget: the shared memory per block the kernel's tile set is made for (tile_size.h), which decides its Q
+// stages. kVInRegs: V is read into registers once, as dP = dO V^T's B operand, and its shared memory then holds
+// P and dS, which saves their 2 * kBlockM * kBlockN elements where the budget has no room for them.
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kSmemBudget, bool kVInRegs_ = false>
 struct BwdKernelTraits {
     using Element = Element_;
     static constexpr int kHeadDim = kHeadDim_;
     static constexpr int kBlockM = kBlockM_;
     static constexpr int kBlockN = kBlockN_;
+    static constexpr bool kVInRegs = kVInRegs_;
     static constexpr int kNWarps = 8;
     static constexpr int kNThreads = kNWarps * 32;
 
-    static_assert(kHeadDim % 32 == 0 && kBlockM % 64 == 0 && kBlockN % 64 == 0, "tiles must cover the warp layouts");
+    static_assert(kHeadDim % 32 == 0 && kBlockM % 64 == 0 && kBlockN % 32 == 0, "tiles must cover the warp layouts");
 
     using MmaAtom = typename FwdKernelTraits<Element, kHeadDim, 64, 64, 4>::MmaAtom;
     using TiledMmaSdP = typename BwdWarpTiling<MmaAtom, kBlockM, kBlockN>::TiledMma;
@@ -50,8 +54,10 @@ struct BwdKernelTraits {
     static_assert(kDqChunk % (16 * BwdWarpTiling<MmaAtom, kBlockM, kHeadDim>::kWarpsN) == 0);
 
     using SmemAtomD = typename FwdKernelTraits<Element, kHeadDim, 64, 64, 4>::SmemLayoutAtom;  // rows of head_dim
-    using SmemAtomN = decltype(composition(Swizzle<3, 3, 3>{},
-                                           Layout<Shape<_8, _64>, Stride<_64, _1>>{}));  // rows of keys
+    // Rows of keys: 64 wide (128 B, all eight 16 B chunks swizzled) where the key block allows, else 32.
+    static constexpr int kSmemRowKeys = kBlockN % 64 == 0 ? 64 : 32;
+    using SmemAtomN = decltype(composition(Swizzle<kSmemRowKeys == 64 ? 3 : 2, 3, 3>{},
+                                           Layout<Shape<_8, Int<kSmemRowKeys>>, Stride<Int<kSmemRowKeys>, _1>>{}));
 
     using SmemLayoutQ = decltype(tile_to_shape(SmemAtomD{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));   // also dO
     using SmemLayoutKV = decltype(tile_to_shape(SmemAtomD{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));  // K and V
@@ -69,10 +75,12 @@ struct BwdKernelTraits {
     static constexpr int kSmemPdSElems = cosize_v<SmemLayoutPdS>;
     // Per stage: Q and dO tiles, then the LSE and D of their rows (fp32).
     static constexpr int kSmemStageBytes = 2 * kSmemQElems * int(sizeof(Element)) + 2 * kBlockM * int(sizeof(float));
-    static constexpr int kSmemFixedBytes = (2 * kSmemKVElems + 2 * kSmemPdSElems) * int(sizeof(Element));
-    // Q and dO are double-buffered (the next query block loads while this one computes) when that fits in
-    // the 163 KiB an sm_80 CTA may use; otherwise the next block loads during the dQ GEMM.
-    static constexpr int kSmemLimitBytes = 163 * 1024;
+    static_assert(!kVInRegs || 2 * kSmemPdSElems <= kSmemKVElems, "P and dS must fit in V's buffer");
+    static constexpr int kSmemFixedBytes = (2 * kSmemKVElems + (kVInRegs ? 0 : 2 * kSmemPdSElems)) *
+                                           int(sizeof(Element));
+    // Q and dO are double-buffered (the next query block loads while this one computes) when that fits the
+    // budget; otherwise the next block loads during the dQ GEMM.
+    static constexpr int kSmemLimitBytes = kSmemBudget;
     static constexpr int kStagesQ = kSmemFixedBytes + 2 * kSmemStageBytes <= kSmemLimitBytes ? 2 : 1;
     static constexpr int kSmemBytes = kSmemFixedBytes + kStagesQ * kSmemStageBytes;
     static_assert(kSmemBytes <= kSmemLimitBytes);
@@ -82,11 +90,13 @@ struct BwdKernelTraits {
     using SmemCopyAtomStore = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<32>, Element>;
 
     static constexpr int kGmemThreadsPerRow = FwdKernelTraits<Element, kHeadDim, 64, 64, 4>::kGmemThreadsPerRow;
-    using GmemTiledCopyLoad = decltype(make_tiled_copy(
-        Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint128_t>, Element>{},
-        Layout<Shape<Int<kNThreads / kGmemThreadsPerRow>, Int<kGmemThreadsPerRow>>,
-               Stride<Int<kGmemThreadsPerRow>, _1>>{},
-        Layout<Shape<_1, _8>>{}));
+    using GmemThreadLayout = Layout<Shape<Int<kNThreads / kGmemThreadsPerRow>, Int<kGmemThreadsPerRow>>,
+                                    Stride<Int<kGmemThreadsPerRow>, _1>>;
+    using GmemTiledCopyLoad = decltype(make_tiled_copy(Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint128_t>, Element>{},
+                                                       GmemThreadLayout{}, Layout<Shape<_1, _8>>{}));
+    // dK and dV leave through shared memory (K's and V's buffers), 16 B per thread and access.
+    using GmemTiledCopyStore = decltype(make_tiled_copy(Copy_Atom<UniversalCopy<uint128_t>, Element>{},
+                                                        GmemThreadLayout{}, Layout<Shape<_1, _8>>{}));
 };
 
 }  // namespace flash

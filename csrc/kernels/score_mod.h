@@ -12,7 +12,10 @@
 // |q + seqlen_k - seqlen_q - k| is unchanged by it.
 #pragma once
 
+#include <type_traits>
+
 #include <cute/tensor.hpp>
+#include <cutlass/numeric_types.h>
 
 #include "kernels/block_info.h"
 #include "launch/flash_params.h"
@@ -30,16 +33,37 @@ struct ScorePos {
 };
 
 // tanh through one exp2 and one reciprocal, both MUFU operations: tanh(x) = 1 - 2 / (1 + e^(2x)). Its
-// absolute error stays near float32 rounding (tanh.approx.f32 is off by up to 2^-11, which a softcap of 30
-// turns into a 1.5% error in P). Saturates to +-1 for large |x| (exp2 gives inf or 0).
+// absolute error stays near float32 rounding. Saturates to +-1 for large |x| (exp2 gives inf or 0).
 __forceinline__ __device__ float accurate_fast_tanh(float x) {
     return 1.f - 2.f / (1.f + exp2f(x * float(2.0 * M_LOG2E)));
 }
 
-// The score modifiers of one sequence. It keeps a reference to the kernel's __grid_constant__ params, whose
-// fields the modifiers read where they are used (constant-bank operands): a copy in registers, live through the
-// main loops, made the register-bound backward kernels spill.
+// The hardware's tanh (sm_75 and later), one MUFU operation, relative error up to about 2^-11.
+__forceinline__ __device__ float approx_tanh(float x) {
+    float y;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// The tanh of softcap for inputs of type Element. bfloat16 takes the hardware's: its rounding, 2^-8 relative,
+// dwarfs tanh.approx's 2^-11, and with every score's tanh off by the full 2^-11 the float32 reference rounded to
+// bfloat16 stayed within a third of the correctness rule's bound (softcaps 5 to 50, on the CPU). fp16 rounds
+// at 2^-11 itself, and the same model reached 1.2 times the bound: it keeps the float32-accurate form.
+template <class Element>
+__forceinline__ __device__ float softcap_tanh(float x) {
+    if constexpr (std::is_same_v<Element, cutlass::bfloat16_t>) {
+        return approx_tanh(x);
+    } else {
+        return accurate_fast_tanh(x);
+    }
+}
+
+// The score modifiers of one sequence, for inputs of type Element_. It keeps a reference to the kernel's
+// __grid_constant__ params, whose fields the modifiers read where they are used (constant-bank operands): a copy
+// in registers, live through the main loops, made the register-bound backward kernels spill.
+template <class Element_>
 struct ScoreMod {
+    using Element = Element_;
     const FwdParams& params;
     int batch_idx;
     int position_offset;  // seqlen_k - seqlen_q of the sequence: query q's position is q + position_offset
@@ -59,13 +83,13 @@ struct ScoreMod {
 
 // Applies score_mod to every score of a tile. scores: (rows, cols) view of the accumulator; coords: the matching
 // tile positions, the query along mode 0 when kQueryIsRow, else along mode 1.
-template <bool kQueryIsRow, class ScoreTensor, class CoordTensor>
-__forceinline__ __device__ void apply_score_mod(const ScoreMod& score_mod, ScoreTensor& scores,
+template <bool kQueryIsRow, class Element, class ScoreTensor, class CoordTensor>
+__forceinline__ __device__ void apply_score_mod(const ScoreMod<Element>& score_mod, ScoreTensor& scores,
                                                 const CoordTensor& coords, const ScorePos& pos) {
     if (score_mod.softcap()) {
         CUTE_UNROLL
         for (int i = 0; i < size(scores); ++i) {
-            scores(i) = accurate_fast_tanh(scores(i) * score_mod.params.softcap_prescale);
+            scores(i) = softcap_tanh<Element>(scores(i) * score_mod.params.softcap_prescale);
         }
     }
     if (score_mod.alibi()) {

@@ -96,6 +96,18 @@ __forceinline__ __device__ void gemm_reg_smem(const TiledMma& tiled_mma, AccTens
     }
 }
 
+// acc += A B^T with A in shared memory and B already in registers.
+template <class TiledMma, class AccTensor, class RegA, class RegB, class SmemA, class CopyA>
+__forceinline__ __device__ void gemm_smem_reg(const TiledMma& tiled_mma, AccTensor& acc, RegA& tCrA, const RegB& tCrB,
+                                              const SmemA& tCsA, const CopyA& copy_a, auto& tCrA_view) {
+    copy(copy_a, tCsA(_, _, _0{}), tCrA_view(_, _, _0{}));
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(tCrA); ++k) {
+        if (k + 1 < size<2>(tCrA)) { copy(copy_a, tCsA(_, _, k + 1), tCrA_view(_, _, k + 1)); }
+        cute::gemm(tiled_mma, tCrA(_, _, k), tCrB(_, _, k), acc);
+    }
+}
+
 // Copies a (CPY, CPY_ROWS, CPY_COLS) partition global -> shared with cp.async, zero-filling every
 // 16 B chunk whose row is >= max_row or whose column is >= max_col. coords holds the chunk positions.
 template <class TiledCopy, class SrcTensor, class DstTensor, class CoordTensor>

@@ -12,19 +12,36 @@
 
 namespace flash {
 
-// The tile set each family's backward launchers compile (tile_size.h).
-template <KernelFamily kFamily, int kHeadDim>
-constexpr TileSet kBwdTileSet = tile_set(kFamily, Pass::kBwd, kHeadDim, compiled_smem_budget(kFamily));
+// The backward tile set of (family, head dim, budget) that the launchers compile (tile_size.h); !exists() where
+// the table has none (a head dim that runs a wider one's kernel on that budget).
+template <KernelFamily kFamily, int kHeadDim, int kBudget = base_smem_budget(kFamily)>
+constexpr TileSet kBwdTileSet = tile_set(kFamily, Pass::kBwd, kHeadDim, kBudget);
 
-// The mma.sync backward's tile: the table's, or in tile-tuning builds (bench/tune_tiles.py --pass bwd) one
-// forced shape for every kernel.
-template <int kHeadDim, bool kCausal>
+// The mma.sync backward's tile in the set of kBudget: the table's, or in tile-tuning builds (bench/tune_tiles.py
+// --pass bwd) one forced shape for every kernel of the 163 KiB set.
+template <int kHeadDim, bool kCausal, int kBudget>
 constexpr TileShape bwd_mma_sync_tile() {
 #if defined(FLASH_BWD_TILE_M) && defined(FLASH_BWD_TILE_N)
-    return {FLASH_BWD_TILE_M, FLASH_BWD_TILE_N};
-#else
-    return kBwdTileSet<KernelFamily::kMmaSync, kHeadDim>.tile_for(kCausal);
+    if constexpr (kBudget == kSmem163KiB) { return {FLASH_BWD_TILE_M, FLASH_BWD_TILE_N}; }
 #endif
+    return kBwdTileSet<KernelFamily::kMmaSync, kHeadDim, kBudget>.tile_for(kCausal);
+}
+
+// The mma.sync kernel of the set of kBudget.
+template <typename Element, int kHeadDim, bool kCausal, bool kVariants, int kBudget>
+cudaError_t run_bwd_mma_sync(const BwdParams& params, cudaStream_t stream) {
+    constexpr TileShape kTile = bwd_mma_sync_tile<kHeadDim, kCausal, kBudget>();
+    static_assert(kTile.block_m >= kBwdMinBlockM && kTile.block_m <= kBwdMaxBlockM);
+    using Traits = BwdKernelTraits<Element, kHeadDim, kTile.block_m, kTile.block_n, kBudget, kTile.v_in_regs>;
+    static_assert(sizeof(Element) == kElementBytes);
+    static_assert(Traits::kSmemBytes ==
+                      bwd_mma_sync_smem_bytes(kHeadDim, kTile.block_m, kTile.block_n, kTile.v_in_regs, kBudget),
+                  "the plans check a GPU's shared memory by the formula, for the budget the kernel is tuned for");
+    // Key blocks along x: in deterministic mode a key block waits on its neighbour of the same (batch,
+    // head) with the next lower CTA index, which must therefore be scheduled first.
+    const dim3 grid((params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, params.batch, params.num_heads);
+    return launch_kernel<&flash_bwd_kernel<Traits, kCausal, kVariants>, Traits::kNThreads, Traits::kSmemBytes>(
+        grid, params, stream);
 }
 
 // Hopper (sm_90a) warpgroup-MMA backward: the narrow kernel up to head dim 128, the wide one above
@@ -85,19 +102,14 @@ cudaError_t run_bwd(const BwdParams& params, cudaStream_t stream) {
     // Only the Hopper kernels walk several query heads or key blocks per CTA; the plan sets them only for
     // those (built_families).
     if (params.heads_per_cta != 1 || params.key_blocks_per_cta != 1) { return cudaErrorNotSupported; }
-    constexpr TileShape kTile = bwd_mma_sync_tile<kHeadDim, kCausal>();
-    static_assert(kTile.block_m >= kBwdMinBlockM && kTile.block_m <= kBwdMaxBlockM);
-    using Traits = BwdKernelTraits<Element, kHeadDim, kTile.block_m, kTile.block_n>;
-    static_assert(sizeof(Element) == kElementBytes);
-    static_assert(Traits::kSmemLimitBytes == kBwdTileSet<KernelFamily::kMmaSync, kHeadDim>.smem_budget &&
-                      Traits::kSmemBytes ==
-                          bwd_mma_sync_smem_bytes(kHeadDim, kTile.block_m, kTile.block_n, Traits::kSmemLimitBytes),
-                  "the plans check a GPU's shared memory by the formula, for the budget the kernel is tuned for");
-    // Key blocks along x: in deterministic mode a key block waits on its neighbour of the same (batch,
-    // head) with the next lower CTA index, which must therefore be scheduled first.
-    const dim3 grid((params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, params.batch, params.num_heads);
-    return launch_kernel<&flash_bwd_kernel<Traits, kCausal, kVariants>, Traits::kNThreads, Traits::kSmemBytes>(
-        grid, params, stream);
+    if (params.mma_sync_tile_set == MmaSyncTileSet::k99KiB) {
+        // A head dim without a 99 KiB set runs a wider one's kernel (kernel_head_dim_for): never this one.
+        if constexpr (kBwdTileSet<KernelFamily::kMmaSync, kHeadDim, kSmem99KiB>.exists()) {
+            return run_bwd_mma_sync<Element, kHeadDim, kCausal, kVariants, kSmem99KiB>(params, stream);
+        }
+        return cudaErrorNotSupported;
+    }
+    return run_bwd_mma_sync<Element, kHeadDim, kCausal, kVariants, kSmem163KiB>(params, stream);
 }
 
 }  // namespace flash

@@ -17,19 +17,31 @@ inline unsigned fwd_grid_x(const FwdParams& params, int block_m) {
     return unsigned((params.seqlen_q + block_m - 1) / block_m) * unsigned(params.num_splits);
 }
 
-// The tile set each family's forward launchers compile (tile_size.h).
-template <KernelFamily kFamily, int kHeadDim>
-constexpr TileSet kFwdTileSet = tile_set(kFamily, Pass::kFwd, kHeadDim, compiled_smem_budget(kFamily));
+// The forward tile set of (family, head dim, budget) that the launchers compile (tile_size.h).
+template <KernelFamily kFamily, int kHeadDim, int kBudget = base_smem_budget(kFamily)>
+constexpr TileSet kFwdTileSet = tile_set(kFamily, Pass::kFwd, kHeadDim, kBudget);
 
-// The mma.sync forward's tile: the table's, or in tile-tuning builds (bench/tune_tiles.py) one forced shape for
-// every kernel. The plans read the table's either way, which only affects how well their heuristics fit.
-template <int kHeadDim, bool kCausal>
+// The mma.sync forward's tile in the set of kBudget: the table's, or in tile-tuning builds (bench/tune_tiles.py)
+// one forced shape for every kernel of the 163 KiB set. The plans read the table's either way, which only
+// affects how well their heuristics fit.
+template <int kHeadDim, bool kCausal, int kBudget>
 constexpr TileShape fwd_mma_sync_tile() {
 #if defined(FLASH_FWD_TILE_M) && defined(FLASH_FWD_TILE_N) && defined(FLASH_FWD_TILE_WARPS)
-    return {FLASH_FWD_TILE_M, FLASH_FWD_TILE_N, FLASH_FWD_TILE_WARPS};
-#else
-    return kFwdTileSet<KernelFamily::kMmaSync, kHeadDim>.tile_for(kCausal);
+    if constexpr (kBudget == kSmem163KiB) { return {FLASH_FWD_TILE_M, FLASH_FWD_TILE_N, FLASH_FWD_TILE_WARPS}; }
 #endif
+    return kFwdTileSet<KernelFamily::kMmaSync, kHeadDim, kBudget>.tile_for(kCausal);
+}
+
+// The mma.sync kernel of kTile.
+template <typename Element, int kHeadDim, bool kCausal, bool kVariants, TileShape kTile>
+cudaError_t run_fwd_mma_sync(const FwdParams& params, cudaStream_t stream) {
+    using Traits = FwdKernelTraits<Element, kHeadDim, kTile.block_m, kTile.block_n, kTile.warps>;
+    static_assert(sizeof(Element) == kElementBytes);
+    static_assert(Traits::kSmemBytes == fwd_mma_sync_smem_bytes(kHeadDim, kTile.block_m, kTile.block_n),
+                  "the plans check a GPU's shared memory by the formula");
+    const dim3 grid(fwd_grid_x(params, Traits::kBlockM), params.batch, params.num_heads);
+    return launch_kernel<&flash_fwd_kernel<Traits, kCausal, kVariants>, Traits::kNThreads, Traits::kSmemBytes>(
+        grid, params, stream);
 }
 
 // The Hopper kernel with kTile, a tile of the wgmma set (its regular or short-key tile).
@@ -61,14 +73,17 @@ cudaError_t run_fwd(const FwdParams& params, cudaStream_t stream) {
         return run_fwd_sm90<Element, kHeadDim, kCausal, kVariants, kSet.tile_for(kCausal)>(params, stream);
     }
 #endif
-    constexpr TileShape kTile = fwd_mma_sync_tile<kHeadDim, kCausal>();
-    using Traits = FwdKernelTraits<Element, kHeadDim, kTile.block_m, kTile.block_n, kTile.warps>;
-    static_assert(sizeof(Element) == kElementBytes);
-    static_assert(Traits::kSmemBytes == fwd_mma_sync_smem_bytes(kHeadDim, kTile.block_m, kTile.block_n),
-                  "the plans check a GPU's shared memory by the formula");
-    const dim3 grid(fwd_grid_x(params, Traits::kBlockM), params.batch, params.num_heads);
-    return launch_kernel<&flash_fwd_kernel<Traits, kCausal, kVariants>, Traits::kNThreads, Traits::kSmemBytes>(
-        grid, params, stream);
+    constexpr TileShape kTile = fwd_mma_sync_tile<kHeadDim, kCausal, kSmem163KiB>();
+    constexpr TileShape kSmallTile = fwd_mma_sync_tile<kHeadDim, kCausal, kSmem99KiB>();
+    // Where the 99 KiB set repeats the 163 KiB set's tile, both run the one kernel.
+    constexpr bool kSameTile = kSmallTile.block_m == kTile.block_m && kSmallTile.block_n == kTile.block_n &&
+                               kSmallTile.warps == kTile.warps;
+    if constexpr (!kSameTile) {
+        if (params.mma_sync_tile_set == MmaSyncTileSet::k99KiB) {
+            return run_fwd_mma_sync<Element, kHeadDim, kCausal, kVariants, kSmallTile>(params, stream);
+        }
+    }
+    return run_fwd_mma_sync<Element, kHeadDim, kCausal, kVariants, kTile>(params, stream);
 }
 
 }  // namespace flash

@@ -66,8 +66,9 @@ struct FwdParams {
     index_t alibi_batch_stride;  // 0 for (nheads,) slopes
     // Dropout: nullptr, or int64 (2,) [seed, offset] on the device (dropout.h says how they make the mask).
     const int64_t* __restrict__ rng_state_ptr;
-    uint32_t dropout_threshold;  // an element is dropped when its 32 random bits are below it
-    float dropout_keep_scale;  // 1 / (1 - dropout_p)
+    uint32_t dropout_threshold;  // in [1, 255] with dropout (0: none): an element is dropped when its 8 random
+                                 // bits are below it
+    float dropout_keep_scale;  // 256 / (256 - dropout_threshold): one over the probability of keeping an element
 
     // KV caches (fwd_kvcache, varlen_fwd_paged), read by the variants kernels only (BlockInfo::of_cache). Key rows
     // count in a sequence's own cache: its row of k_ptr (batch stride), or, paged, the rows of its pages in
@@ -90,6 +91,8 @@ struct FwdParams {
     KernelFamily family;  // the plan's kernel family, which the launchers run (Plan::family)
     bool short_key_tiles;  // with the wgmma family: the forward runs the tile set's short-key tile (the plan checked
                            // it exists)
+    MmaSyncTileSet mma_sync_tile_set;  // with the mma.sync family: the tile set the launchers run (Plan::tile_budget;
+                                       // one byte, in the padding before num_splits)
 
     // Split-KV forward (dense batches only): each (query block, sequence, head) is computed by num_splits
     // CTAs over disjoint key ranges, which write fp32 partials that run_fwd_combine merges into o_ptr/lse_ptr.

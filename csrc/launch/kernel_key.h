@@ -19,6 +19,10 @@ enum class KernelFamily : uint8_t {
 };
 constexpr int kNumKernelFamilies = 2;
 
+// Which of the mma.sync launchers' tile sets runs (tile_size.h: mma_sync_tile_set of the plan's budget), one byte
+// of FwdParams: the set of sm_80's 163 KiB, or that of the 99 KiB of sm_86, sm_89 and sm_120.
+enum class MmaSyncTileSet : uint8_t { k163KiB = 0, k99KiB = 1 };
+
 // "mma_sync" or "wgmma": the plan op's and plan_override's spelling.
 constexpr const char* family_name(KernelFamily family) {
     switch (family) {

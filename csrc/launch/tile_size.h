@@ -15,16 +15,27 @@ namespace flash {
 // ---- Shared-memory budgets ----
 
 // The opt-in dynamic shared memory per block that a tile set is tuned for, and that each of its kernels fits:
-// sm_80's 163 KiB for the mma.sync kernels (BwdKernelTraits sizes its Q stages by it), sm_90's 227 KiB for the
-// wgmma kernels (FwdSm90KernelTraits sizes its K/V stages by it). A set for the 99 KiB of sm_86, sm_89 and
-// sm_120 would be more rows of kTileSets under a third budget, compiled by the launchers beside the 163 KiB
-// set, with FwdParams saying which runs.
+// sm_80's 163 KiB and the 99 KiB of sm_86, sm_89 and sm_120 for the mma.sync kernels (BwdKernelTraits sizes its
+// Q stages by it), sm_90's 227 KiB for the wgmma kernels (FwdSm90KernelTraits sizes its K/V stages by it). The
+// plans take the set of the largest budget the GPU offers (tile_set_for), and FwdParams::mma_sync_tile_set tells
+// the mma.sync launchers which of their two sets that is.
+constexpr int kSmem99KiB = 99 * 1024;
 constexpr int kSmem163KiB = 163 * 1024;
 constexpr int kSmem227KiB = 227 * 1024;
 
-// The budget of the one set per family that the launchers compile today.
-constexpr int compiled_smem_budget(KernelFamily family) {
+// Whether the launchers of `family` compile a tile set of `budget`.
+constexpr bool compiles_smem_budget(KernelFamily family, int budget) {
+    return family == KernelFamily::kWgmma ? budget == kSmem227KiB : budget == kSmem163KiB || budget == kSmem99KiB;
+}
+// The budget of the set every head dim of a family has, the largest, which runs on the GPUs the family is made
+// for (sm_80 for mma.sync); a smaller budget has a set per head dim, or a wider head dim's runs there.
+constexpr int base_smem_budget(KernelFamily family) {
     return family == KernelFamily::kWgmma ? kSmem227KiB : kSmem163KiB;
+}
+
+// The mma.sync launchers' set of a plan's tile_budget (FwdParams::mma_sync_tile_set).
+constexpr MmaSyncTileSet mma_sync_tile_set(int budget) {
+    return budget == kSmem99KiB ? MmaSyncTileSet::k99KiB : MmaSyncTileSet::k163KiB;
 }
 
 // ---- The tile table ----
@@ -36,6 +47,8 @@ struct TileShape {
     int warps = 0;        // mma.sync forward: warps per CTA (the other kernels' warps follow from their kind)
     int ctas_per_sm = 1;  // wgmma forward: CTAs per SM the kernel is built for, in registers and shared memory;
                           // what the split-KV heuristic counts as resident
+    bool v_in_regs = false;  // mma.sync backward: V is held in registers for the whole CTA, and its shared memory
+                             // holds P and dS instead
 
     constexpr bool exists() const { return block_m > 0; }
 };
@@ -78,6 +91,18 @@ constexpr int kBwdSm90ShortBlockM = 16;
 // keys per CTA. At head dim 64 the registers leave room for 128-row query blocks, which halve the steps (and
 // barriers) per key block: 6% faster on an H200 (bench/results/h200/tune_bwd_nvidia-h200.md).
 //
+// The mma.sync sets for 99 KiB (sm_86, sm_89, sm_120), whose SMs hold about 100 KiB of shared memory for all
+// their CTAs. Forward: the 163 KiB set's tiles where they take at most 96 KiB, as all but head dim 128's do;
+// there, FlashAttention-2's measured choice for these GPUs, 128 x 32 and causal 64 x 64 on four warps, 48 KiB
+// each, so that two CTAs share an SM where the 163 KiB set's 64 KiB and 80 KiB tiles leave one. Backward:
+// the largest tile of 64 query rows whose K, V, P, dS and one Q/dO stage fit, two stages where they fit too
+// (head dims 32, 64 and 96). Head dim 128 holds V in registers and puts P and dS in its shared memory, which
+// makes room for two stages (99328 bytes), as FlashAttention-2 does on these GPUs. Head dim 192 takes 32-key
+// blocks; head dim 256 too, with V in registers, which leaves 98816 bytes. Head dim 224 has no tile that fits:
+// the dK and dV GEMMs of 32-key blocks (32 x 224) have no layout of 16 x 16 pieces that eight warps divide, and
+// 64-key blocks take 112.5 KiB even with V in registers; it runs head dim 256's kernel, zero-padded
+// (kernel_head_dim_for).
+//
 // wgmma backward (block_m, block_n): 64 query rows by 128 keys up to head dim 128 (the narrow kernel, each
 // warpgroup owning 64 keys), 64 by 64 above (the wide kernel, P and dS through shared memory); head dim 128 has
 // a 16-row short-query tile, where a 64-row tile would compute mostly padding.
@@ -91,6 +116,15 @@ constexpr TileSet kTileSets[] = {
     {KernelFamily::kMmaSync, Pass::kFwd, 192, kSmem163KiB, {64, 64, 4}, {64, 64, 4}, {}},
     {KernelFamily::kMmaSync, Pass::kFwd, 224, kSmem163KiB, {64, 64, 4}, {64, 64, 4}, {}},
     {KernelFamily::kMmaSync, Pass::kFwd, 256, kSmem163KiB, {64, 64, 4}, {64, 64, 4}, {}},
+
+    {KernelFamily::kMmaSync, Pass::kFwd, 32, kSmem99KiB, {128, 64, 4}, {128, 64, 4}, {}},
+    {KernelFamily::kMmaSync, Pass::kFwd, 64, kSmem99KiB, {128, 64, 4}, {128, 64, 4}, {}},
+    {KernelFamily::kMmaSync, Pass::kFwd, 96, kSmem99KiB, {128, 64, 4}, {128, 64, 4}, {}},
+    {KernelFamily::kMmaSync, Pass::kFwd, 128, kSmem99KiB, {128, 32, 4}, {64, 64, 4}, {}},
+    {KernelFamily::kMmaSync, Pass::kFwd, 160, kSmem99KiB, {64, 64, 4}, {64, 64, 4}, {}},
+    {KernelFamily::kMmaSync, Pass::kFwd, 192, kSmem99KiB, {64, 64, 4}, {64, 64, 4}, {}},
+    {KernelFamily::kMmaSync, Pass::kFwd, 224, kSmem99KiB, {64, 64, 4}, {64, 64, 4}, {}},
+    {KernelFamily::kMmaSync, Pass::kFwd, 256, kSmem99KiB, {64, 64, 4}, {64, 64, 4}, {}},
 
     {KernelFamily::kWgmma, Pass::kFwd, 32, kSmem227KiB, {128, 64, 0, 2}, {128, 64, 0, 2}, {}},
     {KernelFamily::kWgmma, Pass::kFwd, 64, kSmem227KiB, {128, 64, 0, 2}, {128, 64, 0, 2}, {}},
@@ -109,6 +143,14 @@ constexpr TileSet kTileSets[] = {
     {KernelFamily::kMmaSync, Pass::kBwd, 192, kSmem163KiB, {64, 64}, {64, 64}, {}},
     {KernelFamily::kMmaSync, Pass::kBwd, 224, kSmem163KiB, {64, 64}, {64, 64}, {}},
     {KernelFamily::kMmaSync, Pass::kBwd, 256, kSmem163KiB, {64, 64}, {64, 64}, {}},
+
+    {KernelFamily::kMmaSync, Pass::kBwd, 32, kSmem99KiB, {64, 128}, {64, 128}, {}},
+    {KernelFamily::kMmaSync, Pass::kBwd, 64, kSmem99KiB, {64, 128}, {64, 128}, {}},
+    {KernelFamily::kMmaSync, Pass::kBwd, 96, kSmem99KiB, {64, 64}, {64, 64}, {}},
+    {KernelFamily::kMmaSync, Pass::kBwd, 128, kSmem99KiB, {64, 64, 0, 1, true}, {64, 64, 0, 1, true}, {}},
+    {KernelFamily::kMmaSync, Pass::kBwd, 160, kSmem99KiB, {64, 64}, {64, 64}, {}},
+    {KernelFamily::kMmaSync, Pass::kBwd, 192, kSmem99KiB, {64, 32}, {64, 32}, {}},
+    {KernelFamily::kMmaSync, Pass::kBwd, 256, kSmem99KiB, {64, 32, 0, 1, true}, {64, 32, 0, 1, true}, {}},
 
     {KernelFamily::kWgmma, Pass::kBwd, 32, kSmem227KiB, {kBwdSm90BlockM, 128}, {kBwdSm90BlockM, 128}, {}},
     {KernelFamily::kWgmma, Pass::kBwd, 64, kSmem227KiB, {kBwdSm90BlockM, 128}, {kBwdSm90BlockM, 128}, {}},
@@ -139,8 +181,10 @@ constexpr TileSet tile_set(KernelFamily family, Pass pass, int head_dim, int sme
 // The set the plans take on a GPU whose blocks may opt in to max_smem bytes: of (family, pass, head dim), the
 // one of the largest budget at or below max_smem; on a GPU below every budget, the one of the smallest, whose
 // kernels the plans then compare with the GPU's shared memory one by one (kernel_smem_bytes): small head dims
-// may still fit. !exists() when the table has no set of (family, pass, head dim).
+// may still fit; where max_smem is unknown (<= 0), the base set. !exists() when the table has no set of (family,
+// pass, head dim).
 constexpr TileSet tile_set_for(KernelFamily family, Pass pass, int head_dim, int max_smem) {
+    if (max_smem <= 0) { return tile_set(family, pass, head_dim, base_smem_budget(family)); }
     TileSet best{};
     for (const TileSet& set : kTileSets) {
         if (set.family != family || set.pass != pass || set.head_dim != head_dim) { continue; }
@@ -166,24 +210,26 @@ constexpr int fwd_mma_sync_smem_bytes(int head_dim, int block_m, int block_n) {
     return (block_m * head_dim + 2 * block_n * head_dim) * kElementBytes;
 }
 
-// mma.sync backward (BwdKernelTraits): K, V, P and dS, plus per query stage Q and dO and the fp32 LSE and D of
-// their rows. Two stages (the next query block loads while this one computes) where they fit the budget, else
-// one.
+// mma.sync backward (BwdKernelTraits): K, V, P and dS (P and dS inside V's buffer when V is held in
+// registers), plus per query stage Q and dO and the fp32 LSE and D of their rows. Two stages (the next query
+// block loads while this one computes) where they fit the budget, else one.
 constexpr int bwd_mma_sync_stage_bytes(int head_dim, int block_m) {
     return 2 * block_m * head_dim * kElementBytes + 2 * block_m * 4;
 }
-constexpr int bwd_mma_sync_fixed_bytes(int head_dim, int block_m, int block_n) {
-    return (2 * block_n * head_dim + 2 * block_m * block_n) * kElementBytes;
+constexpr int bwd_mma_sync_fixed_bytes(int head_dim, int block_m, int block_n, bool v_in_regs) {
+    return (2 * block_n * head_dim + (v_in_regs ? 0 : 2 * block_m * block_n)) * kElementBytes;
 }
-constexpr int bwd_mma_sync_q_stages(int head_dim, int block_m, int block_n, int smem_budget) {
-    return bwd_mma_sync_fixed_bytes(head_dim, block_m, block_n) + 2 * bwd_mma_sync_stage_bytes(head_dim, block_m) <=
+constexpr int bwd_mma_sync_q_stages(int head_dim, int block_m, int block_n, bool v_in_regs, int smem_budget) {
+    return bwd_mma_sync_fixed_bytes(head_dim, block_m, block_n, v_in_regs) +
+                       2 * bwd_mma_sync_stage_bytes(head_dim, block_m) <=
                    smem_budget
                ? 2
                : 1;
 }
-constexpr int bwd_mma_sync_smem_bytes(int head_dim, int block_m, int block_n, int smem_budget) {
-    return bwd_mma_sync_fixed_bytes(head_dim, block_m, block_n) +
-           bwd_mma_sync_q_stages(head_dim, block_m, block_n, smem_budget) * bwd_mma_sync_stage_bytes(head_dim, block_m);
+constexpr int bwd_mma_sync_smem_bytes(int head_dim, int block_m, int block_n, bool v_in_regs, int smem_budget) {
+    return bwd_mma_sync_fixed_bytes(head_dim, block_m, block_n, v_in_regs) +
+           bwd_mma_sync_q_stages(head_dim, block_m, block_n, v_in_regs, smem_budget) *
+               bwd_mma_sync_stage_bytes(head_dim, block_m);
 }
 
 // wgmma forward (FwdSm90KernelTraits): Q, and stages of (K, V) blocks. Three stages keep two key blocks in
@@ -228,30 +274,55 @@ constexpr int kernel_smem_bytes(const TileSet& set, const TileShape& tile, bool 
                    ? fwd_wgmma_smem_bytes(d, tile.block_m, tile.block_n, tile.ctas_per_sm, set.smem_budget)
                    : bwd_wgmma_smem_bytes(d, tile.block_m, tile.block_n, second_kv_buffer);
     }
-    return set.pass == Pass::kFwd ? fwd_mma_sync_smem_bytes(d, tile.block_m, tile.block_n)
-                                  : bwd_mma_sync_smem_bytes(d, tile.block_m, tile.block_n, set.smem_budget);
+    return set.pass == Pass::kFwd
+               ? fwd_mma_sync_smem_bytes(d, tile.block_m, tile.block_n)
+               : bwd_mma_sync_smem_bytes(d, tile.block_m, tile.block_n, tile.v_in_regs, set.smem_budget);
 }
 
 // ---- What the table promises ----
 
-// Every compiled head dim has a set of every (family, pass) at the family's compiled budget, and the table holds
-// no other set: the launchers compile only those, so a set for another budget needs its launch path first.
-// Short tiles exist in wgmma sets only (the mma.sync launchers have none).
+// Every compiled head dim has a set of every (family, pass) at the family's base budget, and at each of its
+// other budgets a set, or a wider head dim has one there (kernel_head_dim_for); the table holds no set of a
+// budget the launchers do not compile. Short tiles exist in wgmma sets only (the mma.sync launchers have none).
 constexpr bool tile_table_is_complete() {
-    for (int d : kKernelHeadDims) {
-        for (KernelFamily family : {KernelFamily::kMmaSync, KernelFamily::kWgmma}) {
-            for (Pass pass : {Pass::kFwd, Pass::kBwd}) {
-                if (!tile_set(family, pass, d, compiled_smem_budget(family)).exists()) { return false; }
+    for (KernelFamily family : {KernelFamily::kMmaSync, KernelFamily::kWgmma}) {
+        for (Pass pass : {Pass::kFwd, Pass::kBwd}) {
+            for (int budget : {kSmem99KiB, kSmem163KiB, kSmem227KiB}) {
+                if (!compiles_smem_budget(family, budget)) { continue; }
+                bool wider_has_one = false;
+                for (int i = kNumKernelHeadDims - 1; i >= 0; --i) {
+                    const bool has_one = tile_set(family, pass, kKernelHeadDims[i], budget).exists();
+                    if (!has_one && (budget == base_smem_budget(family) || !wider_has_one)) { return false; }
+                    wider_has_one = wider_has_one || has_one;
+                }
             }
         }
     }
     for (const TileSet& set : kTileSets) {
-        if (set.smem_budget != compiled_smem_budget(set.family)) { return false; }
+        if (!compiles_smem_budget(set.family, set.smem_budget)) { return false; }
         if (set.short_tile.exists() && set.family != KernelFamily::kWgmma) { return false; }
+        if ((set.tile.v_in_regs || set.causal_tile.v_in_regs) &&
+            !(set.family == KernelFamily::kMmaSync && set.pass == Pass::kBwd)) {
+            return false;
+        }
     }
     return true;
 }
 static_assert(tile_table_is_complete(), "each head dim of kernel_list.h needs its compiled tiles here, and only those");
+
+// Whether a set's kernels fit a GPU that offers max_smem bytes per block (<= 0: unknown, taken to fit).
+constexpr bool set_fits(const TileSet& set, int max_smem) { return max_smem <= 0 || set.smem_budget <= max_smem; }
+
+// The compiled head dim whose kernel runs a call of kernel head dim `head_dim` (kernel_head_dim) on a GPU of
+// max_smem: its own, unless tile_set_for finds it no set within max_smem and a wider head dim has one; that
+// kernel then runs with the head dim zero-padded (head dim 224's backward on 99 KiB GPUs runs head dim 256's).
+constexpr int kernel_head_dim_for(KernelFamily family, Pass pass, int head_dim, int max_smem) {
+    if (set_fits(tile_set_for(family, pass, head_dim, max_smem), max_smem)) { return head_dim; }
+    for (int d : kKernelHeadDims) {
+        if (d > head_dim && set_fits(tile_set_for(family, pass, d, max_smem), max_smem)) { return d; }
+    }
+    return head_dim;
+}
 
 // Every tile of every set fits the set's budget: ctas_per_sm CTAs of it for the wgmma forward, whose budget is
 // what an SM gives its blocks together; the Hopper backward with its second K/V buffer.

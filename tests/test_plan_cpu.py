@@ -606,18 +606,7 @@ def test_mma_sync_backward_stages_by_budget():
     # On Hopper (mma.sync forced, or deterministic mode) the mma.sync kernels take the A100's set: a 227 KiB set
     # with two stages at head dim 256 (209 KiB) measured no faster there (docs/design-notes.md).
     for override, deterministic in (("kernel=mma_sync", False), ("", True)):
-        p = plan(
-            "bwd",
-            batch=2,
-            seqlen_q=512,
-            seqlen_k=512,
-            nheads=8,
-            nheads_k=8,
-            head_dim=256,
-            override=override,
-            deterministic=deterministic,
-            **H200,
-        )
+        p = make("bwd", head_dim=256, override=override, deterministic=deterministic)
         assert p.kernel == "mma_sync" and p.tile_budget == SMEM_163KIB and p.smem == 147968, p
 
 

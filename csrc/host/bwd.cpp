@@ -116,8 +116,8 @@ std::tuple<Tensor, Tensor, Tensor> bwd_impl(const Tensor& dout, const Tensor& q,
     params.deterministic = deterministic;
     const bool is_bf16 = dtype == ScalarType::BFloat16;
     cudaError_t err = run_bwd_dot_do_o(params, is_bf16, stream);
+    // The launcher runs the main kernel and turns dq_accum into dq, whose order in dq_accum is its kernel's.
     if (err == cudaSuccess) { err = launcher(params, stream); }
-    if (err == cudaSuccess) { err = run_bwd_convert_dq(params, is_bf16, stream); }
     check_launch(err, "flash_attn2::bwd", device);
 
     if (!plan.dkv_fp32_slices) { return {dq, dk_heads, dv_heads}; }

@@ -78,6 +78,11 @@ struct BlockInfo {
         return view<const Element>(p.do_ptr, b * p.do_batch_stride + h * p.do_head_stride, q_start, seqlen_q,
                                    p.do_row_stride, p);
     }
+    template <typename Element>
+    __forceinline__ __device__ auto dq_view(const BwdParams& p, int b, int h) const {
+        return view<Element>(p.dq_ptr, b * p.dq_batch_stride + h * p.dq_head_stride, q_start, seqlen_q, p.dq_row_stride,
+                             p);
+    }
     // dK and dV slice h: a query head's (summed over its GQA group on the host), or a key/value head's when
     // the backward CTAs walk whole groups (BwdParams::heads_per_cta).
     template <typename Element>

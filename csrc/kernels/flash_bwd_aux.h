@@ -11,7 +11,8 @@ namespace flash {
 // Writes params.dsum_ptr from params.do_ptr and params.o_ptr.
 cudaError_t run_bwd_dot_do_o(const BwdParams& params, bool is_bf16, cudaStream_t stream);
 
-// Writes params.dq_ptr = params.dq_accum_ptr * softmax_scale in the input dtype.
+// Writes params.dq_ptr = params.dq_accum_ptr * softmax_scale in the input dtype, for a dq_accum in (row, column)
+// order (the Hopper kernels'; the mma.sync kernel converts its own, flash_bwd_convert_dq_kernel).
 cudaError_t run_bwd_convert_dq(const BwdParams& params, bool is_bf16, cudaStream_t stream);
 
 }  // namespace flash

@@ -18,19 +18,22 @@ __forceinline__ __device__ void cp_async_f32_zfill(float* smem_dst, const float*
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(gmem_src), "r"(valid ? 4 : 0));
 }
 
-// Adds two adjacent fp32 values into global memory without waiting for a reply: one vector reduction on
-// sm_90, two scalar ones before it.
-__forceinline__ __device__ void red_add_pair(float* dst, float a, float b) {
+// Adds four adjacent fp32 values (16 B aligned) into global memory without waiting for a reply: one vector
+// reduction on sm_90, four scalar ones before it.
+__forceinline__ __device__ void red_add_quad(float* dst, float a, float b, float c, float d) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(dst), "f"(a), "f"(b) : "memory");
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
 #else
     atomicAdd(dst, a);
     atomicAdd(dst + 1, b);
+    atomicAdd(dst + 2, c);
+    atomicAdd(dst + 3, d);
 #endif
 }
 
-// red_add_pair when `add`, the predicate inside the asm: with an `if` around red_add_pair instead, ptxas
-// spilled 4 bytes in the hdim 128 causal Hopper backward.
+// Adds two adjacent fp32 values into global memory when `add`, without waiting for a reply: one vector
+// reduction on sm_90, two scalar ones before it. The predicate is inside the asm: with an `if` around the
+// reduction instead, ptxas spilled 4 bytes in the hdim 128 causal Hopper backward.
 __forceinline__ __device__ void red_add_pair_if(bool add, float* dst, float a, float b) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile(

@@ -4,6 +4,9 @@
 
 #include <cuda_runtime.h>
 
+#include <type_traits>
+
+#include "kernels/flash_bwd_aux.h"
 #include "kernels/flash_bwd_kernel.h"
 #include "kernels/flash_bwd_sm90_kernel.h"
 #include "launch/kernel_registry.h"
@@ -27,7 +30,7 @@ constexpr TileShape bwd_mma_sync_tile() {
     return kBwdTileSet<KernelFamily::kMmaSync, kHeadDim, kBudget>.tile_for(kCausal);
 }
 
-// The mma.sync kernel of the set of kBudget.
+// The mma.sync kernel of the set of kBudget, then its dQ conversion (dq_accum in its fragment order).
 template <typename Element, int kHeadDim, bool kCausal, bool kVariants, int kBudget>
 cudaError_t run_bwd_mma_sync(const BwdParams& params, cudaStream_t stream) {
     constexpr TileShape kTile = bwd_mma_sync_tile<kHeadDim, kCausal, kBudget>();
@@ -40,8 +43,15 @@ cudaError_t run_bwd_mma_sync(const BwdParams& params, cudaStream_t stream) {
     // Key blocks along x: in deterministic mode a key block waits on its neighbour of the same (batch,
     // head) with the next lower CTA index, which must therefore be scheduled first.
     const dim3 grid((params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, params.batch, params.num_heads);
-    return launch_kernel<&flash_bwd_kernel<Traits, kCausal, kVariants>, Traits::kNThreads, Traits::kSmemBytes>(
-        grid, params, stream);
+    const cudaError_t err =
+        launch_kernel<&flash_bwd_kernel<Traits, kCausal, kVariants>, Traits::kNThreads, Traits::kSmemBytes>(
+            grid, params, stream);
+    if (err != cudaSuccess) { return err; }
+    // Shared memory: one (kBlockM, kHeadDim) dQ tile, staged for 16 B stores.
+    constexpr int kConvertSmemBytes = Traits::kSmemQElems * int(sizeof(Element));
+    const dim3 convert_grid((params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, params.batch, params.num_heads);
+    return launch_kernel<&flash_bwd_convert_dq_kernel<Traits>, Traits::kNThreads, kConvertSmemBytes>(convert_grid,
+                                                                                                     params, stream);
 }
 
 // Hopper (sm_90a) warpgroup-MMA backward: the narrow kernel up to head dim 128, the wide one above
@@ -70,7 +80,11 @@ cudaError_t launch_bwd_sm90(const BwdParams& params, cudaStream_t stream) {
     const dim3 grid((n_blocks + params.key_blocks_per_cta - 1) / params.key_blocks_per_cta, params.batch,
                     params.num_heads / params.heads_per_cta);
     const int smem_bytes = params.key_blocks_per_cta > 1 ? Traits::kSmemBytes : Traits::kSmemBytesOneKV;
-    return launch_kernel<kKernel, Traits::kNThreads, Traits::kSmemBytes>(grid, params, stream, smem_bytes);
+    const cudaError_t err = launch_kernel<kKernel, Traits::kNThreads, Traits::kSmemBytes>(grid, params, stream,
+                                                                                          smem_bytes);
+    if (err != cudaSuccess) { return err; }
+    // These kernels add dQ into dq_accum in (row, column) order.
+    return run_bwd_convert_dq(params, std::is_same_v<typename Traits::Element, cutlass::bfloat16_t>, stream);
 }
 
 // kVariants: as in run_fwd.

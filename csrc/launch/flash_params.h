@@ -119,7 +119,9 @@ struct BwdParams : FwdParams {
     float* __restrict__ dsum_ptr;  // (batch, num_heads, seqlen_q) contiguous: rowsum(dout * out), fp32
     float* __restrict__ dq_accum_ptr;  // fp32, zeroed, rows of dq_accum_head_dim: dense (batch, num_heads,
                                        // dq_accum_seqlen, .); varlen (num_heads, dq_accum_seqlen, .), where
-                                       // sequence b starts at row cu_seqlens_q[b] + b * kBwdMaxBlockM
+                                       // sequence b starts at row cu_seqlens_q[b] + b * kBwdMaxBlockM. The
+                                       // Hopper kernels keep each query block's rows in (row, column) order,
+                                       // the mma.sync kernel in its fragment order (flash_bwd_kernel.h)
     void* __restrict__ dq_ptr;  // dq_accum * scale, at the dq_*_stride strides
     void* __restrict__ dk_ptr;  // (batch, seqlen_k, num_heads / heads_per_cta, head_dim): one slice per
                                 // query head, or per key/value head when heads_per_cta > 1

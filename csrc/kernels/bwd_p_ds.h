@@ -83,6 +83,7 @@ __forceinline__ __device__ void compute_ds_variants(DpTensor& dp, const PTensor&
     const float keep_scale = params.dropout_keep_scale;
     const float inv_scale_log2 = 1.f / params.softmax_scale_log2;
     const float slope = softcap && mods.score_mod.alibi() ? mods.score_mod.slope(mods.head) : 0.f;
+    const TileDistances<kQueryIsRow, CoordTensor> distance(mods.score_mod, coords, pos);
     CUTE_UNROLL
     for (int qi = 0; qi < query_extent<kQueryIsRow>(dp); ++qi) {
         const int q = query_of<kQueryIsRow>(coords, kQueryIsRow ? qi : 0, kQueryIsRow ? 0 : qi);
@@ -100,8 +101,7 @@ __forceinline__ __device__ void compute_ds_variants(DpTensor& dp, const PTensor&
             }
             float ds = pv * (dpv - dsum);
             if (softcap && pv > 0.f) {
-                const float t = (__log2f(pv) + lse_log2) * inv_scale_log2 +
-                                slope * mods.score_mod.distance(pos.q0 + q, pos.k0 + key_of<kQueryIsRow>(coords, i, j));
+                const float t = (__log2f(pv) + lse_log2) * inv_scale_log2 + slope * distance(i, j);
                 ds *= 1.f - t * t;
             }
             dp(i, j) = ds;

@@ -71,48 +71,71 @@ struct Dropout {
         auto bits = [&](int q, uint32_t key_counter) {
             return philox4x32_10(uint32_t(q) & ~8u, key_counter, stream, offset, key0, key1);
         };
-        // Drops x when byte (k >> 3) & 3 of its word is below the threshold.
-        auto drop = [&](float& x, uint32_t word, int k) {
-            if (((word >> ((uint32_t(k) & 24u))) & 0xFFu) < threshold) { x = kNegate ? -x : 0.f; }
+        // Drops x when byte `shift` / 8 of its word is below the threshold.
+        auto drop = [&](float& x, uint32_t word, uint32_t shift) {
+            if (((word >> shift) & 0xFFu) < threshold) { x = kNegate ? -x : 0.f; }
         };
+        // In the MMA accumulator layouts a thread's position and a value's index select different bits of the
+        // key within the tile (the thread's first key sets bits 1-2 and some of 3-6, a value's offset bit 0 and
+        // the others), and tiles start at multiples of 32 keys. So every key a thread holds is its first key
+        // ORed with a compile-time offset d: which elements share a call, and the word and byte each takes,
+        // follow from d at compile time and from the first key's bits 3 and 4 at run time. With the test
+        // (key & ~25) != current at run time instead, ptxas emitted a Philox body for each column pair, under
+        // branches, and shifted by a computed amount per element.
         if constexpr (kQueryIsRow) {
-            // Rows r, r + 1 are queries q, q + 8; columns c, c + 1 keys k, k + 1. Consecutive column pairs whose
-            // keys differ only in bits 3 and 4 share a call: it is made again only when the key counter changes,
-            // which for a given pair happens alike in every thread of a warp.
+            // Rows r, r + 1 are queries q, q + 8; columns c, c + 1 keys k, k + 1.
+            const int first = key_of<true>(coords, 0, 0);
+            const uint32_t key_base = uint32_t(k0 + first);
             CUTE_UNROLL
             for (int r = 0; r < size<0>(p); r += 2) {
                 const int q = q0 + query_of<true>(coords, r, 0);
-                uint4 w = make_uint4(0u, 0u, 0u, 0u);
-                uint32_t current = ~0u;  // no key counter: bit 0 is always clear in one
+                uint4 w;
                 CUTE_UNROLL
                 for (int c = 0; c < size<1>(p); c += 2) {
-                    const int k = k0 + key_of<true>(coords, r, c);
-                    const uint32_t key_counter = uint32_t(k) & ~25u;
-                    if (key_counter != current) {
-                        w = bits(q, key_counter);
-                        current = key_counter;
-                    }
-                    drop(p(r, c), w.x, k);
-                    drop(p(r, c + 1), w.y, k);
-                    drop(p(r + 1, c), w.z, k);
-                    drop(p(r + 1, c + 1), w.w, k);
+                    const uint32_t d = uint32_t(key_of<true>(coords, r, c) - first);
+                    const uint32_t d_prev = c == 0 ? ~0u : uint32_t(key_of<true>(coords, r, c - 2) - first);
+                    if ((d & ~25u) != (d_prev & ~25u)) { w = bits(q, (key_base | d) & ~25u); }
+                    const uint32_t shift = (key_base | d) & 24u;
+                    drop(p(r, c), w.x, shift);
+                    drop(p(r, c + 1), w.y, shift);
+                    drop(p(r + 1, c), w.z, shift);
+                    drop(p(r + 1, c + 1), w.w, shift);
                 }
             }
         } else {
             // Rows r, r + 1 are keys k, k + 8; columns c and c + 2 queries q, q + 8 (c in an even 8-column group).
-            // Keys k and k + 1 are another thread's: one call gives this thread the four bytes of (k, k + 8) x
-            // (q, q + 8), in the word pair of k's bit 0.
+            // A call gives this thread four of its sixteen bytes, those of (k, k + 8) x (q, q + 8), in the word
+            // pair of k's bit 0. The thread holding key k ^ 1 (lane ^ 4: rows are lane / 4) needs the same call's
+            // other word pair, so the two split each pair of calls: each makes one and passes the other the
+            // two words of its parity, which halves the calls.
+            const int first = key_of<false>(coords, 0, 0);
+            const bool odd = ((k0 + first) & 1) != 0;
             CUTE_UNROLL
             for (int r = 0; r < size<0>(p); r += 2) {
+                const int key = k0 + key_of<false>(coords, r, 0);
+                const uint32_t key_counter = uint32_t(key) & ~25u;
+                const uint32_t shift = uint32_t(key) & 24u;
+                const uint32_t shift_8 = uint32_t(key + 8) & 24u;
+                // Column pairs (c, c + 1) in the order (0, 1), (4, 5), (8, 9), ...: queries q and q + 1.
                 CUTE_UNROLL
-                for (int c = 0; c < size<1>(p); c += ((c & 1) == 0 ? 1 : 3)) {
-                    const int key = k0 + key_of<false>(coords, r, c);
-                    const uint4 w = bits(q0 + query_of<false>(coords, r, c), uint32_t(key) & ~25u);
-                    const bool odd = (key & 1) != 0;
-                    drop(p(r, c), odd ? w.y : w.x, key);
-                    drop(p(r, c + 2), odd ? w.w : w.z, key);
-                    drop(p(r + 1, c), odd ? w.y : w.x, key + 8);
-                    drop(p(r + 1, c + 2), odd ? w.w : w.z, key + 8);
+                for (int c = 0; c < size<1>(p); c += 4) {
+                    const int qa = q0 + query_of<false>(coords, r, c);
+                    const int qb = q0 + query_of<false>(coords, r, c + 1);
+                    const uint4 w = bits(odd ? qb : qa, key_counter);
+                    // This thread's words of its own call, and the partner's words of this thread's parity.
+                    const uint32_t own0 = odd ? w.y : w.x, own1 = odd ? w.w : w.z;
+                    const uint32_t got0 = __shfl_xor_sync(0xffffffffu, odd ? w.x : w.y, 4);
+                    const uint32_t got1 = __shfl_xor_sync(0xffffffffu, odd ? w.z : w.w, 4);
+                    const uint32_t a0 = odd ? got0 : own0, a1 = odd ? got1 : own1;  // query qa's call
+                    const uint32_t b0 = odd ? own0 : got0, b1 = odd ? own1 : got1;  // query qb's call
+                    drop(p(r, c), a0, shift);
+                    drop(p(r, c + 2), a1, shift);
+                    drop(p(r + 1, c), a0, shift_8);
+                    drop(p(r + 1, c + 2), a1, shift_8);
+                    drop(p(r, c + 1), b0, shift);
+                    drop(p(r, c + 3), b1, shift);
+                    drop(p(r + 1, c + 1), b0, shift_8);
+                    drop(p(r + 1, c + 3), b1, shift_8);
                 }
             }
         }

@@ -77,8 +77,33 @@ struct ScoreMod {
     __forceinline__ __device__ float slope(int head) const {
         return params.alibi_slopes_ptr[batch_idx * params.alibi_batch_stride + head] / params.score_scale;
     }
-    // The (positive) ALiBi penalty of query q and key k per unit of slope.
-    __forceinline__ __device__ float distance(int q, int k) const { return float(abs(q + position_offset - k)); }
+};
+
+// ALiBi's distances |q + position_offset - k| of a tile's elements, in float. Two elements a thread holds are a
+// compile-time number of rows and columns apart (coords is a partitioned identity tensor), so the thread's first
+// element's signed distance is computed once per tile and each element's is that plus a constant: one add, where
+// the integer difference, its abs and an int-to-float conversion (a quarter-rate instruction, as exp2) were four.
+// Exact while distances stay below 2^24.
+template <bool kQueryIsRow, class CoordTensor>
+struct TileDistances {
+    const CoordTensor& coords;
+    int q_first;
+    int k_first;
+    float first;  // the signed distance of the thread's first element
+
+    template <class Element>
+    __forceinline__ __device__ TileDistances(const ScoreMod<Element>& score_mod, const CoordTensor& coords_,
+                                             const ScorePos& pos)
+        : coords(coords_),
+          q_first(query_of<kQueryIsRow>(coords_, 0, 0)),
+          k_first(key_of<kQueryIsRow>(coords_, 0, 0)),
+          first(float(pos.q0 + q_first + score_mod.position_offset - pos.k0 - k_first)) {}
+
+    __forceinline__ __device__ float operator()(int i, int j) const {
+        const int offset = (query_of<kQueryIsRow>(coords, i, j) - q_first) -
+                           (key_of<kQueryIsRow>(coords, i, j) - k_first);
+        return fabsf(first + float(offset));
+    }
 };
 
 // Applies score_mod to every score of a tile. scores: (rows, cols) view of the accumulator; coords: the matching
@@ -94,13 +119,11 @@ __forceinline__ __device__ void apply_score_mod(const ScoreMod<Element>& score_m
     }
     if (score_mod.alibi()) {
         const float slope = score_mod.slope(pos.head);
+        const TileDistances<kQueryIsRow, CoordTensor> distance(score_mod, coords, pos);
         CUTE_UNROLL
         for (int i = 0; i < size<0>(scores); ++i) {
             CUTE_UNROLL
-            for (int j = 0; j < size<1>(scores); ++j) {
-                scores(i, j) -= slope * score_mod.distance(pos.q0 + query_of<kQueryIsRow>(coords, i, j),
-                                                           pos.k0 + key_of<kQueryIsRow>(coords, i, j));
-            }
+            for (int j = 0; j < size<1>(scores); ++j) { scores(i, j) -= slope * distance(i, j); }
         }
     }
 }

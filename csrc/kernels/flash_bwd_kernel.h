@@ -26,10 +26,11 @@ using namespace cute;
 // kBlockM * kDqChunk floats in the order of the dQ GEMM's accumulator fragments: value i of thread t at
 // ((i / V) * kNThreads + t) * V + i % V, V = dq_accum_vec() floats per reduction. A warp's reduction then
 // covers 32 * V consecutive floats, whole 128 B lines; in (row, column) order each one touched eight rows of
-// 32 B, and sent eight requests to L2 where FlashAttention-2's sends one (ncu, H200: four times the L2
-// reduction requests, and stalls on the load/store queues). flash_bwd_convert_dq_kernel restores the (row, column)
-// order. V is 4 on sm_90, which has 16 B vector reductions, and 1 before it, whose vector reductions are
-// split into scalar ones: four floats per thread would spread a warp's scalar reduction over four lines.
+// 32 B, and sent eight requests to L2 where FlashAttention-2's sends one (Nsight Compute on an H200: four
+// times the L2 reduction requests, and stalls on the load/store queues). flash_bwd_convert_dq_kernel
+// restores the (row, column) order. V is 4 on sm_90, which has 16 B vector reductions, and 1 before it,
+// whose vector reductions are split into scalar ones: four floats per thread would spread a warp's scalar
+// reduction over four lines.
 __forceinline__ __device__ constexpr int dq_accum_vec() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     return 4;

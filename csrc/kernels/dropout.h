@@ -11,7 +11,8 @@
 // thread holds rows 8 apart, adjacent column pairs and every 8-column group of its columns, so where a warp owns
 // 32 consecutive keys (the forward kernels) every byte of a call is used. The mma.sync backward's warps own
 // 8-column groups 32 or 16 keys apart and use four or eight bytes of a call; the Hopper backward's transposed
-// S^T (keys as rows) gives a thread keys 8 apart and queries 8 apart, four bytes of a call. An element is dropped
+// S^T (keys as rows) gives a thread keys 8 apart and queries 8 apart, four bytes of a call, and the lane
+// holding the neighbouring key four more (apply shares each call between the two). An element is dropped
 // when its byte is below FwdParams::dropout_threshold (8 bits of resolution on p, as flash-attn 2.x).
 #pragma once
 

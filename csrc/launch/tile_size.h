@@ -76,7 +76,7 @@ constexpr int kBwdSm90ShortBlockM = 16;
 // 128 and 256 (bench/results/h200/tune_fwd_nvidia-h200.md); 32 and 96 follow 64 and 128, and 160 to 224 follow
 // 256. Up to head dim 128, 128-row tiles on four warps (32 query rows a warp) beat eight warps of 16 rows even
 // with a few bytes of spills: each K/V fragment read from shared memory feeds twice the MMAs. That holds for
-// causal head dim 128 too, 9-17% faster than 64 x 128 (docs/design-notes.md). Above 128 the accumulators leave no
+// causal head dim 128 too, 4-17% faster than 64 x 128 (docs/design-notes.md). Above 128 the accumulators leave no
 // registers for 32 rows a warp, and 64x64 tiles on four warps win.
 //
 // wgmma forward (block_m, block_n, -, CTAs per SM), warpgroups of 64 query rows. Head dims 32 and 64 fit two

@@ -1,8 +1,9 @@
 """The kernels' attention-dropout mask, recomputed in plain PyTorch (a testing aid).
 
 The kernels decide whether to keep an entry of the probability matrix from a counter-based generator,
-Philox4x32-10, so the mask is a pure function of (seed, offset) and of the entry's coordinates: it can be
-rebuilt here, bit for bit, on any device, from the rng_state the Python wrappers hand to the op.
+Philox4x32 with 7 rounds (as flash-attn 2.x), so the mask is a pure function of (seed, offset) and of the entry's
+coordinates: it can be rebuilt here, bit for bit, on any device, from the rng_state the Python wrappers hand to
+the op.
 
 Layout of the draw (the same in every pass, dense or varlen):
 
@@ -29,7 +30,7 @@ from .reference import attention_probs, effective_dropout_p
 _MASK32 = 0xFFFFFFFF
 _MULTIPLIERS = (0xD2511F53, 0xCD9E8D57)
 _KEY_BUMPS = (0x9E3779B9, 0xBB67AE85)
-_ROUNDS = 10
+DROPOUT_ROUNDS = 7  # the rounds of the kernels' Philox (csrc/kernels/dropout.h)
 # Entries per chunk of keep_mask. The generator makes one call per sixteen entries and holds a few dozen int64
 # temporaries of one word per call, and the (word, byte) decisions, at its peak: tens of MB at 2^20 entries.
 _CHUNK_ENTRIES = 1 << 20
@@ -49,21 +50,25 @@ def _mulhilo(multiplier: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return ((high_part >> 16) + (below >> 32)) & _MASK32, below & _MASK32
 
 
-def philox4x32_10(
+def philox4x32(
     c0: torch.Tensor | int,
     c1: torch.Tensor | int,
     c2: torch.Tensor | int,
     c3: torch.Tensor | int,
     k0: torch.Tensor | int,
     k1: torch.Tensor | int,
+    rounds: int = DROPOUT_ROUNDS,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Philox4x32 with 10 rounds on int64 tensors (or Python ints) holding uint32 values.
+    """Philox4x32 with ``rounds`` rounds on int64 tensors (or Python ints) holding uint32 values.
 
     The inputs broadcast against each other; the four output words come back as int64 tensors of uint32 values.
-    Round r (r = 0..9) uses the key (k0 + r * 0x9E3779B9, k1 + r * 0xBB67AE85) mod 2^32.
+    Round r (r = 0, 1, ...) uses the key (k0 + r * 0x9E3779B9, k1 + r * 0xBB67AE85) mod 2^32. With ``rounds=10``
+    this is Random123's philox4x32_10.
     """
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
     c0, c1, c2, c3, k0, k1 = (torch.as_tensor(t, dtype=torch.int64) for t in (c0, c1, c2, c3, k0, k1))
-    for _ in range(_ROUNDS):
+    for _ in range(rounds):
         hi0, lo0 = _mulhilo(_MULTIPLIERS[0], c0)
         hi1, lo1 = _mulhilo(_MULTIPLIERS[1], c2)
         c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
@@ -143,7 +148,7 @@ def _keep(
                 head_counters[:, None, None],
                 offset & _MASK32,
             )
-            words = torch.stack(torch.broadcast_tensors(*philox4x32_10(*counters, *key)))
+            words = torch.stack(torch.broadcast_tensors(*philox4x32(*counters, *key)))
             # (word, head, call row, call column, byte); word = 2 * row bit 3 + column bit 0, byte = column bits 3-4.
             kept = ((words[..., None] >> byte_shifts) & 0xFF) >= threshold
             h, row_blocks = len(head_counters), len(row_counters) // 8

@@ -24,7 +24,7 @@ except ImportError:
     sys.modules["flash_attn_cuda"] = _package
 
 from flash_attn_cuda import dropout  # noqa: E402
-from flash_attn_cuda.dropout import keep_mask, philox4x32_10, s_dmask, varlen_keep_mask  # noqa: E402
+from flash_attn_cuda.dropout import DROPOUT_ROUNDS, keep_mask, philox4x32, s_dmask, varlen_keep_mask  # noqa: E402
 from flash_attn_cuda.reference import attention_probs, attention_ref, effective_dropout_p, visible_mask  # noqa: E402
 
 M32 = 0xFFFFFFFF
@@ -44,14 +44,14 @@ def _seed():
     torch.manual_seed(0)
 
 
-# ---------------------------------------------------------------- Philox4x32-10
+# ---------------------------------------------------------------- Philox4x32
 
 
-def philox_python(counter, key):
-    """Philox4x32-10 on Python ints, as written in the spec: the check of the int64 arithmetic of dropout.py."""
+def philox_python(counter, key, rounds):
+    """Philox4x32 on Python ints, as written in the spec: the check of the int64 arithmetic of dropout.py."""
     c0, c1, c2, c3 = counter
     k0, k1 = key
-    for _ in range(10):
+    for _ in range(rounds):
         p0, p1 = 0xD2511F53 * c0, 0xCD9E8D57 * c2
         c0, c1, c2, c3 = (p1 >> 32) ^ c1 ^ k0, p1 & M32, (p0 >> 32) ^ c3 ^ k1, p0 & M32
         k0, k1 = (k0 + 0x9E3779B9) & M32, (k1 + 0xBB67AE85) & M32
@@ -71,8 +71,20 @@ KNOWN_ANSWERS = [  # (counter, key, output) of Random123's philox4x32_10 known-a
 
 @pytest.mark.parametrize("counter, key, expected", KNOWN_ANSWERS, ids=["zeros", "ones", "pi"])
 def test_philox_known_answers(counter, key, expected):
-    assert tuple(int(w) for w in philox4x32_10(*counter, *key)) == expected
-    assert philox_python(counter, key) == expected
+    # Random123 publishes answers for 10 rounds; the rounds are one loop, so these check every round's arithmetic.
+    assert tuple(int(w) for w in philox4x32(*counter, *key, rounds=10)) == expected
+    assert philox_python(counter, key, 10) == expected
+
+
+def test_dropout_draws_seven_rounds():
+    # The kernels' dropout runs 7 rounds (dropout.h, as flash-attn 2.x): fewer rounds are a different function.
+    assert DROPOUT_ROUNDS == 7
+    words = (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344, 0xA4093822, 0x299F31D0)
+    seven = tuple(int(w) for w in philox4x32(*words))
+    assert seven == philox_python(words[:4], words[4:], 7)
+    assert seven != philox_python(words[:4], words[4:], 10)
+    with pytest.raises(ValueError, match="rounds"):
+        philox4x32(*words, rounds=0)
 
 
 def test_philox_matches_python_ints():
@@ -80,11 +92,11 @@ def test_philox_matches_python_ints():
     n = 500
     words = torch.randint(0, 2**32, (6, n), dtype=torch.int64)
     words[:, :4] = torch.tensor([0, M32, 2**31, 2**31 - 1])  # the edges
-    out = philox4x32_10(*words)
+    out = philox4x32(*words)
     assert all(w.dtype == torch.int64 and w.shape == (n,) for w in out)
     for idx in range(n):
         counter, key = words[:4, idx].tolist(), words[4:, idx].tolist()
-        assert tuple(int(w[idx]) for w in out) == philox_python(counter, key), idx
+        assert tuple(int(w[idx]) for w in out) == philox_python(counter, key, DROPOUT_ROUNDS), idx
 
 
 # ---------------------------------------------------------------- keep_mask
@@ -101,7 +113,7 @@ def keep_mask_literal(seed, offset, dropout_p, batch, nheads, seqlen_q, seqlen_k
     i = torch.arange(seqlen_q)[None, :, None]
     j = torch.arange(seqlen_k)[None, None, :]
     bh = torch.arange(batch * nheads)[:, None, None]
-    words = philox4x32_10(i & ~8, j & ~25, bh, offset & M32, seed & M32, (seed >> 32) & M32)
+    words = philox4x32(i & ~8, j & ~25, bh, offset & M32, seed & M32, (seed >> 32) & M32, rounds=7)
     words = torch.stack(torch.broadcast_tensors(*words))
     which = (2 * ((i >> 3) & 1) + (j & 1)).expand(batch * nheads, -1, -1)
     word = words.gather(0, which[None])[0]
@@ -173,7 +185,7 @@ def test_keep_threshold_boundary():
     # 0 of j set) of the call at counter (1, 2, 3, offset): it is kept at the threshold round(256 p) = byte and
     # dropped just above.
     seed, offset = 0x0123_4567_89AB_CDEF, 77
-    word = int(philox4x32_10(1, 2, 3, offset, seed & M32, seed >> 32)[3])
+    word = int(philox4x32(1, 2, 3, offset, seed & M32, seed >> 32, rounds=7)[3])
     byte = (word >> 16) & 0xFF
     state = rng_state(seed, offset)
     if byte > 0:

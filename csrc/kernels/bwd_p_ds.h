@@ -114,7 +114,8 @@ __forceinline__ __device__ void compute_ds_variants(DpTensor& dp, const PTensor&
 // In kVariants kernels, with the variants of mods (a uniform branch to compute_ds_variants):
 // - dropout: O sums kept P / (1 - p) times V, so dP of a kept value is scaled by 1 / (1 - p) and a dropped
 //   one's is 0, while D and P stay those of the undropped softmax: dS = |P| (kept ? dP / (1 - p) - D : -D).
-// - softcap: the score is c tanh(x) with x = softmax_scale q.k / c, so dS picks up 1 - tanh^2. tanh is
+// - softcap: the score is c tanh(x) with x = softmax_scale q.k / c, so dS picks up 1 - tanh^2. Without dropout
+//   the kernels take compute_p_ds_softcap instead, which has tanh at hand; here (with dropout) tanh is
 //   recovered from P = exp2(u scale_log2 - lse_log2), u = tanh - slope * distance: u = (log2 P + lse_log2) /
 //   scale_log2. Where P is 0 (masked or underflowed) dS is 0 whatever the derivative, and it is skipped.
 //   The recovery's error is that of log2 and of the fp32 LSE, far below the input dtype's rounding.
@@ -141,6 +142,53 @@ __forceinline__ __device__ void compute_ds(DpTensor& dp, const PTensor& p, const
             const int j = kQueryIsRow ? ki : qi;
             dp(i, j) = p(i, j) * (dp(i, j) - dsum);
         }
+    }
+}
+
+// P and dS of one tile in a single pass, for a call with softcap and without dropout, once both S and dP are
+// complete. compute_ds recovers softcap's tanh t from P through a log2, a MUFU operation as tanh and exp2 are;
+// here the derivative 1 - t^2 is taken while t is at hand. s: S, overwritten with P; dp: dP, overwritten with dS;
+// the rest as in compute_p and compute_ds.
+template <bool kQueryIsRow, HideP kHide, class Mask, class STensor, class DpTensor, class CoordTensor, class Element,
+          class LseLog2Of, class DsumOf>
+__forceinline__ __device__ void compute_p_ds_softcap(STensor& s, DpTensor& dp, const CoordTensor& coords,
+                                                     const Mask& mask, const ScoreMod<Element>& score_mod,
+                                                     const ScorePos& pos, float scale_log2, LseLog2Of lse_log2_of,
+                                                     DsumOf dsum_of) {
+    static_assert(decltype(size(s))::value == decltype(size(dp))::value &&
+                      decltype(size(s))::value == decltype(size(coords))::value,
+                  "S, dP and coords of one tile");
+    CUTE_UNROLL
+    for (int i = 0; i < size(s); ++i) { s(i) = softcap_tanh(s(i) * score_mod.params.softcap_prescale); }
+    if constexpr (kHide == HideP::kBeforeExp) {
+        if (mask.needs_mask()) { mask.template apply<kQueryIsRow>(s, coords); }
+    }
+    // ALiBi's term in exp2 units: the exponent is (t - slope * distance) * scale_log2 - lse_log2.
+    const float slope_log2 = score_mod.alibi() ? score_mod.slope(pos.head) * scale_log2 : 0.f;
+    const TileDistances<kQueryIsRow, CoordTensor> distance(score_mod, coords, pos);
+    CUTE_UNROLL
+    for (int qi = 0; qi < query_extent<kQueryIsRow>(s); ++qi) {
+        const int q = query_of<kQueryIsRow>(coords, kQueryIsRow ? qi : 0, kQueryIsRow ? 0 : qi);
+        const float lse_log2 = lse_log2_of(q);
+        const float dsum = dsum_of(q);
+        CUTE_UNROLL
+        for (int ki = 0; ki < key_extent<kQueryIsRow>(s); ++ki) {
+            const int i = kQueryIsRow ? qi : ki;
+            const int j = kQueryIsRow ? ki : qi;
+            const float t = s(i, j);  // tanh, or -inf where kBeforeExp's mask hides the element
+            float p = exp2f(fmaf(t, scale_log2, fmaf(-slope_log2, distance(i, j), -lse_log2)));
+            if constexpr (kHide == HideP::kInExp) {
+                p = mask.hides_past_diagonal(q, key_of<kQueryIsRow>(coords, i, j)) ? 0.f : p;
+            }
+            s(i, j) = p;
+            // 1 - t^2; where t = -inf, P = 0 and the min keeps the factor at 0 instead of -inf (0 * inf = NaN).
+            dp(i, j) = p * (dp(i, j) - dsum) * (1.f - fminf(t * t, 1.f));
+        }
+    }
+    if constexpr (kHide == HideP::kInExp) {
+        // Keys past the sequence end: P and, computed from the P they had before, dS.
+        mask.template hide_keys_past_end<kQueryIsRow>(s, coords);
+        mask.template hide_keys_past_end<kQueryIsRow>(dp, coords);
     }
 }
 

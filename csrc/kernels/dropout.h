@@ -4,16 +4,19 @@
 // regenerates exactly the forward's mask, in any kernel and either orientation, and a CUDA graph replay that
 // redraws rng_state gets a fresh one. flash_attn_cuda/dropout.py computes the same mask in PyTorch.
 //
-// The random bits come from Philox4x32-10 (Salmon et al., SC 2011): key = the seed, counter = (row with bit 3
-// cleared, key with bits 0, 3 and 4 cleared, sequence * num_heads + head, the offset's low word). One call yields
-// sixteen bytes, one for each element of {row, row + 8} x {key, key + 1} x {key + 8 g : g < 4}: element (q, k)
-// takes byte (k >> 3) & 3 of word 2 * bit3(q) + bit0(k). In the accumulator layouts of mma.sync and wgmma a
-// thread holds rows 8 apart, adjacent column pairs and every 8-column group of its columns, so where a warp owns
-// 32 consecutive keys (the forward kernels) every byte of a call is used. The mma.sync backward's warps own
-// 8-column groups 32 or 16 keys apart and use four or eight bytes of a call; the Hopper backward's transposed
-// S^T (keys as rows) gives a thread keys 8 apart and queries 8 apart, four bytes of a call, and the lane
-// holding the neighbouring key four more (apply shares each call between the two). An element is dropped
-// when its byte is below FwdParams::dropout_threshold (8 bits of resolution on p, as flash-attn 2.x).
+// The random bits come from Philox4x32 with 7 rounds (Salmon et al., SC 2011, find Philox4x32 Crush-resistant
+// from 7 rounds and take 10 for a safety margin; flash-attn 2.x draws its dropout with 7, and a call is the
+// integer work dropout adds per sixteen elements): key = the seed, counter = (row with bit 3 cleared, key with
+// bits 0, 3 and 4 cleared, sequence * num_heads + head, the offset's low word). One call yields sixteen bytes,
+// one for each element of {row, row + 8} x {key, key + 1} x {key + 8 g : g < 4}: element (q, k) takes byte
+// (k >> 3) & 3 of word 2 * bit3(q) + bit0(k). In the accumulator layouts of mma.sync and wgmma a thread holds
+// rows 8 apart, adjacent column pairs and every 8-column group of its columns, so where a warp owns 32
+// consecutive keys every byte of a call is used: the forward kernels, and the mma.sync backward's variants
+// kernel, whose warps own runs of 32 consecutive keys (16, and eight bytes of a call, in key blocks of 64; see
+// kernel_traits_bwd.h). The Hopper backward's transposed S^T (keys as rows) gives a thread keys 8 apart and
+// queries 8 apart, four bytes of a call, and the lane holding the neighbouring key four more (apply shares each
+// call between the two). An element is dropped when its byte is below FwdParams::dropout_threshold (8 bits of
+// resolution on p, as flash-attn 2.x).
 #pragma once
 
 #include <cstdint>
@@ -27,11 +30,12 @@ namespace flash {
 
 using namespace cute;
 
-// Philox4x32 with 10 rounds on counter (c0, c1, c2, c3) and key (k0, k1).
-__forceinline__ __device__ uint4 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0,
-                                               uint32_t k1) {
+// Philox4x32 with kRounds rounds on counter (c0, c1, c2, c3) and key (k0, k1).
+template <int kRounds>
+__forceinline__ __device__ uint4 philox4x32(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0,
+                                            uint32_t k1) {
     CUTE_UNROLL
-    for (int round = 0; round < 10; ++round) {
+    for (int round = 0; round < kRounds; ++round) {
         const uint32_t hi0 = __umulhi(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
         const uint32_t hi1 = __umulhi(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
         c0 = hi1 ^ c1 ^ k0;
@@ -43,6 +47,9 @@ __forceinline__ __device__ uint4 philox4x32_10(uint32_t c0, uint32_t c1, uint32_
     }
     return make_uint4(c0, c1, c2, c3);
 }
+
+// The rounds of the dropout's Philox (flash_attn_cuda/dropout.py computes the same draw).
+inline constexpr int kDropoutPhiloxRounds = 7;
 
 // The dropout of one (sequence, query head). Like ScoreMod it reads the __grid_constant__ params where used and
 // the seed and offset only inside apply, so that without dropout it holds no registers in the main loops.
@@ -56,12 +63,60 @@ struct Dropout {
 
     __forceinline__ __device__ bool active() const { return params.dropout_threshold != 0u; }
 
-    // Marks the dropped values of a tile. p: (rows, cols) view of an accumulator in the mma.sync or wgmma
+    // Zeroes the dropped values of a tile of P already converted to a 16-bit Element, as the forward kernels feed
+    // it to the P V GEMM. rp: (rows, cols) view of the converted accumulator (mma.sync or wgmma layout, query rows),
+    // coords, q0 and k0 as in apply. Each 32-bit register holds a column pair (c, c + 1), whose two bytes sit at
+    // the same position of words x and y (rows r) or z and w (rows r + 8): one PRMT gathers them into the low
+    // bytes of two 16-bit lanes, and one f16x2 comparison of those lanes (small integers, which compare as f16
+    // subnormals do) with the threshold yields a 0 / 0xffff mask per lane to AND into the pair. Two instructions a
+    // value fewer than apply's shift, mask, compare and select on float32 values.
+    template <class RPTensor, class CoordTensor>
+    __forceinline__ __device__ void apply_converted(RPTensor& rp, const CoordTensor& coords, int q0, int k0) const {
+        static_assert(sizeof(typename RPTensor::value_type) == 2, "pairs of 16-bit values");
+        static_assert(decltype(size<0>(rp))::value % 2 == 0 && decltype(size<1>(rp))::value % 4 == 0);
+        const uint64_t seed = uint64_t(params.rng_state_ptr[0]);
+        const uint32_t key0 = uint32_t(seed), key1 = uint32_t(seed >> 32);
+        const uint32_t offset = uint32_t(uint64_t(params.rng_state_ptr[1]));
+        const uint32_t stream = uint32_t(batch_idx) * uint32_t(params.num_heads) + uint32_t(head_idx);
+        const uint32_t threshold2 = params.dropout_threshold * 0x00010001u;
+        uint32_t* pairs = reinterpret_cast<uint32_t*>(raw_pointer_cast(rp.data()));
+        // The kept-lane mask of a column pair whose bytes are byte `sel` of lo and of hi.
+        auto keep = [&](uint32_t lo, uint32_t hi, uint32_t sel) {
+            const uint32_t bytes = __byte_perm(lo, hi, sel) & 0x00FF00FFu;
+            uint32_t mask;
+            asm("set.ge.u32.f16x2 %0, %1, %2;" : "=r"(mask) : "r"(bytes), "r"(threshold2));
+            return mask;
+        };
+        const int first = key_of<true>(coords, 0, 0);
+        const uint32_t key_base = uint32_t(k0 + first);
+        CUTE_UNROLL
+        for (int r = 0; r < size<0>(rp); r += 2) {
+            const int q = q0 + query_of<true>(coords, r, 0);
+            uint4 w;
+            CUTE_UNROLL
+            for (int c = 0; c < size<1>(rp); c += 2) {
+                // Calls as in apply: see there.
+                const uint32_t d = uint32_t(key_of<true>(coords, r, c) - first);
+                const uint32_t d_prev = c == 0 ? ~0u : uint32_t(key_of<true>(coords, r, c - 2) - first);
+                if ((d & ~25u) != (d_prev & ~25u)) {
+                    w = philox4x32<kDropoutPhiloxRounds>(uint32_t(q) & ~8u, (key_base | d) & ~25u, stream, offset, key0,
+                                                         key1);
+                }
+                // Byte b of the first word to lane 0's low byte, of the second (PRMT index 4 + b) to lane 1's.
+                const uint32_t b = ((key_base | d) >> 3) & 3u;
+                const uint32_t sel = b | ((b + 4u) << 8);
+                pairs[rp.layout()(r, c) / 2] &= keep(w.x, w.y, sel);
+                pairs[rp.layout()(r + 1, c) / 2] &= keep(w.z, w.w, sel);
+            }
+        }
+    }
+
+    // Negates the dropped values of a tile of P in float32, for the backward kernels, which keep P for dS and tell
+    // dropped from kept by the sign (bwd_p_ds.h). p: (rows, cols) view of an accumulator in the mma.sync or wgmma
     // layout (mode 0 of the rows: +8 rows; mode 0 of the cols: +1 column; then 8-column groups), coords its tile
     // positions, kQueryIsRow as in mask.h (false: rows are keys and columns are queries, the Hopper backward's
-    // S^T). q0 and k0: the tile's first query row and key within the sequence. kNegate: dropped values are
-    // negated (the backward keeps P for dS and tells dropped from kept by the sign, see bwd_p_ds.h), else set to 0.
-    template <bool kQueryIsRow, bool kNegate, class PTensor, class CoordTensor>
+    // S^T). q0 and k0: the tile's first query row and key within the sequence.
+    template <bool kQueryIsRow, class PTensor, class CoordTensor>
     __forceinline__ __device__ void apply(PTensor& p, const CoordTensor& coords, int q0, int k0) const {
         static_assert(decltype(size<0>(p))::value % 2 == 0 && decltype(size<1>(p))::value % 4 == 0);
         const uint64_t seed = uint64_t(params.rng_state_ptr[0]);
@@ -70,11 +125,11 @@ struct Dropout {
         const uint32_t stream = uint32_t(batch_idx) * uint32_t(params.num_heads) + uint32_t(head_idx);
         const uint32_t threshold = params.dropout_threshold;
         auto bits = [&](int q, uint32_t key_counter) {
-            return philox4x32_10(uint32_t(q) & ~8u, key_counter, stream, offset, key0, key1);
+            return philox4x32<kDropoutPhiloxRounds>(uint32_t(q) & ~8u, key_counter, stream, offset, key0, key1);
         };
         // Drops x when byte `shift` / 8 of its word is below the threshold.
         auto drop = [&](float& x, uint32_t word, uint32_t shift) {
-            if (((word >> shift) & 0xFFu) < threshold) { x = kNegate ? -x : 0.f; }
+            if (((word >> shift) & 0xFFu) < threshold) { x = -x; }
         };
         // In the MMA accumulator layouts a thread's position and a value's index select different bits of the
         // key within the tile (the thread's first key sets bits 1-2 and some of 3-6, a value's offset bit 0 and

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cmath>
+#include <type_traits>
 
 #include <cute/tensor.hpp>
 
@@ -153,7 +154,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
     };
 
     // S = Q K^T and dP = dO V^T, (kBlockM, kBlockN).
-    typename Traits::TiledMmaSdP mma_sdp;
+    std::conditional_t<kVariants, typename Traits::TiledMmaSdPKeyRuns, typename Traits::TiledMmaSdP> mma_sdp;
     auto thr_mma_sdp = mma_sdp.get_thread_slice(tidx);
     auto copy_a_sdp = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, mma_sdp);
     auto copy_b_sdp = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, mma_sdp);
@@ -266,19 +267,28 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
         const float* dsum_stage = s_dsum + stage * kBlockM;
         const ScorePos pos{m_block * kBlockM, n_block * kBlockN, head_idx};
         auto lse_log2_of = [&](int row) { return row < q_rows_left ? lse_stage[row] * float(M_LOG2E) : INFINITY; };
-        if constexpr (kMasked) {
-            const TileMask<kBlockM, kBlockN, kCausal, kVariants> mask(bounds, m_block, n_block);
+        auto dsum_of = [&](int row) { return dsum_stage[row]; };
+        auto p_and_ds = [&](const auto& mask) {
+            if constexpr (kVariants) {
+                if (score_mod.softcap() && !dropout.active()) {
+                    compute_p_ds_softcap</*kQueryIsRow=*/true, HideP::kBeforeExp>(
+                        scores, dp, tScS_rc, mask, score_mod, pos, params.softmax_scale_log2, lse_log2_of, dsum_of);
+                    return;
+                }
+            }
             compute_p</*kQueryIsRow=*/true, HideP::kBeforeExp, kVariants>(scores, tScS_rc, mask, score_mod, pos,
                                                                           params.softmax_scale_log2, lse_log2_of);
+            if (kVariants && dropout.active()) {
+                dropout.template apply</*kQueryIsRow=*/true>(scores, tScS_rc, pos.q0, pos.k0);
+            }
+            compute_ds</*kQueryIsRow=*/true, kVariants>(dp, scores, tScS_rc, dsum_of,
+                                                        DsMods<Element>{score_mod, head_idx}, pos, lse_log2_of);
+        };
+        if constexpr (kMasked) {
+            p_and_ds(TileMask<kBlockM, kBlockN, kCausal, kVariants>(bounds, m_block, n_block));
         } else {
-            compute_p</*kQueryIsRow=*/true, HideP::kBeforeExp, kVariants>(scores, tScS_rc, NoTileMask{}, score_mod, pos,
-                                                                          params.softmax_scale_log2, lse_log2_of);
+            p_and_ds(NoTileMask{});
         }
-        if (kVariants && dropout.active()) {
-            dropout.template apply</*kQueryIsRow=*/true, /*kNegate=*/true>(scores, tScS_rc, pos.q0, pos.k0);
-        }
-        compute_ds</*kQueryIsRow=*/true, kVariants>(dp, scores, tScS_rc, [&](int row) { return dsum_stage[row]; },
-                                                    DsMods<Element>{score_mod, head_idx}, pos, lse_log2_of);
         Tensor rP = convert_fragment_kept<Element>(acc_s, kVariants && dropout.active());
         Tensor rdS = convert_fragment<Element>(acc_dp);
         copy(copy_store_sdp, thr_copy_store_sdp.retile_S(rP), tPsP);

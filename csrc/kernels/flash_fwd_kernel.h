@@ -149,12 +149,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const _
         }
 
         softmax.template update</*kSkipUnmoved=*/true>(scores, acc_o_rc);
+        Tensor rP = convert_fragment<Element>(acc_s);
         // Dropout after the row sums, which are those of the undropped softmax (the LSE's).
         if (kVariants && dropout.active()) {
-            dropout.template apply</*kQueryIsRow=*/true, /*kNegate=*/false>(scores, tScS_rc, m_block * kBlockM,
-                                                                            n_block * kBlockN);
+            Tensor rP_rc = as_rowcol(rP);  // (rows, kBlockN cols)
+            dropout.apply_converted(rP_rc, tScS_rc, m_block * kBlockM, n_block * kBlockN);
         }
-        Tensor rP = convert_fragment<Element>(acc_s);
         Tensor tOrP = make_tensor(rP.data(), acc_as_a_operand_layout(rP.layout()));  // (MMA, MMA_M, MMA_K)
         gemm_reg_smem(tiled_mma, acc_o, tOrP, tOrVt, tOsVt, smem_tiled_copy_V, tOrVt_view);
     };

@@ -23,6 +23,20 @@ struct BwdWarpTiling {
                               Tile<Int<16 * kWarpsM>, Int<16 * kWarpsN>, _16>>;
 };
 
+// BwdWarpTiling's warps, each owning runs of kRun consecutive columns (up to 32) instead of 8-column groups
+// 8 * kWarpsN apart: the column permutation sends MMA column v + 8 w + 8 kWarpsN r (atom column v, warp w, repeat
+// r) to v + kRun w + 8 r. Dropout draws sixteen elements per Philox call from 32 consecutive keys (dropout.h):
+// with runs of 32 a thread uses every byte of the calls it makes, with 8-column groups 32 apart a quarter.
+template <class MmaAtom, int kExtentM, int kExtentN>
+struct BwdKeyRunsTiling {
+    using Warps = BwdWarpTiling<MmaAtom, kExtentM, kExtentN>;
+    static constexpr int kRun = kExtentN / Warps::kWarpsN < 32 ? kExtentN / Warps::kWarpsN : 32;
+    static_assert(kRun % 8 == 0 && kExtentN % (kRun * Warps::kWarpsN) == 0, "runs must tile the columns");
+    using ColumnOrder = Layout<Shape<_8, Int<Warps::kWarpsN>, Int<kRun / 8>>, Stride<_1, Int<kRun>, _8>>;
+    using TiledMma = TiledMMA<MmaAtom, Layout<Shape<Int<Warps::kWarpsM>, Int<Warps::kWarpsN>, _1>>,
+                              Tile<Int<16 * Warps::kWarpsM>, ColumnOrder, _16>>;
+};
+
 // Backward: one CTA owns kBlockN keys of one query head and walks the query blocks of kBlockM rows.
 // Five GEMMs with three shapes, each with its own warp layout: S = Q K^T and dP = dO V^T are
 // (kBlockM, kBlockN); dV += P^T dO and dK += dS^T Q are (kBlockN, kHeadDim); dQ = dS K is
@@ -45,6 +59,9 @@ struct BwdKernelTraits {
 
     using MmaAtom = typename FwdKernelTraits<Element, kHeadDim, 64, 64, 4>::MmaAtom;
     using TiledMmaSdP = typename BwdWarpTiling<MmaAtom, kBlockM, kBlockN>::TiledMma;
+    // S and dP of the variants kernel, whose dropout wants consecutive keys per warp. The plain kernels keep
+    // the default layout: they draw nothing, and their speed was measured with it.
+    using TiledMmaSdPKeyRuns = typename BwdKeyRunsTiling<MmaAtom, kBlockM, kBlockN>::TiledMma;
     using TiledMmadKV = typename BwdWarpTiling<MmaAtom, kBlockN, kHeadDim>::TiledMma;
     using TiledMmadQ = typename BwdWarpTiling<MmaAtom, kBlockM, kHeadDim>::TiledMma;
 

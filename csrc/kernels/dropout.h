@@ -63,7 +63,7 @@ struct Dropout {
 
     __forceinline__ __device__ bool active() const { return params.dropout_threshold != 0u; }
 
-    // Zeroes the dropped values of a tile of P already converted to a 16-bit Element, as the forward kernels feed
+    // Zeroes the dropped values of a tile of P already converted to a 16-bit Element, as the mma.sync forward feeds
     // it to the P V GEMM. rp: (rows, cols) view of the converted accumulator (mma.sync or wgmma layout, query rows),
     // coords, q0 and k0 as in apply. Each 32-bit register holds a column pair (c, c + 1), whose two bytes sit at
     // the same position of words x and y (rows r) or z and w (rows r + 8): one PRMT gathers them into the low
@@ -111,12 +111,13 @@ struct Dropout {
         }
     }
 
-    // Negates the dropped values of a tile of P in float32, for the backward kernels, which keep P for dS and tell
-    // dropped from kept by the sign (bwd_p_ds.h). p: (rows, cols) view of an accumulator in the mma.sync or wgmma
-    // layout (mode 0 of the rows: +8 rows; mode 0 of the cols: +1 column; then 8-column groups), coords its tile
-    // positions, kQueryIsRow as in mask.h (false: rows are keys and columns are queries, the Hopper backward's
-    // S^T). q0 and k0: the tile's first query row and key within the sequence.
-    template <bool kQueryIsRow, class PTensor, class CoordTensor>
+    // Marks the dropped values of a tile of P in float32. p: (rows, cols) view of an accumulator in the mma.sync or
+    // wgmma layout (mode 0 of the rows: +8 rows; mode 0 of the cols: +1 column; then 8-column groups), coords its
+    // tile positions, kQueryIsRow as in mask.h (false: rows are keys and columns are queries, the Hopper
+    // backward's S^T). q0 and k0: the tile's first query row and key within the sequence. kNegate: dropped values
+    // are negated (the backward keeps P for dS and tells dropped from kept by the sign, see bwd_p_ds.h), else set
+    // to 0 (the Hopper forward).
+    template <bool kQueryIsRow, bool kNegate, class PTensor, class CoordTensor>
     __forceinline__ __device__ void apply(PTensor& p, const CoordTensor& coords, int q0, int k0) const {
         static_assert(decltype(size<0>(p))::value % 2 == 0 && decltype(size<1>(p))::value % 4 == 0);
         const uint64_t seed = uint64_t(params.rng_state_ptr[0]);
@@ -129,7 +130,7 @@ struct Dropout {
         };
         // Drops x when byte `shift` / 8 of its word is below the threshold.
         auto drop = [&](float& x, uint32_t word, uint32_t shift) {
-            if (((word >> shift) & 0xFFu) < threshold) { x = -x; }
+            if (((word >> shift) & 0xFFu) < threshold) { x = kNegate ? -x : 0.f; }
         };
         // In the MMA accumulator layouts a thread's position and a value's index select different bits of the
         // key within the tile (the thread's first key sets bits 1-2 and some of 3-6, a value's offset bit 0 and

@@ -279,7 +279,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
             compute_p</*kQueryIsRow=*/true, HideP::kBeforeExp, kVariants>(scores, tScS_rc, mask, score_mod, pos,
                                                                           params.softmax_scale_log2, lse_log2_of);
             if (kVariants && dropout.active()) {
-                dropout.template apply</*kQueryIsRow=*/true>(scores, tScS_rc, pos.q0, pos.k0);
+                dropout.template apply</*kQueryIsRow=*/true, /*kNegate=*/true>(scores, tScS_rc, pos.q0, pos.k0);
             }
             compute_ds</*kQueryIsRow=*/true, kVariants>(dp, scores, tScS_rc, dsum_of,
                                                         DsMods<Element>{score_mod, head_idx}, pos, lse_log2_of);

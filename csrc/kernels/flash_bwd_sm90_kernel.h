@@ -444,7 +444,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                 compute_p</*kQueryIsRow=*/false, HideP::kInExp, kVariants>(st, tStcSt_rc, mask, score_mod, pos,
                                                                            params.softmax_scale_log2, lse_log2_of);
                 if (kVariants && step_dropout.active()) {
-                    step_dropout.template apply</*kQueryIsRow=*/false>(st, tStcSt_rc, pos.q0, pos.k0);
+                    step_dropout.template apply</*kQueryIsRow=*/false, /*kNegate=*/true>(st, tStcSt_rc, pos.q0, pos.k0);
                 }
             }
             Tensor rPt = convert_fragment_kept<Element>(acc_st, kVariants && step_dropout.active());
@@ -590,7 +590,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             compute_p</*kQueryIsRow=*/true, HideP::kInExp, kVariants>(s, tScS_rc, mask, score_mod, pos,
                                                                       params.softmax_scale_log2, lse_log2_of);
             if (kVariants && step_dropout.active()) {
-                step_dropout.template apply</*kQueryIsRow=*/true>(s, tScS_rc, pos.q0, pos.k0);
+                step_dropout.template apply</*kQueryIsRow=*/true, /*kNegate=*/true>(s, tScS_rc, pos.q0, pos.k0);
             }
             warpgroup_wait_for<0>(acc_dp);
             compute_ds</*kQueryIsRow=*/true, kVariants>(dp, s, tScS_rc, dsum_of, DsMods<Element>{score_mod, step.head},

@@ -170,7 +170,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kCtasPerSm)
         if (mask.needs_mask()) { mask.template apply</*kQueryIsRow=*/true>(scores, tScS_rc); }
         softmax.update(scores, acc_o_rc);
         // Dropout after the row sums, which are those of the undropped softmax (the LSE's). On float32 P: on the
-        // converted pairs (Dropout::apply_converted) the dropout forward ran 4-5% faster, but softcap's 3-4% slower.
+        // converted pairs (Dropout::apply_converted) the dropout forward ran 4-5% faster, but the softcap forward
+        // 1-5% slower (docs/design-notes.md).
         if (kVariants && dropout.active()) {
             dropout.template apply</*kQueryIsRow=*/true, /*kNegate=*/false>(scores, tScS_rc, m_block * kBlockM,
                                                                             n_block * kBlockN);

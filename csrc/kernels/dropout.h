@@ -63,6 +63,55 @@ struct Dropout {
 
     __forceinline__ __device__ bool active() const { return params.dropout_threshold != 0u; }
 
+    // The calls of this (sequence, head): operator()(q, key_counter) is the call of query rows q & ~8 and q | 8 at
+    // the given key counter. Read from params (seed and offset from the device) where the draw starts.
+    struct PhiloxStream {
+        uint32_t key0, key1, offset, stream;
+
+        __forceinline__ __device__ explicit PhiloxStream(const Dropout& dropout) {
+            const uint64_t seed = uint64_t(dropout.params.rng_state_ptr[0]);
+            key0 = uint32_t(seed);
+            key1 = uint32_t(seed >> 32);
+            offset = uint32_t(uint64_t(dropout.params.rng_state_ptr[1]));
+            stream = uint32_t(dropout.batch_idx) * uint32_t(dropout.params.num_heads) + uint32_t(dropout.head_idx);
+        }
+        __forceinline__ __device__ uint4 operator()(int q, uint32_t key_counter) const {
+            return philox4x32<kDropoutPhiloxRounds>(uint32_t(q) & ~8u, key_counter, stream, offset, key0, key1);
+        }
+    };
+
+    // The draws of a tile whose rows are queries (t: its (rows, cols) view, coords its positions): visit(r, c, w,
+    // key) for rows r, r + 1 (queries q, q + 8) and columns c, c + 1 (keys k, k + 1), with w the four words of
+    // their call (x, y for row r; z, w for row r + 1) and key the bits of k that place their byte in each word
+    // (byte (key >> 3) & 3).
+    // In the MMA accumulator layouts a thread's position and a value's index select different bits of the key
+    // within the tile (the thread's first key sets bits 1-2 and some of 3-6, a value's offset bit 0 and the
+    // others), and tiles start at multiples of 32 keys. So every key a thread holds is its first key ORed with a
+    // compile-time offset d: which elements share a call, and the word and byte each takes, follow from d at
+    // compile time and from the first key's bits 3 and 4 at run time. With the test (key & ~25) != current at
+    // run time instead, ptxas emitted a Philox body for each column pair, under branches, and shifted by a
+    // computed amount per element.
+    template <class Tile, class CoordTensor, class Visit>
+    __forceinline__ __device__ static void for_each_draw_by_rows(const PhiloxStream& philox, const Tile& t,
+                                                                 const CoordTensor& coords, int q0, int k0,
+                                                                 const Visit& visit) {
+        static_assert(decltype(size<0>(t))::value % 2 == 0 && decltype(size<1>(t))::value % 4 == 0);
+        const int first = key_of<true>(coords, 0, 0);
+        const uint32_t key_base = uint32_t(k0 + first);
+        CUTE_UNROLL
+        for (int r = 0; r < size<0>(t); r += 2) {
+            const int q = q0 + query_of<true>(coords, r, 0);
+            uint4 w;
+            CUTE_UNROLL
+            for (int c = 0; c < size<1>(t); c += 2) {
+                const uint32_t d = uint32_t(key_of<true>(coords, r, c) - first);
+                const uint32_t d_prev = c == 0 ? ~0u : uint32_t(key_of<true>(coords, r, c - 2) - first);
+                if ((d & ~25u) != (d_prev & ~25u)) { w = philox(q, (key_base | d) & ~25u); }
+                visit(r, c, w, key_base | d);
+            }
+        }
+    }
+
     // Zeroes the dropped values of a tile of P already converted to a 16-bit Element, as the mma.sync forward feeds
     // it to the P V GEMM. rp: (rows, cols) view of the converted accumulator (mma.sync or wgmma layout, query rows),
     // coords, q0 and k0 as in apply. Each 32-bit register holds a column pair (c, c + 1), whose two bytes sit at
@@ -73,11 +122,7 @@ struct Dropout {
     template <class RPTensor, class CoordTensor>
     __forceinline__ __device__ void apply_converted(RPTensor& rp, const CoordTensor& coords, int q0, int k0) const {
         static_assert(sizeof(typename RPTensor::value_type) == 2, "pairs of 16-bit values");
-        static_assert(decltype(size<0>(rp))::value % 2 == 0 && decltype(size<1>(rp))::value % 4 == 0);
-        const uint64_t seed = uint64_t(params.rng_state_ptr[0]);
-        const uint32_t key0 = uint32_t(seed), key1 = uint32_t(seed >> 32);
-        const uint32_t offset = uint32_t(uint64_t(params.rng_state_ptr[1]));
-        const uint32_t stream = uint32_t(batch_idx) * uint32_t(params.num_heads) + uint32_t(head_idx);
+        const PhiloxStream philox(*this);
         const uint32_t threshold2 = params.dropout_threshold * 0x00010001u;
         uint32_t* pairs = reinterpret_cast<uint32_t*>(raw_pointer_cast(rp.data()));
         // The kept-lane mask of a column pair whose bytes are byte `sel` of lo and of hi.
@@ -87,28 +132,13 @@ struct Dropout {
             asm("set.ge.u32.f16x2 %0, %1, %2;" : "=r"(mask) : "r"(bytes), "r"(threshold2));
             return mask;
         };
-        const int first = key_of<true>(coords, 0, 0);
-        const uint32_t key_base = uint32_t(k0 + first);
-        CUTE_UNROLL
-        for (int r = 0; r < size<0>(rp); r += 2) {
-            const int q = q0 + query_of<true>(coords, r, 0);
-            uint4 w;
-            CUTE_UNROLL
-            for (int c = 0; c < size<1>(rp); c += 2) {
-                // Calls as in apply: see there.
-                const uint32_t d = uint32_t(key_of<true>(coords, r, c) - first);
-                const uint32_t d_prev = c == 0 ? ~0u : uint32_t(key_of<true>(coords, r, c - 2) - first);
-                if ((d & ~25u) != (d_prev & ~25u)) {
-                    w = philox4x32<kDropoutPhiloxRounds>(uint32_t(q) & ~8u, (key_base | d) & ~25u, stream, offset, key0,
-                                                         key1);
-                }
-                // Byte b of the first word to lane 0's low byte, of the second (PRMT index 4 + b) to lane 1's.
-                const uint32_t b = ((key_base | d) >> 3) & 3u;
-                const uint32_t sel = b | ((b + 4u) << 8);
-                pairs[rp.layout()(r, c) / 2] &= keep(w.x, w.y, sel);
-                pairs[rp.layout()(r + 1, c) / 2] &= keep(w.z, w.w, sel);
-            }
-        }
+        for_each_draw_by_rows(philox, rp, coords, q0, k0, [&](int r, int c, const uint4& w, uint32_t key) {
+            // Byte b of the first word to lane 0's low byte, of the second (PRMT index 4 + b) to lane 1's.
+            const uint32_t b = (key >> 3) & 3u;
+            const uint32_t sel = b | ((b + 4u) << 8);
+            pairs[rp.layout()(r, c) / 2] &= keep(w.x, w.y, sel);
+            pairs[rp.layout()(r + 1, c) / 2] &= keep(w.z, w.w, sel);
+        });
     }
 
     // Marks the dropped values of a tile of P in float32. p: (rows, cols) view of an accumulator in the mma.sync or
@@ -120,45 +150,20 @@ struct Dropout {
     template <bool kQueryIsRow, bool kNegate, class PTensor, class CoordTensor>
     __forceinline__ __device__ void apply(PTensor& p, const CoordTensor& coords, int q0, int k0) const {
         static_assert(decltype(size<0>(p))::value % 2 == 0 && decltype(size<1>(p))::value % 4 == 0);
-        const uint64_t seed = uint64_t(params.rng_state_ptr[0]);
-        const uint32_t key0 = uint32_t(seed), key1 = uint32_t(seed >> 32);
-        const uint32_t offset = uint32_t(uint64_t(params.rng_state_ptr[1]));
-        const uint32_t stream = uint32_t(batch_idx) * uint32_t(params.num_heads) + uint32_t(head_idx);
+        const PhiloxStream philox(*this);
         const uint32_t threshold = params.dropout_threshold;
-        auto bits = [&](int q, uint32_t key_counter) {
-            return philox4x32<kDropoutPhiloxRounds>(uint32_t(q) & ~8u, key_counter, stream, offset, key0, key1);
-        };
         // Drops x when byte `shift` / 8 of its word is below the threshold.
         auto drop = [&](float& x, uint32_t word, uint32_t shift) {
             if (((word >> shift) & 0xFFu) < threshold) { x = kNegate ? -x : 0.f; }
         };
-        // In the MMA accumulator layouts a thread's position and a value's index select different bits of the
-        // key within the tile (the thread's first key sets bits 1-2 and some of 3-6, a value's offset bit 0 and
-        // the others), and tiles start at multiples of 32 keys. So every key a thread holds is its first key
-        // ORed with a compile-time offset d: which elements share a call, and the word and byte each takes,
-        // follow from d at compile time and from the first key's bits 3 and 4 at run time. With the test
-        // (key & ~25) != current at run time instead, ptxas emitted a Philox body for each column pair, under
-        // branches, and shifted by a computed amount per element.
         if constexpr (kQueryIsRow) {
-            // Rows r, r + 1 are queries q, q + 8; columns c, c + 1 keys k, k + 1.
-            const int first = key_of<true>(coords, 0, 0);
-            const uint32_t key_base = uint32_t(k0 + first);
-            CUTE_UNROLL
-            for (int r = 0; r < size<0>(p); r += 2) {
-                const int q = q0 + query_of<true>(coords, r, 0);
-                uint4 w;
-                CUTE_UNROLL
-                for (int c = 0; c < size<1>(p); c += 2) {
-                    const uint32_t d = uint32_t(key_of<true>(coords, r, c) - first);
-                    const uint32_t d_prev = c == 0 ? ~0u : uint32_t(key_of<true>(coords, r, c - 2) - first);
-                    if ((d & ~25u) != (d_prev & ~25u)) { w = bits(q, (key_base | d) & ~25u); }
-                    const uint32_t shift = (key_base | d) & 24u;
-                    drop(p(r, c), w.x, shift);
-                    drop(p(r, c + 1), w.y, shift);
-                    drop(p(r + 1, c), w.z, shift);
-                    drop(p(r + 1, c + 1), w.w, shift);
-                }
-            }
+            for_each_draw_by_rows(philox, p, coords, q0, k0, [&](int r, int c, const uint4& w, uint32_t key) {
+                const uint32_t shift = key & 24u;
+                drop(p(r, c), w.x, shift);
+                drop(p(r, c + 1), w.y, shift);
+                drop(p(r + 1, c), w.z, shift);
+                drop(p(r + 1, c + 1), w.w, shift);
+            });
         } else {
             // Rows r, r + 1 are keys k, k + 8; columns c and c + 2 queries q, q + 8 (c in an even 8-column group).
             // A call gives this thread four of its sixteen bytes, those of (k, k + 8) x (q, q + 8), in the word
@@ -178,7 +183,7 @@ struct Dropout {
                 for (int c = 0; c < size<1>(p); c += 4) {
                     const int qa = q0 + query_of<false>(coords, r, c);
                     const int qb = q0 + query_of<false>(coords, r, c + 1);
-                    const uint4 w = bits(odd ? qb : qa, key_counter);
+                    const uint4 w = philox(odd ? qb : qa, key_counter);
                     // This thread's words of its own call, and the partner's words of this thread's parity.
                     const uint32_t own0 = odd ? w.y : w.x, own1 = odd ? w.w : w.z;
                     const uint32_t got0 = __shfl_xor_sync(0xffffffffu, odd ? w.x : w.y, 4);

@@ -437,6 +437,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             const bool fused_softcap = kVariants && score_mod.softcap() && !step_dropout.active();
             if (fused_softcap) {
                 warpgroup_wait_for<0>(acc_dpt);
+                warpgroup_fence_operand(acc_st);  // S^T completed with that wait too: no read of it above it
                 compute_p_ds_softcap</*kQueryIsRow=*/false, HideP::kInExp>(
                     st, dpt, tStcSt_rc, mask, score_mod, pos, params.softmax_scale_log2, lse_log2_of, dsum_of);
             } else {
@@ -583,6 +584,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         const Dropout step_dropout(params, blk.batch_idx, step.head);
         if (kVariants && score_mod.softcap() && !step_dropout.active()) {
             warpgroup_wait_for<0>(acc_dp);
+            warpgroup_fence_operand(acc_s);  // S completed with that wait too: no read of it above it
             compute_p_ds_softcap</*kQueryIsRow=*/true, HideP::kInExp>(s, dp, tScS_rc, mask, score_mod, pos,
                                                                       params.softmax_scale_log2, lse_log2_of, dsum_of);
         } else {

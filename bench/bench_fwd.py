@@ -24,8 +24,9 @@ IMPLS = ["ours", "flash", "cudnn", "efficient"]
 # ours_det: deterministic=True (its backward differs); ours_mma: the mma.sync kernels on a Hopper GPU, which
 # otherwise runs the warpgroup-MMA ones (force_plan(kernel="mma_sync"), forward and backward); ours_mma99: the
 # mma.sync kernels' tile set for GPUs with 99 KiB of shared memory per block (sm_86, sm_89, sm_120), planned as
-# on such a GPU (force_plan(max_smem=101376)).
-OPTIONAL_IMPLS = ["ours_det", "ours_mma", "ours_mma99"]
+# on such a GPU (force_plan(max_smem=101376)); ours_nows: on a Hopper GPU, the forward whose warps all load and
+# compute instead of the warp-specialized TMA kernel (force_plan(ws=False)).
+OPTIONAL_IMPLS = ["ours_det", "ours_mma", "ours_mma99", "ours_nows"]
 SMEM_99KIB = 101376
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 SANITY_REL_TOL = 0.05  # a loose "is it the same function" check against SDPA, not the correctness rule
@@ -88,14 +89,14 @@ def timed_pass(fn, inputs, pass_, sdpa=False):
     return (lambda: torch.autograd.grad(fn(), inputs, dout)), out
 
 
-def mma_sync_plan(**choices):
-    """A context factory that forces the mma.sync kernels (forward and backward) on the calls made inside it, with
-    further force_plan choices, or an error string when this flash_attn_cuda has no plans."""
+def forced_plan(**choices):
+    """A context factory that forces these force_plan choices on the calls made inside it (forward and backward),
+    or an error string when this flash_attn_cuda has no plans."""
     try:
         from flash_attn_cuda.plan import force_plan
     except Exception as exc:
         return f"no force_plan: {type(exc).__name__}: {exc}"
-    return lambda: force_plan(kernel="mma_sync", **choices)
+    return lambda: force_plan(**choices)
 
 
 def make_runners(lib, lib_err, q, k, v, qt, kt, vt, causal, impls):
@@ -120,8 +121,9 @@ def make_runners(lib, lib_err, q, k, v, qt, kt, vt, causal, impls):
                 runners[name] = f"kernel not compiled (hdim {hdim}, {dtype}, causal={causal})"
             else:
                 ctx = {
-                    "ours_mma": mma_sync_plan(),
-                    "ours_mma99": mma_sync_plan(max_smem=SMEM_99KIB),
+                    "ours_mma": forced_plan(kernel="mma_sync"),
+                    "ours_mma99": forced_plan(kernel="mma_sync", max_smem=SMEM_99KIB),
+                    "ours_nows": forced_plan(ws=False),
                 }.get(name, contextlib.nullcontext)
                 runners[name] = (
                     ctx

@@ -18,6 +18,8 @@ by ``;``:
 - ``max_smem=bytes``: plan as on a GPU with at most this much shared memory per block, so that a larger GPU
   runs a smaller one's tile sets (``max_smem=101376``: the mma.sync kernels' 99 KiB set of sm_86, sm_89 and
   sm_120).
+- ``ws=0|1``: the Hopper forward's warp-specialized TMA kernel (dense calls of the plain kernels without key
+  splits, GQA packing or the short-key tile), else the kernel whose warps all load and compute.
 
 A key left out keeps the heuristic's choice. ``force_plan`` sets both for the public functions
 (``flash_attn_func`` and the others) called inside it, forward and backward. Two environment variables, read
@@ -38,7 +40,7 @@ from . import _ops  # noqa: F401  (loads torch.ops.flash_attn2)
 # ContextVar's get().
 _forced = (0, "")
 
-_OVERRIDE_KEYS = ("kernel", "gqa_walk", "key_blocks", "short_keys", "short_queries", "max_smem")
+_OVERRIDE_KEYS = ("kernel", "gqa_walk", "key_blocks", "short_keys", "short_queries", "max_smem", "ws")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +57,7 @@ class Plan:
     gqa_pack: int  # query heads packed as rows of their key/value head (1: none)
     num_splits: int  # forward: key splits (1: none)
     short_key_tile: bool  # forward: the Hopper short-key tile
+    warp_specialized: bool  # forward: the Hopper warp-specialized TMA kernel
     short_query_tile: bool  # backward: the Hopper 16-row query tile
     heads_per_cta: int  # backward: query heads one CTA walks (GQA walk when > 1)
     key_blocks_per_cta: int  # backward: consecutive key blocks one CTA walks
@@ -70,9 +73,11 @@ def override_string(
     short_keys: bool | None = None,
     short_queries: bool | None = None,
     max_smem: int | None = None,
+    ws: bool | None = None,
 ) -> str:
     """The ``plan_override`` op argument for these choices (None: the heuristic decides)."""
     values = {
+        "ws": ws,
         "kernel": kernel,
         "gqa_walk": gqa_walk,
         "key_blocks": key_blocks,

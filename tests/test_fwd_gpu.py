@@ -19,6 +19,7 @@ from conftest import (
     MAX_SMEM,
     PARTIAL_HEAD_DIMS,
     SMEM_227KIB,
+    WS_HEAD_DIMS,
     check_close,
     check_forced_plans,
     device_plan,
@@ -509,6 +510,35 @@ def test_short_key_tile_split_kv(splits, causal):
     force = {"short_keys": True, **num_splits_force(splits)}
     p = run_and_check(*make_qkv(1, 17, 4097, 4, 1, 128, torch.bfloat16), causal, via="func", force=force)
     assert p.num_splits > 1, p
+
+
+# ---------------------------------------------------------------- warp-specialized Hopper forward
+#
+# On Hopper, dense calls of the plain kernels run the warp-specialized TMA kernel (ws=True, the plans' default
+# there); ws=False forces the kernel whose warps all load and compute, which varlen, split-KV, packed GQA, the
+# short-key tile, the variants and query sequences too short for every consumer warpgroup keep. Both, on sequences
+# that end inside a tile, with seqlen_q above and below seqlen_k, GQA and MQA, and single sequences and heads, whose
+# strides TMA does not take from the tensor.
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("ws", [True, False], ids=["ws", "no-ws"])
+@pytest.mark.parametrize("d", WS_HEAD_DIMS)
+@pytest.mark.parametrize(
+    "b, sq, sk, h, hk, layout",
+    [
+        (2, 257, 1000, 4, 4, "contiguous"),
+        (1, 1000, 257, 6, 2, "heads_major"),
+        (3, 191, 191, 3, 1, "guard_bands"),
+        (1, 2049, 2049, 1, 1, "packed"),
+        (2, 63, 4097, 2, 2, "seq_major"),
+    ],
+    ids=["sq257-sk1000", "sq1000-sk257-gqa", "sq191-mqa", "one-head", "sq63-sk4097"],
+)
+def test_warp_specialized_forward(b, sq, sk, h, hk, layout, d, ws, dtype, causal):
+    require_kernel(d, dtype, causal)
+    run_and_check(*make_qkv(b, sq, sk, h, hk, d, dtype, layout), causal, force={"ws": ws})
 
 
 # ---------------------------------------------------------------- split-KV and seqlen_q == 1 GQA packing

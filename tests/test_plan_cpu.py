@@ -574,8 +574,11 @@ def test_every_kernel_fits_its_arch(gpu, budget, head_dim, pass_, deterministic,
 @pytest.mark.parametrize(
     "pass_, gpu, seqlen_k, override, smem",
     [
-        # Q (128 x 128) and three stages of K and V (128 x 128 each), bf16: 32 + 192 KiB.
-        ("fwd", H200, 4096, "", 229376),
+        # The warp-specialized kernel: Q (128 x 128), two stages of K and of V (128 x 128 each) and 1 KiB of
+        # mbarriers, bf16: 32 + 128 + 1 KiB.
+        ("fwd", H200, 4096, "", 164864),
+        # Without it: Q and three stages of K and V: 32 + 192 KiB.
+        ("fwd", H200, 4096, "ws=0", 229376),
         # The short-key tile, two CTAs per SM: Q (64 x 128) and three stages of K and V (64 x 128): 16 + 96 KiB.
         ("fwd", H200, 64, "", 114688),
         # mma.sync, non-causal: Q (128 rows x 128) and one K and one V block (64 keys x 128): 32 + 32 KiB.
@@ -586,7 +589,7 @@ def test_every_kernel_fits_its_arch(gpu, budget, head_dim, pass_, deterministic,
         # mma.sync: K, V, P, dS (32 + 32 + 16 + 16 KiB) and two stages of Q, dO, LSE and D (2 x 32.5 KiB).
         ("bwd", A100, 4096, "", 164864),
     ],
-    ids=["h200-fwd", "h200-fwd-short-keys", "a100-fwd", "h200-bwd", "h200-bwd-two-kv", "a100-bwd"],
+    ids=["h200-fwd", "h200-fwd-no-ws", "h200-fwd-short-keys", "a100-fwd", "h200-bwd", "h200-bwd-two-kv", "a100-bwd"],
 )
 def test_smem_of_head_dim_128(pass_, gpu, seqlen_k, override, smem):
     p = plan(

@@ -122,6 +122,7 @@ void set_fwd_params(FwdParams& params, const View4& q, const View4& k, const Vie
     params.gqa_pack = static_cast<int>(plan.gqa_pack);
     params.family = plan.family;
     params.short_key_tiles = plan.short_key_tile;
+    params.warp_specialized = plan.warp_specialized;
     params.mma_sync_tile_set = plan.family == KernelFamily::kMmaSync ? mma_sync_tile_set(plan.tile_budget)
                                                                      : MmaSyncTileSet::k163KiB;
     params.num_splits = plan.num_splits;

@@ -139,6 +139,20 @@ void plan_fwd(const Problem& p, const Target& t, int forced_splits, const PlanOv
     // The launch grid's x is query blocks (at least 64 rows each) times splits.
     const int64_t max_for_grid = std::max<int64_t>(1, INT32_MAX / ceil_div(std::max<int64_t>(seqlen_q, 1), 64));
     plan.num_splits = static_cast<int>(std::min<int64_t>(splits, max_for_grid));
+    // The warp-specialized kernel (TMA loads by a producer warp, consumer warpgroups taking turns on the tensor
+    // cores) serves the plain kernels' dense calls that need no key splits, GQA packing or short-key tile; its
+    // descriptors address (seqlen, head_dim, heads, batch) tensors, not varlen's packed rows. Its consumer
+    // warpgroups all run every key block, so it also needs queries for the last of them: shorter query sequences
+    // (decoding) keep the other kernel, whose warpgroups without rows skip their MMAs.
+    const TileShape& ws = set.ws_tile;
+    const bool ws_fits = !plan.variants && !p.varlen && plan.gqa_pack == 1 && !plan.short_key_tile &&
+                         plan.num_splits == 1 && ws.exists() && seqlen_q > ws.block_m - 64;
+    plan.warp_specialized = ws_fits && choose(o.warp_specialized, true);
+    if (plan.warp_specialized) {
+        plan.block_m = ws.block_m;
+        plan.block_n = ws.block_n;
+        plan.smem_bytes = fwd_ws_smem_bytes(plan.kernel_head_dim, ws.block_m, ws.block_n, ws.stages);
+    }
 }
 
 void plan_bwd(const Problem& p, const Target& t, const PlanOverride& o, Plan& plan) {
@@ -247,6 +261,8 @@ std::string parse_plan_override(std::string_view text, PlanOverride& out) {
         } else if (key == "gqa_walk" || key == "short_keys" || key == "short_queries") {
             int& field = key == "gqa_walk" ? out.gqa_walk : key == "short_keys" ? out.short_keys : out.short_queries;
             if (!parse_int(value, 0, 1, field)) { return where + ": " + std::string(key) + " must be 0 or 1"; }
+        } else if (key == "ws") {
+            if (!parse_int(value, 0, 1, out.warp_specialized)) { return where + ": ws must be 0 or 1"; }
         } else if (key == "max_smem") {
             if (!parse_int(value, 1, kMaxForcedSmem, out.max_smem)) {
                 return where + ": max_smem must be bytes of shared memory per block, an integer in [1, " +
@@ -257,7 +273,7 @@ std::string parse_plan_override(std::string_view text, PlanOverride& out) {
                 return where + ": key_blocks must be an integer in [1, " + std::to_string(kMaxForcedKeyBlocks) + "]";
             }
         } else {
-            return where + ": unknown key (kernel, gqa_walk, key_blocks, short_keys, short_queries, max_smem)";
+            return where + ": unknown key (kernel, gqa_walk, key_blocks, short_keys, short_queries, max_smem, ws)";
         }
     }
     return "";
@@ -320,10 +336,10 @@ std::string to_string(const Plan& plan) {
     text += field("kernel_head_dim", plan.kernel_head_dim) + field("block_m", plan.block_m) +
             field("block_n", plan.block_n) + field("causal", plan.causal) + field("variants", plan.variants) +
             field("gqa_pack", plan.gqa_pack) + field("num_splits", plan.num_splits) +
-            field("short_key_tile", plan.short_key_tile) + field("short_query_tile", plan.short_query_tile) +
-            field("heads_per_cta", plan.heads_per_cta) + field("key_blocks_per_cta", plan.key_blocks_per_cta) +
-            field("dkv_fp32_slices", plan.dkv_fp32_slices) + field("smem", plan.smem_bytes) +
-            field("tile_budget", plan.tile_budget);
+            field("short_key_tile", plan.short_key_tile) + field("warp_specialized", plan.warp_specialized) +
+            field("short_query_tile", plan.short_query_tile) + field("heads_per_cta", plan.heads_per_cta) +
+            field("key_blocks_per_cta", plan.key_blocks_per_cta) + field("dkv_fp32_slices", plan.dkv_fp32_slices) +
+            field("smem", plan.smem_bytes) + field("tile_budget", plan.tile_budget);
     text.pop_back();
     return text;
 }

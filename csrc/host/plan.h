@@ -99,6 +99,7 @@ struct PlanOverride {
     int short_keys = -1;  // short_keys=0|1
     int short_queries = -1;  // short_queries=0|1
     int max_smem = -1;  // max_smem=bytes: plan as if the GPU offered at most this much shared memory per block
+    int warp_specialized = -1;  // ws=0|1
 };
 
 struct Plan {
@@ -113,6 +114,7 @@ struct Plan {
     int block_n;  // keys per block
     int num_splits;  // forward: key splits (1: none)
     bool short_key_tile;  // forward: the wgmma tile set's short-key tile
+    bool warp_specialized;  // forward: the wgmma tile set's warp-specialized TMA kernel (its ws_tile)
     bool short_query_tile;  // backward: the wgmma tile set's 16-row query tile
     int heads_per_cta;  // backward: query heads one CTA walks (> 1: a whole GQA group, dK/dV summed in registers)
     int key_blocks_per_cta;  // backward: consecutive key blocks one CTA walks
@@ -130,7 +132,7 @@ constexpr int kMaxForcedKeyBlocks = 128;
 constexpr int kMaxForcedSmem = 1 << 20;
 
 // Parses plan_override ("key=value" pairs separated by ';', keys kernel, gqa_walk, key_blocks, short_keys,
-// short_queries, max_smem). Returns an error message naming plan_override, or "" when `text` is well formed.
+// short_queries, max_smem, ws). Returns an error message naming plan_override, or "" when `text` is well formed.
 std::string parse_plan_override(std::string_view text, PlanOverride& out);
 
 // The plan of `problem` on `target`. num_splits: the forward's op argument (0: the heuristic decides;

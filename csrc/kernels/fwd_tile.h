@@ -223,16 +223,24 @@ struct FwdTile {
     // out rows past the sequence end and columns past head_dim.
     template <class GmemTiledCopyO, class SmemTensor>
     __forceinline__ __device__ void store_o(const FwdParams& params, const SmemTensor& sO, int tidx) const {
+        store_o_rows<GmemTiledCopyO, kBlockM>(params, sO, 0, tidx);
+    }
+    // The same for rows [part * kRows, (part + 1) * kRows) of the tile only, by the threads of one tiled copy.
+    template <class GmemTiledCopyO, int kRows, class SmemTensor>
+    __forceinline__ __device__ void store_o_rows(const FwdParams& params, const SmemTensor& sO, int part,
+                                                 int tidx) const {
+        static_assert(kBlockM % kRows == 0);
         using Element = typename SmemTensor::value_type;
         constexpr int kHeadDim = decltype(size<1>(sO))::value;
         Tensor mO = binfo.o_view<Element>(params, batch_idx, head_idx);  // (seqlen_q, head_dim)
-        Tensor gO = local_tile(mO, Shape<Int<kBlockM>, Int<kHeadDim>>{},
-                               make_coord(m_block, 0));  // (kBlockM, kHeadDim)
-        Tensor cO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (kBlockM, kHeadDim)
+        Tensor gO = local_tile(mO, Shape<Int<kRows>, Int<kHeadDim>>{},
+                               make_coord(m_block * (kBlockM / kRows) + part, 0));  // (kRows, kHeadDim)
+        Tensor sO_rows = local_tile(sO, Shape<Int<kRows>, Int<kHeadDim>>{}, make_coord(part, 0));  // (kRows, kHeadDim)
+        Tensor cO = make_identity_tensor(Shape<Int<kRows>, Int<kHeadDim>>{});  // (kRows, kHeadDim)
         GmemTiledCopyO gmem_tiled_copy_O;
         auto gmem_thr_copy_O = gmem_tiled_copy_O.get_thread_slice(tidx);
-        copy_to_gmem(gmem_tiled_copy_O, gmem_thr_copy_O.partition_S(sO), gmem_thr_copy_O.partition_D(gO),
-                     gmem_thr_copy_O.partition_D(cO), q_rows_left(), params.head_dim);
+        copy_to_gmem(gmem_tiled_copy_O, gmem_thr_copy_O.partition_S(sO_rows), gmem_thr_copy_O.partition_D(gO),
+                     gmem_thr_copy_O.partition_D(cO), q_rows_left() - part * kRows, params.head_dim);
     }
 };
 

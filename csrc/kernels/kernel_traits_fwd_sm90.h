@@ -1,14 +1,19 @@
-// Tile shapes, warpgroup MMAs and shared-memory layouts of the Hopper (sm_90a) forward kernel
-// (flash_fwd_sm90_kernel.h), which only consumes these types. The Hopper backward traits
-// (kernel_traits_bwd_sm90.h) reuse its global-copy atoms.
+// Tile shapes, warpgroup MMAs and shared-memory layouts of the Hopper (sm_90a) forward kernels
+// (flash_fwd_sm90_kernel.h and the warp-specialized flash_fwd_sm90_ws_kernel.h), which only consume these types.
+// The Hopper backward traits (kernel_traits_bwd_sm90.h) reuse the first one's global-copy atoms.
 #pragma once
 
+#include <cstdint>
 #include <type_traits>
+#include <utility>
 
 #include <cute/atom/copy_atom.hpp>
+#include <cute/atom/copy_traits_sm90_tma.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_types.h>
+
+#include "launch/flash_params.h"
 
 namespace flash {
 
@@ -74,6 +79,111 @@ struct FwdSm90KernelTraits {
                                                       GmemThreadLayout{}, Layout<Shape<_1, _8>>{}));
     using GmemTiledCopyO = decltype(make_tiled_copy(Copy_Atom<UniversalCopy<uint128_t>, Element>{}, GmemThreadLayout{},
                                                     Layout<Shape<_1, _8>>{}));
+};
+
+}  // namespace flash
+
+namespace flash {
+
+// The warp-specialized Hopper forward (flash_fwd_sm90_ws_kernel.h): one producer warpgroup whose first warp
+// issues the TMA loads, and kConsumerWarpgroups warpgroups of 64 query rows each that only compute. K and V
+// have kStages buffers each, filled and drained through mbarriers, so the producer runs ahead of the GEMMs
+// without any CTA-wide barrier in the main loop.
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_>
+struct FwdSm90WsKernelTraits {
+    using Element = Element_;
+    using ElementAccum = float;
+
+    static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kBlockM = kBlockM_;
+    static constexpr int kBlockN = kBlockN_;
+    static constexpr int kStages = kStages_;
+    static constexpr int kConsumerWarpgroups = kBlockM / 64;
+    static constexpr int kNThreads = (kConsumerWarpgroups + 1) * 128;
+    static constexpr int kConsumerThreads = kConsumerWarpgroups * 128;
+    static constexpr int kConsumerWarps = kConsumerThreads / 32;
+    // setmaxnreg budgets: the producer keeps the minimum, the consumers share the rest of the SM's 64K
+    // registers (a warpgroup's count times 128 threads, at most 512 per thread summed over warpgroups).
+    static constexpr int kProducerRegs = kConsumerWarpgroups == 2 ? 24 : 32;
+    static constexpr int kConsumerRegs = kConsumerWarpgroups == 2 ? 240 : 160;
+    static_assert(kProducerRegs + kConsumerWarpgroups * kConsumerRegs <= 512, "64K registers per SM");
+
+    static_assert(kBlockM % 64 == 0 && kConsumerWarpgroups >= 2 && kConsumerWarpgroups <= 3,
+                  "two or three consumer warpgroups of 64 query rows");
+    static_assert(kHeadDim % 32 == 0, "shared-memory rows of whole 64 B or 128 B swizzle atoms");
+    static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "P V's k-steps are 16 keys; wgmma N is at most 256");
+    static_assert((kBlockN / 8) % 2 == 0, "P feeds P V in pairs of 8-column groups");
+
+    using WarpgroupLayout = Layout<Shape<Int<kConsumerWarpgroups>, _1, _1>>;
+    // S = Q K^T, both operands in shared memory, head dim contiguous (K-major).
+    using TiledMmaS = decltype(make_tiled_mma(
+        SM90::GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>>(),
+        WarpgroupLayout{}));
+    // O += P V: P from registers, V^T read from V's buffer, where the head dim (O's N) is contiguous.
+    using TiledMmaO = decltype(make_tiled_mma(
+        SM90::GMMA::rs_op_selector<Element, Element, ElementAccum, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>,
+                                   GMMA::Major::K, GMMA::Major::MN>(),
+        WarpgroupLayout{}));
+
+    static constexpr int kSmemRowElems = kHeadDim % 64 == 0 ? 64 : 32;
+    using SmemAtom =
+        std::conditional_t<kSmemRowElems == 64, GMMA::Layout_K_SW128_Atom<Element>, GMMA::Layout_K_SW64_Atom<Element>>;
+    using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+    using SmemLayoutKV = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));  // one stage
+    using SmemLayoutKVStages = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
+    // V viewed as (kHeadDim, kBlockN, stage), the B operand of O += P V.
+    using SmemLayoutVtStages = decltype(composition(SmemLayoutKVStages{},
+                                                    make_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{},
+                                                                Stride<Int<kBlockN>, _1, Int<kBlockN * kHeadDim>>{})));
+    using SmemLayoutO = SmemLayoutQ;  // each consumer warpgroup stages its output rows in its own rows of Q
+
+    static constexpr int kQBytes = cosize_v<SmemLayoutQ> * int(sizeof(Element));
+    static constexpr int kKVStageBytes = cosize_v<SmemLayoutKV> * int(sizeof(Element));
+    static_assert(kQBytes % 1024 == 0 && kKVStageBytes % 1024 == 0, "buffers start on swizzle-atom boundaries");
+
+    struct SharedStorage {
+        alignas(1024) Element q[cosize_v<SmemLayoutQ>];
+        alignas(1024) Element k[cosize_v<SmemLayoutKVStages>];
+        alignas(1024) Element v[cosize_v<SmemLayoutKVStages>];
+        alignas(16) uint64_t q_full;  // mbarriers: Q landed; K/V stage s landed (full) or was read (empty)
+        uint64_t k_full[kStages];
+        uint64_t k_empty[kStages];
+        uint64_t v_full[kStages];
+        uint64_t v_empty[kStages];
+    };
+    static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+    static_assert(kSmemBytes <= 227 * 1024, "sm_90 gives a block at most 227 KiB of shared memory");
+
+    // The TMA descriptors' global view of q, k and v: (seqlen, head_dim, heads, batch), head dim contiguous.
+    using GmemLayout = Layout<Shape<int, int, int, int>, Stride<int64_t, _1, int64_t, int64_t>>;
+    static auto gmem_tensor(const void* ptr, int seqlen, int head_dim, int heads, int batch, int64_t row_stride,
+                            int64_t head_stride, int64_t batch_stride) {
+        return make_tensor(make_gmem_ptr(static_cast<const Element*>(ptr)),
+                           GmemLayout(make_shape(seqlen, head_dim, heads, batch),
+                                      make_stride(row_stride, _1{}, head_stride, batch_stride)));
+    }
+    using GmemTensor = decltype(gmem_tensor(nullptr, 0, 0, 0, 0, 0, 0, 0));
+    using TmaQ = decltype(make_tma_atom(SM90_TMA_LOAD{}, std::declval<GmemTensor>(), SmemLayoutQ{},
+                                        Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+    using TmaKV = decltype(make_tma_atom(SM90_TMA_LOAD{}, std::declval<GmemTensor>(), SmemLayoutKV{},
+                                         Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+
+    // Output rows from shared to global memory: 16 B per thread access by one consumer warpgroup.
+    static constexpr int kGmemThreadsPerRow = kSmemRowElems / 8;
+    using GmemTiledCopyO = decltype(make_tiled_copy(
+        Copy_Atom<UniversalCopy<uint128_t>, Element>{},
+        Layout<Shape<Int<128 / kGmemThreadsPerRow>, Int<kGmemThreadsPerRow>>, Stride<Int<kGmemThreadsPerRow>, _1>>{},
+        Layout<Shape<_1, _8>>{}));
+};
+
+// The warp-specialized kernel's one argument: the call's parameters and the TMA descriptors of q, k and v,
+// which the host encodes per call (the descriptors hold the pointers and strides).
+template <class Traits>
+struct FwdWsParams {
+    FwdParams base;
+    typename Traits::TmaQ tma_q;
+    typename Traits::TmaKV tma_k;
+    typename Traits::TmaKV tma_v;
 };
 
 }  // namespace flash

@@ -41,13 +41,8 @@ struct OnlineSoftmax {
         bool moved = false;
         CUTE_UNROLL
         for (int r = 0; r < kRows; ++r) {
-            float block_max = row_max(r);
-            CUTE_UNROLL
-            for (int c = 0; c < size<1>(scores); ++c) { block_max = fmaxf(block_max, scores(r, c)); }
-            block_max = quad_allreduce(block_max, [](float a, float b) { return fmaxf(a, b); });
-            // A row that has seen only masked keys keeps max = -inf; subtracting 0 instead keeps
-            // exp2(-inf) = 0 rather than NaN.
-            max_scaled[r] = block_max == -INFINITY ? 0.f : block_max * scale_log2;
+            const float block_max = running_max(scores, r);
+            max_scaled[r] = scaled_max(block_max);
             correction[r] = exp2f(row_max(r) * scale_log2 - max_scaled[r]);
             moved |= block_max != row_max(r);
             row_max(r) = block_max;
@@ -72,6 +67,38 @@ struct OnlineSoftmax {
         }
     }
 
+    // update() in two halves, for a kernel whose previous P V MMA still accumulates into acc_o while this block's
+    // softmax runs: exp_scores takes the new maxes, the exps and the row sums, and returns each row's correction,
+    // which rescale() applies to acc_o once that MMA has completed.
+    template <class ScoreTensor>
+    __forceinline__ __device__ auto exp_scores(ScoreTensor& scores) {
+        static_assert(decltype(size<0>(scores))::value == kRows);
+        Tensor correction = make_tensor<float>(Shape<Int<kRows>>{});
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+            const float block_max = running_max(scores, r);
+            const float max_scaled = scaled_max(block_max);
+            correction(r) = exp2f(row_max(r) * scale_log2 - max_scaled);
+            row_max(r) = block_max;
+            float sum = 0.f;
+            CUTE_UNROLL
+            for (int c = 0; c < size<1>(scores); ++c) {
+                scores(r, c) = exp2f(scores(r, c) * scale_log2 - max_scaled);
+                sum += scores(r, c);
+            }
+            row_sum(r) = row_sum(r) * correction(r) + sum;
+        }
+        return correction;
+    }
+    template <class AccOTensor, class CorrectionTensor>
+    __forceinline__ __device__ static void rescale(AccOTensor& acc_o, const CorrectionTensor& correction) {
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+            CUTE_UNROLL
+            for (int c = 0; c < size<1>(acc_o); ++c) { acc_o(r, c) *= correction(r); }
+        }
+    }
+
     // Divides acc_o by the row sums once (and multiplies it by out_scale: dropout's 1 / (1 - p)) and returns each
     // row's natural-log LSE; score_scale is the factor that scale_log2 holds times log2(e).
     // Rows that saw no key get output 0 and LSE +inf (so a later exp(s - lse) is 0).
@@ -88,6 +115,21 @@ struct OnlineSoftmax {
             for (int c = 0; c < size<1>(acc_o); ++c) { acc_o(r, c) *= inv_sum; }
         }
         return lse;
+    }
+
+  private:
+    // Row r's max over the keys seen so far and this block's scores (its quad's four threads together).
+    template <class ScoreTensor>
+    __forceinline__ __device__ float running_max(const ScoreTensor& scores, int r) const {
+        float block_max = row_max(r);
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(scores); ++c) { block_max = fmaxf(block_max, scores(r, c)); }
+        return quad_allreduce(block_max, [](float a, float b) { return fmaxf(a, b); });
+    }
+    // The exp2 offset of a row max. A row that has seen only masked keys keeps max = -inf; subtracting 0
+    // instead keeps exp2(-inf) = 0 rather than NaN.
+    __forceinline__ __device__ float scaled_max(float row_max_value) const {
+        return row_max_value == -INFINITY ? 0.f : row_max_value * scale_log2;
     }
 };
 

@@ -6,6 +6,7 @@
 
 #include "kernels/flash_fwd_kernel.h"
 #include "kernels/flash_fwd_sm90_kernel.h"
+#include "kernels/flash_fwd_sm90_ws_kernel.h"
 #include "launch/tile_size.h"
 #include "launch/kernel_registry.h"
 #include "launch/launch.h"
@@ -58,6 +59,52 @@ cudaError_t run_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
         grid, params, stream);
 }
 
+// The warp-specialized Hopper kernel of the wgmma set's ws_tile, for dense batches of a plain kernel without key
+// splits or GQA packing (the plan checked). TMA descriptors of q, k and v are encoded for each call: they hold the
+// pointers and strides.
+template <typename Element, int kHeadDim, bool kCausal>
+cudaError_t run_fwd_sm90_ws(const FwdParams& params, cudaStream_t stream) {
+    constexpr TileShape kTile = kFwdTileSet<KernelFamily::kWgmma, kHeadDim>.ws_tile;
+    using Traits = FwdSm90WsKernelTraits<Element, kHeadDim, kTile.block_m, kTile.block_n, kTile.stages>;
+    static_assert(sizeof(Element) == kElementBytes);
+    static_assert(Traits::kSmemBytes == fwd_ws_smem_bytes(kHeadDim, kTile.block_m, kTile.block_n, kTile.stages),
+                  "the plans check a GPU's shared memory by the formula");
+    // TMA takes every stride as a multiple of 16 bytes; the checks allow any stride on a dimension of size 1, whose
+    // only index is 0, so such a stride is replaced by one past the dimensions inside it.
+    auto stride_of = [](int size, index_t stride, index_t inner_extent) {
+        return size > 1 ? stride : (inner_extent + 7) / 8 * 8;
+    };
+    auto gmem = [&](const void* ptr, int seqlen, int heads, index_t row_stride, index_t head_stride,
+                    index_t batch_stride) {
+        const index_t rows = stride_of(seqlen, row_stride, params.head_dim);
+        const index_t heads_s = stride_of(heads, head_stride, rows * seqlen);
+        const index_t batches = stride_of(params.batch, batch_stride, heads_s * heads);
+        return Traits::gmem_tensor(ptr, seqlen, params.head_dim, heads, params.batch, rows, heads_s, batches);
+    };
+    using TileQ = Shape<Int<Traits::kBlockM>, Int<kHeadDim>>;
+    using TileKV = Shape<Int<Traits::kBlockN>, Int<kHeadDim>>;
+    const FwdWsParams<Traits> ws{params,
+                                 make_tma_atom(SM90_TMA_LOAD{},
+                                               gmem(params.q_ptr, params.seqlen_q, params.num_heads,
+                                                    params.q_row_stride, params.q_head_stride, params.q_batch_stride),
+                                               typename Traits::SmemLayoutQ{}, TileQ{}),
+                                 make_tma_atom(SM90_TMA_LOAD{},
+                                               gmem(params.k_ptr, params.seqlen_k, params.num_heads_k,
+                                                    params.k_row_stride, params.k_head_stride, params.k_batch_stride),
+                                               typename Traits::SmemLayoutKV{}, TileKV{}),
+                                 make_tma_atom(SM90_TMA_LOAD{},
+                                               gmem(params.v_ptr, params.seqlen_k, params.num_heads_k,
+                                                    params.v_row_stride, params.v_head_stride, params.v_batch_stride),
+                                               typename Traits::SmemLayoutKV{}, TileKV{})};
+    const dim3 grid(fwd_grid_x(params, Traits::kBlockM), params.batch, params.num_heads);
+    return launch_kernel_with<&flash_fwd_sm90_ws_kernel<Traits, kCausal>, Traits::kNThreads, Traits::kSmemBytes>(
+        grid, params, stream, Traits::kSmemBytes, [&](const FwdParams& chunk) {
+        FwdWsParams<Traits> arg = ws;
+        arg.base = chunk;
+        return arg;
+    });
+}
+
 // kVariants: the variants kernel (window, softcap, ALiBi, dropout; kCausal too), else a plain one.
 template <typename Element, int kHeadDim, bool kCausal, bool kVariants>
 cudaError_t run_fwd(const FwdParams& params, cudaStream_t stream) {
@@ -65,6 +112,9 @@ cudaError_t run_fwd(const FwdParams& params, cudaStream_t stream) {
     if (params.family == KernelFamily::kWgmma) {
         constexpr TileSet kSet = kFwdTileSet<KernelFamily::kWgmma, kHeadDim>;
         static_assert(kSet.exists(), "every compiled head dim has a wgmma tile set");
+        if constexpr (kSet.ws_tile.exists() && !kVariants) {
+            if (params.warp_specialized) { return run_fwd_sm90_ws<Element, kHeadDim, kCausal>(params, stream); }
+        }
         if constexpr (kSet.short_tile.exists()) {
             if (params.short_key_tiles) {
                 return run_fwd_sm90<Element, kHeadDim, kCausal, kVariants, kSet.short_tile>(params, stream);

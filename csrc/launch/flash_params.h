@@ -1,6 +1,7 @@
 // Plain parameter block shared by the host launcher and the forward kernel.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "launch/kernel_key.h"
@@ -93,6 +94,8 @@ struct FwdParams {
                            // it exists)
     MmaSyncTileSet mma_sync_tile_set;  // with the mma.sync family: the tile set the launchers run (Plan::tile_budget;
                                        // one byte, in the padding before num_splits)
+    bool warp_specialized;  // with the wgmma family: the forward runs the warp-specialized TMA kernel of the tile
+                            // set's ws_tile (Plan::warp_specialized; the last byte of that padding)
 
     // Split-KV forward (dense batches only): each (query block, sequence, head) is computed by num_splits
     // CTAs over disjoint key ranges, which write fp32 partials that run_fwd_combine merges into o_ptr/lse_ptr.
@@ -106,6 +109,8 @@ struct FwdParams {
 // KernelFamily took the place of a bool (use_wgmma) without moving a field: the kernels take these structs by
 // value, and their code must not change with the host's.
 static_assert(sizeof(KernelFamily) == sizeof(bool) && alignof(KernelFamily) == alignof(bool));
+static_assert(offsetof(FwdParams, warp_specialized) + 1 == offsetof(FwdParams, num_splits),
+              "the one-byte choices fill the padding before num_splits, so no later field moves");
 
 // Query rows per block of the mma.sync backward kernels lie in [kBwdMinBlockM, kBwdMaxBlockM]: the host sizes
 // the deterministic-mode semaphores (mma.sync only) for the smallest and pads dq_accum for the largest, which

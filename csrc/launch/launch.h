@@ -36,8 +36,11 @@ cudaError_t launch_in_batch_chunks(dim3 grid, const Params& params, LaunchOne la
 // Above 48 KB the kernel must be opted in to kSmemBytes first. The opt-in holds per device (its primary
 // context) once made, so it is made on a device's first launch only: decoding-sized calls are host-bound, and
 // each driver call counts. The kernel is a template argument so that each kernel keeps its own record.
-template <auto kKernel, int kThreads, int kSmemBytes, typename Params>
-cudaError_t launch_kernel(dim3 grid, const Params& params, cudaStream_t stream, int smem_bytes = kSmemBytes) {
+// kernel_arg(chunk_params) makes the kernel's argument from a chunk's params, for kernels that take more than the
+// params (launch_kernel passes them as they are).
+template <auto kKernel, int kThreads, int kSmemBytes, typename Params, typename KernelArg>
+cudaError_t launch_kernel_with(dim3 grid, const Params& params, cudaStream_t stream, int smem_bytes,
+                               KernelArg kernel_arg) {
     if constexpr (kSmemBytes > 48 * 1024) {
         static std::atomic<uint64_t> opted_in_devices{0};  // bit d: done on device d (devices 0-63)
         int device = 0;
@@ -51,9 +54,14 @@ cudaError_t launch_kernel(dim3 grid, const Params& params, cudaStream_t stream, 
         }
     }
     return launch_in_batch_chunks(grid, params, [&](dim3 chunk_grid, const Params& chunk_params) {
-        kKernel<<<chunk_grid, kThreads, smem_bytes, stream>>>(chunk_params);
+        kKernel<<<chunk_grid, kThreads, smem_bytes, stream>>>(kernel_arg(chunk_params));
         return cudaGetLastError();
     });
+}
+template <auto kKernel, int kThreads, int kSmemBytes, typename Params>
+cudaError_t launch_kernel(dim3 grid, const Params& params, cudaStream_t stream, int smem_bytes = kSmemBytes) {
+    return launch_kernel_with<kKernel, kThreads, kSmemBytes>(grid, params, stream, smem_bytes,
+                                                             [](const Params& chunk) { return chunk; });
 }
 
 }  // namespace flash

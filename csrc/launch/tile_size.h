@@ -49,6 +49,7 @@ struct TileShape {
                           // what the split-KV heuristic counts as resident
     bool v_in_regs = false;  // mma.sync backward: V is held in registers for the whole CTA, and its shared memory
                              // holds P and dS instead
+    int stages = 0;  // the warp-specialized wgmma forward: K and V buffers each
 
     constexpr bool exists() const { return block_m > 0; }
 };
@@ -63,10 +64,17 @@ struct TileSet {
     TileShape causal_tile;     // the causal and variants kernels' tile
     TileShape short_tile;  // wgmma only, where it pays: the forward's short-key tile (FwdParams::short_key_tiles),
                            // the backward's short-query tile (BwdParams::short_query_tiles)
+    TileShape ws_tile =
+        {};  // wgmma forward only: the warp-specialized TMA kernel's tile (FwdParams::warp_specialized),
+                        // 64 query rows per consumer warpgroup; none where that kernel is not built
 
     constexpr bool exists() const { return head_dim > 0; }
     constexpr TileShape tile_for(bool causal) const { return causal ? causal_tile : tile; }
 };
+
+// The warp-specialized wgmma forward's tile: block_m rows (64 per consumer warpgroup), block_n keys, two K and two V
+// buffers.
+constexpr TileShape ws_tile(int block_m, int block_n) { return {block_m, block_n, 0, 1, false, 2}; }
 
 // Query rows per step of the Hopper backward, and of its short-query tile.
 constexpr int kBwdSm90BlockM = 64;
@@ -126,14 +134,21 @@ constexpr TileSet kTileSets[] = {
     {KernelFamily::kMmaSync, Pass::kFwd, 224, kSmem99KiB, {64, 64, 4}, {64, 64, 4}, {}},
     {KernelFamily::kMmaSync, Pass::kFwd, 256, kSmem99KiB, {64, 64, 4}, {64, 64, 4}, {}},
 
-    {KernelFamily::kWgmma, Pass::kFwd, 32, kSmem227KiB, {128, 64, 0, 2}, {128, 64, 0, 2}, {}},
-    {KernelFamily::kWgmma, Pass::kFwd, 64, kSmem227KiB, {128, 64, 0, 2}, {128, 64, 0, 2}, {}},
-    {KernelFamily::kWgmma, Pass::kFwd, 96, kSmem227KiB, {128, 128, 0, 1}, {128, 128, 0, 1}, {}},
-    {KernelFamily::kWgmma, Pass::kFwd, 128, kSmem227KiB, {128, 128, 0, 1}, {128, 128, 0, 1}, {64, 64, 0, 2}},
-    {KernelFamily::kWgmma, Pass::kFwd, 160, kSmem227KiB, {128, 64, 0, 1}, {128, 64, 0, 1}, {}},
-    {KernelFamily::kWgmma, Pass::kFwd, 192, kSmem227KiB, {128, 64, 0, 1}, {128, 64, 0, 1}, {}},
-    {KernelFamily::kWgmma, Pass::kFwd, 224, kSmem227KiB, {128, 64, 0, 1}, {128, 64, 0, 1}, {}},
-    {KernelFamily::kWgmma, Pass::kFwd, 256, kSmem227KiB, {128, 64, 0, 1}, {128, 64, 0, 1}, {}},
+    {KernelFamily::kWgmma, Pass::kFwd, 32, kSmem227KiB, {128, 64, 0, 2}, {128, 64, 0, 2}, {}, ws_tile(192, 128)},
+    {KernelFamily::kWgmma, Pass::kFwd, 64, kSmem227KiB, {128, 64, 0, 2}, {128, 64, 0, 2}, {}, ws_tile(192, 128)},
+    {KernelFamily::kWgmma, Pass::kFwd, 96, kSmem227KiB, {128, 128, 0, 1}, {128, 128, 0, 1}, {}, ws_tile(128, 128)},
+    {KernelFamily::kWgmma,
+     Pass::kFwd,
+     128,
+     kSmem227KiB,
+     {128, 128, 0, 1},
+     {128, 128, 0, 1},
+     {64, 64, 0, 2},
+     ws_tile(128, 128)},
+    {KernelFamily::kWgmma, Pass::kFwd, 160, kSmem227KiB, {128, 64, 0, 1}, {128, 64, 0, 1}, {}, ws_tile(128, 96)},
+    {KernelFamily::kWgmma, Pass::kFwd, 192, kSmem227KiB, {128, 64, 0, 1}, {128, 64, 0, 1}, {}, ws_tile(128, 96)},
+    {KernelFamily::kWgmma, Pass::kFwd, 224, kSmem227KiB, {128, 64, 0, 1}, {128, 64, 0, 1}, {}, ws_tile(128, 64)},
+    {KernelFamily::kWgmma, Pass::kFwd, 256, kSmem227KiB, {128, 64, 0, 1}, {128, 64, 0, 1}, {}, ws_tile(128, 64)},
 
     {KernelFamily::kMmaSync, Pass::kBwd, 32, kSmem163KiB, {64, 128}, {64, 128}, {}},
     {KernelFamily::kMmaSync, Pass::kBwd, 64, kSmem163KiB, {128, 128}, {128, 128}, {}},
@@ -244,6 +259,12 @@ constexpr int fwd_wgmma_smem_bytes(int head_dim, int block_m, int block_n, int c
            kElementBytes;
 }
 
+// The warp-specialized wgmma forward (FwdSm90WsKernelTraits::SharedStorage): Q, stages of K and of V, each a
+// multiple of 1 KiB, then the mbarriers, which round the whole up by one more KiB.
+constexpr int fwd_ws_smem_bytes(int head_dim, int block_m, int block_n, int stages) {
+    return (block_m * head_dim + 2 * stages * block_n * head_dim) * kElementBytes + 1024;
+}
+
 // The Hopper backward's kernels (flash_bwd_sm90_kernel.h): head dims up to 128 run the narrow one, whose
 // warpgroups own 64 keys each and which has a second K/V buffer to walk several key blocks per CTA; wider ones
 // run the wide one, P and dS through shared memory and one K/V buffer.
@@ -301,6 +322,10 @@ constexpr bool tile_table_is_complete() {
     for (const TileSet& set : kTileSets) {
         if (!compiles_smem_budget(set.family, set.smem_budget)) { return false; }
         if (set.short_tile.exists() && set.family != KernelFamily::kWgmma) { return false; }
+        if (set.ws_tile.exists() && !(set.family == KernelFamily::kWgmma && set.pass == Pass::kFwd &&
+                                      set.ws_tile.block_m % 64 == 0 && set.ws_tile.stages >= 2)) {
+            return false;
+        }
         if ((set.tile.v_in_regs || set.causal_tile.v_in_regs) &&
             !(set.family == KernelFamily::kMmaSync && set.pass == Pass::kBwd)) {
             return false;
@@ -332,6 +357,10 @@ constexpr bool tile_sets_fit_their_budgets() {
             if (tile.exists() && kernel_smem_bytes(set, tile, true) * tile.ctas_per_sm > set.smem_budget) {
                 return false;
             }
+        }
+        const TileShape& ws = set.ws_tile;
+        if (ws.exists() && fwd_ws_smem_bytes(set.head_dim, ws.block_m, ws.block_n, ws.stages) > set.smem_budget) {
+            return false;
         }
     }
     return true;

@@ -1,0 +1,246 @@
+// The warp-specialized Hopper forward (sm_90a) for dense batches with the plain kernels' masks (none, or causal).
+// One CTA computes one (query block, sequence, head) tile, as flash_fwd_sm90_kernel.h does, with its work split
+// by role instead of by loop phase:
+// - the producer: the first warp of warpgroup 0 issues TMA loads of Q once and of K and V block by block into
+//   kStages buffers each, as soon as the consumers have released a buffer (mbarriers, no CTA-wide barrier);
+// - the consumers: kConsumerWarpgroups warpgroups of 64 query rows. Each overlaps its own work: it issues the next
+//   block's S = Q K^T together with this block's O += P V, and runs the next block's softmax while P V runs. They
+//   also take turns issuing their GEMMs (named barriers in a ring), so that one warpgroup's softmax runs while
+//   another's GEMMs hold the tensor cores.
+// setmaxnreg gives the producer warpgroup the minimum of registers and the consumers the rest.
+#pragma once
+
+#include <cmath>
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+
+#include "launch/flash_params.h"
+#include "kernels/fwd_tile.h"
+#include "kernels/kernel_traits_fwd_sm90.h"
+#include "kernels/mask.h"
+#include "kernels/softmax.h"
+#include "kernels/utils.h"
+#include "kernels/utils_sm90.h"
+
+namespace flash {
+
+using namespace cute;
+
+// Named barriers of the warp-specialized forward (0 is __syncthreads'): the consumers' turn ring, one per
+// consumer warpgroup, then one per consumer warpgroup for its epilogue.
+struct FwdWsBarriers {
+    static constexpr int kTurn0 = 1;
+    template <int kConsumerWarpgroups>
+    static constexpr int kEpilogue0 = kTurn0 + kConsumerWarpgroups;
+};
+
+__forceinline__ __device__ void named_barrier_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+__forceinline__ __device__ void named_barrier_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+// Stage and mbarrier phase of the i-th block through a ring of kStages buffers.
+template <int kStages>
+struct RingSlot {
+    int stage;
+    uint32_t phase;
+    __forceinline__ __device__ explicit RingSlot(int i) : stage(i % kStages), phase(uint32_t(i / kStages) & 1u) {}
+};
+
+template <class Traits, bool kCausal>
+__global__ void __launch_bounds__(Traits::kNThreads, 1)
+    flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams<Traits> ws) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using Element = typename Traits::Element;
+    using Barrier = cutlass::arch::ClusterBarrier;
+    using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
+    constexpr int kBlockM = Traits::kBlockM;
+    constexpr int kBlockN = Traits::kBlockN;
+    constexpr int kHeadDim = Traits::kHeadDim;
+    constexpr int kStages = Traits::kStages;
+    constexpr int kConsumerWarpgroups = Traits::kConsumerWarpgroups;
+    const FwdParams& params = ws.base;
+
+    const FwdTile<kBlockM, kBlockN, kCausal> tile(params);
+    if (!tile.has_rows()) { return; }
+    const int m_block = tile.m_block;
+    const int n_block_begin = tile.n_block_begin();
+    const int n_block_end = tile.n_block_end();
+
+    extern __shared__ __align__(1024) char smem_ws[];
+    auto& storage = *reinterpret_cast<typename Traits::SharedStorage*>(smem_ws);
+    Tensor sQ = make_tensor(make_smem_ptr(storage.q), typename Traits::SmemLayoutQ{});         // (kBlockM, kHeadDim)
+    Tensor sK = make_tensor(make_smem_ptr(storage.k),
+                            typename Traits::SmemLayoutKVStages{});  // (kBlockN, kHeadDim, kStages)
+    Tensor sV = make_tensor(make_smem_ptr(storage.v),
+                            typename Traits::SmemLayoutKVStages{});  // (kBlockN, kHeadDim, kStages)
+    Tensor sVt = make_tensor(make_smem_ptr(storage.v),
+                             typename Traits::SmemLayoutVtStages{});  // (kHeadDim, kBlockN, kStages)
+
+    const int warp_idx = __shfl_sync(0xffffffffu, int(threadIdx.x) / 32, 0);  // uniform, so role branches are too
+    const int warpgroup = warp_idx / 4;
+    if (threadIdx.x == 0) {
+        // One arrival (with the transaction bytes) fills a buffer; each consumer warp's arrival empties one.
+        Barrier::init(&storage.q_full, 1);
+        CUTE_UNROLL
+        for (int s = 0; s < kStages; ++s) {
+            Barrier::init(&storage.k_full[s], 1);
+            Barrier::init(&storage.v_full[s], 1);
+            Barrier::init(&storage.k_empty[s], Traits::kConsumerWarps);
+            Barrier::init(&storage.v_empty[s], Traits::kConsumerWarps);
+        }
+        cutlass::arch::fence_barrier_init();
+    }
+    __syncthreads();
+
+    if (warpgroup == 0) {
+        // The producer. Key blocks run from the last to the first, as in the other kernels (masked tiles first).
+        // K runs one block ahead of V: a consumer needs block n's K for its S while it still multiplies block
+        // n + 1's P by V.
+        cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
+        if (warp_idx != 0 || !cute::elect_one_sync()) { return; }
+        Tensor mQ = ws.tma_q.get_tma_tensor(
+            make_shape(params.seqlen_q, params.head_dim, params.num_heads, params.batch));  // (seqlen_q, d, h, b)
+        Tensor mK = ws.tma_k.get_tma_tensor(
+            make_shape(params.seqlen_k, params.head_dim, params.num_heads_k, params.batch));  // (seqlen_k, d, h_k, b)
+        Tensor mV = ws.tma_v.get_tma_tensor(
+            make_shape(params.seqlen_k, params.head_dim, params.num_heads_k, params.batch));  // (seqlen_k, d, h_k, b)
+        Tensor gQ = local_tile(mQ(_, _, tile.head_idx, tile.batch_idx), Shape<Int<kBlockM>, Int<kHeadDim>>{},
+                               make_coord(m_block, 0));  // (kBlockM, kHeadDim)
+        Tensor gK = local_tile(mK(_, _, tile.head_idx_k, tile.batch_idx), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                               make_coord(_, 0));  // (kBlockN, kHeadDim, n)
+        Tensor gV = local_tile(mV(_, _, tile.head_idx_k, tile.batch_idx), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                               make_coord(_, 0));  // (kBlockN, kHeadDim, n)
+        auto [tQgQ, tQsQ] = tma_partition(ws.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ),
+                                          group_modes<0, 2>(gQ));  // (TMA), (TMA)
+        auto [tKgK, tKsK] = tma_partition(ws.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK),
+                                          group_modes<0, 2>(gK));  // (TMA, n), (TMA, kStages)
+        auto [tVgV, tVsV] = tma_partition(ws.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV),
+                                          group_modes<0, 2>(gV));  // (TMA, n), (TMA, kStages)
+
+        TxBarrier::arrive_and_expect_tx(&storage.q_full, Traits::kQBytes);
+        copy(ws.tma_q.with(storage.q_full), tQgQ, tQsQ);
+        // The i-th block visited is n_block_end - 1 - i; a buffer is refilled once every consumer warp released
+        // it (parity phase ^ 1: the first round finds every buffer free).
+        auto load = [&](auto& tma, auto& tXgX, auto& tXsX, uint64_t* full, uint64_t* empty, int i) {
+            const RingSlot<kStages> slot(i);
+            Barrier::wait(&empty[slot.stage], slot.phase ^ 1u);
+            TxBarrier::arrive_and_expect_tx(&full[slot.stage], Traits::kKVStageBytes);
+            copy(tma.with(full[slot.stage]), tXgX(_, n_block_end - 1 - i), tXsX(_, slot.stage));
+        };
+        const int blocks = n_block_end - n_block_begin;
+        if (blocks > 0) { load(ws.tma_k, tKgK, tKsK, storage.k_full, storage.k_empty, 0); }
+        for (int i = 0; i < blocks; ++i) {
+            if (i + 1 < blocks) { load(ws.tma_k, tKgK, tKsK, storage.k_full, storage.k_empty, i + 1); }
+            load(ws.tma_v, tVgV, tVsV, storage.v_full, storage.v_empty, i);
+        }
+        return;
+    }
+
+    // The consumers.
+    cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
+    const int ctidx = int(threadIdx.x) - 128;  // among the consumers
+    const int cwg = warpgroup - 1;  // consumer warpgroup: query rows [64 cwg, 64 cwg + 64) of the tile
+    const bool releases = ctidx % 32 == 0;  // one arrival per warp on the empty barriers
+
+    typename Traits::TiledMmaS mma_s;
+    auto thr_mma_s = mma_s.get_thread_slice(ctidx);
+    typename Traits::TiledMmaO mma_o;
+    auto thr_mma_o = mma_o.get_thread_slice(ctidx);
+    Tensor tSrQ = thr_mma_s.make_fragment_A(thr_mma_s.partition_A(sQ));  // (MMA, MMA_M, MMA_K)
+    Tensor tSrK = thr_mma_s.make_fragment_B(thr_mma_s.partition_B(sK));  // (MMA, MMA_N, MMA_K, kStages)
+    Tensor tOrVt = thr_mma_o.make_fragment_B(thr_mma_o.partition_B(sVt));  // (MMA, MMA_N, MMA_K, kStages)
+    Tensor acc_o = partition_fragment_C(mma_o, Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (MMA, MMA_M, MMA_N)
+    Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA, MMA_M, MMA_N)
+    Tensor rP = make_tensor<Element>(acc_s.layout());  // (MMA, MMA_M, MMA_N)
+    Tensor tOrP = make_tensor(rP.data(), gmma_acc_as_a_operand_layout(rP.layout()));  // (MMA, MMA_M, MMA_K)
+    clear(acc_o);
+    Tensor cS = make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{});  // (kBlockM, kBlockN)
+    Tensor tScS = thr_mma_s.partition_C(cS);  // (MMA, MMA_M, MMA_N)
+    Tensor tScS_rc = make_tensor(tScS.data(), gmma_acc_rowcol_layout(tScS.layout()));  // (rows, cols)
+    Tensor scores = gmma_as_rowcol(acc_s);  // (rows, kBlockN cols)
+    Tensor acc_o_rc = gmma_as_rowcol(acc_o);  // (rows, kHeadDim cols)
+    OnlineSoftmax<decltype(size<0>(acc_o_rc))::value> softmax(params.softmax_scale_log2);
+
+    // The turn ring: a warpgroup issues its GEMMs after the previous one in the ring has issued its own. The last
+    // warpgroup opens the first turn.
+    constexpr int kTurnThreads = 256;  // one warpgroup arrives, the next one waits
+    const int my_turn = FwdWsBarriers::kTurn0 + cwg;
+    const int next_turn = FwdWsBarriers::kTurn0 + (cwg + 1) % kConsumerWarpgroups;
+    if (cwg == kConsumerWarpgroups - 1) { named_barrier_arrive(FwdWsBarriers::kTurn0, kTurnThreads); }
+
+    auto wait_full = [](uint64_t* full, int i) {
+        const RingSlot<kStages> slot(i);
+        Barrier::wait(&full[slot.stage], slot.phase);
+        return slot.stage;
+    };
+    auto release = [&](uint64_t* empty, int i) {
+        if (releases) { Barrier::arrive(&empty[RingSlot<kStages>(i).stage]); }
+    };
+    auto mask_and_exp = [&](int n_block) {
+        const TileMask<kBlockM, kBlockN, kCausal> mask(tile.bounds, m_block, n_block);
+        if (mask.needs_mask()) { mask.template apply</*kQueryIsRow=*/true>(scores, tScS_rc); }
+        return softmax.exp_scores(scores);
+    };
+    auto convert_p = [&] {
+        Tensor converted = convert_fragment<Element>(acc_s);
+        warpgroup_fence_operand(rP);
+        copy(converted, rP);
+        warpgroup_fence_operand(rP);
+    };
+
+    Barrier::wait(&storage.q_full, 0);
+    const int blocks = n_block_end - n_block_begin;
+    if (blocks > 0) {
+        int stage = wait_full(storage.k_full, 0);
+        named_barrier_sync(my_turn, kTurnThreads);
+        warpgroup_gemm_issue</*kZeroInit=*/true>(mma_s, tSrQ, tSrK(_, _, _, stage), acc_s);
+        named_barrier_arrive(next_turn, kTurnThreads);
+        warpgroup_wait_for<0>(acc_s);
+        release(storage.k_empty, 0);
+        mask_and_exp(n_block_end - 1);
+        convert_p();
+        for (int i = 1; i < blocks; ++i) {
+            stage = wait_full(storage.k_full, i);
+            named_barrier_sync(my_turn, kTurnThreads);
+            warpgroup_gemm_issue</*kZeroInit=*/true>(mma_s, tSrQ, tSrK(_, _, _, stage), acc_s);
+            const int v_stage = wait_full(storage.v_full, i - 1);
+            warpgroup_gemm_issue</*kZeroInit=*/false>(mma_o, tOrP, tOrVt(_, _, _, v_stage), acc_o);
+            named_barrier_arrive(next_turn, kTurnThreads);
+            warpgroup_wait_for<1>(acc_s);  // S done; P V may still run
+            release(storage.k_empty, i);
+            Tensor correction = mask_and_exp(n_block_end - 1 - i);
+            warpgroup_wait_for<0>(acc_o);
+            release(storage.v_empty, i - 1);
+            softmax.rescale(acc_o_rc, correction);
+            convert_p();
+        }
+        const int v_stage = wait_full(storage.v_full, blocks - 1);
+        named_barrier_sync(my_turn, kTurnThreads);
+        warpgroup_gemm_issue</*kZeroInit=*/false>(mma_o, tOrP, tOrVt(_, _, _, v_stage), acc_o);
+        named_barrier_arrive(next_turn, kTurnThreads);
+        warpgroup_wait_for<0>(acc_o);
+        release(storage.v_empty, blocks - 1);
+    }
+
+    // Epilogue: this warpgroup's rows of Q are read by its own S GEMMs only, all complete, so its output rows
+    // stage there and leave with 16 B stores, without waiting for the other warpgroups.
+    Tensor lse = softmax.finalize(acc_o_rc, params.softmax_scale, 1.f);
+    Tensor cO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (kBlockM, kHeadDim)
+    Tensor tOcO = thr_mma_o.partition_C(cO);  // (MMA, MMA_M, MMA_N), positions of acc_o's values
+    Tensor tOcO_rc = make_tensor(tOcO.data(), gmma_acc_rowcol_layout(tOcO.layout()));  // (rows, cols)
+    Tensor sO = make_tensor(sQ.data(), typename Traits::SmemLayoutO{});  // (kBlockM, kHeadDim)
+    Tensor rO = convert_fragment<Element>(acc_o);
+    CUTE_UNROLL
+    for (int i = 0; i < size(rO); ++i) { sO(get<0>(tOcO(i)), get<1>(tOcO(i))) = rO(i); }
+    tile.write_lse(params, lse, tOcO_rc);
+    named_barrier_sync(FwdWsBarriers::kEpilogue0<kConsumerWarpgroups> + cwg, 128);
+    tile.template store_o_rows<typename Traits::GmemTiledCopyO, 64>(params, sO, cwg, ctidx % 128);
+#endif
+}
+
+}  // namespace flash

@@ -744,3 +744,51 @@ def test_plan_op_problem_rules(gpu, variant, variants, causal_one_row, causal_lo
         )
         long = plan(pass_, batch=2, seqlen_q=512, seqlen_k=4096, nheads=32, nheads_k=4, head_dim=128, **variant, **gpu)
         assert (long.variants, long.causal, long.gqa_pack) == (variants, causal_long, 1), (pass_, long)
+
+
+@pytest.mark.parametrize(
+    "head_dim, seqlen, causal, warp_specialized",
+    [
+        # Head dims 32 and 64 (192-row tiles) only past 1024 keys (2048 causal).
+        (64, 1024, False, False),
+        (64, 2048, False, True),
+        (64, 2048, True, False),
+        (64, 4096, True, True),
+        (32, 1024, False, False),
+        (32, 1536, False, True),
+        # Head dim 128 below the short-key tile's bound takes that tile, and the warp-specialized kernel above it.
+        (128, 512, False, False),
+        (128, 1024, False, True),
+        (128, 1024, True, False),
+        (128, 2048, True, True),
+        # The other head dims at every length.
+        (256, 512, False, True),
+        (256, 512, True, True),
+        (96, 300, True, True),
+        (192, 100, False, True),
+    ],
+)
+def test_hopper_forward_warp_specialized_by_length(head_dim, seqlen, causal, warp_specialized):
+    args = dict(batch=2, seqlen_q=seqlen, seqlen_k=seqlen, nheads=16, nheads_k=16, head_dim=head_dim, causal=causal)
+    p = plan("fwd", **args, **H200)
+    assert p.warp_specialized == warp_specialized, p
+    if warp_specialized:
+        assert p.num_splits == 1 and not p.short_key_tile and p.block_m == (192 if head_dim <= 64 else 128), p
+    # ws=1 forces it at every length (where the short-key tile does not run), ws=0 never; the mma.sync family never
+    # has it.
+    assert plan("fwd", **args, override="ws=1;short_keys=0", **H200).warp_specialized
+    assert not plan("fwd", **args, override="ws=0", **H200).warp_specialized
+    assert not plan("fwd", **args, override="ws=1", **A100).warp_specialized
+
+
+def test_hopper_forward_warp_specialized_needs_dense_plain_calls():
+    dense = dict(batch=2, seqlen_q=4096, seqlen_k=4096, nheads=16, nheads_k=4, head_dim=128)
+    assert plan("fwd", **dense, **H200).warp_specialized
+    assert not plan("fwd", **dense, varlen=True, **H200).warp_specialized
+    assert not plan("fwd", **dense, window_size=(256, 0), **H200).warp_specialized
+    assert not plan("fwd", **dense, alibi=True, **H200).warp_specialized
+    # Queries for one consumer warpgroup only (decoding and other short queries), or split keys.
+    short = dict(dense, seqlen_q=64)
+    assert not plan("fwd", **short, **H200).warp_specialized
+    assert not plan("fwd", **short, override="ws=1", **H200).warp_specialized
+    assert not plan("fwd", **dense, num_splits=2, **H200).warp_specialized

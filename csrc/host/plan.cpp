@@ -42,6 +42,16 @@ int choose_num_splits(int64_t ctas, int64_t seqlen_k, const TileShape& tile, int
     return 1;
 }
 
+// ---- Forward: the Hopper warp-specialized kernel ----
+
+// seqlen_k at or below which head dims 32 and 64, whose warp-specialized tile has 192 rows and three consumer
+// warpgroups, keep the other Hopper kernel: at head dim 64 (H200, bf16) the warp-specialized one was 5-13% slower
+// there non-causal and 4-29% slower causal, where a 192-row block on the diagonal computes the most scores it
+// drops, and 13-16% faster from 2k (non-causal) and 4k (causal) keys. The other head dims' tiles have 128 rows and
+// were faster at every length measured (head dim 128 takes the short-key tile at short lengths anyway).
+constexpr int kFwdWsMinKeys192Rows = 1024;
+constexpr int kFwdWsMinKeys192RowsCausal = 2048;
+
 // ---- Forward: the Hopper short-key tile ----
 
 // seqlen_k at or below which the forward runs the wgmma set's short-key tile where one exists. Causal up to
@@ -147,7 +157,9 @@ void plan_fwd(const Problem& p, const Target& t, int forced_splits, const PlanOv
     const TileShape& ws = set.ws_tile;
     const bool ws_fits = !plan.variants && !p.varlen && plan.gqa_pack == 1 && !plan.short_key_tile &&
                          plan.num_splits == 1 && ws.exists() && seqlen_q > ws.block_m - 64;
-    plan.warp_specialized = ws_fits && choose(o.warp_specialized, true);
+    const bool ws_pays = ws.block_m < 192 ||
+                         p.seqlen_k > (plan.causal ? kFwdWsMinKeys192RowsCausal : kFwdWsMinKeys192Rows);
+    plan.warp_specialized = ws_fits && choose(o.warp_specialized, ws_pays);
     if (plan.warp_specialized) {
         plan.block_m = ws.block_m;
         plan.block_n = ws.block_n;

@@ -95,6 +95,11 @@ constexpr int kBwdSm90ShortBlockM = 16;
 // and one CTA's prologue and epilogue run under the other's MMAs. The plans pick it at the short seqlen_k where
 // it pays.
 //
+// The warp-specialized wgmma forward's tiles (ws_tile): 64 query rows per consumer warpgroup, two warpgroups of 240
+// registers, or three of 160 at head dims 32 and 64 (192 rows), where the accumulators leave room; two stages of K
+// and V in wgmma N shapes that CuTe offers without its extended-shapes header. Head dim 128's 128-key blocks beat
+// 192-key ones at 1k keys and trailed them by 1-4% from 2k (docs/design-notes.md); the other widths are untuned.
+//
 // mma.sync backward (block_m, block_n): dK and dV of block_n keys stay in registers, so wide heads take fewer
 // keys per CTA. At head dim 64 the registers leave room for 128-row query blocks, which halve the steps (and
 // barriers) per key block: 6% faster on an H200 (bench/results/h200/tune_bwd_nvidia-h200.md).
@@ -115,7 +120,7 @@ constexpr int kBwdSm90ShortBlockM = 16;
 // warpgroup owning 64 keys), 64 by 64 above (the wide kernel, P and dS through shared memory); head dim 128 has
 // a 16-row short-query tile, where a 64-row tile would compute mostly padding.
 constexpr TileSet kTileSets[] = {
-    // family, pass, head dim, budget, tile, causal tile, short tile
+    // family, pass, head dim, budget, tile, causal tile, short tile, warp-specialized tile
     {KernelFamily::kMmaSync, Pass::kFwd, 32, kSmem163KiB, {128, 64, 4}, {128, 64, 4}, {}},
     {KernelFamily::kMmaSync, Pass::kFwd, 64, kSmem163KiB, {128, 64, 4}, {128, 64, 4}, {}},
     {KernelFamily::kMmaSync, Pass::kFwd, 96, kSmem163KiB, {128, 64, 4}, {128, 64, 4}, {}},

@@ -47,8 +47,8 @@ int choose_num_splits(int64_t ctas, int64_t seqlen_k, const TileShape& tile, int
 // seqlen_k at or below which head dims 32 and 64, whose warp-specialized tile has 192 rows and three consumer
 // warpgroups, keep the other Hopper kernel: at head dim 64 (H200, bf16) the warp-specialized one was 5-13% slower
 // there non-causal and 4-29% slower causal, where a 192-row block on the diagonal computes the most scores it
-// drops, and 13-16% faster from 2k (non-causal) and 4k (causal) keys. The other head dims' tiles have 128 rows and
-// were faster at every length measured (head dim 128 takes the short-key tile at short lengths anyway).
+// drops, and 2-16% faster from 2k (non-causal) and 4k (causal) keys. The other head dims' tiles have 128 rows, and
+// at head dim 256 it was faster at every length measured (head dim 128 takes the short-key tile at short lengths).
 constexpr int kFwdWsMinKeys192Rows = 1024;
 constexpr int kFwdWsMinKeys192RowsCausal = 2048;
 

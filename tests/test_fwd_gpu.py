@@ -280,16 +280,18 @@ def test_flash_attn_func_returns_tensor(causal):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("scale", [0.02, 1.0])
 @pytest.mark.parametrize("q_gain", [1.0, 8.0], ids=["q1", "q8"])
-def test_softmax_scale_and_peaky_scores(q_gain, scale, causal, dtype):
+@pytest.mark.parametrize("force", [{}, {"ws": True, "short_keys": False}], ids=["default", "ws"])
+def test_softmax_scale_and_peaky_scores(force, q_gain, scale, causal, dtype):
     # Large logits make the running max move a lot between key blocks, stressing the rescaling. A bfloat16
     # reference cannot resolve logits of standard deviation much above 12 (the rule would pass zeros; conftest),
-    # so in bfloat16 the gain stops there: q * 8 at scale 1 would give 90.
+    # so in bfloat16 the gain stops there: q * 8 at scale 1 would give 90. On Hopper the default plans run the
+    # causal case on the short-key tile; "ws" runs both on the warp-specialized kernel.
     require_kernel(128, dtype, causal)
     if dtype == torch.bfloat16:
         q_gain = min(q_gain, LOGIT_STD[dtype] / (scale * math.sqrt(128)))
     q, k, v = make_qkv(2, 511, 1023, 4, 4, 128, dtype)
-    run_and_check(q * q_gain, k, v, causal, softmax_scale=scale)
-    run_and_check(q * q_gain, k, v, causal, softmax_scale=scale, via="func")
+    run_and_check(q * q_gain, k, v, causal, softmax_scale=scale, force=force)
+    run_and_check(q * q_gain, k, v, causal, softmax_scale=scale, via="func", force=force)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -533,8 +535,10 @@ def test_short_key_tile_split_kv(splits, causal):
         (3, 191, 191, 3, 1, "guard_bands"),
         (1, 2049, 2049, 1, 1, "packed"),
         (2, 63, 4097, 2, 2, "seq_major"),
+        (2, 200, 5, 4, 4, "contiguous"),
+        (1, 130, 1, 2, 1, "guard_bands"),
     ],
-    ids=["sq257-sk1000", "sq1000-sk257-gqa", "sq191-mqa", "one-head", "sq63-sk4097"],
+    ids=["sq257-sk1000", "sq1000-sk257-gqa", "sq191-mqa", "one-head", "sq63-sk4097", "sq200-sk5", "sq130-sk1-mqa"],
 )
 def test_warp_specialized_forward(b, sq, sk, h, hk, layout, d, ws, dtype, causal):
     require_kernel(d, dtype, causal)

@@ -19,23 +19,20 @@ namespace flash {
 
 using namespace cute;
 
-// One CTA holds kBlockM / 64 warpgroups; each owns 64 query rows end to end (split-Q at warpgroup
-// granularity), and reads its MMA operands straight from shared memory with wgmma.
-template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kCtasPerSm_>
-struct FwdSm90KernelTraits {
+// What both Hopper forward kernels compute with: warpgroups of 64 query rows (kBlockM / 64 of them) whose
+// GEMMs read K and V, and Q for S, straight from shared memory by descriptor, and those buffers' swizzled layouts.
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_>
+struct FwdSm90Operands {
     using Element = Element_;
     using ElementAccum = float;
 
     static constexpr int kHeadDim = kHeadDim_;
     static constexpr int kBlockM = kBlockM_;
     static constexpr int kBlockN = kBlockN_;
-    static constexpr int kNWarpgroups = kBlockM / 64;
-    static constexpr int kNThreads = kNWarpgroups * 128;
-    static constexpr int kCtasPerSm = kCtasPerSm_;  // caps registers per thread at 64K / (kNThreads * kCtasPerSm)
+    static constexpr int kNWarpgroups = kBlockM / 64;  // the warpgroups that compute
 
     static_assert(kBlockM % 64 == 0, "a warpgroup MMA covers 64 query rows");
     static_assert(kHeadDim % 32 == 0, "shared-memory rows of whole 64 B or 128 B swizzle atoms");
-    static_assert(kBlockN % 64 == 0 && kBlockN <= 256, "wgmma N is at most 256");
 
     using WarpgroupLayout = Layout<Shape<Int<kNWarpgroups>, _1, _1>>;
     // S = Q K^T: both operands in shared memory, head dim contiguous (K-major).
@@ -54,10 +51,26 @@ struct FwdSm90KernelTraits {
     using SmemAtom =
         std::conditional_t<kSmemRowElems == 64, GMMA::Layout_K_SW128_Atom<Element>, GMMA::Layout_K_SW64_Atom<Element>>;
     using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-    using SmemLayoutKV = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+    using SmemLayoutKV = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));  // one block
+};
+
+// One CTA holds kBlockM / 64 warpgroups; each owns 64 query rows end to end (split-Q at warpgroup
+// granularity), and all of them load (cp.async) and compute.
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kCtasPerSm_>
+struct FwdSm90KernelTraits : FwdSm90Operands<Element_, kHeadDim_, kBlockM_, kBlockN_> {
+    using Base = FwdSm90Operands<Element_, kHeadDim_, kBlockM_, kBlockN_>;
+    using Element = Element_;
+    using SmemLayoutQ = typename Base::SmemLayoutQ;
+    using SmemLayoutKV = typename Base::SmemLayoutKV;
+
+    static constexpr int kNThreads = Base::kNWarpgroups * 128;
+    static constexpr int kCtasPerSm = kCtasPerSm_;  // caps registers per thread at 64K / (kNThreads * kCtasPerSm)
+
+    static_assert(kBlockN_ % 64 == 0 && kBlockN_ <= 256, "wgmma N is at most 256");
+
     // V viewed as (kHeadDim, kBlockN), the B operand of O += P V.
     using SmemLayoutVt = decltype(composition(
-        SmemLayoutKV{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Stride<Int<kBlockN>, _1>{})));
+        SmemLayoutKV{}, make_layout(Shape<Int<kHeadDim_>, Int<kBlockN_>>{}, Stride<Int<kBlockN_>, _1>{})));
     using SmemLayoutO = SmemLayoutQ;  // the output tile reuses Q's buffer
 
     static constexpr int kSmemQElems = cosize_v<SmemLayoutQ>;
@@ -71,7 +84,7 @@ struct FwdSm90KernelTraits {
     static_assert(kSmemBytes * kCtasPerSm <= 227 * 1024, "sm_90 has 227 KiB of shared memory per SM for blocks");
 
     // Global <-> shared: 16 B per thread access, one thread per 8 elements of a shared-memory row.
-    static constexpr int kGmemThreadsPerRow = kSmemRowElems / 8;
+    static constexpr int kGmemThreadsPerRow = Base::kSmemRowElems / 8;
     using GmemThreadLayout = Layout<Shape<Int<kNThreads / kGmemThreadsPerRow>, Int<kGmemThreadsPerRow>>,
                                     Stride<Int<kGmemThreadsPerRow>, _1>>;
     // Zero-filling cp.async: rows past the sequence end and columns past head_dim read as 0.
@@ -90,15 +103,17 @@ namespace flash {
 // have kStages buffers each, filled and drained through mbarriers, so the producer runs ahead of the GEMMs
 // without any CTA-wide barrier in the main loop.
 template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_>
-struct FwdSm90WsKernelTraits {
+struct FwdSm90WsKernelTraits : FwdSm90Operands<Element_, kHeadDim_, kBlockM_, kBlockN_> {
+    using Base = FwdSm90Operands<Element_, kHeadDim_, kBlockM_, kBlockN_>;
     using Element = Element_;
-    using ElementAccum = float;
-
+    using SmemAtom = typename Base::SmemAtom;
+    using SmemLayoutQ = typename Base::SmemLayoutQ;
+    using SmemLayoutKV = typename Base::SmemLayoutKV;
     static constexpr int kHeadDim = kHeadDim_;
-    static constexpr int kBlockM = kBlockM_;
     static constexpr int kBlockN = kBlockN_;
+
     static constexpr int kStages = kStages_;
-    static constexpr int kConsumerWarpgroups = kBlockM / 64;
+    static constexpr int kConsumerWarpgroups = Base::kNWarpgroups;
     static constexpr int kNThreads = (kConsumerWarpgroups + 1) * 128;
     static constexpr int kConsumerThreads = kConsumerWarpgroups * 128;
     static constexpr int kConsumerWarps = kConsumerThreads / 32;
@@ -108,28 +123,10 @@ struct FwdSm90WsKernelTraits {
     static constexpr int kConsumerRegs = kConsumerWarpgroups == 2 ? 240 : 160;
     static_assert(kProducerRegs + kConsumerWarpgroups * kConsumerRegs <= 512, "64K registers per SM");
 
-    static_assert(kBlockM % 64 == 0 && kConsumerWarpgroups >= 2 && kConsumerWarpgroups <= 3,
-                  "two or three consumer warpgroups of 64 query rows");
-    static_assert(kHeadDim % 32 == 0, "shared-memory rows of whole 64 B or 128 B swizzle atoms");
+    static_assert(kConsumerWarpgroups >= 2 && kConsumerWarpgroups <= 3, "two or three consumer warpgroups");
     static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "P V's k-steps are 16 keys; wgmma N is at most 256");
     static_assert((kBlockN / 8) % 2 == 0, "P feeds P V in pairs of 8-column groups");
 
-    using WarpgroupLayout = Layout<Shape<Int<kConsumerWarpgroups>, _1, _1>>;
-    // S = Q K^T, both operands in shared memory, head dim contiguous (K-major).
-    using TiledMmaS = decltype(make_tiled_mma(
-        SM90::GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>>(),
-        WarpgroupLayout{}));
-    // O += P V: P from registers, V^T read from V's buffer, where the head dim (O's N) is contiguous.
-    using TiledMmaO = decltype(make_tiled_mma(
-        SM90::GMMA::rs_op_selector<Element, Element, ElementAccum, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>,
-                                   GMMA::Major::K, GMMA::Major::MN>(),
-        WarpgroupLayout{}));
-
-    static constexpr int kSmemRowElems = kHeadDim % 64 == 0 ? 64 : 32;
-    using SmemAtom =
-        std::conditional_t<kSmemRowElems == 64, GMMA::Layout_K_SW128_Atom<Element>, GMMA::Layout_K_SW64_Atom<Element>>;
-    using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-    using SmemLayoutKV = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));  // one stage
     using SmemLayoutKVStages = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
     // V viewed as (kHeadDim, kBlockN, stage), the B operand of O += P V.
     using SmemLayoutVtStages = decltype(composition(SmemLayoutKVStages{},
@@ -164,12 +161,12 @@ struct FwdSm90WsKernelTraits {
     }
     using GmemTensor = decltype(gmem_tensor(nullptr, 0, 0, 0, 0, 0, 0, 0));
     using TmaQ = decltype(make_tma_atom(SM90_TMA_LOAD{}, std::declval<GmemTensor>(), SmemLayoutQ{},
-                                        Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+                                        Shape<Int<kBlockM_>, Int<kHeadDim>>{}));
     using TmaKV = decltype(make_tma_atom(SM90_TMA_LOAD{}, std::declval<GmemTensor>(), SmemLayoutKV{},
                                          Shape<Int<kBlockN>, Int<kHeadDim>>{}));
 
     // Output rows from shared to global memory: 16 B per thread access by one consumer warpgroup.
-    static constexpr int kGmemThreadsPerRow = kSmemRowElems / 8;
+    static constexpr int kGmemThreadsPerRow = Base::kSmemRowElems / 8;
     using GmemTiledCopyO = decltype(make_tiled_copy(
         Copy_Atom<UniversalCopy<uint128_t>, Element>{},
         Layout<Shape<Int<128 / kGmemThreadsPerRow>, Int<kGmemThreadsPerRow>>, Stride<Int<kGmemThreadsPerRow>, _1>>{},

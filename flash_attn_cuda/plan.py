@@ -77,13 +77,13 @@ def override_string(
 ) -> str:
     """The ``plan_override`` op argument for these choices (None: the heuristic decides)."""
     values = {
-        "ws": ws,
         "kernel": kernel,
         "gqa_walk": gqa_walk,
         "key_blocks": key_blocks,
         "short_keys": short_keys,
         "short_queries": short_queries,
         "max_smem": max_smem,
+        "ws": ws,
     }
     parts = []
     for key in _OVERRIDE_KEYS:

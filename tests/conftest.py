@@ -403,8 +403,6 @@ def _sizes(q, k, lens, max_seqlens):
 # None when unset.
 MAX_SMEM = int(os.environ["FLASH_ATTN2_MAX_SMEM"]) if os.environ.get("FLASH_ATTN2_MAX_SMEM") else None
 SMEM_227KIB = 232448  # the Hopper kernels' tile sets
-# Kernel head dims whose Hopper forward has a warp-specialized TMA kernel (launch/tile_size.h: ws_tile): all.
-WS_HEAD_DIMS = KERNEL_HEAD_DIMS
 SMEM_99KIB = 101376  # the mma.sync kernels' set for sm_86, sm_89 and sm_120 (A10, L4, L40S, RTX 30xx to 50xx)
 
 
@@ -477,10 +475,9 @@ def check_forced_plans(q, k, causal, force, *, deterministic=False, lens=None, m
             if "short_keys" in force:
                 assert p.short_key_tile == bool(force["short_keys"] and hopper and kernel_dim == 128), p
             if "ws" in force:
-                ws_rows = 192 if kernel_dim <= 64 else 128  # launch/tile_size.h: ws_tile
+                ws_rows = 192 if kernel_dim <= 64 else 128  # every head dim has one (launch/tile_size.h: ws_tile)
                 serves = (
                     hopper
-                    and kernel_dim in WS_HEAD_DIMS
                     and lens is None
                     and q.shape[-3] > ws_rows - 64
                     and not p.variants

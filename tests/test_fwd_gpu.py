@@ -19,7 +19,6 @@ from conftest import (
     MAX_SMEM,
     PARTIAL_HEAD_DIMS,
     SMEM_227KIB,
-    WS_HEAD_DIMS,
     check_close,
     check_forced_plans,
     device_plan,
@@ -526,7 +525,7 @@ def test_short_key_tile_split_kv(splits, causal):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("ws", [True, False], ids=["ws", "no-ws"])
-@pytest.mark.parametrize("d", WS_HEAD_DIMS)
+@pytest.mark.parametrize("d", KERNEL_HEAD_DIMS)
 @pytest.mark.parametrize(
     "b, sq, sk, h, hk, layout",
     [

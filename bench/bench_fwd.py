@@ -25,8 +25,12 @@ IMPLS = ["ours", "flash", "cudnn", "efficient"]
 # otherwise runs the warpgroup-MMA ones (force_plan(kernel="mma_sync"), forward and backward); ours_mma99: the
 # mma.sync kernels' tile set for GPUs with 99 KiB of shared memory per block (sm_86, sm_89, sm_120), planned as
 # on such a GPU (force_plan(max_smem=101376)); ours_nows: on a Hopper GPU, the forward whose warps all load and
-# compute instead of the warp-specialized TMA kernel (force_plan(ws=False)).
-OPTIONAL_IMPLS = ["ours_det", "ours_mma", "ours_mma99", "ours_nows"]
+# compute instead of the warp-specialized TMA kernel (force_plan(ws=False)); ours_ws: the warp-specialized kernel
+# wherever it can run, also where the plan would pick another (force_plan(ws=True, short_keys=False)).
+OPTIONAL_IMPLS = ["ours_det", "ours_mma", "ours_mma99", "ours_nows", "ours_ws"]
+# fa4: FlashAttention-4's flash_attn_func (the flash-attn-4 package, flash_attn.cute), on the same (b, s, h, d)
+# tensors as ours; forward only.
+OTHER_IMPLS = ["fa4"]
 SMEM_99KIB = 101376
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 SANITY_REL_TOL = 0.05  # a loose "is it the same function" check against SDPA, not the correctness rule
@@ -60,9 +64,11 @@ def parse_args(argv=None):
     a.seqlens = a.seqlens or ([2048, 8192, 16384] if a.quick else [512, 1024, 2048, 4096, 8192, 16384])
     a.warmup = a.warmup if a.warmup is not None else (3 if a.quick else 5)
     a.rep = a.rep if a.rep is not None else (20 if a.quick else 30)
-    unknown = set(a.impls) - set(IMPLS + OPTIONAL_IMPLS)
+    unknown = set(a.impls) - set(IMPLS + OPTIONAL_IMPLS + OTHER_IMPLS)
     if unknown or "ours" not in a.impls:
-        p.error(f"--impls must include 'ours' and be drawn from {IMPLS + OPTIONAL_IMPLS}")
+        p.error(f"--impls must include 'ours' and be drawn from {IMPLS + OPTIONAL_IMPLS + OTHER_IMPLS}")
+    if "fa4" in a.impls and a.pass_ != "fwd":
+        p.error("--impls fa4 times the forward only (--pass fwd)")
     return a
 
 
@@ -99,6 +105,20 @@ def forced_plan(**choices):
     return lambda: force_plan(**choices)
 
 
+def fa4_runner(q, k, v, causal):
+    """FlashAttention-4's forward as a runner (see make_runners), or why it cannot run."""
+    try:
+        from flash_attn.cute import flash_attn_func as fa4_func
+    except Exception as exc:
+        return f"no FlashAttention-4: {type(exc).__name__}: {exc}"
+
+    def run():
+        out = fa4_func(q, k, v, causal=causal)
+        return out[0] if isinstance(out, tuple) else out
+
+    return contextlib.nullcontext, run, (q, k, v), False
+
+
 def make_runners(lib, lib_err, q, k, v, qt, kt, vt, causal, impls):
     """name -> (context factory, fn, its inputs, whether it is SDPA) or an error string. fn returns ours' output
     in (b, s, h, d) and SDPA's in (b, h, s, d); q, k, v are (b, s, h, d), and qt, kt, vt SDPA's transposed views
@@ -124,6 +144,7 @@ def make_runners(lib, lib_err, q, k, v, qt, kt, vt, causal, impls):
                     "ours_mma": forced_plan(kernel="mma_sync"),
                     "ours_mma99": forced_plan(kernel="mma_sync", max_smem=SMEM_99KIB),
                     "ours_nows": forced_plan(ws=False),
+                    "ours_ws": forced_plan(ws=True, short_keys=False),
                 }.get(name, contextlib.nullcontext)
                 runners[name] = (
                     ctx
@@ -135,6 +156,8 @@ def make_runners(lib, lib_err, q, k, v, qt, kt, vt, causal, impls):
                         False,
                     )
                 )
+        elif name == "fa4":
+            runners[name] = fa4_runner(q, k, v, causal)
         else:
             runners[name] = (
                 lambda b=backends[name]: sdpa_kernel([b]),
@@ -234,11 +257,11 @@ def bench_shape(lib, lib_err, dtype_name, hdim, causal, seqlen, args):
             row["errors"][name] = err
             continue
         timers[name] = (ctx, timed)
-        outs[name] = out if name.startswith("ours") else out.transpose(1, 2)
+        outs[name] = out if name.startswith("ours") or name in OTHER_IMPLS else out.transpose(1, 2)
     # The implementations take turns (--rounds), so a drift in the GPU's or host's speed over the run
     # reaches all of them alike; each cell is the median over its rounds.
     time_rounds(timers, row, args)
-    ref = next((n for n in args.impls if not n.startswith("ours") and n in outs), None)
+    ref = next((n for n in args.impls if n in IMPLS and n != "ours" and n in outs), None)
     if "ours" in outs and ref:
         diff = (outs["ours"].float() - outs[ref].float()).abs().max().item()
         rel = diff / max(outs[ref].float().abs().max().item(), 1e-30)

@@ -1,8 +1,8 @@
 """Small forward and backward calls for compute-sanitizer (not a pytest module): odd lengths, causal both
 ways, GQA, padded head dims, strided views, deterministic mode and variable-length batches (with empty and
-one-token sequences), forced split-KV forwards and forced multi-key-block backwards, and the attention
-variants (windows, softcap, ALiBi, dropout) on both kernel families, so out-of-bounds reads or writes show up as
-memcheck errors.
+one-token sequences), forced split-KV forwards, the warp-specialized Hopper forward with several tiles per CTA,
+forced multi-key-block backwards, and the attention variants (windows, softcap, ALiBi, dropout) on both kernel
+families, so out-of-bounds reads or writes show up as memcheck errors.
 
     compute-sanitizer --tool memcheck python tests/memcheck.py [section ...]
 
@@ -84,6 +84,25 @@ def split_kv():
         with force_plan(**force):
             flash_attn_func(q, k, v, causal=causal)
         calls += 1
+    return calls
+
+
+def warp_specialized():
+    """Hopper forwards on the warp-specialized kernel (forced, also where the plans would pick another) with more
+    units of its persistent schedule than an H200 has SMs, so that CTAs run several tiles, query rows that see no
+    key among them (seqlen_q > seqlen_k, causal), and sequences that end inside a tile. Returns the calls."""
+    calls = 0
+    force = {"ws": True, "short_keys": False}
+    for head_dim, causal in itertools.product(KERNEL_HEAD_DIMS, (False, True)):
+        if not flash_attn_cuda.kernel_available(head_dim, torch.bfloat16, causal):
+            continue
+        for sq, sk in ((700, 900), (900, 301)):
+            q = torch.randn(3, sq, 24, head_dim, device="cuda", dtype=torch.bfloat16)
+            k, v = torch.randn(2, 3, sk, 8, head_dim, device="cuda", dtype=torch.bfloat16).unbind(0)
+            check_forced_plans(q, k, causal, force, passes=("fwd",))
+            with force_plan(**force):
+                flash_attn_func(q, k, v, causal=causal)
+            calls += 1
     return calls
 
 
@@ -353,7 +372,18 @@ def kvcache():
     return calls
 
 
-SECTIONS = [dense, varlen, split_kv, gqa_walk, key_blocks, short_queries, fwd_regular_tile, variants, kvcache]
+SECTIONS = [
+    dense,
+    varlen,
+    split_kv,
+    warp_specialized,
+    gqa_walk,
+    key_blocks,
+    short_queries,
+    fwd_regular_tile,
+    variants,
+    kvcache,
+]
 
 
 def main():

@@ -519,7 +519,9 @@ def test_short_key_tile_split_kv(splits, causal):
 # there); ws=False forces the kernel whose warps all load and compute, which varlen, split-KV, packed GQA, the
 # short-key tile, the variants and query sequences too short for every consumer warpgroup keep. Both, on sequences
 # that end inside a tile, with seqlen_q above and below seqlen_k, GQA and MQA, and single sequences and heads, whose
-# strides TMA does not take from the tensor.
+# strides TMA does not take from the tensor. The warp-specialized kernel is persistent, one CTA per SM: the last
+# two shapes have more units of its schedule than an H200 has SMs (132), so CTAs run several tiles, causal ones
+# pairs of query blocks of an odd count, and, in the last, tiles whose rows see no key between others.
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -536,12 +538,26 @@ def test_short_key_tile_split_kv(splits, causal):
         (2, 63, 4097, 2, 2, "seq_major"),
         (2, 200, 5, 4, 4, "contiguous"),
         (1, 130, 1, 2, 1, "guard_bands"),
+        (4, 1300, 1500, 16, 4, "contiguous"),
+        (3, 1500, 300, 12, 12, "seq_major"),
     ],
-    ids=["sq257-sk1000", "sq1000-sk257-gqa", "sq191-mqa", "one-head", "sq63-sk4097", "sq200-sk5", "sq130-sk1-mqa"],
+    ids=[
+        "sq257-sk1000",
+        "sq1000-sk257-gqa",
+        "sq191-mqa",
+        "one-head",
+        "sq63-sk4097",
+        "sq200-sk5",
+        "sq130-sk1-mqa",
+        "many-tiles-gqa",
+        "many-tiles-sq1500-sk300",
+    ],
 )
 def test_warp_specialized_forward(b, sq, sk, h, hk, layout, d, ws, dtype, causal):
     require_kernel(d, dtype, causal)
-    run_and_check(*make_qkv(b, sq, sk, h, hk, d, dtype, layout), causal, force={"ws": ws})
+    # With ws, the short-key tile is forced off too: head dim 128 would take it at these key lengths.
+    force = {"ws": True, "short_keys": False} if ws else {"ws": False}
+    run_and_check(*make_qkv(b, sq, sk, h, hk, d, dtype, layout), causal, force=force)
 
 
 # ---------------------------------------------------------------- split-KV and seqlen_q == 1 GQA packing

@@ -614,6 +614,13 @@ def test_batch_above_65535(causal, force):
     run_big_batch(70000, 16, 16, 1, 1, 32, causal, force=force)
 
 
+def test_batch_above_65535_warp_specialized():
+    # The warp-specialized Hopper forward is persistent: its grid holds one CTA per SM whatever the batch, and each
+    # CTA finds its sequences from its schedule.
+    require_fwd_bwd_kernels(128, torch.bfloat16, True)
+    run_big_batch(70000, 65, 70, 1, 1, 128, True, force={"ws": True, "short_keys": False})
+
+
 def test_batch_above_65535_deterministic_and_decode():
     # Deterministic mode's semaphores are indexed per (sequence, head, query block); seqlen_q == 1 with GQA packs
     # the query heads as rows.

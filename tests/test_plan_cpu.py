@@ -206,10 +206,19 @@ def test_num_splits_out_of_range_rejected(splits):
     ],
 )
 def test_short_key_tile_heuristic(head_dim, causal, seqlen_k, short):
-    p = make("fwd", seqlen_q=128, seqlen_k=seqlen_k, head_dim=head_dim, causal=causal)
-    assert p.kernel == "wgmma" and p.short_key_tile is short, p
+    # 64 queries: too few for the warp-specialized kernel's two consumer warpgroups, which would otherwise run.
+    p = make("fwd", seqlen_q=64, seqlen_k=seqlen_k, head_dim=head_dim, causal=causal)
+    assert p.kernel == "wgmma" and p.short_key_tile is short and not p.warp_specialized, p
     if short:  # tile_size.h, the wgmma forward's short-key tile: 64 query rows, 64-key blocks
         assert (p.block_m, p.block_n) == (64, 64), p
+    # Where the warp-specialized kernel runs (persistent, so it overlaps a tile's loads with the previous tile's
+    # work itself), it runs instead; varlen calls, which it does not serve, keep the short-key tile.
+    dense = make("fwd", batch=16, seqlen_q=256, seqlen_k=seqlen_k, head_dim=head_dim, causal=causal)
+    assert dense.warp_specialized and not dense.short_key_tile, dense
+    assert (
+        make("fwd", seqlen_q=128, seqlen_k=seqlen_k, head_dim=head_dim, causal=causal, varlen=True).short_key_tile
+        is short
+    )
     # Never in the backward, never on mma.sync.
     assert not make("bwd", seqlen_q=128, seqlen_k=seqlen_k, head_dim=head_dim, causal=causal).short_key_tile
     assert not make("fwd", A100, seqlen_q=128, seqlen_k=seqlen_k, head_dim=head_dim, causal=causal).short_key_tile
@@ -220,7 +229,8 @@ def test_short_key_tile_forced(causal):
     assert make("fwd", seqlen_k=16384, causal=causal, short_keys=True).short_key_tile
     assert not make("fwd", seqlen_k=16384, causal=causal).short_key_tile
     assert not make("fwd", seqlen_k=64, causal=causal, short_keys=False).short_key_tile
-    assert make("fwd", seqlen_k=64, causal=causal).short_key_tile
+    assert make("fwd", seqlen_q=64, seqlen_k=64, causal=causal).short_key_tile
+    assert not make("fwd", seqlen_k=64, causal=causal).short_key_tile  # the warp-specialized kernel's
     # Only head dim 128 has the tile; mma.sync has none.
     assert not make("fwd", seqlen_k=64, head_dim=64, causal=causal, short_keys=True).short_key_tile
     assert not make("fwd", seqlen_k=64, head_dim=256, causal=causal, short_keys=True).short_key_tile
@@ -574,13 +584,13 @@ def test_every_kernel_fits_its_arch(gpu, budget, head_dim, pass_, deterministic,
 @pytest.mark.parametrize(
     "pass_, gpu, seqlen_k, override, smem",
     [
-        # The warp-specialized kernel: Q (128 x 128), two stages of K and of V (128 x 128 each) and 1 KiB of
-        # mbarriers, bf16: 32 + 128 + 1 KiB.
-        ("fwd", H200, 4096, "", 164864),
+        # The warp-specialized kernel: Q (128 x 128), two stages of K and of V (128 x 128 each), the output tile
+        # (128 x 128) and 1 KiB of mbarriers, bf16: 32 + 128 + 32 + 1 KiB.
+        ("fwd", H200, 4096, "", 197632),
         # Without it: Q and three stages of K and V: 32 + 192 KiB.
         ("fwd", H200, 4096, "ws=0", 229376),
         # The short-key tile, two CTAs per SM: Q (64 x 128) and three stages of K and V (64 x 128): 16 + 96 KiB.
-        ("fwd", H200, 64, "", 114688),
+        ("fwd", H200, 64, "ws=0", 114688),
         # mma.sync, non-causal: Q (128 rows x 128) and one K and one V block (64 keys x 128): 32 + 32 KiB.
         ("fwd", A100, 4096, "", 65536),
         # The Hopper backward with one key block per CTA, then with its second K/V buffer (2 x 32 KiB more).
@@ -749,17 +759,17 @@ def test_plan_op_problem_rules(gpu, variant, variants, causal_one_row, causal_lo
 @pytest.mark.parametrize(
     "head_dim, seqlen, causal, warp_specialized",
     [
-        # Head dims 32 and 64 (192-row tiles) only past 1024 keys (2048 causal).
-        (64, 1024, False, False),
+        # Head dims 32 and 64 (192-row tiles) at every length non-causal, and past 2048 keys causal.
+        (64, 512, False, True),
         (64, 2048, False, True),
         (64, 2048, True, False),
         (64, 4096, True, True),
-        (32, 1024, False, False),
-        (32, 1536, False, True),
-        # Head dim 128 below the short-key tile's bound takes that tile, and the warp-specialized kernel above it.
-        (128, 512, False, False),
+        (32, 1024, True, False),
+        (32, 300, False, True),
+        # Head dim 128 at every length, also where the short-key tile ran before the kernel was persistent.
+        (128, 512, False, True),
         (128, 1024, False, True),
-        (128, 1024, True, False),
+        (128, 1024, True, True),
         (128, 2048, True, True),
         # The other head dims at every length.
         (256, 512, False, True),
@@ -774,9 +784,10 @@ def test_hopper_forward_warp_specialized_by_length(head_dim, seqlen, causal, war
     assert p.warp_specialized == warp_specialized, p
     if warp_specialized:
         assert p.num_splits == 1 and not p.short_key_tile and p.block_m == (192 if head_dim <= 64 else 128), p
-    # ws=1 forces it at every length (where the short-key tile does not run), ws=0 never; the mma.sync family never
-    # has it.
-    assert plan("fwd", **args, override="ws=1;short_keys=0", **H200).warp_specialized
+    # ws=1 forces it at every length, ws=0 never, and neither does a forced short-key tile; the mma.sync family
+    # never has it.
+    assert plan("fwd", **args, override="ws=1", **H200).warp_specialized
+    assert not plan("fwd", **args, override="ws=1;short_keys=1", **H200).warp_specialized
     assert not plan("fwd", **args, override="ws=0", **H200).warp_specialized
     assert not plan("fwd", **args, override="ws=1", **A100).warp_specialized
 

@@ -45,18 +45,21 @@ int choose_num_splits(int64_t ctas, int64_t seqlen_k, const TileShape& tile, int
 // ---- Forward: the Hopper warp-specialized kernel ----
 
 // seqlen_k at or below which head dims 32 and 64, whose warp-specialized tile has 192 rows and three consumer
-// warpgroups, keep the other Hopper kernel: at head dim 64 (H200, bf16) the warp-specialized one was 5-13% slower
-// there non-causal and 4-29% slower causal, where a 192-row block on the diagonal computes the most scores it
-// drops, and 2-16% faster from 2k (non-causal) and 4k (causal) keys. The other head dims' tiles have 128 rows, and
-// at head dim 256 it was faster at every length measured (head dim 128 takes the short-key tile at short lengths).
-constexpr int kFwdWsMinKeys192Rows = 1024;
+// warpgroups, keep the other Hopper kernel under a causal mask, where a 192-row block on the diagonal computes the
+// most scores it drops. Persistent, at head dim 64 (H200, bf16), the warp-specialized kernel was 34%, 13% and 4%
+// slower causal at 512, 1024 and 2048 keys and 11-14% faster from 4k; non-causal it was 5-6% faster at 512 and
+// 1024 keys and 16-21% faster from 2k, so non-causal calls take it at every length. The other head dims' tiles
+// have 128 rows, and at head dims 128 and 256 it was faster at every length measured.
 constexpr int kFwdWsMinKeys192RowsCausal = 2048;
 
 // ---- Forward: the Hopper short-key tile ----
 
-// seqlen_k at or below which the forward runs the wgmma set's short-key tile where one exists. Causal up to
-// 1024, where a 128-row block on the diagonal computes up to twice the scores it keeps; non-causal only up to
-// 512, where the overlap pays for reading each K/V block twice and rescaling twice as often.
+// seqlen_k at or below which the forward runs the wgmma set's short-key tile where one exists and the
+// warp-specialized kernel does not run (varlen, short queries, packed GQA, the variants). Causal up to 1024, where
+// a 128-row block on the diagonal computes up to twice the scores it keeps; non-causal only up to 512, where the
+// overlap pays for reading each K/V block twice and rescaling twice as often. Against the persistent
+// warp-specialized kernel (H200, head dim 128, bf16) it was 24% slower at 512 keys non-causal and 16-25% slower
+// at 512 and 1024 keys causal.
 constexpr int kFwdShortKeysMaxCausal = 1024;
 constexpr int kFwdShortKeysMax = 512;
 
@@ -132,39 +135,45 @@ void plan_fwd(const Problem& p, const Target& t, int forced_splits, const PlanOv
     // on the 128-row tile, 1.02-1.09x on this one (H200). Dense caches keep the 128-row tile, within a few
     // percent either way.
     const bool paged_decode = p.paged && seqlen_q <= 64;
-    plan.short_key_tile = set.short_tile.exists() &&
-                          choose(o.short_keys, paged_decode || p.seqlen_k <= (plan.causal ? kFwdShortKeysMaxCausal
-                                                                                          : kFwdShortKeysMax));
-    const TileShape tile = plan.short_key_tile ? set.short_tile : set.tile_for(plan.causal);
-    plan.block_m = tile.block_m;
-    plan.block_n = tile.block_n;
-    plan.smem_bytes = kernel_smem_bytes(set, tile, false);
-    // Split-KV runs on dense batches only, and without dropout.
-    int splits = 1;
-    if (!p.varlen && !p.dropout) {
-        splits = forced_splits > 0 ? forced_splits
+    // The warp-specialized kernel (TMA loads by a producer warp, consumer warpgroups taking turns on the tensor
+    // cores) serves the plain kernels' dense calls without GQA packing; its descriptors address (seqlen, head_dim,
+    // heads, batch) tensors, not varlen's packed rows. Its consumer warpgroups all run every key block, so it also
+    // needs queries for the last of them: shorter query sequences (decoding) keep the other kernel, whose
+    // warpgroups without rows skip their MMAs. It is persistent, so a tile's loads run under the previous tile's
+    // work, which is what the short-key tile's two CTAs per SM are for: where it runs, that tile does not.
+    const TileShape& ws = set.ws_tile;
+    const bool ws_serves = !plan.variants && !p.varlen && plan.gqa_pack == 1 && ws.exists() &&
+                           seqlen_q > ws.block_m - 64 && o.short_keys != 1;
+    const bool ws_pays = ws.block_m < 192 || !plan.causal || p.seqlen_k > kFwdWsMinKeys192RowsCausal;
+    // Key splits for a tile: split-KV runs on dense batches only, and without dropout. The launch grid's x is
+    // query blocks (at least 64 rows each) times splits.
+    auto splits_for = [&](const TileShape& tile) {
+        if (p.varlen || p.dropout) { return 1; }
+        const int64_t splits = forced_splits > 0
+                                   ? forced_splits
                                    : choose_num_splits(ceil_div(seqlen_q, tile.block_m) * p.batch * nheads, p.seqlen_k,
                                                        tile, int64_t(std::max(t.num_sms, 1)) * tile.ctas_per_sm);
-    }
-    // The launch grid's x is query blocks (at least 64 rows each) times splits.
-    const int64_t max_for_grid = std::max<int64_t>(1, INT32_MAX / ceil_div(std::max<int64_t>(seqlen_q, 1), 64));
-    plan.num_splits = static_cast<int>(std::min<int64_t>(splits, max_for_grid));
-    // The warp-specialized kernel (TMA loads by a producer warp, consumer warpgroups taking turns on the tensor
-    // cores) serves the plain kernels' dense calls that need no key splits, GQA packing or short-key tile; its
-    // descriptors address (seqlen, head_dim, heads, batch) tensors, not varlen's packed rows. Its consumer
-    // warpgroups all run every key block, so it also needs queries for the last of them: shorter query sequences
-    // (decoding) keep the other kernel, whose warpgroups without rows skip their MMAs.
-    const TileShape& ws = set.ws_tile;
-    const bool ws_fits = !plan.variants && !p.varlen && plan.gqa_pack == 1 && !plan.short_key_tile &&
-                         plan.num_splits == 1 && ws.exists() && seqlen_q > ws.block_m - 64;
-    const bool ws_pays = ws.block_m < 192 ||
-                         p.seqlen_k > (plan.causal ? kFwdWsMinKeys192RowsCausal : kFwdWsMinKeys192Rows);
-    plan.warp_specialized = ws_fits && choose(o.warp_specialized, ws_pays);
+        const int64_t max_for_grid = std::max<int64_t>(1, INT32_MAX / ceil_div(std::max<int64_t>(seqlen_q, 1), 64));
+        return static_cast<int>(std::min<int64_t>(splits, max_for_grid));
+    };
+    // It computes whole key ranges: a call that its tile would split keeps the other kernel.
+    plan.warp_specialized = ws_serves && choose(o.warp_specialized, ws_pays) && splits_for(ws) == 1;
+    plan.short_key_tile = set.short_tile.exists() &&
+                          choose(o.short_keys, paged_decode || (!plan.warp_specialized &&
+                                                                p.seqlen_k <= (plan.causal ? kFwdShortKeysMaxCausal
+                                                                                           : kFwdShortKeysMax)));
     if (plan.warp_specialized) {
         plan.block_m = ws.block_m;
         plan.block_n = ws.block_n;
         plan.smem_bytes = fwd_ws_smem_bytes(plan.kernel_head_dim, ws.block_m, ws.block_n, ws.stages);
+        plan.num_splits = 1;
+        return;
     }
+    const TileShape tile = plan.short_key_tile ? set.short_tile : set.tile_for(plan.causal);
+    plan.block_m = tile.block_m;
+    plan.block_n = tile.block_n;
+    plan.smem_bytes = kernel_smem_bytes(set, tile, false);
+    plan.num_splits = splits_for(tile);
 }
 
 void plan_bwd(const Problem& p, const Target& t, const PlanOverride& o, Plan& plan) {

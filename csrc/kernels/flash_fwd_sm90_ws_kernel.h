@@ -1,8 +1,9 @@
 // The warp-specialized Hopper forward (sm_90a) for dense batches with the plain kernels' masks (none, or causal).
-// One CTA computes one (query block, sequence, head) tile, as flash_fwd_sm90_kernel.h does, with its work split
-// by role instead of by loop phase:
-// - the producer: the first warp of warpgroup 0 issues TMA loads of Q once and of K and V block by block into
-//   kStages buffers each, as soon as the consumers have released a buffer (mbarriers, no CTA-wide barrier);
+// It is persistent: one CTA per SM walks (query block, sequence, head) tiles in a fixed schedule (FwdWsSchedule),
+// so that the loads of a tile's first blocks run under the previous tile's last GEMMs and its output store. Each
+// CTA splits its work by role instead of by loop phase:
+// - the producer: the first warp of warpgroup 0 issues TMA loads of each tile's Q, and of K and V block by block
+//   into kStages buffers each, as soon as the consumers have released a buffer (mbarriers, no CTA-wide barrier);
 // - the consumers: kConsumerWarpgroups warpgroups of 64 query rows. Each overlaps its own work: it issues the next
 //   block's S = Q K^T together with this block's O += P V, and runs the next block's softmax while P V runs. They
 //   also take turns issuing their GEMMs (named barriers in a ring), so that one warpgroup's softmax runs while
@@ -11,6 +12,7 @@
 #pragma once
 
 #include <cmath>
+#include <type_traits>
 
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
@@ -51,6 +53,40 @@ struct RingSlot {
     __forceinline__ __device__ explicit RingSlot(int i) : stage(i % kStages), phase(uint32_t(i / kStages) & 1u) {}
 };
 
+// The persistent kernel's schedule: CTA c runs the units c, c + gridDim.x, ... in order. A unit is one query block
+// of a (sequence, head), or under a causal mask the pair of query blocks j and m_blocks - 1 - j (longest first),
+// whose key blocks sum to about the same count for every j: with equal units a fixed walk keeps the CTAs equally
+// busy, and needs no counter shared between CTAs. The units of one (sequence, head) are adjacent, so the CTAs
+// working at any one time share most of their K and V through L2.
+template <int kBlockM, bool kCausal>
+struct FwdWsSchedule {
+    struct Coord {  // of one tile
+        int m_block;
+        int batch;
+        int head;
+    };
+    int m_blocks;        // query blocks per (sequence, head)
+    int units_per_head;
+    int units;
+
+    __host__ __device__ FwdWsSchedule(int seqlen_q, int batch, int num_heads)
+        : m_blocks((seqlen_q + kBlockM - 1) / kBlockM),
+          units_per_head(kCausal ? (m_blocks + 1) / 2 : m_blocks),
+          units(units_per_head * batch * num_heads) {}
+
+    // 1 or 2: the middle query block of an odd count is a unit of its own.
+    __device__ int tiles_in(int unit) const {
+        const int j = unit % units_per_head;
+        return kCausal && 2 * j + 1 != m_blocks ? 2 : 1;
+    }
+    // The part-th tile of unit, part < tiles_in(unit).
+    __device__ Coord tile(int unit, int part, int batch) const {
+        const int j = unit % units_per_head;
+        const int sequence_head = unit / units_per_head;
+        return {kCausal && part == 0 ? m_blocks - 1 - j : j, sequence_head % batch, sequence_head / batch};
+    }
+};
+
 template <class Traits, bool kCausal>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams<Traits> ws) {
@@ -58,18 +94,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     using Element = typename Traits::Element;
     using Barrier = cutlass::arch::ClusterBarrier;
     using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
+    using Tile = FwdTile<Traits::kBlockM, Traits::kBlockN, kCausal>;
     constexpr int kBlockM = Traits::kBlockM;
     constexpr int kBlockN = Traits::kBlockN;
     constexpr int kHeadDim = Traits::kHeadDim;
     constexpr int kStages = Traits::kStages;
     constexpr int kConsumerWarpgroups = Traits::kConsumerWarpgroups;
     const FwdParams& params = ws.base;
-
-    const FwdTile<kBlockM, kBlockN, kCausal> tile(params);
-    if (!tile.has_rows()) { return; }
-    const int m_block = tile.m_block;
-    const int n_block_begin = tile.n_block_begin();
-    const int n_block_end = tile.n_block_end();
+    const FwdWsSchedule<kBlockM, kCausal> schedule(params.seqlen_q, params.batch, params.num_heads);
 
     extern __shared__ __align__(1024) char smem_ws[];
     auto& storage = *reinterpret_cast<typename Traits::SharedStorage*>(smem_ws);
@@ -86,6 +118,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     if (threadIdx.x == 0) {
         // One arrival (with the transaction bytes) fills a buffer; each consumer warp's arrival empties one.
         Barrier::init(&storage.q_full, 1);
+        Barrier::init(&storage.q_empty, Traits::kConsumerWarps);
         CUTE_UNROLL
         for (int s = 0; s < kStages; ++s) {
             Barrier::init(&storage.k_full[s], 1);
@@ -97,6 +130,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
     __syncthreads();
 
+    // Both roles walk the same tiles in the same order, and count Q buffers (one per tile) and K/V blocks
+    // through their rings from the CTA's start, so the mbarrier phases agree without any other exchange.
     if (warpgroup == 0) {
         // The producer. Key blocks run from the last to the first, as in the other kernels (masked tiles first).
         // K runs one block ahead of V: a consumer needs block n's K for its S while it still multiplies block
@@ -109,34 +144,49 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             make_shape(params.seqlen_k, params.head_dim, params.num_heads_k, params.batch));  // (seqlen_k, d, h_k, b)
         Tensor mV = ws.tma_v.get_tma_tensor(
             make_shape(params.seqlen_k, params.head_dim, params.num_heads_k, params.batch));  // (seqlen_k, d, h_k, b)
-        Tensor gQ = local_tile(mQ(_, _, tile.head_idx, tile.batch_idx), Shape<Int<kBlockM>, Int<kHeadDim>>{},
-                               make_coord(m_block, 0));  // (kBlockM, kHeadDim)
-        Tensor gK = local_tile(mK(_, _, tile.head_idx_k, tile.batch_idx), Shape<Int<kBlockN>, Int<kHeadDim>>{},
-                               make_coord(_, 0));  // (kBlockN, kHeadDim, n)
-        Tensor gV = local_tile(mV(_, _, tile.head_idx_k, tile.batch_idx), Shape<Int<kBlockN>, Int<kHeadDim>>{},
-                               make_coord(_, 0));  // (kBlockN, kHeadDim, n)
-        auto [tQgQ, tQsQ] = tma_partition(ws.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ),
-                                          group_modes<0, 2>(gQ));  // (TMA), (TMA)
-        auto [tKgK, tKsK] = tma_partition(ws.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK),
-                                          group_modes<0, 2>(gK));  // (TMA, n), (TMA, kStages)
-        auto [tVgV, tVsV] = tma_partition(ws.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV),
-                                          group_modes<0, 2>(gV));  // (TMA, n), (TMA, kStages)
+        int tiles_done = 0;  // Q buffers filled
+        int kv_blocks = 0;  // K (and V) blocks loaded
+        for (int unit = int(blockIdx.x); unit < schedule.units; unit += int(gridDim.x)) {
+            for (int part = 0; part < schedule.tiles_in(unit); ++part) {
+                const auto coord = schedule.tile(unit, part, params.batch);
+                const Tile tile(params, coord.m_block, coord.batch, coord.head);
+                Tensor gQ = local_tile(mQ(_, _, tile.head_idx, tile.batch_idx), Shape<Int<kBlockM>, Int<kHeadDim>>{},
+                                       make_coord(tile.m_block, 0));  // (kBlockM, kHeadDim)
+                Tensor gK = local_tile(mK(_, _, tile.head_idx_k, tile.batch_idx), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                                       make_coord(_, 0));  // (kBlockN, kHeadDim, n)
+                Tensor gV = local_tile(mV(_, _, tile.head_idx_k, tile.batch_idx), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                                       make_coord(_, 0));  // (kBlockN, kHeadDim, n)
+                auto [tQgQ, tQsQ] = tma_partition(ws.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ),
+                                                  group_modes<0, 2>(gQ));  // (TMA), (TMA)
+                auto [tKgK, tKsK] = tma_partition(ws.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK),
+                                                  group_modes<0, 2>(gK));  // (TMA, n), (TMA, kStages)
+                auto [tVgV, tVsV] = tma_partition(ws.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV),
+                                                  group_modes<0, 2>(gV));  // (TMA, n), (TMA, kStages)
 
-        TxBarrier::arrive_and_expect_tx(&storage.q_full, Traits::kQBytes);
-        copy(ws.tma_q.with(storage.q_full), tQgQ, tQsQ);
-        // The i-th block visited is n_block_end - 1 - i; a buffer is refilled once every consumer warp released
-        // it (parity phase ^ 1: the first round finds every buffer free).
-        auto load = [&](auto& tma, auto& tXgX, auto& tXsX, uint64_t* full, uint64_t* empty, int i) {
-            const RingSlot<kStages> slot(i);
-            Barrier::wait(&empty[slot.stage], slot.phase ^ 1u);
-            TxBarrier::arrive_and_expect_tx(&full[slot.stage], Traits::kKVStageBytes);
-            copy(tma.with(full[slot.stage]), tXgX(_, n_block_end - 1 - i), tXsX(_, slot.stage));
-        };
-        const int blocks = n_block_end - n_block_begin;
-        if (blocks > 0) { load(ws.tma_k, tKgK, tKsK, storage.k_full, storage.k_empty, 0); }
-        for (int i = 0; i < blocks; ++i) {
-            if (i + 1 < blocks) { load(ws.tma_k, tKgK, tKsK, storage.k_full, storage.k_empty, i + 1); }
-            load(ws.tma_v, tVgV, tVsV, storage.v_full, storage.v_empty, i);
+                // The i-th block visited is n_block_end - 1 - i; a buffer is refilled once every consumer warp
+                // released it (parity ^ 1: the first round finds every buffer free).
+                const int n_block_end = tile.n_block_end();
+                auto load = [&](auto& tma, auto& tXgX, auto& tXsX, uint64_t* full, uint64_t* empty, int i) {
+                    const RingSlot<kStages> slot(kv_blocks + i);
+                    Barrier::wait(&empty[slot.stage], slot.phase ^ 1u);
+                    TxBarrier::arrive_and_expect_tx(&full[slot.stage], Traits::kKVStageBytes);
+                    copy(tma.with(full[slot.stage]), tXgX(_, n_block_end - 1 - i), tXsX(_, slot.stage));
+                };
+                const int blocks = n_block_end - tile.n_block_begin();
+                // The first K block before Q: where the output stages in Q's buffer, Q waits for the previous
+                // tile's store, and K need not.
+                if (blocks > 0) { load(ws.tma_k, tKgK, tKsK, storage.k_full, storage.k_empty, 0); }
+                // Q has one buffer, refilled once every consumer warp released the previous tile's.
+                Barrier::wait(&storage.q_empty, (uint32_t(tiles_done) & 1u) ^ 1u);
+                TxBarrier::arrive_and_expect_tx(&storage.q_full, Traits::kQBytes);
+                copy(ws.tma_q.with(storage.q_full), tQgQ, tQsQ);
+                ++tiles_done;
+                for (int i = 0; i < blocks; ++i) {
+                    if (i + 1 < blocks) { load(ws.tma_k, tKgK, tKsK, storage.k_full, storage.k_empty, i + 1); }
+                    load(ws.tma_v, tVgV, tVsV, storage.v_full, storage.v_empty, i);
+                }
+                kv_blocks += max(blocks, 0);
+            }
         }
         return;
     }
@@ -146,6 +196,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     const int ctidx = int(threadIdx.x) - 128;  // among the consumers
     const int cwg = warpgroup - 1;  // consumer warpgroup: query rows [64 cwg, 64 cwg + 64) of the tile
     const bool releases = ctidx % 32 == 0;  // one arrival per warp on the empty barriers
+    const int epilogue_barrier = FwdWsBarriers::kEpilogue0<kConsumerWarpgroups> + cwg;
 
     typename Traits::TiledMmaS mma_s;
     auto thr_mma_s = mma_s.get_thread_slice(ctidx);
@@ -158,33 +209,33 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA, MMA_M, MMA_N)
     Tensor rP = make_tensor<Element>(acc_s.layout());  // (MMA, MMA_M, MMA_N)
     Tensor tOrP = make_tensor(rP.data(), gmma_acc_as_a_operand_layout(rP.layout()));  // (MMA, MMA_M, MMA_K)
-    clear(acc_o);
     Tensor cS = make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{});  // (kBlockM, kBlockN)
     Tensor tScS = thr_mma_s.partition_C(cS);  // (MMA, MMA_M, MMA_N)
     Tensor tScS_rc = make_tensor(tScS.data(), gmma_acc_rowcol_layout(tScS.layout()));  // (rows, cols)
     Tensor scores = gmma_as_rowcol(acc_s);  // (rows, kBlockN cols)
     Tensor acc_o_rc = gmma_as_rowcol(acc_o);  // (rows, kHeadDim cols)
-    OnlineSoftmax<decltype(size<0>(acc_o_rc))::value> softmax(params.softmax_scale_log2);
+    Tensor cO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (kBlockM, kHeadDim)
 
     // The turn ring: a warpgroup issues its GEMMs after the previous one in the ring has issued its own. The last
-    // warpgroup opens the first turn.
+    // warpgroup opens the first turn. Every warpgroup takes the same number of turns per tile, so the ring runs on
+    // from one tile to the next.
     constexpr int kTurnThreads = 256;  // one warpgroup arrives, the next one waits
     const int my_turn = FwdWsBarriers::kTurn0 + cwg;
     const int next_turn = FwdWsBarriers::kTurn0 + (cwg + 1) % kConsumerWarpgroups;
     if (cwg == kConsumerWarpgroups - 1) { named_barrier_arrive(FwdWsBarriers::kTurn0, kTurnThreads); }
 
-    auto wait_full = [](uint64_t* full, int i) {
-        const RingSlot<kStages> slot(i);
+    int tiles_done = 0;  // Q buffers consumed
+    int kv_blocks = 0;  // K (and V) blocks consumed
+    auto wait_full = [&](uint64_t* full, int i) {
+        const RingSlot<kStages> slot(kv_blocks + i);
         Barrier::wait(&full[slot.stage], slot.phase);
         return slot.stage;
     };
     auto release = [&](uint64_t* empty, int i) {
-        if (releases) { Barrier::arrive(&empty[RingSlot<kStages>(i).stage]); }
+        if (releases) { Barrier::arrive(&empty[RingSlot<kStages>(kv_blocks + i).stage]); }
     };
-    auto mask_and_exp = [&](int n_block) {
-        const TileMask<kBlockM, kBlockN, kCausal> mask(tile.bounds, m_block, n_block);
-        if (mask.needs_mask()) { mask.template apply</*kQueryIsRow=*/true>(scores, tScS_rc); }
-        return softmax.exp_scores(scores);
+    auto release_q = [&] {
+        if (releases) { Barrier::arrive(&storage.q_empty); }
     };
     auto convert_p = [&] {
         Tensor converted = convert_fragment<Element>(acc_s);
@@ -193,53 +244,99 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         warpgroup_fence_operand(rP);
     };
 
-    Barrier::wait(&storage.q_full, 0);
-    const int blocks = n_block_end - n_block_begin;
-    if (blocks > 0) {
-        int stage = wait_full(storage.k_full, 0);
-        named_barrier_sync(my_turn, kTurnThreads);
-        warpgroup_gemm_issue</*kZeroInit=*/true>(mma_s, tSrQ, tSrK(_, _, _, stage), acc_s);
-        named_barrier_arrive(next_turn, kTurnThreads);
-        warpgroup_wait_for<0>(acc_s);
-        release(storage.k_empty, 0);
-        mask_and_exp(n_block_end - 1);
-        convert_p();
-        for (int i = 1; i < blocks; ++i) {
-            stage = wait_full(storage.k_full, i);
-            named_barrier_sync(my_turn, kTurnThreads);
-            warpgroup_gemm_issue</*kZeroInit=*/true>(mma_s, tSrQ, tSrK(_, _, _, stage), acc_s);
-            const int v_stage = wait_full(storage.v_full, i - 1);
-            warpgroup_gemm_issue</*kZeroInit=*/false>(mma_o, tOrP, tOrVt(_, _, _, v_stage), acc_o);
-            named_barrier_arrive(next_turn, kTurnThreads);
-            warpgroup_wait_for<1>(acc_s);  // S done; P V may still run
-            release(storage.k_empty, i);
-            Tensor correction = mask_and_exp(n_block_end - 1 - i);
-            warpgroup_wait_for<0>(acc_o);
-            release(storage.v_empty, i - 1);
-            softmax.rescale(acc_o_rc, correction);
-            convert_p();
-        }
-        const int v_stage = wait_full(storage.v_full, blocks - 1);
-        named_barrier_sync(my_turn, kTurnThreads);
-        warpgroup_gemm_issue</*kZeroInit=*/false>(mma_o, tOrP, tOrVt(_, _, _, v_stage), acc_o);
-        named_barrier_arrive(next_turn, kTurnThreads);
-        warpgroup_wait_for<0>(acc_o);
-        release(storage.v_empty, blocks - 1);
-    }
+    for (int unit = int(blockIdx.x); unit < schedule.units; unit += int(gridDim.x)) {
+        for (int part = 0; part < schedule.tiles_in(unit); ++part) {
+            const auto coord = schedule.tile(unit, part, params.batch);
+            const Tile tile(params, coord.m_block, coord.batch, coord.head);
+            const int n_block_end = tile.n_block_end();
+            const int blocks = n_block_end - tile.n_block_begin();
+            OnlineSoftmax<decltype(size<0>(acc_o_rc))::value> softmax(params.softmax_scale_log2);
+            auto tile_mask = [&](int n_block) {
+                return TileMask<kBlockM, kBlockN, kCausal>(tile.bounds, tile.m_block, n_block);
+            };
+            clear(acc_o);
 
-    // Epilogue: this warpgroup's rows of Q are read by its own S GEMMs only, all complete, so its output rows
-    // stage there and leave with 16 B stores, without waiting for the other warpgroups.
-    Tensor lse = softmax.finalize(acc_o_rc, params.softmax_scale, 1.f);
-    Tensor cO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (kBlockM, kHeadDim)
-    Tensor tOcO = thr_mma_o.partition_C(cO);  // (MMA, MMA_M, MMA_N), positions of acc_o's values
-    Tensor tOcO_rc = make_tensor(tOcO.data(), gmma_acc_rowcol_layout(tOcO.layout()));  // (rows, cols)
-    Tensor sO = make_tensor(sQ.data(), typename Traits::SmemLayoutO{});  // (kBlockM, kHeadDim)
-    Tensor rO = convert_fragment<Element>(acc_o);
-    CUTE_UNROLL
-    for (int i = 0; i < size(rO); ++i) { sO(get<0>(tOcO(i)), get<1>(tOcO(i))) = rO(i); }
-    tile.write_lse(params, lse, tOcO_rc);
-    named_barrier_sync(FwdWsBarriers::kEpilogue0<kConsumerWarpgroups> + cwg, 128);
-    tile.template store_o_rows<typename Traits::GmemTiledCopyO, 64>(params, sO, cwg, ctidx % 128);
+            Barrier::wait(&storage.q_full, uint32_t(tiles_done) & 1u);
+            if (blocks > 0) {
+                const int stage = wait_full(storage.k_full, 0);
+                named_barrier_sync(my_turn, kTurnThreads);
+                warpgroup_gemm_issue</*kZeroInit=*/true>(mma_s, tSrQ, tSrK(_, _, _, stage), acc_s);
+                named_barrier_arrive(next_turn, kTurnThreads);
+                warpgroup_wait_for<0>(acc_s);
+                release(storage.k_empty, 0);
+                if (Traits::kSeparateO && blocks == 1) { release_q(); }
+                if (const auto mask = tile_mask(n_block_end - 1); mask.needs_mask()) {
+                    mask.template apply</*kQueryIsRow=*/true>(scores, tScS_rc);
+                }
+                softmax.exp_scores(scores);
+                convert_p();
+                // One step: the S GEMM of the i-th block visited with the P V of the one before, then the i-th
+                // block's softmax while that P V runs. Masked and unmasked steps are compiled apart, so that no
+                // branch joins between the two waits: ptxas placed the P V wait at such a join, above the softmax,
+                // which then no longer overlapped the P V.
+                auto step = [&](int i, auto masked) {
+                    const int k_stage = wait_full(storage.k_full, i);
+                    named_barrier_sync(my_turn, kTurnThreads);
+                    warpgroup_gemm_issue</*kZeroInit=*/true>(mma_s, tSrQ, tSrK(_, _, _, k_stage), acc_s);
+                    const int v_stage = wait_full(storage.v_full, i - 1);
+                    warpgroup_gemm_issue</*kZeroInit=*/false>(mma_o, tOrP, tOrVt(_, _, _, v_stage), acc_o);
+                    named_barrier_arrive(next_turn, kTurnThreads);
+                    warpgroup_wait_for<1>(acc_s);  // S done; P V may still run
+                    release(storage.k_empty, i);
+                    if (Traits::kSeparateO && i == blocks - 1) { release_q(); }  // the tile's last read of Q
+                    if constexpr (decltype(masked)::value) {
+                        tile_mask(n_block_end - 1 - i).template apply</*kQueryIsRow=*/true>(scores, tScS_rc);
+                    }
+                    Tensor correction = softmax.exp_scores(scores);
+                    warpgroup_wait_for<0>(acc_o);
+                    release(storage.v_empty, i - 1);
+                    softmax.rescale(acc_o_rc, correction);
+                    convert_p();
+                };
+                for (int i = 1; i < blocks; ++i) {
+                    if (tile_mask(n_block_end - 1 - i).needs_mask()) {
+                        step(i, std::true_type{});
+                    } else {
+                        step(i, std::false_type{});
+                    }
+                }
+                const int v_stage = wait_full(storage.v_full, blocks - 1);
+                named_barrier_sync(my_turn, kTurnThreads);
+                warpgroup_gemm_issue</*kZeroInit=*/false>(mma_o, tOrP, tOrVt(_, _, _, v_stage), acc_o);
+                named_barrier_arrive(next_turn, kTurnThreads);
+                warpgroup_wait_for<0>(acc_o);
+                release(storage.v_empty, blocks - 1);
+            } else if (Traits::kSeparateO) {
+                release_q();
+            }
+            kv_blocks += max(blocks, 0);
+            ++tiles_done;
+
+            // Epilogue: this warpgroup's output rows stage in its own rows of sO and leave with 16 B stores,
+            // without waiting for the other warpgroups. Where sO is Q's buffer, this warpgroup's S GEMMs, its only
+            // readers of those rows, are complete, and Q's buffer is released after the store has read them.
+            Tensor lse = softmax.finalize(acc_o_rc, params.softmax_scale, 1.f);
+            Tensor rO = convert_fragment<Element>(acc_o);
+            // The epilogue's addresses derive from a thread index and a buffer offset the compiler cannot see
+            // through, so they are computed here each tile: hoisted out of the tile loop, they stayed live through
+            // the main loop and spilled.
+            const int o_offset = opaque_int(0);
+            const int etidx = opaque_int(ctidx);
+            Tensor sO = make_tensor(make_smem_ptr(Traits::o_smem(storage) + o_offset),
+                                    typename Traits::SmemLayoutO{});  // (kBlockM, kHeadDim)
+            Tensor tOcO = mma_o.get_thread_slice(etidx).partition_C(cO);  // (MMA, MMA_M, MMA_N), acc_o's positions
+            Tensor tOcO_rc = make_tensor(tOcO.data(), gmma_acc_rowcol_layout(tOcO.layout()));  // (rows, cols)
+            if constexpr (Traits::kSeparateO) {
+                named_barrier_sync(epilogue_barrier, 128);  // the previous tile's store has read these rows
+            }
+            CUTE_UNROLL
+            for (int i = 0; i < size(rO); ++i) { sO(get<0>(tOcO(i)), get<1>(tOcO(i))) = rO(i); }
+            tile.write_lse(params, lse, tOcO_rc);
+            named_barrier_sync(epilogue_barrier, 128);
+            tile.template store_o_rows<typename Traits::GmemTiledCopyO, 64>(params, sO, cwg, etidx % 128);
+            if constexpr (!Traits::kSeparateO) { release_q(); }
+        }
+    }
 #endif
 }
 

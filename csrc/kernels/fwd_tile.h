@@ -55,6 +55,19 @@ struct FwdTile {
         }
     }
 
+    // The tile of query block m_block_ of sequence `batch`, head `head`, for a kernel that picks its tiles itself
+    // (the persistent warp-specialized forward) instead of from its CTA's index; without key splits or a window.
+    __forceinline__ __device__ FwdTile(const FwdParams& params, int m_block_, int batch, int head)
+        : m_block(m_block_),
+          batch_idx(batch),
+          head_idx(head),
+          head_idx_k(head / (params.num_heads / params.num_heads_k)),
+          binfo(params, batch),
+          bounds(BlockBounds<kBlockM, kBlockN, kCausal, kWindow>::of_sequence(params, binfo)),
+          n_blocks_{bounds.n_block_begin(m_block_), bounds.n_block_end(m_block_)} {
+        static_assert(!kWindow, "windows run the variants kernels, which take their tiles from the grid");
+    }
+
     // The variants kernels run packed GQA heads (Plan::gqa_pack) only for one query per head, and without ALiBi
     // or dropout (whose values follow each head's position): every row is then that one query, at position
     // seqlen_k - 1, and sees keys [seqlen_k - 1 - window_left, seqlen_k) (a right edge lies past the last key).

@@ -132,22 +132,44 @@ struct FwdSm90WsKernelTraits : FwdSm90Operands<Element_, kHeadDim_, kBlockM_, kB
     using SmemLayoutVtStages = decltype(composition(SmemLayoutKVStages{},
                                                     make_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{},
                                                                 Stride<Int<kBlockN>, _1, Int<kBlockN * kHeadDim>>{})));
-    using SmemLayoutO = SmemLayoutQ;  // each consumer warpgroup stages its output rows in its own rows of Q
+    using SmemLayoutO = SmemLayoutQ;  // each consumer warpgroup stages its output rows in its own rows of sO
 
     static constexpr int kQBytes = cosize_v<SmemLayoutQ> * int(sizeof(Element));
     static constexpr int kKVStageBytes = cosize_v<SmemLayoutKV> * int(sizeof(Element));
     static_assert(kQBytes % 1024 == 0 && kKVStageBytes % 1024 == 0, "buffers start on swizzle-atom boundaries");
+    // The output tile gets a buffer of its own where that fits: Q's buffer is then free once a tile's last S GEMM
+    // has read it, and the next tile's Q loads while this tile's output is stored. Otherwise (head dims 192 and 256)
+    // the output stages in Q's buffer, which the next Q may fill only after the store.
+    static constexpr bool kSeparateO = 2 * kQBytes + 2 * kStages * kKVStageBytes + 1024 <= 227 * 1024;
+
+    template <bool kWithO, int kDummy = 0>
+    struct OBuffer {
+        alignas(1024) Element o[cosize_v<SmemLayoutO>];
+    };
+    template <int kDummy>  // a partial specialization: a class may not fully specialize its member template
+    struct OBuffer<false, kDummy> {};
 
     struct SharedStorage {
         alignas(1024) Element q[cosize_v<SmemLayoutQ>];
         alignas(1024) Element k[cosize_v<SmemLayoutKVStages>];
         alignas(1024) Element v[cosize_v<SmemLayoutKVStages>];
-        alignas(16) uint64_t q_full;  // mbarriers: Q landed; K/V stage s landed (full) or was read (empty)
+        OBuffer<kSeparateO> o_buffer;
+        // mbarriers: Q landed (full) or its buffer may be refilled (empty); K/V stage s landed or was read.
+        alignas(16) uint64_t q_full;
+        uint64_t q_empty;
         uint64_t k_full[kStages];
         uint64_t k_empty[kStages];
         uint64_t v_full[kStages];
         uint64_t v_empty[kStages];
     };
+    // The output's staging buffer.
+    __forceinline__ __device__ static Element* o_smem(SharedStorage& storage) {
+        if constexpr (kSeparateO) {
+            return storage.o_buffer.o;
+        } else {
+            return storage.q;
+        }
+    }
     static constexpr int kSmemBytes = int(sizeof(SharedStorage));
     static_assert(kSmemBytes <= 227 * 1024, "sm_90 gives a block at most 227 KiB of shared memory");
 

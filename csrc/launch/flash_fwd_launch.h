@@ -4,6 +4,8 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
+
 #include "kernels/flash_fwd_kernel.h"
 #include "kernels/flash_fwd_sm90_kernel.h"
 #include "kernels/flash_fwd_sm90_ws_kernel.h"
@@ -96,13 +98,23 @@ cudaError_t run_fwd_sm90_ws(const FwdParams& params, cudaStream_t stream) {
                                                gmem(params.v_ptr, params.seqlen_k, params.num_heads_k,
                                                     params.v_row_stride, params.v_head_stride, params.v_batch_stride),
                                                typename Traits::SmemLayoutKV{}, TileKV{})};
-    const dim3 grid(fwd_grid_x(params, Traits::kBlockM), params.batch, params.num_heads);
+    // Persistent: one CTA per SM (a CTA takes all of an SM's registers: setmaxnreg hands them to its warpgroups),
+    // or one per unit of the schedule where there are fewer.
+    const FwdWsSchedule<Traits::kBlockM, kCausal> schedule(params.seqlen_q, params.batch, params.num_heads);
+    if (schedule.units <= 0) { return cudaSuccess; }
+    int device = 0;
+    int sms = 0;
+    cudaError_t err = cudaGetDevice(&device);
+    if (err == cudaSuccess) { err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device); }
+    if (err != cudaSuccess) { return err; }
+    const dim3 grid(unsigned(std::min(schedule.units, std::max(sms, 1))));
+    // The CTAs find their sequences from the schedule, not from grid y, so the launch is one piece whatever the
+    // batch: launch_kernel_with, which splits launches by params.batch, gets a one-sequence copy of the params,
+    // and the kernel gets the call's own.
+    FwdParams one_piece = params;
+    one_piece.batch = 1;
     return launch_kernel_with<&flash_fwd_sm90_ws_kernel<Traits, kCausal>, Traits::kNThreads, Traits::kSmemBytes>(
-        grid, params, stream, Traits::kSmemBytes, [&](const FwdParams& chunk) {
-        FwdWsParams<Traits> arg = ws;
-        arg.base = chunk;
-        return arg;
-    });
+        grid, one_piece, stream, Traits::kSmemBytes, [&](const FwdParams&) { return ws; });
 }
 
 // kVariants: the variants kernel (window, softcap, ALiBi, dropout; kCausal too), else a plain one.

@@ -93,12 +93,15 @@ constexpr int kBwdSm90ShortBlockM = 16;
 // a 128-row CTA alone on its SM sees only a few key blocks, so its Q load and output store are a large share
 // of its time with nothing to overlap them; one-warpgroup CTAs of 64 rows and 64-key blocks fit two per SM,
 // and one CTA's prologue and epilogue run under the other's MMAs. The plans pick it at the short seqlen_k where
-// it pays.
+// it pays, for the calls the warp-specialized kernel does not serve (which, persistent, overlaps a tile's prologue
+// with the previous tile itself).
 //
 // The warp-specialized wgmma forward's tiles (ws_tile): 64 query rows per consumer warpgroup, two warpgroups of 240
 // registers, or three of 160 at head dims 32 and 64 (192 rows), where the accumulators leave room; two stages of K
 // and V in wgmma N shapes that CuTe offers without its extended-shapes header. Head dim 128's 128-key blocks beat
-// 192-key ones at 1k keys and trailed them by 1-4% from 2k (docs/design-notes.md); the other widths are untuned.
+// 192-key ones at 1k keys and trailed them by 1-4% from 2k (docs/design-notes.md). Head dim 64 on 128 x 128 (two
+// warpgroups) was about as fast as 192 x 128 up to 1k keys, and 6-11% slower from 4k non-causal (design notes);
+// the other widths are untuned.
 //
 // mma.sync backward (block_m, block_n): dK and dV of block_n keys stay in registers, so wide heads take fewer
 // keys per CTA. At head dim 64 the registers leave room for 128-row query blocks, which halve the steps (and
@@ -264,10 +267,15 @@ constexpr int fwd_wgmma_smem_bytes(int head_dim, int block_m, int block_n, int c
            kElementBytes;
 }
 
-// The warp-specialized wgmma forward (FwdSm90WsKernelTraits::SharedStorage): Q, stages of K and of V, each a
-// multiple of 1 KiB, then the mbarriers, which round the whole up by one more KiB.
+// The warp-specialized wgmma forward (FwdSm90WsKernelTraits::SharedStorage): Q, stages of K and of V, and a
+// buffer of its own for the output tile where that fits the 227 KiB (the next tile's Q can then load while this
+// tile's output is stored), each a multiple of 1 KiB, then the mbarriers, which round the whole up by one more KiB.
+constexpr bool fwd_ws_separate_o(int head_dim, int block_m, int block_n, int stages) {
+    return (2 * block_m * head_dim + 2 * stages * block_n * head_dim) * kElementBytes + 1024 <= kSmem227KiB;
+}
 constexpr int fwd_ws_smem_bytes(int head_dim, int block_m, int block_n, int stages) {
-    return (block_m * head_dim + 2 * stages * block_n * head_dim) * kElementBytes + 1024;
+    const int o_elems = fwd_ws_separate_o(head_dim, block_m, block_n, stages) ? block_m * head_dim : 0;
+    return (block_m * head_dim + 2 * stages * block_n * head_dim + o_elems) * kElementBytes + 1024;
 }
 
 // The Hopper backward's kernels (flash_bwd_sm90_kernel.h): head dims up to 128 run the narrow one, whose

@@ -300,7 +300,8 @@ def main(argv=None):
         f"(CUDA events) after {args.warmup} warm-up calls. Inputs: ours (b,s,h,d) contiguous; SDPA "
         f"the (b,h,s,d) transposed views of (b,s,h,d) tensors, as models call it (dout too, in out's "
         f"layout). flash / cudnn / efficient: torch SDPA backends FLASH_ATTENTION / CUDNN_ATTENTION / "
-        f"EFFICIENT_ATTENTION. n/a: failed or unsupported."
+        f"EFFICIENT_ATTENTION. fa4: FlashAttention-4's flash_attn_func (flash-attn-4), on ours' tensors. "
+        f"n/a: failed or unsupported."
     )
     peak = common.load_mma_peak(args.mma_peak or os.path.join(args.out_dir, "mma_peak.json"), meta["gpu"])
     print(

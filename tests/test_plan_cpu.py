@@ -368,6 +368,19 @@ def test_hopper_forward_tile_head_dim_128():
     assert (p.block_m, p.block_n) == (128, 128), p
 
 
+@pytest.mark.parametrize("max_smem", [None, 101376], ids=["163kib", "99kib"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [32, 64])
+def test_mma_sync_forward_tile_head_dims_32_64(head_dim, causal, max_smem):
+    # tile_size.h: the mma.sync forward at head dims 32 and 64 takes 128 x 128 tiles in both sets, and its variants
+    # kernel 128 x 64 (variants_tile), whether or not the call is causal.
+    sizes = {"batch": 2, "seqlen_q": 2048, "seqlen_k": 2048, "head_dim": head_dim}
+    p = make("fwd", A100, causal=causal, max_smem=max_smem, **sizes)
+    assert (p.kernel, p.block_m, p.block_n) == ("mma_sync", 128, 128), p
+    v = plan("fwd", **sizes, nheads=8, nheads_k=8, causal=causal, softcap=30.0, max_smem=max_smem, **A100)
+    assert (v.kernel, v.variants, v.block_m, v.block_n) == ("mma_sync", True, 128, 64), v
+
+
 # ---------------------------------------------------------------- plan_override
 
 

@@ -169,7 +169,7 @@ void plan_fwd(const Problem& p, const Target& t, int forced_splits, const PlanOv
         plan.num_splits = 1;
         return;
     }
-    const TileShape tile = plan.short_key_tile ? set.short_tile : set.tile_for(plan.causal);
+    const TileShape tile = plan.short_key_tile ? set.short_tile : set.tile_for(plan.causal, plan.variants);
     plan.block_m = tile.block_m;
     plan.block_n = tile.block_n;
     plan.smem_bytes = kernel_smem_bytes(set, tile, false);

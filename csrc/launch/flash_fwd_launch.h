@@ -27,12 +27,12 @@ constexpr TileSet kFwdTileSet = tile_set(kFamily, Pass::kFwd, kHeadDim, kBudget)
 // The mma.sync forward's tile in the set of kBudget: the table's, or in tile-tuning builds (bench/tune_tiles.py)
 // one forced shape for every kernel of the 163 KiB set. The plans read the table's either way, which only
 // affects how well their heuristics fit.
-template <int kHeadDim, bool kCausal, int kBudget>
+template <int kHeadDim, bool kCausal, bool kVariants, int kBudget>
 constexpr TileShape fwd_mma_sync_tile() {
 #if defined(FLASH_FWD_TILE_M) && defined(FLASH_FWD_TILE_N) && defined(FLASH_FWD_TILE_WARPS)
     if constexpr (kBudget == kSmem163KiB) { return {FLASH_FWD_TILE_M, FLASH_FWD_TILE_N, FLASH_FWD_TILE_WARPS}; }
 #endif
-    return kFwdTileSet<KernelFamily::kMmaSync, kHeadDim, kBudget>.tile_for(kCausal);
+    return kFwdTileSet<KernelFamily::kMmaSync, kHeadDim, kBudget>.tile_for(kCausal, kVariants);
 }
 
 // The mma.sync kernel of kTile.
@@ -135,8 +135,8 @@ cudaError_t run_fwd(const FwdParams& params, cudaStream_t stream) {
         return run_fwd_sm90<Element, kHeadDim, kCausal, kVariants, kSet.tile_for(kCausal)>(params, stream);
     }
 #endif
-    constexpr TileShape kTile = fwd_mma_sync_tile<kHeadDim, kCausal, kSmem163KiB>();
-    constexpr TileShape kSmallTile = fwd_mma_sync_tile<kHeadDim, kCausal, kSmem99KiB>();
+    constexpr TileShape kTile = fwd_mma_sync_tile<kHeadDim, kCausal, kVariants, kSmem163KiB>();
+    constexpr TileShape kSmallTile = fwd_mma_sync_tile<kHeadDim, kCausal, kVariants, kSmem99KiB>();
     // Where the 99 KiB set repeats the 163 KiB set's tile, both run the one kernel.
     constexpr bool kSameTile = kSmallTile.block_m == kTile.block_m && kSmallTile.block_n == kTile.block_n &&
                                kSmallTile.warps == kTile.warps;

@@ -61,15 +61,19 @@ struct TileSet {
     int head_dim = 0;          // 0: no set (tile_set's answer for a key the table lacks)
     int smem_budget = 0;       // bytes per block the tiles are tuned for
     TileShape tile;            // the non-causal kernel's tile, and every kernel's where causal_tile repeats it
-    TileShape causal_tile;     // the causal and variants kernels' tile
+    TileShape causal_tile;     // the causal kernel's tile, and the variants kernel's unless variants_tile exists
     TileShape short_tile;  // wgmma only, where it pays: the forward's short-key tile (FwdParams::short_key_tiles),
                            // the backward's short-query tile (BwdParams::short_query_tiles)
     TileShape ws_tile =
         {};  // wgmma forward only: the warp-specialized TMA kernel's tile (FwdParams::warp_specialized),
                         // 64 query rows per consumer warpgroup; none where that kernel is not built
+    TileShape variants_tile = {};  // mma.sync forward only: the variants kernel's tile where it is not causal_tile
 
     constexpr bool exists() const { return head_dim > 0; }
-    constexpr TileShape tile_for(bool causal) const { return causal ? causal_tile : tile; }
+    constexpr TileShape tile_for(bool causal, bool variants = false) const {
+        if (variants && variants_tile.exists()) { return variants_tile; }
+        return causal || variants ? causal_tile : tile;
+    }
 };
 
 // The warp-specialized wgmma forward's tile: block_m rows (64 per consumer warpgroup), block_n keys, two K and two V
@@ -85,7 +89,11 @@ constexpr int kBwdSm90ShortBlockM = 16;
 // 256. Up to head dim 128, 128-row tiles on four warps (32 query rows a warp) beat eight warps of 16 rows even
 // with a few bytes of spills: each K/V fragment read from shared memory feeds twice the MMAs. That holds for
 // causal head dim 128 too, 4-17% faster than 64 x 128 (docs/design-notes.md). Above 128 the accumulators leave no
-// registers for 32 rows a warp, and 64x64 tiles on four warps win.
+// registers for 32 rows a warp, and 64x64 tiles on four warps win. Head dims 32 and 64 take 128-key blocks, as
+// FlashAttention-2 does: half the softmax steps and barriers per key block, 5% (head dim 64) and 8.5% (32) faster
+// than 64-key blocks over the anchor grid's lengths on an H200, although ptxas spills up to 100 bytes (design
+// notes). Their variants kernel keeps 64-key blocks
+// (variants_tile): with 128 its window, softcap, ALiBi and dropout code spilled 216 bytes.
 //
 // wgmma forward (block_m, block_n, -, CTAs per SM), warpgroups of 64 query rows. Head dims 32 and 64 fit two
 // CTAs per SM in registers (at most 128 per thread), so one CTA's softmax and loads overlap the other's MMAs.
@@ -123,9 +131,9 @@ constexpr int kBwdSm90ShortBlockM = 16;
 // warpgroup owning 64 keys), 64 by 64 above (the wide kernel, P and dS through shared memory); head dim 128 has
 // a 16-row short-query tile, where a 64-row tile would compute mostly padding.
 constexpr TileSet kTileSets[] = {
-    // family, pass, head dim, budget, tile, causal tile, short tile, warp-specialized tile
-    {KernelFamily::kMmaSync, Pass::kFwd, 32, kSmem163KiB, {128, 64, 4}, {128, 64, 4}, {}},
-    {KernelFamily::kMmaSync, Pass::kFwd, 64, kSmem163KiB, {128, 64, 4}, {128, 64, 4}, {}},
+    // family, pass, head dim, budget, tile, causal tile, short tile, warp-specialized tile, variants tile
+    {KernelFamily::kMmaSync, Pass::kFwd, 32, kSmem163KiB, {128, 128, 4}, {128, 128, 4}, {}, {}, {128, 64, 4}},
+    {KernelFamily::kMmaSync, Pass::kFwd, 64, kSmem163KiB, {128, 128, 4}, {128, 128, 4}, {}, {}, {128, 64, 4}},
     {KernelFamily::kMmaSync, Pass::kFwd, 96, kSmem163KiB, {128, 64, 4}, {128, 64, 4}, {}},
     {KernelFamily::kMmaSync, Pass::kFwd, 128, kSmem163KiB, {128, 64, 4}, {128, 64, 4}, {}},
     {KernelFamily::kMmaSync, Pass::kFwd, 160, kSmem163KiB, {64, 64, 4}, {64, 64, 4}, {}},
@@ -133,8 +141,8 @@ constexpr TileSet kTileSets[] = {
     {KernelFamily::kMmaSync, Pass::kFwd, 224, kSmem163KiB, {64, 64, 4}, {64, 64, 4}, {}},
     {KernelFamily::kMmaSync, Pass::kFwd, 256, kSmem163KiB, {64, 64, 4}, {64, 64, 4}, {}},
 
-    {KernelFamily::kMmaSync, Pass::kFwd, 32, kSmem99KiB, {128, 64, 4}, {128, 64, 4}, {}},
-    {KernelFamily::kMmaSync, Pass::kFwd, 64, kSmem99KiB, {128, 64, 4}, {128, 64, 4}, {}},
+    {KernelFamily::kMmaSync, Pass::kFwd, 32, kSmem99KiB, {128, 128, 4}, {128, 128, 4}, {}, {}, {128, 64, 4}},
+    {KernelFamily::kMmaSync, Pass::kFwd, 64, kSmem99KiB, {128, 128, 4}, {128, 128, 4}, {}, {}, {128, 64, 4}},
     {KernelFamily::kMmaSync, Pass::kFwd, 96, kSmem99KiB, {128, 64, 4}, {128, 64, 4}, {}},
     {KernelFamily::kMmaSync, Pass::kFwd, 128, kSmem99KiB, {128, 32, 4}, {64, 64, 4}, {}},
     {KernelFamily::kMmaSync, Pass::kFwd, 160, kSmem99KiB, {64, 64, 4}, {64, 64, 4}, {}},
@@ -339,6 +347,9 @@ constexpr bool tile_table_is_complete() {
                                       set.ws_tile.block_m % 64 == 0 && set.ws_tile.stages >= 2)) {
             return false;
         }
+        if (set.variants_tile.exists() && !(set.family == KernelFamily::kMmaSync && set.pass == Pass::kFwd)) {
+            return false;
+        }
         if ((set.tile.v_in_regs || set.causal_tile.v_in_regs) &&
             !(set.family == KernelFamily::kMmaSync && set.pass == Pass::kBwd)) {
             return false;
@@ -366,7 +377,7 @@ constexpr int kernel_head_dim_for(KernelFamily family, Pass pass, int head_dim, 
 // what an SM gives its blocks together; the Hopper backward with its second K/V buffer.
 constexpr bool tile_sets_fit_their_budgets() {
     for (const TileSet& set : kTileSets) {
-        for (const TileShape& tile : {set.tile, set.causal_tile, set.short_tile}) {
+        for (const TileShape& tile : {set.tile, set.causal_tile, set.short_tile, set.variants_tile}) {
             if (tile.exists() && kernel_smem_bytes(set, tile, true) * tile.ctas_per_sm > set.smem_budget) {
                 return false;
             }

@@ -513,6 +513,29 @@ def test_99kib_tile_set(h, hk, head_dim, dropout):
         assert p.kernel == "mma_sync" and p.tile_budget == SMEM_99KIB and 0 < p.smem <= SMEM_99KIB, p
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
+@pytest.mark.parametrize(
+    "force",
+    [{"kernel": "mma_sync"}, {"kernel": "mma_sync", "num_splits": 3}, {"max_smem": SMEM_99KIB}],
+    ids=["mma_sync", "mma_sync-split3", "99kib"],
+)
+def test_softcap_alone_runs_the_plain_mma_sync_forward(force, head_dim, causal, dtype):
+    # A call whose one variant is softcap runs the softcap form of the plain mma.sync forward kernels (both tile
+    # sets, split keys too), with the call's own mask; its backward runs the variants kernel, from that forward's
+    # output and LSE. GQA, odd lengths, seqlen_q below and above seqlen_k.
+    require_kernels(head_dim, dtype)
+    for b, sq, sk, h, hk in ((2, 113, 301, 6, 2), (1, 257, 130, 4, 4)):
+        q, k, v = make_inputs(b, sq, sk, h, hk, head_dim, dtype, gain=2.0)
+        plans = run_dense(q, k, v, V(causal=causal, softcap=5.0), force=force)["plans"]
+        fwd = plans["fwd"]
+        assert fwd.kernel == "mma_sync" and not fwd.variants and fwd.causal == causal, fwd
+        if "num_splits" in force:
+            assert fwd.num_splits == force["num_splits"], fwd
+        assert plans["bwd"].variants, plans["bwd"]
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_window_split_kv_with_empty_splits(causal):
     """A narrow window over 4097 keys split 7 ways: most splits see no key of some rows, or of any row."""

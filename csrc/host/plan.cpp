@@ -255,6 +255,7 @@ Problem problem_of(Pass pass, const ProblemSizes& sizes, bool causal, bool deter
     problem.dropout = v.dropout;
     // A KV cache's lengths live on the device, which only the variants kernels read (BlockInfo::of_cache).
     problem.variants = problem.positional || v.softcap > 0.0 || v.kvcache;
+    problem.softcap_only = v.softcap > 0.0 && !problem.positional && !v.kvcache;
     problem.paged = v.paged;
     return problem;
 }
@@ -308,11 +309,15 @@ Plan make_plan(const Problem& p, const Target& target, int num_splits, const Pla
     Plan plan{};
     plan.pass = p.pass;
     plan.kernel_head_dim = kernel_head_dim(p.head_dim);
+    plan.family = choose_family(p, t, o);
     // With a single query row the bottom-right aligned causal mask lets it see every key: run the non-causal
     // kernel instead when the build has it (which also allows packing GQA heads).
-    // Calls with variants run the variants kernel, which is masked (an unbounded window for non-causal ones).
-    plan.variants = p.variants;
-    plan.causal = p.variants || (p.causal && !(!p.varlen && p.seqlen_q == 1 && t.noncausal_built));
+    // Calls with variants run the variants kernel, which is masked (an unbounded window for non-causal ones),
+    // except the mma.sync forward of a call whose one variant is softcap: its plain kernels have a softcap form
+    // (flash_fwd_kernel's kSoftcap), which keeps their step structure. The variants kernel alone cost 9-20% of a
+    // head-dim-128 forward there (docs/design-notes.md).
+    plan.variants = p.variants && !(p.softcap_only && p.pass == Pass::kFwd && plan.family == KernelFamily::kMmaSync);
+    plan.causal = plan.variants || (p.causal && !(!p.varlen && p.seqlen_q == 1 && t.noncausal_built));
     // A dense seqlen_q == 1 problem with GQA/MQA (and no causal mask) runs with the `group` query heads that
     // share a key/value head as `group` query rows of one head, so each CTA reads its key/value head once for
     // the whole group, and the backward gets dK/dV per key/value head directly.
@@ -324,7 +329,6 @@ Plan make_plan(const Problem& p, const Target& target, int num_splits, const Pla
     const bool pack = !p.varlen && (packable || variants_packable) && p.seqlen_q == 1 && p.nheads_k > 0 &&
                       p.nheads > p.nheads_k;
     plan.gqa_pack = pack ? p.nheads / p.nheads_k : 1;
-    plan.family = choose_family(p, t, o);
     plan.kernel_head_dim = kernel_head_dim_for(plan.family, p.pass, plan.kernel_head_dim, t.max_smem);
     plan.num_splits = 1;
     plan.heads_per_cta = 1;

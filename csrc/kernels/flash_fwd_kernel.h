@@ -22,9 +22,13 @@ namespace flash {
 using namespace cute;
 
 // kVariants: the variants kernel (kCausal too), with a runtime window, softcap, ALiBi and dropout; without it
-// the kernel compiles none of their code (the plain path, whose speed they would cost).
-template <class Traits, bool kCausal, bool kVariants>
+// the kernel compiles none of their code (the plain path, whose speed they would cost). kSoftcap: a plain kernel
+// that softcaps every score (a call whose only variant is softcap), with the plain kernels' step structure; the
+// variants kernel's own cost, every variant's code behind runtime branches in one step body, was 9-20% of a
+// head-dim-128 forward before the tanh (docs/design-notes.md).
+template <class Traits, bool kCausal, bool kVariants, bool kSoftcap = false>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const __grid_constant__ FwdParams params) {
+    static_assert(!(kVariants && kSoftcap), "the variants kernel softcaps at run time");
     using Element = typename Traits::Element;
     constexpr int kBlockM = Traits::kBlockM;
     constexpr int kBlockN = Traits::kBlockN;
@@ -136,6 +140,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const _
             apply_score_mod</*kQueryIsRow=*/true>(score_mod, scores, tScS_rc,
                                                   {m_block * kBlockM, n_block * kBlockN, tile.head_idx});
         }
+        if constexpr (kSoftcap) { apply_softcap(scores, params.softcap_prescale); }
         if constexpr (kMasked) {
             const TileMask<kBlockM, kBlockN, kCausal, kVariants> mask(bounds, m_block, n_block);
             if (mask.needs_mask()) { mask.template apply</*kQueryIsRow=*/true>(scores, tScS_rc); }
@@ -167,7 +172,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const _
     // Epilogue: normalize once, stage O through shared memory (Q's buffer) for 16 B global stores; a
     // split-KV CTA writes its fp32 partials instead.
     Tensor lse = kVariants ? softmax.finalize(acc_o_rc, params.score_scale, params.dropout_keep_scale)
-                           : softmax.finalize(acc_o_rc, params.softmax_scale, 1.f);
+                           : softmax.finalize(acc_o_rc, kSoftcap ? params.score_scale : params.softmax_scale, 1.f);
     Tensor cO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (kBlockM, kHeadDim)
     Tensor tOcO = thr_mma.partition_C(cO);  // (MMA, MMA_M, MMA_N), positions of acc_o's values
     Tensor tOcO_rc = make_tensor(tOcO.data(), acc_rowcol_layout(tOcO.layout()));  // (rows, cols)

@@ -40,6 +40,13 @@ __forceinline__ __device__ float softcap_tanh(float x) {
     return y;
 }
 
+// Softcap on every score of a tile: tanh(q.k * prescale), in units of the softcap (FwdParams::score_scale).
+template <class ScoreTensor>
+__forceinline__ __device__ void apply_softcap(ScoreTensor& scores, float prescale) {
+    CUTE_UNROLL
+    for (int i = 0; i < size(scores); ++i) { scores(i) = softcap_tanh(scores(i) * prescale); }
+}
+
 // The score modifiers of one sequence, for inputs of type Element_. It keeps a reference to the kernel's
 // __grid_constant__ params, whose fields the modifiers read where they are used (constant-bank operands): a copy
 // in registers, live through the main loops, made the register-bound backward kernels spill.
@@ -93,12 +100,7 @@ struct TileDistances {
 template <bool kQueryIsRow, class Element, class ScoreTensor, class CoordTensor>
 __forceinline__ __device__ void apply_score_mod(const ScoreMod<Element>& score_mod, ScoreTensor& scores,
                                                 const CoordTensor& coords, const ScorePos& pos) {
-    if (score_mod.softcap()) {
-        CUTE_UNROLL
-        for (int i = 0; i < size(scores); ++i) {
-            scores(i) = softcap_tanh(scores(i) * score_mod.params.softcap_prescale);
-        }
-    }
+    if (score_mod.softcap()) { apply_softcap(scores, score_mod.params.softcap_prescale); }
     if (score_mod.alibi()) {
         const float slope = score_mod.slope(pos.head);
         const TileDistances<kQueryIsRow, CoordTensor> distance(score_mod, coords, pos);

@@ -36,15 +36,31 @@ constexpr TileShape fwd_mma_sync_tile() {
 }
 
 // The mma.sync kernel of kTile.
-template <typename Element, int kHeadDim, bool kCausal, bool kVariants, TileShape kTile>
+template <typename Element, int kHeadDim, bool kCausal, bool kVariants, bool kSoftcap, TileShape kTile>
 cudaError_t run_fwd_mma_sync(const FwdParams& params, cudaStream_t stream) {
     using Traits = FwdKernelTraits<Element, kHeadDim, kTile.block_m, kTile.block_n, kTile.warps>;
     static_assert(sizeof(Element) == kElementBytes);
     static_assert(Traits::kSmemBytes == fwd_mma_sync_smem_bytes(kHeadDim, kTile.block_m, kTile.block_n),
                   "the plans check a GPU's shared memory by the formula");
     const dim3 grid(fwd_grid_x(params, Traits::kBlockM), params.batch, params.num_heads);
-    return launch_kernel<&flash_fwd_kernel<Traits, kCausal, kVariants>, Traits::kNThreads, Traits::kSmemBytes>(
-        grid, params, stream);
+    return launch_kernel<&flash_fwd_kernel<Traits, kCausal, kVariants, kSoftcap>, Traits::kNThreads,
+                         Traits::kSmemBytes>(grid, params, stream);
+}
+
+// The mma.sync kernel of the plan's tile set (FwdParams::mma_sync_tile_set).
+template <typename Element, int kHeadDim, bool kCausal, bool kVariants, bool kSoftcap>
+cudaError_t run_fwd_mma_sync_set(const FwdParams& params, cudaStream_t stream) {
+    constexpr TileShape kTile = fwd_mma_sync_tile<kHeadDim, kCausal, kVariants, kSmem163KiB>();
+    constexpr TileShape kSmallTile = fwd_mma_sync_tile<kHeadDim, kCausal, kVariants, kSmem99KiB>();
+    // Where the 99 KiB set repeats the 163 KiB set's tile, both run the one kernel.
+    constexpr bool kSameTile = kSmallTile.block_m == kTile.block_m && kSmallTile.block_n == kTile.block_n &&
+                               kSmallTile.warps == kTile.warps;
+    if constexpr (!kSameTile) {
+        if (params.mma_sync_tile_set == MmaSyncTileSet::k99KiB) {
+            return run_fwd_mma_sync<Element, kHeadDim, kCausal, kVariants, kSoftcap, kSmallTile>(params, stream);
+        }
+    }
+    return run_fwd_mma_sync<Element, kHeadDim, kCausal, kVariants, kSoftcap, kTile>(params, stream);
 }
 
 // The Hopper kernel with kTile, a tile of the wgmma set (its regular or short-key tile).
@@ -135,17 +151,13 @@ cudaError_t run_fwd(const FwdParams& params, cudaStream_t stream) {
         return run_fwd_sm90<Element, kHeadDim, kCausal, kVariants, kSet.tile_for(kCausal)>(params, stream);
     }
 #endif
-    constexpr TileShape kTile = fwd_mma_sync_tile<kHeadDim, kCausal, kVariants, kSmem163KiB>();
-    constexpr TileShape kSmallTile = fwd_mma_sync_tile<kHeadDim, kCausal, kVariants, kSmem99KiB>();
-    // Where the 99 KiB set repeats the 163 KiB set's tile, both run the one kernel.
-    constexpr bool kSameTile = kSmallTile.block_m == kTile.block_m && kSmallTile.block_n == kTile.block_n &&
-                               kSmallTile.warps == kTile.warps;
-    if constexpr (!kSameTile) {
-        if (params.mma_sync_tile_set == MmaSyncTileSet::k99KiB) {
-            return run_fwd_mma_sync<Element, kHeadDim, kCausal, kVariants, kSmallTile>(params, stream);
+    // A plain mma.sync plan with softcap set is a call whose only variant is softcap (make_plan).
+    if constexpr (!kVariants) {
+        if (params.softcap_prescale > 0.f) {
+            return run_fwd_mma_sync_set<Element, kHeadDim, kCausal, false, true>(params, stream);
         }
     }
-    return run_fwd_mma_sync<Element, kHeadDim, kCausal, kVariants, kTile>(params, stream);
+    return run_fwd_mma_sync_set<Element, kHeadDim, kCausal, kVariants, false>(params, stream);
 }
 
 }  // namespace flash

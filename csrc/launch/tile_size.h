@@ -92,8 +92,8 @@ constexpr int kBwdSm90ShortBlockM = 16;
 // registers for 32 rows a warp, and 64x64 tiles on four warps win. Head dims 32 and 64 take 128-key blocks, as
 // FlashAttention-2 does: half the softmax steps and barriers per key block, 5% (head dim 64) and 8.5% (32) faster
 // than 64-key blocks over the anchor grid's lengths on an H200, although ptxas spills up to 100 bytes (design
-// notes). Their variants kernel keeps 64-key blocks
-// (variants_tile): with 128 its window, softcap, ALiBi and dropout code spilled 216 bytes.
+// notes). Their variants kernel keeps 64-key blocks (variants_tile): with 128 its window, softcap, ALiBi and
+// dropout code spilled 216 bytes.
 //
 // wgmma forward (block_m, block_n, -, CTAs per SM), warpgroups of 64 query rows. Head dims 32 and 64 fit two
 // CTAs per SM in registers (at most 128 per thread), so one CTA's softmax and loads overlap the other's MMAs.

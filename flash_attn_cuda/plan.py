@@ -157,8 +157,9 @@ def plan(
     is computed for that GPU and a build with every kernel family (no GPU needed). ``dtype`` matters only for
     what the build holds (a causal call with one query row runs the non-causal kernel when it is built).
     ``window_size``, ``alibi`` (slopes given), ``dropout`` (dropout_p > 0) and ``softcap`` are the call's
-    variants, which the plan heeds: any of them runs the variants kernel (but for softcap alone in the mma.sync
-    forward, which runs the plain kernels' softcap form), ALiBi and dropout rule out GQA packing
+    variants, which the plan heeds: any of them runs the variants kernel (but for softcap alone or dropout alone
+    in the forward, which runs the plain kernels' form for it: the mma.sync ones, or on Hopper the warp-specialized
+    one where it serves the call), ALiBi and dropout rule out GQA packing
     (windows too, in the backward), and dropout rules out key splits. ``kvcache``: a forward that reads a KV cache
     (flash_attn_with_kvcache, or paged varlen), which runs the variants kernel; ``seqlen_k`` is then the cache's
     capacity per sequence. ``paged``: that cache is paged (``block_table``; needs ``kvcache``).

@@ -368,40 +368,56 @@ def test_hopper_forward_tile_head_dim_128():
     assert (p.block_m, p.block_n) == (128, 128), p
 
 
+# The two variants that the plain forward kernels take in a form of their own.
+PLAIN_MODS = {"softcap": {"softcap": 30.0}, "dropout": {"dropout": True}}
+
+
 @pytest.mark.parametrize("max_smem", [None, 101376], ids=["163kib", "99kib"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [32, 64])
 def test_mma_sync_forward_tile_head_dims_32_64(head_dim, causal, max_smem):
-    # tile_size.h: the mma.sync forward at head dims 32 and 64 takes 128 x 128 tiles in both sets, softcap's plain
-    # kernels too, and its variants kernel 128 x 64 (variants_tile), whether or not the call is causal.
+    # tile_size.h: the mma.sync forward at head dims 32 and 64 takes 128 x 128 tiles in both sets, the plain
+    # kernels' softcap and dropout forms too, and its variants kernel 128 x 64 (variants_tile), whether or not the
+    # call is causal.
     sizes = {"batch": 2, "seqlen_q": 2048, "seqlen_k": 2048, "nheads": 8, "nheads_k": 8, "head_dim": head_dim}
     p = make("fwd", A100, causal=causal, max_smem=max_smem, **sizes)
     assert (p.kernel, p.block_m, p.block_n) == ("mma_sync", 128, 128), p
-    c = plan("fwd", **sizes, causal=causal, softcap=30.0, max_smem=max_smem, **A100)
-    assert (c.kernel, c.variants, c.causal, c.block_m, c.block_n) == ("mma_sync", False, causal, 128, 128), c
+    for variant in PLAIN_MODS.values():
+        c = plan("fwd", **sizes, causal=causal, **variant, max_smem=max_smem, **A100)
+        assert (c.kernel, c.variants, c.causal, c.block_m, c.block_n) == ("mma_sync", False, causal, 128, 128), c
     v = plan("fwd", **sizes, causal=causal, window_size=(256, 0), max_smem=max_smem, **A100)
     assert (v.kernel, v.variants, v.block_m, v.block_n) == ("mma_sync", True, 128, 64), v
 
 
+@pytest.mark.parametrize("mod", list(PLAIN_MODS))
 @pytest.mark.parametrize("gpu", [H200, A100], ids=["h200", "a100"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_softcap_alone_runs_the_plain_mma_sync_forward(gpu, causal):
-    # A call whose one variant is softcap runs the plain mma.sync forward kernels (their softcap form), with the
-    # call's own mask; its backward, the Hopper forward and softcap with any other variant run the variants kernel.
+def test_softcap_or_dropout_alone_runs_a_plain_forward(gpu, causal, mod):
+    # A call whose one variant is softcap, or dropout, runs the plain forward kernels (their form for it), with the
+    # call's own mask: the mma.sync ones, or on Hopper the warp-specialized one. Its backward, a Hopper forward that
+    # the warp-specialized kernel does not serve, and either variant with any other run the variants kernel.
     sizes = {"batch": 2, "seqlen_q": 1000, "seqlen_k": 1000, "nheads": 8, "nheads_k": 8, "head_dim": 128}
+    variant = PLAIN_MODS[mod]
     for force in ({"kernel": "mma_sync"}, {}):
         override = override_string(**force)
-        fwd = plan("fwd", **sizes, causal=causal, softcap=30.0, override=override, **gpu)
+        fwd = plan("fwd", **sizes, causal=causal, **variant, override=override, **gpu)
         mma_sync = fwd.kernel == "mma_sync"
         assert mma_sync == (gpu is A100 or bool(force)), fwd
-        assert (fwd.variants, fwd.causal) == ((False, causal) if mma_sync else (True, True)), fwd
-        bwd = plan("bwd", **sizes, causal=causal, softcap=30.0, override=override, **gpu)
+        assert (fwd.variants, fwd.causal, fwd.warp_specialized) == (False, causal, not mma_sync), fwd
+        bwd = plan("bwd", **sizes, causal=causal, **variant, override=override, **gpu)
         assert bwd.variants and bwd.causal, bwd
-        for other in ({"window_size": (128, 0)}, {"alibi": True}, {"dropout": True}):
-            both = plan("fwd", **sizes, causal=causal, softcap=30.0, override=override, **other, **gpu)
+        others = [{"window_size": (128, 0)}, {"alibi": True}, {"softcap": 5.0, "dropout": True}]
+        for other in others:
+            both = plan("fwd", **sizes, causal=causal, **{**variant, **other}, override=override, **gpu)
             assert both.variants and both.causal, (other, both)
     cache = plan("fwd", **sizes, causal=causal, softcap=30.0, kvcache=True, override="kernel=mma_sync", **gpu)
     assert cache.variants, cache
+    if gpu is H200:
+        # Calls that the warp-specialized kernel does not serve: turned off, and too few query rows for its tile.
+        off = plan("fwd", **sizes, causal=causal, **variant, override="ws=0", **gpu)
+        short = plan("fwd", **{**sizes, "seqlen_q": 16}, causal=causal, **variant, **gpu)
+        for p in (off, short):
+            assert (p.kernel, p.variants, p.causal, p.warp_specialized) == ("wgmma", True, True, False), p
 
 
 # ---------------------------------------------------------------- plan_override
@@ -521,17 +537,19 @@ def make_variant(pass_="fwd", gpu=H200, *, window_size=(-1, -1), alibi=False, dr
         ({"causal": True, "window_size": (-1, 7)}, False),  # causal fixes right at 0
         ({"window_size": (128, 0)}, True),
         ({"window_size": (-1, 5)}, True),
-        ({"softcap": 30.0}, "except the mma.sync forward"),
+        ({"softcap": 30.0}, "backward only"),
         ({"alibi": True}, True),
-        ({"dropout": True}, True),
+        ({"dropout": True}, "backward only"),
+        ({"dropout": True, "softcap": 30.0}, True),
     ],
 )
 def test_variants_run_the_variants_kernel(pass_, gpu, variant, runs_variants):
-    # Any variant runs the variants kernel, which is masked, except softcap alone in the mma.sync forward, whose
-    # plain kernels softcap; a call with none runs a plain kernel, on the same kernel family either way.
+    # Any variant runs the variants kernel, which is masked, except softcap or dropout alone in the forward, which
+    # the plain kernels take (on Hopper the warp-specialized one, which serves these sizes); a call with none runs
+    # a plain kernel, on the same kernel family either way.
     p = make_variant(pass_, gpu, **variant)
-    if runs_variants == "except the mma.sync forward":
-        runs_variants = not (pass_ == "fwd" and p.kernel == "mma_sync")
+    if runs_variants == "backward only":
+        runs_variants = pass_ == "bwd"
     assert p.variants == runs_variants, p
     if runs_variants:
         assert p.causal, p
@@ -786,12 +804,14 @@ def test_plan_op_problem_rules(gpu, variant, variants, causal_one_row, causal_lo
                 plan(pass_, batch=2, seqlen_q=1, seqlen_k=4096, nheads=32, nheads_k=4, head_dim=128, **variant, **gpu)
             continue
         one_row = plan(pass_, batch=2, seqlen_q=1, seqlen_k=4096, nheads=32, nheads_k=4, head_dim=128, **variant, **gpu)
-        # Softcap alone runs the plain mma.sync forward kernels, unmasked unless the call is causal.
-        plain_softcap = set(variant) == {"softcap"} and pass_ == "fwd" and one_row.kernel == "mma_sync"
-        expected = (False, False, pack) if plain_softcap else (variants, causal_one_row, pack)
+        # Softcap or dropout alone runs the plain forward kernels, unmasked unless the call is causal: on Hopper the
+        # warp-specialized one, which one query row is too few for.
+        plain = set(variant) in ({"softcap"}, {"dropout"}) and pass_ == "fwd"
+        plain_one_row = plain and one_row.kernel == "mma_sync"
+        expected = (False, False, pack) if plain_one_row else (variants, causal_one_row, pack)
         assert (one_row.variants, one_row.causal, one_row.gqa_pack) == expected, (pass_, one_row)
         long = plan(pass_, batch=2, seqlen_q=512, seqlen_k=4096, nheads=32, nheads_k=4, head_dim=128, **variant, **gpu)
-        expected = (False, False, 1) if plain_softcap else (variants, causal_long, 1)
+        expected = (False, False, 1) if plain else (variants, causal_long, 1)
         assert (long.variants, long.causal, long.gqa_pack) == expected, (pass_, long)
 
 

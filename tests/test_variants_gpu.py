@@ -513,27 +513,51 @@ def test_99kib_tile_set(h, hk, head_dim, dropout):
         assert p.kernel == "mma_sync" and p.tile_budget == SMEM_99KIB and 0 < p.smem <= SMEM_99KIB, p
 
 
+# The variants that the plain forward kernels take in a form of their own, when one is a call's only variant.
+PLAIN_MODS = {"softcap": V(softcap=5.0, gain=2.0), "dropout": V(dropout_p=0.2)}
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
 @pytest.mark.parametrize(
-    "force",
-    [{"kernel": "mma_sync"}, {"kernel": "mma_sync", "num_splits": 3}, {"max_smem": SMEM_99KIB}],
-    ids=["mma_sync", "mma_sync-split3", "99kib"],
+    "mod, force",
+    [
+        pytest.param(mod, force, id=f"{mod}-{force_id}")
+        for mod in PLAIN_MODS
+        for force_id, force in (
+            ("default", {}),
+            ("mma_sync", {"kernel": "mma_sync"}),
+            ("mma_sync-split3", {"kernel": "mma_sync", "num_splits": 3}),
+            ("99kib", {"max_smem": SMEM_99KIB}),
+        )
+        if not (mod == "dropout" and "num_splits" in force)  # dropout never splits the keys (test_plan_cpu)
+    ],
 )
-def test_softcap_alone_runs_the_plain_mma_sync_forward(force, head_dim, causal, dtype):
-    # A call whose one variant is softcap runs the softcap form of the plain mma.sync forward kernels (both tile
-    # sets, split keys too), with the call's own mask; its backward runs the variants kernel, from that forward's
-    # output and LSE. GQA, odd lengths, seqlen_q below and above seqlen_k.
+def test_softcap_or_dropout_alone_runs_a_plain_forward(mod, force, head_dim, causal, dtype):
+    # A call whose one variant is softcap, or dropout, runs the plain forward kernels' form for it, with the call's
+    # own mask: the mma.sync ones (both tile sets, split keys too for softcap), and by default on Hopper the
+    # warp-specialized one where it serves the call, else the variants kernel. Its backward runs the variants
+    # kernel, from that forward's output and LSE. GQA, odd lengths, seqlen_q below and above seqlen_k; the second
+    # shape has the query rows and (causal) keys that the warp-specialized kernel takes at every head dim.
+    variant = dataclasses.replace(PLAIN_MODS[mod], causal=causal)
     require_kernels(head_dim, dtype)
-    for b, sq, sk, h, hk in ((2, 113, 301, 6, 2), (1, 257, 130, 4, 4)):
-        q, k, v = make_inputs(b, sq, sk, h, hk, head_dim, dtype, gain=2.0)
-        plans = run_dense(q, k, v, V(causal=causal, softcap=5.0), force=force)["plans"]
+    warp_specialized = 0
+    for b, sq, sk, h, hk in ((2, 113, 301, 6, 2), (1, 257, 2100 if force == {} else 130, 4, 4)):
+        q, k, v = make_inputs(b, sq, sk, h, hk, head_dim, dtype, gain=variant.gain)
+        plans = run_dense(q, k, v, variant, force=force)["plans"]
         fwd = plans["fwd"]
-        assert fwd.kernel == "mma_sync" and not fwd.variants and fwd.causal == causal, fwd
+        if fwd.kernel == "mma_sync":
+            assert not fwd.variants and fwd.causal == causal, fwd
+        else:
+            assert fwd.variants != fwd.warp_specialized, fwd
+            assert fwd.variants or fwd.causal == causal, fwd
+            warp_specialized += fwd.warp_specialized
         if "num_splits" in force:
             assert fwd.num_splits == force["num_splits"], fwd
         assert plans["bwd"].variants, plans["bwd"]
+    if fwd.kernel == "wgmma":
+        assert warp_specialized > 0
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -1280,6 +1304,7 @@ def varlen_mask_inputs(lens_q, lens_k, h, hk, d, dtype):
 # meets several tile shapes, and as many keys per forward call and query rows per backward call.
 MASK_CASES = {
     "sq17-sk200-mha-window": ((2, 17, 200, 4, 4, 64), V(window=(37, 19), dropout_p=0.3)),
+    "sq300-sk257-mha": ((2, 300, 257, 4, 4, 64), V(dropout_p=0.3)),
     "sq200-sk113-gqa-causal": ((2, 200, 113, 6, 2, 128), V(causal=True, dropout_p=0.25)),
     "sq113-sk17-gqa-causal-left": ((2, 113, 17, 8, 2, 32), V(causal=True, window=(5, -1), dropout_p=0.4)),
     "sq1-sk200-mqa-softcap": ((3, 1, 200, 4, 1, 256), V(softcap=5.0, dropout_p=0.2)),

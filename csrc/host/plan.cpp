@@ -210,6 +210,33 @@ void plan_bwd(const Problem& p, const Target& t, const PlanOverride& o, Plan& pl
     plan.smem_bytes = kernel_smem_bytes(set, tile, plan.key_blocks_per_cta > 1);
 }
 
+// The plan's mask, GQA packing and tiles, once its family and whether it runs the variants kernel are chosen.
+void plan_kernels(const Problem& p, const Target& t, int num_splits, const PlanOverride& o, Plan& plan) {
+    // With a single query row the bottom-right aligned causal mask lets it see every key: run the non-causal
+    // kernel instead when the build has it (which also allows packing GQA heads).
+    plan.causal = plan.variants || (p.causal && !(!p.varlen && p.seqlen_q == 1 && t.noncausal_built));
+    // A dense seqlen_q == 1 problem with GQA/MQA (and no causal mask) runs with the `group` query heads that
+    // share a key/value head as `group` query rows of one head, so each CTA reads its key/value head once for
+    // the whole group, and the backward gets dK/dV per key/value head directly.
+    // Not with ALiBi or dropout, which read each query head's own position. The forward's variants kernel packs
+    // too (decoding from a KV cache, windows, softcap): it reads the one query's window as a range of keys
+    // (FwdTile::fold_window_into_keys).
+    const bool packable = !plan.causal && !p.positional;
+    const bool variants_packable = p.pass == Pass::kFwd && plan.variants && !p.head_positions;
+    const bool pack = !p.varlen && (packable || variants_packable) && p.seqlen_q == 1 && p.nheads_k > 0 &&
+                      p.nheads > p.nheads_k;
+    plan.gqa_pack = pack ? p.nheads / p.nheads_k : 1;
+    plan.kernel_head_dim = kernel_head_dim_for(plan.family, p.pass, kernel_head_dim(p.head_dim), t.max_smem);
+    plan.num_splits = 1;
+    plan.heads_per_cta = 1;
+    plan.key_blocks_per_cta = 1;
+    if (p.pass == Pass::kFwd) {
+        plan_fwd(p, t, num_splits, o, plan);
+    } else {
+        plan_bwd(p, t, o, plan);
+    }
+}
+
 // Bytes as KiB, to a tenth: "99", "144.5".
 std::string kib(int64_t bytes) {
     std::string text = std::to_string(bytes / 1024);
@@ -255,7 +282,9 @@ Problem problem_of(Pass pass, const ProblemSizes& sizes, bool causal, bool deter
     problem.dropout = v.dropout;
     // A KV cache's lengths live on the device, which only the variants kernels read (BlockInfo::of_cache).
     problem.variants = problem.positional || v.softcap > 0.0 || v.kvcache;
-    problem.softcap_only = v.softcap > 0.0 && !problem.positional && !v.kvcache;
+    const bool softcap_only = v.softcap > 0.0 && !problem.positional && !v.kvcache;
+    const bool dropout_only = v.dropout && !window && !v.alibi && v.softcap == 0.0 && !v.kvcache;
+    problem.plain_mod = softcap_only ? PlainMod::kSoftcap : dropout_only ? PlainMod::kDropout : PlainMod::kNone;
     problem.paged = v.paged;
     return problem;
 }
@@ -310,33 +339,15 @@ Plan make_plan(const Problem& p, const Target& target, int num_splits, const Pla
     plan.pass = p.pass;
     plan.kernel_head_dim = kernel_head_dim(p.head_dim);
     plan.family = choose_family(p, t, o);
-    // With a single query row the bottom-right aligned causal mask lets it see every key: run the non-causal
-    // kernel instead when the build has it (which also allows packing GQA heads).
     // Calls with variants run the variants kernel, which is masked (an unbounded window for non-causal ones),
-    // except the mma.sync forward of a call whose one variant is softcap: its plain kernels have a softcap form
-    // (flash_fwd_kernel's kSoftcap), which keeps their step structure. The variants kernel alone cost 9-20% of a
-    // head-dim-128 forward there (docs/design-notes.md).
-    plan.variants = p.variants && !(p.softcap_only && p.pass == Pass::kFwd && plan.family == KernelFamily::kMmaSync);
-    plan.causal = plan.variants || (p.causal && !(!p.varlen && p.seqlen_q == 1 && t.noncausal_built));
-    // A dense seqlen_q == 1 problem with GQA/MQA (and no causal mask) runs with the `group` query heads that
-    // share a key/value head as `group` query rows of one head, so each CTA reads its key/value head once for
-    // the whole group, and the backward gets dK/dV per key/value head directly.
-    // Not with ALiBi or dropout, which read each query head's own position. The forward's variants kernel packs
-    // too (decoding from a KV cache, windows, softcap): it reads the one query's window as a range of keys
-    // (FwdTile::fold_window_into_keys).
-    const bool packable = !plan.causal && !p.positional;
-    const bool variants_packable = p.pass == Pass::kFwd && plan.variants && !p.head_positions;
-    const bool pack = !p.varlen && (packable || variants_packable) && p.seqlen_q == 1 && p.nheads_k > 0 &&
-                      p.nheads > p.nheads_k;
-    plan.gqa_pack = pack ? p.nheads / p.nheads_k : 1;
-    plan.kernel_head_dim = kernel_head_dim_for(plan.family, p.pass, plan.kernel_head_dim, t.max_smem);
-    plan.num_splits = 1;
-    plan.heads_per_cta = 1;
-    plan.key_blocks_per_cta = 1;
-    if (p.pass == Pass::kFwd) {
-        plan_fwd(p, t, num_splits, o, plan);
-    } else {
-        plan_bwd(p, t, o, plan);
+    // except the forward of a call whose one variant is softcap or dropout: the plain kernels have a form for each
+    // (PlainMod), which keeps their step structure. On Hopper only the warp-specialized kernel has them, so a call
+    // that it does not serve plans again with the variants kernel.
+    plan.variants = p.variants && !(p.pass == Pass::kFwd && p.plain_mod != PlainMod::kNone);
+    plan_kernels(p, t, num_splits, o, plan);
+    if (plan.family == KernelFamily::kWgmma && p.variants && !plan.variants && !plan.warp_specialized) {
+        plan.variants = true;
+        plan_kernels(p, t, num_splits, o, plan);
     }
     return plan;
 }

@@ -33,7 +33,8 @@ struct Problem {
     bool dropout = false;  // the forward cannot split keys (the mask follows absolute key positions)
     bool variants = false;  // a bounded window (other than causal's), softcap, ALiBi, dropout or a KV cache: the
                             // variants kernel
-    bool softcap_only = false;  // softcap is the call's one variant, which the plain mma.sync forward kernels take
+    PlainMod plain_mod = PlainMod::kNone;  // softcap or dropout when it is the call's one variant, which the plain
+                                           // forward kernels take in a form of their own
     bool paged = false;  // the keys are in a paged KV cache (block_table)
 };
 

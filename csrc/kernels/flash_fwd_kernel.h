@@ -22,13 +22,15 @@ namespace flash {
 using namespace cute;
 
 // kVariants: the variants kernel (kCausal too), with a runtime window, softcap, ALiBi and dropout; without it
-// the kernel compiles none of their code (the plain path, whose speed they would cost). kSoftcap: a plain kernel
-// that softcaps every score (a call whose only variant is softcap), with the plain kernels' step structure; the
-// variants kernel's own cost, every variant's code behind runtime branches in one step body, was 9-20% of a
-// head-dim-128 forward before the tanh (docs/design-notes.md).
-template <class Traits, bool kCausal, bool kVariants, bool kSoftcap = false>
+// the kernel compiles none of their code (the plain path, whose speed they would cost). kMod: a plain kernel that
+// softcaps every score, or drops out P, for a call whose only variant that is, with the plain kernels' step
+// structure; the variants kernel's own cost, every variant's code behind runtime branches in one step body, was
+// 9-20% of a head-dim-128 forward before any variant's arithmetic (docs/design-notes.md).
+template <class Traits, bool kCausal, bool kVariants, PlainMod kMod = PlainMod::kNone>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const __grid_constant__ FwdParams params) {
-    static_assert(!(kVariants && kSoftcap), "the variants kernel softcaps at run time");
+    static_assert(!(kVariants && kMod != PlainMod::kNone), "the variants kernel takes every variant at run time");
+    constexpr bool kSoftcap = kMod == PlainMod::kSoftcap;
+    constexpr bool kDropout = kMod == PlainMod::kDropout;
     using Element = typename Traits::Element;
     constexpr int kBlockM = Traits::kBlockM;
     constexpr int kBlockN = Traits::kBlockN;
@@ -156,7 +158,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const _
         softmax.template update</*kSkipUnmoved=*/true>(scores, acc_o_rc);
         Tensor rP = convert_fragment<Element>(acc_s);
         // Dropout after the row sums, which are those of the undropped softmax (the LSE's).
-        if (kVariants && dropout.active()) {
+        if (kDropout || (kVariants && dropout.active())) {
             Tensor rP_rc = as_rowcol(rP);  // (rows, kBlockN cols)
             dropout.apply_converted(rP_rc, tScS_rc, m_block * kBlockM, n_block * kBlockN);
         }
@@ -172,7 +174,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const _
     // Epilogue: normalize once, stage O through shared memory (Q's buffer) for 16 B global stores; a
     // split-KV CTA writes its fp32 partials instead.
     Tensor lse = kVariants ? softmax.finalize(acc_o_rc, params.score_scale, params.dropout_keep_scale)
-                           : softmax.finalize(acc_o_rc, kSoftcap ? params.score_scale : params.softmax_scale, 1.f);
+                           : softmax.finalize(acc_o_rc, kSoftcap ? params.score_scale : params.softmax_scale,
+                                              kDropout ? params.dropout_keep_scale : 1.f);
     Tensor cO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (kBlockM, kHeadDim)
     Tensor tOcO = thr_mma.partition_C(cO);  // (MMA, MMA_M, MMA_N), positions of acc_o's values
     Tensor tOcO_rc = make_tensor(tOcO.data(), acc_rowcol_layout(tOcO.layout()));  // (rows, cols)

@@ -9,6 +9,7 @@
 //   also take turns issuing their GEMMs (named barriers in a ring), so that one warpgroup's softmax runs while
 //   another's GEMMs hold the tensor cores.
 // setmaxnreg gives the producer warpgroup the minimum of registers and the consumers the rest.
+// kMod: the kernel's softcap or dropout form, for a call whose one variant that is (PlainMod).
 #pragma once
 
 #include <cmath>
@@ -19,9 +20,11 @@
 #include <cutlass/arch/reg_reconfig.h>
 
 #include "launch/flash_params.h"
+#include "kernels/dropout.h"
 #include "kernels/fwd_tile.h"
 #include "kernels/kernel_traits_fwd_sm90.h"
 #include "kernels/mask.h"
+#include "kernels/score_mod.h"
 #include "kernels/softmax.h"
 #include "kernels/utils.h"
 #include "kernels/utils_sm90.h"
@@ -87,10 +90,12 @@ struct FwdWsSchedule {
     }
 };
 
-template <class Traits, bool kCausal>
+template <class Traits, bool kCausal, PlainMod kMod>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams<Traits> ws) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr bool kSoftcap = kMod == PlainMod::kSoftcap;
+    constexpr bool kDropout = kMod == PlainMod::kDropout;
     using Element = typename Traits::Element;
     using Barrier = cutlass::arch::ClusterBarrier;
     using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
@@ -251,6 +256,19 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             const int n_block_end = tile.n_block_end();
             const int blocks = n_block_end - tile.n_block_begin();
             OnlineSoftmax<decltype(size<0>(acc_o_rc))::value> softmax(params.softmax_scale_log2);
+            const Dropout dropout(params, tile.batch_idx, tile.head_idx);
+            // The modifier of the i-th block visited on its scores, before the mask; with dropout (after the
+            // exps, whose row sums are the undropped softmax's, the LSE's) on its probabilities, before the
+            // previous block's P V completes, which the draw then runs under.
+            auto modify_scores = [&](int i) {
+                if constexpr (kSoftcap) { apply_softcap(scores, params.softcap_prescale); }
+            };
+            auto modify_probs = [&](int i) {
+                if constexpr (kDropout) {
+                    dropout.template apply</*kQueryIsRow=*/true, /*kNegate=*/false>(
+                        scores, tScS_rc, tile.m_block * kBlockM, (n_block_end - 1 - i) * kBlockN);
+                }
+            };
             auto tile_mask = [&](int n_block) {
                 return TileMask<kBlockM, kBlockN, kCausal>(tile.bounds, tile.m_block, n_block);
             };
@@ -265,10 +283,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                 warpgroup_wait_for<0>(acc_s);
                 release(storage.k_empty, 0);
                 if (Traits::kSeparateO && blocks == 1) { release_q(); }
+                modify_scores(0);
                 if (const auto mask = tile_mask(n_block_end - 1); mask.needs_mask()) {
                     mask.template apply</*kQueryIsRow=*/true>(scores, tScS_rc);
                 }
                 softmax.exp_scores(scores);
+                modify_probs(0);
                 convert_p();
                 // One step: the S GEMM of the i-th block visited with the P V of the one before, then the i-th
                 // block's softmax while that P V runs. Masked and unmasked steps are compiled apart, so that no
@@ -284,10 +304,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                     warpgroup_wait_for<1>(acc_s);  // S done; P V may still run
                     release(storage.k_empty, i);
                     if (Traits::kSeparateO && i == blocks - 1) { release_q(); }  // the tile's last read of Q
+                    modify_scores(i);
                     if constexpr (decltype(masked)::value) {
                         tile_mask(n_block_end - 1 - i).template apply</*kQueryIsRow=*/true>(scores, tScS_rc);
                     }
                     Tensor correction = softmax.exp_scores(scores);
+                    modify_probs(i);
                     warpgroup_wait_for<0>(acc_o);
                     release(storage.v_empty, i - 1);
                     softmax.rescale(acc_o_rc, correction);
@@ -315,7 +337,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             // Epilogue: this warpgroup's output rows stage in its own rows of sO and leave with 16 B stores,
             // without waiting for the other warpgroups. Where sO is Q's buffer, this warpgroup's S GEMMs, its only
             // readers of those rows, are complete, and Q's buffer is released after the store has read them.
-            Tensor lse = softmax.finalize(acc_o_rc, params.softmax_scale, 1.f);
+            Tensor lse = softmax.finalize(acc_o_rc, kSoftcap ? params.score_scale : params.softmax_scale,
+                                          kDropout ? params.dropout_keep_scale : 1.f);
             Tensor rO = convert_fragment<Element>(acc_o);
             // The epilogue's addresses derive from a thread index and a buffer offset the compiler cannot see
             // through, so they are computed here each tile: hoisted out of the tile loop, they stayed live through

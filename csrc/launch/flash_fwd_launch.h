@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "kernels/flash_fwd_kernel.h"
 #include "kernels/flash_fwd_sm90_kernel.h"
@@ -36,19 +37,19 @@ constexpr TileShape fwd_mma_sync_tile() {
 }
 
 // The mma.sync kernel of kTile.
-template <typename Element, int kHeadDim, bool kCausal, bool kVariants, bool kSoftcap, TileShape kTile>
+template <typename Element, int kHeadDim, bool kCausal, bool kVariants, PlainMod kMod, TileShape kTile>
 cudaError_t run_fwd_mma_sync(const FwdParams& params, cudaStream_t stream) {
     using Traits = FwdKernelTraits<Element, kHeadDim, kTile.block_m, kTile.block_n, kTile.warps>;
     static_assert(sizeof(Element) == kElementBytes);
     static_assert(Traits::kSmemBytes == fwd_mma_sync_smem_bytes(kHeadDim, kTile.block_m, kTile.block_n),
                   "the plans check a GPU's shared memory by the formula");
     const dim3 grid(fwd_grid_x(params, Traits::kBlockM), params.batch, params.num_heads);
-    return launch_kernel<&flash_fwd_kernel<Traits, kCausal, kVariants, kSoftcap>, Traits::kNThreads,
-                         Traits::kSmemBytes>(grid, params, stream);
+    return launch_kernel<&flash_fwd_kernel<Traits, kCausal, kVariants, kMod>, Traits::kNThreads, Traits::kSmemBytes>(
+        grid, params, stream);
 }
 
 // The mma.sync kernel of the plan's tile set (FwdParams::mma_sync_tile_set).
-template <typename Element, int kHeadDim, bool kCausal, bool kVariants, bool kSoftcap>
+template <typename Element, int kHeadDim, bool kCausal, bool kVariants, PlainMod kMod>
 cudaError_t run_fwd_mma_sync_set(const FwdParams& params, cudaStream_t stream) {
     constexpr TileShape kTile = fwd_mma_sync_tile<kHeadDim, kCausal, kVariants, kSmem163KiB>();
     constexpr TileShape kSmallTile = fwd_mma_sync_tile<kHeadDim, kCausal, kVariants, kSmem99KiB>();
@@ -57,10 +58,10 @@ cudaError_t run_fwd_mma_sync_set(const FwdParams& params, cudaStream_t stream) {
                                kSmallTile.warps == kTile.warps;
     if constexpr (!kSameTile) {
         if (params.mma_sync_tile_set == MmaSyncTileSet::k99KiB) {
-            return run_fwd_mma_sync<Element, kHeadDim, kCausal, kVariants, kSoftcap, kSmallTile>(params, stream);
+            return run_fwd_mma_sync<Element, kHeadDim, kCausal, kVariants, kMod, kSmallTile>(params, stream);
         }
     }
-    return run_fwd_mma_sync<Element, kHeadDim, kCausal, kVariants, kSoftcap, kTile>(params, stream);
+    return run_fwd_mma_sync<Element, kHeadDim, kCausal, kVariants, kMod, kTile>(params, stream);
 }
 
 // The Hopper kernel with kTile, a tile of the wgmma set (its regular or short-key tile).
@@ -78,9 +79,9 @@ cudaError_t run_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
 }
 
 // The warp-specialized Hopper kernel of the wgmma set's ws_tile, for dense batches of a plain kernel without key
-// splits or GQA packing (the plan checked). TMA descriptors of q, k and v are encoded for each call: they hold the
-// pointers and strides.
-template <typename Element, int kHeadDim, bool kCausal>
+// splits or GQA packing (the plan checked), in its kMod form. TMA descriptors of q, k and v are encoded for each
+// call: they hold the pointers and strides.
+template <typename Element, int kHeadDim, bool kCausal, PlainMod kMod>
 cudaError_t run_fwd_sm90_ws(const FwdParams& params, cudaStream_t stream) {
     constexpr TileShape kTile = kFwdTileSet<KernelFamily::kWgmma, kHeadDim>.ws_tile;
     using Traits = FwdSm90WsKernelTraits<Element, kHeadDim, kTile.block_m, kTile.block_n, kTile.stages>;
@@ -129,8 +130,20 @@ cudaError_t run_fwd_sm90_ws(const FwdParams& params, cudaStream_t stream) {
     // and the kernel gets the call's own.
     FwdParams one_piece = params;
     one_piece.batch = 1;
-    return launch_kernel_with<&flash_fwd_sm90_ws_kernel<Traits, kCausal>, Traits::kNThreads, Traits::kSmemBytes>(
+    return launch_kernel_with<&flash_fwd_sm90_ws_kernel<Traits, kCausal, kMod>, Traits::kNThreads, Traits::kSmemBytes>(
         grid, one_piece, stream, Traits::kSmemBytes, [&](const FwdParams&) { return ws; });
+}
+
+// The plain kernel of the call's form (plain_mod_of: a plain plan with softcap or dropout set is a call whose one
+// variant that is, make_plan), by `run`, a launcher templated on PlainMod.
+template <class Run>
+cudaError_t run_plain_mod(const FwdParams& params, const Run& run) {
+    switch (plain_mod_of(params)) {
+        case PlainMod::kSoftcap: return run(std::integral_constant<PlainMod, PlainMod::kSoftcap>{});
+        case PlainMod::kDropout: return run(std::integral_constant<PlainMod, PlainMod::kDropout>{});
+        case PlainMod::kNone: break;
+    }
+    return run(std::integral_constant<PlainMod, PlainMod::kNone>{});
 }
 
 // kVariants: the variants kernel (window, softcap, ALiBi, dropout; kCausal too), else a plain one.
@@ -141,8 +154,14 @@ cudaError_t run_fwd(const FwdParams& params, cudaStream_t stream) {
         constexpr TileSet kSet = kFwdTileSet<KernelFamily::kWgmma, kHeadDim>;
         static_assert(kSet.exists(), "every compiled head dim has a wgmma tile set");
         if constexpr (kSet.ws_tile.exists() && !kVariants) {
-            if (params.warp_specialized) { return run_fwd_sm90_ws<Element, kHeadDim, kCausal>(params, stream); }
+            if (params.warp_specialized) {
+                return run_plain_mod(params, [&](auto mod) {
+                    return run_fwd_sm90_ws<Element, kHeadDim, kCausal, decltype(mod)::value>(params, stream);
+                });
+            }
         }
+        // The other Hopper kernels' plain form has no variant at all (make_plan).
+        if (!kVariants && plain_mod_of(params) != PlainMod::kNone) { return cudaErrorInvalidConfiguration; }
         if constexpr (kSet.short_tile.exists()) {
             if (params.short_key_tiles) {
                 return run_fwd_sm90<Element, kHeadDim, kCausal, kVariants, kSet.short_tile>(params, stream);
@@ -151,13 +170,13 @@ cudaError_t run_fwd(const FwdParams& params, cudaStream_t stream) {
         return run_fwd_sm90<Element, kHeadDim, kCausal, kVariants, kSet.tile_for(kCausal)>(params, stream);
     }
 #endif
-    // A plain mma.sync plan with softcap set is a call whose only variant is softcap (make_plan).
     if constexpr (!kVariants) {
-        if (params.softcap_prescale > 0.f) {
-            return run_fwd_mma_sync_set<Element, kHeadDim, kCausal, false, true>(params, stream);
-        }
+        return run_plain_mod(params, [&](auto mod) {
+            return run_fwd_mma_sync_set<Element, kHeadDim, kCausal, false, decltype(mod)::value>(params, stream);
+        });
+    } else {
+        return run_fwd_mma_sync_set<Element, kHeadDim, kCausal, true, PlainMod::kNone>(params, stream);
     }
-    return run_fwd_mma_sync_set<Element, kHeadDim, kCausal, kVariants, false>(params, stream);
 }
 
 }  // namespace flash

@@ -106,6 +106,13 @@ struct FwdParams {
                                         // natural-log LSE, -inf for rows that saw no key in that split
 };
 
+// The plain forward kernel form that a call without the variants kernel runs: the plans leave a call plain with
+// softcap or dropout only when that is its one variant (Problem::plain_mod), so the parameters say which.
+constexpr PlainMod plain_mod_of(const FwdParams& params) {
+    if (params.softcap_prescale > 0.f) { return PlainMod::kSoftcap; }
+    return params.dropout_threshold != 0u ? PlainMod::kDropout : PlainMod::kNone;
+}
+
 // KernelFamily took the place of a bool (use_wgmma) without moving a field: the kernels take these structs by
 // value, and their code must not change with the host's.
 static_assert(sizeof(KernelFamily) == sizeof(bool) && alignof(KernelFamily) == alignof(bool));

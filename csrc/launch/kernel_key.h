@@ -23,6 +23,12 @@ constexpr int kNumKernelFamilies = 2;
 // of FwdParams: the set of sm_80's 163 KiB, or that of the 99 KiB of sm_86, sm_89 and sm_120.
 enum class MmaSyncTileSet : uint8_t { k163KiB = 0, k99KiB = 1 };
 
+// The variants that the plain forward kernels (the mma.sync ones and the warp-specialized Hopper one) also compile,
+// each in a form of its own, for a call whose one variant it is. The variants kernel holds every variant's code
+// behind run-time branches in one step body, and that alone cost 9-20% of a head-dim-128 forward on the mma.sync
+// side and 40-70% on Hopper, before any variant's own arithmetic (docs/design-notes.md).
+enum class PlainMod : uint8_t { kNone = 0, kSoftcap = 1, kDropout = 2 };
+
 // "mma_sync" or "wgmma": the plan op's and plan_override's spelling.
 constexpr const char* family_name(KernelFamily family) {
     switch (family) {

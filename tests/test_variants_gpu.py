@@ -538,12 +538,14 @@ def test_softcap_or_dropout_alone_runs_a_plain_forward(mod, force, head_dim, cau
     # A call whose one variant is softcap, or dropout, runs the plain forward kernels' form for it, with the call's
     # own mask: the mma.sync ones (both tile sets, split keys too for softcap), and by default on Hopper the
     # warp-specialized one where it serves the call, else the variants kernel. Its backward runs the variants
-    # kernel, from that forward's output and LSE. GQA, odd lengths, seqlen_q below and above seqlen_k; the second
-    # shape has the query rows and (causal) keys that the warp-specialized kernel takes at every head dim.
+    # kernel, from that forward's output and LSE. GQA, odd lengths, seqlen_q below and above seqlen_k; on Hopper the
+    # second shape has the query rows, keys (causal) and heads (no key splits) that the warp-specialized kernel
+    # takes at every head dim.
     variant = dataclasses.replace(PLAIN_MODS[mod], causal=causal)
     require_kernels(head_dim, dtype)
     warp_specialized = 0
-    for b, sq, sk, h, hk in ((2, 113, 301, 6, 2), (1, 257, 2100 if force == {} else 130, 4, 4)):
+    second = (2, 257, 2100, 28, 4) if force == {} else (1, 257, 130, 4, 4)
+    for b, sq, sk, h, hk in ((2, 113, 301, 6, 2), second):
         q, k, v = make_inputs(b, sq, sk, h, hk, head_dim, dtype, gain=variant.gain)
         plans = run_dense(q, k, v, variant, force=force)["plans"]
         fwd = plans["fwd"]

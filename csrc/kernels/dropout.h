@@ -86,11 +86,12 @@ struct Dropout {
     // (byte (key >> 3) & 3).
     // In the MMA accumulator layouts a thread's position and a value's index select different bits of the key
     // within the tile (the thread's first key sets bits 1-2 and some of 3-6, a value's offset bit 0 and the
-    // others), and tiles start at multiples of 32 keys. So every key a thread holds is its first key ORed with a
-    // compile-time offset d: which elements share a call, and the word and byte each takes, follow from d at
-    // compile time and from the first key's bits 3 and 4 at run time. With the test (key & ~25) != current at
-    // run time instead, ptxas emitted a Philox body for each column pair, under branches, and shifted by a
-    // computed amount per element.
+    // others), and tiles start at multiples of 32 keys. So every key a thread holds is its first key with a
+    // compile-time offset d, the offset's bits below 32 ORed in and its multiple of 32 added (a tile's first key
+    // need not be a multiple of a larger power of two: 96-key blocks): which elements share a call, and the word
+    // and byte each takes, follow from d at compile time and from the first key's bits 3 and 4 at run time. With the
+    // test (key & ~25) != current at run time instead, ptxas emitted a Philox body for each column pair, under
+    // branches, and shifted by a computed amount per element.
     template <class Tile, class CoordTensor, class Visit>
     __forceinline__ __device__ static void for_each_draw_by_rows(const PhiloxStream& philox, const Tile& t,
                                                                  const CoordTensor& coords, int q0, int k0,
@@ -106,8 +107,9 @@ struct Dropout {
             for (int c = 0; c < size<1>(t); c += 2) {
                 const uint32_t d = uint32_t(key_of<true>(coords, r, c) - first);
                 const uint32_t d_prev = c == 0 ? ~0u : uint32_t(key_of<true>(coords, r, c - 2) - first);
-                if ((d & ~25u) != (d_prev & ~25u)) { w = philox(q, (key_base | d) & ~25u); }
-                visit(r, c, w, key_base | d);
+                const uint32_t key = (key_base | (d & 31u)) + (d & ~31u);
+                if ((d & ~25u) != (d_prev & ~25u)) { w = philox(q, key & ~25u); }
+                visit(r, c, w, key);
             }
         }
     }

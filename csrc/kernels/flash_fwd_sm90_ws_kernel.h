@@ -257,13 +257,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             const int blocks = n_block_end - tile.n_block_begin();
             OnlineSoftmax<decltype(size<0>(acc_o_rc))::value> softmax(params.softmax_scale_log2);
             const Dropout dropout(params, tile.batch_idx, tile.head_idx);
-            // The modifier of the i-th block visited on its scores, before the mask; with dropout (after the
-            // exps, whose row sums are the undropped softmax's, the LSE's) on its probabilities, before the
-            // previous block's P V completes, which the draw then runs under.
-            auto modify_scores = [&](int i) {
-                if constexpr (kSoftcap) { apply_softcap(scores, params.softcap_prescale); }
-            };
-            auto modify_probs = [&](int i) {
+            // Dropout on the probabilities of the i-th block visited, after the exps (whose row sums are the
+            // undropped softmax's, the LSE's) and before the previous block's P V completes, which the draw runs
+            // under.
+            auto drop = [&](int i) {
                 if constexpr (kDropout) {
                     dropout.template apply</*kQueryIsRow=*/true, /*kNegate=*/false>(
                         scores, tScS_rc, tile.m_block * kBlockM, (n_block_end - 1 - i) * kBlockN);
@@ -283,12 +280,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                 warpgroup_wait_for<0>(acc_s);
                 release(storage.k_empty, 0);
                 if (Traits::kSeparateO && blocks == 1) { release_q(); }
-                modify_scores(0);
+                if constexpr (kSoftcap) { apply_softcap(scores, params.softcap_prescale); }
                 if (const auto mask = tile_mask(n_block_end - 1); mask.needs_mask()) {
                     mask.template apply</*kQueryIsRow=*/true>(scores, tScS_rc);
                 }
                 softmax.exp_scores(scores);
-                modify_probs(0);
+                drop(0);
                 convert_p();
                 // One step: the S GEMM of the i-th block visited with the P V of the one before, then the i-th
                 // block's softmax while that P V runs. Masked and unmasked steps are compiled apart, so that no
@@ -304,12 +301,20 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                     warpgroup_wait_for<1>(acc_s);  // S done; P V may still run
                     release(storage.k_empty, i);
                     if (Traits::kSeparateO && i == blocks - 1) { release_q(); }  // the tile's last read of Q
-                    modify_scores(i);
-                    if constexpr (decltype(masked)::value) {
-                        tile_mask(n_block_end - 1 - i).template apply</*kQueryIsRow=*/true>(scores, tScS_rc);
-                    }
-                    Tensor correction = softmax.exp_scores(scores);
-                    modify_probs(i);
+                    auto correction = [&] {
+                        if constexpr (decltype(masked)::value) {
+                            if constexpr (kSoftcap) { apply_softcap(scores, params.softcap_prescale); }
+                            tile_mask(n_block_end - 1 - i).template apply</*kQueryIsRow=*/true>(scores, tScS_rc);
+                            return softmax.exp_scores(scores);
+                        } else if constexpr (kSoftcap) {
+                            // tanh is increasing, so the row maxes come from the raw scores, and the tanh of each
+                            // score runs in the exp loop instead of ahead of the max.
+                            return softmax.exp_scores(scores, SoftcapScore{params.softcap_prescale});
+                        } else {
+                            return softmax.exp_scores(scores);
+                        }
+                    }();
+                    drop(i);
                     warpgroup_wait_for<0>(acc_o);
                     release(storage.v_empty, i - 1);
                     softmax.rescale(acc_o_rc, correction);

@@ -301,19 +301,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                     warpgroup_wait_for<1>(acc_s);  // S done; P V may still run
                     release(storage.k_empty, i);
                     if (Traits::kSeparateO && i == blocks - 1) { release_q(); }  // the tile's last read of Q
-                    auto correction = [&] {
-                        if constexpr (decltype(masked)::value) {
-                            if constexpr (kSoftcap) { apply_softcap(scores, params.softcap_prescale); }
-                            tile_mask(n_block_end - 1 - i).template apply</*kQueryIsRow=*/true>(scores, tScS_rc);
-                            return softmax.exp_scores(scores);
-                        } else if constexpr (kSoftcap) {
-                            // tanh is increasing, so the row maxes come from the raw scores, and the tanh of each
-                            // score runs in the exp loop instead of ahead of the max.
-                            return softmax.exp_scores(scores, SoftcapScore{params.softcap_prescale});
-                        } else {
-                            return softmax.exp_scores(scores);
-                        }
-                    }();
+                    if constexpr (kSoftcap) { apply_softcap(scores, params.softcap_prescale); }
+                    if constexpr (decltype(masked)::value) {
+                        tile_mask(n_block_end - 1 - i).template apply</*kQueryIsRow=*/true>(scores, tScS_rc);
+                    }
+                    Tensor correction = softmax.exp_scores(scores);
                     drop(i);
                     warpgroup_wait_for<0>(acc_o);
                     release(storage.v_empty, i - 1);

@@ -47,12 +47,6 @@ __forceinline__ __device__ void apply_softcap(ScoreTensor& scores, float prescal
     for (int i = 0; i < size(scores); ++i) { scores(i) = softcap_tanh(scores(i) * prescale); }
 }
 
-// Softcap as an increasing function of one raw score, for OnlineSoftmax::exp_scores: tanh(q.k * prescale).
-struct SoftcapScore {
-    float prescale;
-    __forceinline__ __device__ float operator()(float score) const { return softcap_tanh(score * prescale); }
-};
-
 // The score modifiers of one sequence, for inputs of type Element_. It keeps a reference to the kernel's
 // __grid_constant__ params, whose fields the modifiers read where they are used (constant-bank operands): a copy
 // in registers, live through the main loops, made the register-bound backward kernels spill.

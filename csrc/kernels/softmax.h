@@ -4,7 +4,6 @@
 #pragma once
 
 #include <cmath>
-#include <type_traits>
 
 #include <cute/tensor.hpp>
 
@@ -13,11 +12,6 @@
 namespace flash {
 
 using namespace cute;
-
-// A score as it is: OnlineSoftmax::exp_scores' default modifier.
-struct Identity {
-    __forceinline__ __device__ float operator()(float score) const { return score; }
-};
 
 template <int kRows>
 struct OnlineSoftmax {
@@ -76,25 +70,20 @@ struct OnlineSoftmax {
     // update() in two halves, for a kernel whose previous P V MMA still accumulates into acc_o while this block's
     // softmax runs: exp_scores takes the new maxes, the exps and the row sums, and returns each row's correction,
     // which rescale() applies to acc_o once that MMA has completed.
-    // increasing: an increasing function of a score that the exps take instead of the score (Identity: none), and
-    // the row max then of the raw scores, which increasing maps to the max of the modified ones. The max no longer
-    // waits on the modifier of every score, only of one per row. Scores must be finite (no mask applied).
-    template <class ScoreTensor, class Increasing = Identity>
-    __forceinline__ __device__ auto exp_scores(ScoreTensor& scores, Increasing increasing = {}) {
+    template <class ScoreTensor>
+    __forceinline__ __device__ auto exp_scores(ScoreTensor& scores) {
         static_assert(decltype(size<0>(scores))::value == kRows);
-        constexpr bool kModified = !std::is_same_v<Increasing, Identity>;
         Tensor correction = make_tensor<float>(Shape<Int<kRows>>{});
         CUTE_UNROLL
         for (int r = 0; r < kRows; ++r) {
-            const float block_max = kModified ? fmaxf(row_max(r), increasing(block_max_tree(scores, r)))
-                                              : running_max_tree(scores, r);
+            const float block_max = running_max_tree(scores, r);
             const float max_scaled = scaled_max(block_max);
             correction(r) = exp2f(row_max(r) * scale_log2 - max_scaled);
             row_max(r) = block_max;
             float sum = 0.f;
             CUTE_UNROLL
             for (int c = 0; c < size<1>(scores); ++c) {
-                scores(r, c) = exp2f(increasing(scores(r, c)) * scale_log2 - max_scaled);
+                scores(r, c) = exp2f(scores(r, c) * scale_log2 - max_scaled);
                 sum += scores(r, c);
             }
             row_sum(r) = row_sum(r) * correction(r) + sum;
@@ -142,17 +131,6 @@ struct OnlineSoftmax {
     // The order of a max does not change its value.
     template <class ScoreTensor>
     __forceinline__ __device__ float running_max_tree(const ScoreTensor& scores, int r) const {
-        return quad_allreduce(fmaxf(row_max(r), thread_max_tree(scores, r)),
-                              [](float a, float b) { return fmaxf(a, b); });
-    }
-    // This block's max of row r alone (its quad together), in a tree as above.
-    template <class ScoreTensor>
-    __forceinline__ __device__ float block_max_tree(const ScoreTensor& scores, int r) const {
-        return quad_allreduce(thread_max_tree(scores, r), [](float a, float b) { return fmaxf(a, b); });
-    }
-    // The max of this thread's scores of row r, in a tree of pairs.
-    template <class ScoreTensor>
-    __forceinline__ __device__ float thread_max_tree(const ScoreTensor& scores, int r) const {
         constexpr int kCols = decltype(size<1>(scores))::value;
         float partial[kCols];
         CUTE_UNROLL
@@ -162,7 +140,7 @@ struct OnlineSoftmax {
             CUTE_UNROLL
             for (int c = 0; c + width < kCols; c += 2 * width) { partial[c] = fmaxf(partial[c], partial[c + width]); }
         }
-        return partial[0];
+        return quad_allreduce(fmaxf(row_max(r), partial[0]), [](float a, float b) { return fmaxf(a, b); });
     }
     // The exp2 offset of a row max. A row that has seen only masked keys keeps max = -inf; subtracting 0
     // instead keeps exp2(-inf) = 0 rather than NaN.

@@ -337,7 +337,6 @@ Plan make_plan(const Problem& p, const Target& target, int num_splits, const Pla
     if (o.max_smem > 0) { t.max_smem = t.max_smem > 0 ? std::min(t.max_smem, o.max_smem) : o.max_smem; }
     Plan plan{};
     plan.pass = p.pass;
-    plan.kernel_head_dim = kernel_head_dim(p.head_dim);
     plan.family = choose_family(p, t, o);
     // Calls with variants run the variants kernel, which is masked (an unbounded window for non-causal ones),
     // except the forward of a call whose one variant is softcap or dropout: the plain kernels have a form for each

@@ -4,8 +4,11 @@
 // matching coordinate view; kQueryIsRow says which coordinate is the query. The loops run queries outer and
 // keys inner in either orientation, so each query's LSE and D are read once. The variants enter through the
 // ScoreMod (applied before the mask), Dropout (the kernels mark dropped values of P between the two calls, by
-// sign) and DsMods.
+// sign; the mma.sync kernel's dropout without softcap instead drops from P and dP in one pass after compute_p,
+// Dropout::apply_with_ds) and DsMods.
 #pragma once
+
+#include <type_traits>
 
 #include <cute/tensor.hpp>
 
@@ -40,21 +43,34 @@ __forceinline__ __device__ void compute_p(STensor& s, const CoordTensor& coords,
     if constexpr (kHide == HideP::kBeforeExp) {
         if (mask.needs_mask()) { mask.template apply<kQueryIsRow>(s, coords); }
     }
-    CUTE_UNROLL
-    for (int qi = 0; qi < query_extent<kQueryIsRow>(s); ++qi) {
-        const int q = query_of<kQueryIsRow>(coords, kQueryIsRow ? qi : 0, kQueryIsRow ? 0 : qi);
-        const float lse_log2 = lse_log2_of(q);
+    auto exp_loop = [&](auto test_diagonal) {
         CUTE_UNROLL
-        for (int ki = 0; ki < key_extent<kQueryIsRow>(s); ++ki) {
-            const int i = kQueryIsRow ? qi : ki;
-            const int j = kQueryIsRow ? ki : qi;
-            if constexpr (kHide == HideP::kInExp) {
-                const bool hidden = mask.hides_past_diagonal(q, key_of<kQueryIsRow>(coords, i, j));
-                s(i, j) = hidden ? 0.f : exp2f(s(i, j) * scale_log2 - lse_log2);
-            } else {
-                s(i, j) = exp2f(s(i, j) * scale_log2 - lse_log2);
+        for (int qi = 0; qi < query_extent<kQueryIsRow>(s); ++qi) {
+            const int q = query_of<kQueryIsRow>(coords, kQueryIsRow ? qi : 0, kQueryIsRow ? 0 : qi);
+            const float lse_log2 = lse_log2_of(q);
+            CUTE_UNROLL
+            for (int ki = 0; ki < key_extent<kQueryIsRow>(s); ++ki) {
+                const int i = kQueryIsRow ? qi : ki;
+                const int j = kQueryIsRow ? ki : qi;
+                if constexpr (decltype(test_diagonal)::value) {
+                    const bool hidden = mask.hides_past_diagonal(q, key_of<kQueryIsRow>(coords, i, j));
+                    s(i, j) = hidden ? 0.f : exp2f(s(i, j) * scale_log2 - lse_log2);
+                } else {
+                    s(i, j) = exp2f(s(i, j) * scale_log2 - lse_log2);
+                }
             }
         }
+    };
+    if constexpr (kHide == HideP::kInExp && kVariants) {
+        // The variants kernels visit every tile with one step body, and a window's two edges made the test two
+        // compares, a predicate op and a predicated exp a value, in every tile: most tiles cross neither edge.
+        if (mask.may_hide_past_diagonal()) {
+            exp_loop(std::true_type{});
+        } else {
+            exp_loop(std::false_type{});
+        }
+    } else {
+        exp_loop(std::bool_constant<kHide == HideP::kInExp>{});
     }
     if constexpr (kHide == HideP::kInExp) { mask.template hide_keys_past_end<kQueryIsRow>(s, coords); }
 }
@@ -71,36 +87,50 @@ struct DsMods {
     __forceinline__ __device__ bool any() const { return dropout() || softcap(); }
 };
 
-// dS of one tile with the variants of mods (compute_ds's branch; see there).
+// dS of one tile with the variants of mods (compute_ds's branch; see there). Softcap without dropout never comes
+// here: the kernels take compute_p_ds_softcap for it. Each form has a loop of its own: in one loop with the softcap
+// factor behind a per-value test, ptxas if-converted that factor, so its log2, compare and multiplies issued for
+// every value of a dropout-only call too (mma.sync head dim 128: 580 instructions for a thread's 32 values, where
+// the dropout loop takes 5 a value).
 template <bool kQueryIsRow, class DpTensor, class PTensor, class CoordTensor, class DsumOf, class Element,
           class LseLog2Of>
 __forceinline__ __device__ void compute_ds_variants(DpTensor& dp, const PTensor& p, const CoordTensor& coords,
                                                     DsumOf dsum_of, const DsMods<Element>& mods, const ScorePos& pos,
                                                     LseLog2Of lse_log2_of) {
     const FwdParams& params = mods.score_mod.params;
-    const bool dropout = mods.dropout();
-    const bool softcap = mods.softcap();
+    // 1 without dropout, where no P is negative: both loops then give the undropped dS.
     const float keep_scale = params.dropout_keep_scale;
+    if (!mods.softcap()) {
+        CUTE_UNROLL
+        for (int qi = 0; qi < query_extent<kQueryIsRow>(dp); ++qi) {
+            const float dsum = dsum_of(query_of<kQueryIsRow>(coords, kQueryIsRow ? qi : 0, kQueryIsRow ? 0 : qi));
+            CUTE_UNROLL
+            for (int ki = 0; ki < key_extent<kQueryIsRow>(dp); ++ki) {
+                const int i = kQueryIsRow ? qi : ki;
+                const int j = kQueryIsRow ? ki : qi;
+                const float pv = p(i, j);
+                const float dpv = pv >= 0.f ? dp(i, j) * keep_scale : 0.f;
+                dp(i, j) = fabsf(pv) * (dpv - dsum);
+            }
+        }
+        return;
+    }
     const float inv_scale_log2 = 1.f / params.softmax_scale_log2;
-    const float slope = softcap && mods.score_mod.alibi() ? mods.score_mod.slope(mods.head) : 0.f;
+    const float slope = mods.score_mod.alibi() ? mods.score_mod.slope(mods.head) : 0.f;
     const TileDistances<kQueryIsRow, CoordTensor> distance(mods.score_mod, coords, pos);
     CUTE_UNROLL
     for (int qi = 0; qi < query_extent<kQueryIsRow>(dp); ++qi) {
         const int q = query_of<kQueryIsRow>(coords, kQueryIsRow ? qi : 0, kQueryIsRow ? 0 : qi);
         const float dsum = dsum_of(q);
-        const float lse_log2 = softcap ? lse_log2_of(q) : 0.f;
+        const float lse_log2 = lse_log2_of(q);
         CUTE_UNROLL
         for (int ki = 0; ki < key_extent<kQueryIsRow>(dp); ++ki) {
             const int i = kQueryIsRow ? qi : ki;
             const int j = kQueryIsRow ? ki : qi;
-            float pv = p(i, j);
-            float dpv = dp(i, j);
-            if (dropout) {
-                dpv = pv >= 0.f ? dpv * keep_scale : 0.f;
-                pv = fabsf(pv);
-            }
+            const float pv = fabsf(p(i, j));
+            const float dpv = p(i, j) >= 0.f ? dp(i, j) * keep_scale : 0.f;
             float ds = pv * (dpv - dsum);
-            if (softcap && pv > 0.f) {
+            if (pv > 0.f) {
                 const float t = (__log2f(pv) + lse_log2) * inv_scale_log2 + slope * distance(i, j);
                 ds *= 1.f - t * t;
             }

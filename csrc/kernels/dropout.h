@@ -143,6 +143,52 @@ struct Dropout {
         });
     }
 
+    // Drops from P and dP in one pass, for the mma.sync backward, where both are complete when P is: p (P, query
+    // rows, as in apply) is left with its kept values and 0 for the dropped ones, for dV; dp (dP, same layout) is
+    // overwritten with dS = P (kept ? dP / (1 - p) - D : -D), compute_ds's dropout form, with dsum_of(row) D of
+    // tile row `row`. The keep test runs on whole words: a byte b is kept when b + (256 - threshold) carries out
+    // of its 8 bits, and the carries of a word's four bytes come from one add of their low 7 bits (which cannot
+    // carry into the next byte) and a majority of three (LOP3). A value's kept mask, all ones or zeros, is then
+    // its byte's carry bit replicated by one PRMT, and it is ANDed into P and dP: with dS's FMA and multiply five
+    // instructions a value and three a word, where apply's sign mark (three), compute_ds's dropout loop (five) and
+    // the kept P's max with 0 took nine a value.
+    template <class PTensor, class DpTensor, class CoordTensor, class DsumOf>
+    __forceinline__ __device__ void apply_with_ds(PTensor& p, DpTensor& dp, const CoordTensor& coords, int q0, int k0,
+                                                  DsumOf dsum_of) const {
+        static_assert(decltype(size(p))::value == decltype(size(dp))::value, "P and dP of one tile");
+        const PhiloxStream philox(*this);
+        const uint32_t add = (256u - params.dropout_threshold) * 0x01010101u;  // threshold in [1, 255]
+        const float keep_scale = params.dropout_keep_scale;
+        // Bit 7 of each byte of the result: whether that byte of word is kept (its other bits are not used).
+        auto kept_bits = [&](uint32_t word) {
+            const uint32_t low7 = (word & 0x7F7F7F7Fu) + (add & 0x7F7F7F7Fu);
+            return (word & add) | ((word | add) & low7);  // majority of word, add and low7: the carry out of bit 7
+        };
+        auto drop = [&](int r, int c, uint32_t mask, float dsum) {
+            const float pv = p(r, c);
+            const float dpv = __uint_as_float(__float_as_uint(dp(r, c)) & mask);
+            p(r, c) = __uint_as_float(__float_as_uint(pv) & mask);
+            dp(r, c) = pv * fmaf(dpv, keep_scale, -dsum);
+        };
+        // All ones where bit 7 of byte `sel & 3` of bits is set, else 0: PTX's prmt replicates a byte's bit 7 when
+        // its selector nibble has bit 3 set (CUDA's __byte_perm keeps only the low three bits of each nibble).
+        auto spread = [](uint32_t bits, uint32_t sel) {
+            uint32_t mask;
+            asm("prmt.b32 %0, %1, %2, %3;" : "=r"(mask) : "r"(bits), "r"(0u), "r"(sel));
+            return mask;
+        };
+        for_each_draw_by_rows(philox, p, coords, q0, k0, [&](int r, int c, const uint4& w, uint32_t key) {
+            // The selector of byte (key >> 3) & 3 in all four nibbles, each with bit 3 set.
+            const uint32_t sel = (((key >> 3) & 3u) | 8u) * 0x1111u;
+            const float dsum = dsum_of(query_of<true>(coords, r, 0));
+            const float dsum_8 = dsum_of(query_of<true>(coords, r + 1, 0));
+            drop(r, c, spread(kept_bits(w.x), sel), dsum);
+            drop(r, c + 1, spread(kept_bits(w.y), sel), dsum);
+            drop(r + 1, c, spread(kept_bits(w.z), sel), dsum_8);
+            drop(r + 1, c + 1, spread(kept_bits(w.w), sel), dsum_8);
+        });
+    }
+
     // Marks the dropped values of a tile of P in float32. p: (rows, cols) view of an accumulator in the mma.sync or
     // wgmma layout (mode 0 of the rows: +8 rows; mode 0 of the cols: +1 column; then 8-column groups), coords its
     // tile positions, kQueryIsRow as in mask.h (false: rows are keys and columns are queries, the Hopper

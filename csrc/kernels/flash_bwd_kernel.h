@@ -275,6 +275,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
                         scores, dp, tScS_rc, mask, score_mod, pos, params.softmax_scale_log2, lse_log2_of, dsum_of);
                     return;
                 }
+                if (dropout.active() && !score_mod.softcap()) {
+                    compute_p</*kQueryIsRow=*/true, HideP::kBeforeExp, kVariants>(
+                        scores, tScS_rc, mask, score_mod, pos, params.softmax_scale_log2, lse_log2_of);
+                    dropout.apply_with_ds(scores, dp, tScS_rc, pos.q0, pos.k0, dsum_of);
+                    return;
+                }
             }
             compute_p</*kQueryIsRow=*/true, HideP::kBeforeExp, kVariants>(scores, tScS_rc, mask, score_mod, pos,
                                                                           params.softmax_scale_log2, lse_log2_of);
@@ -289,7 +295,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
         } else {
             p_and_ds(NoTileMask{});
         }
-        Tensor rP = convert_fragment_kept<Element>(acc_s, kVariants && dropout.active());
+        // P is sign-coded only with dropout and softcap; dropout alone leaves the kept P (apply_with_ds).
+        Tensor rP = convert_fragment_kept<Element>(acc_s, kVariants && dropout.active() && score_mod.softcap());
         Tensor rdS = convert_fragment<Element>(acc_dp);
         copy(copy_store_sdp, thr_copy_store_sdp.retile_S(rP), tPsP);
         copy(copy_store_sdp, thr_copy_store_sdp.retile_S(rdS), tPsdS);

@@ -62,6 +62,17 @@ struct TileMask {
         }
     }
 
+    // Whether hides_past_diagonal can hide anything in this tile: its tile-uniform half. Exp loops that test per
+    // element take a loop without the test when it is false.
+    __forceinline__ __device__ bool may_hide_past_diagonal() const {
+        const bool right = kCausal && kBlockN - 1 > bounds.diag(m_block, n_block);
+        if constexpr (!kWindow) {
+            return right;
+        } else {
+            return right || bounds.left_diag(m_block, n_block) > 1 - kBlockM;
+        }
+    }
+
     // Sets every hidden score of the tile (outside the window or past the sequence end) to -inf, so the softmax
     // gives it weight 0. scores: (rows, cols) view of the accumulator; coords: the matching tile positions.
     // Each query's visible keys [key_begin, key_limit) are formed from its absolute row (capped at the sequence)

@@ -196,24 +196,36 @@ __forceinline__ __device__ void compute_p_ds_softcap(STensor& s, DpTensor& dp, c
     // ALiBi's term in exp2 units: the exponent is (t - slope * distance) * scale_log2 - lse_log2.
     const float slope_log2 = score_mod.alibi() ? score_mod.slope(pos.head) * scale_log2 : 0.f;
     const TileDistances<kQueryIsRow, CoordTensor> distance(score_mod, coords, pos);
-    CUTE_UNROLL
-    for (int qi = 0; qi < query_extent<kQueryIsRow>(s); ++qi) {
-        const int q = query_of<kQueryIsRow>(coords, kQueryIsRow ? qi : 0, kQueryIsRow ? 0 : qi);
-        const float lse_log2 = lse_log2_of(q);
-        const float dsum = dsum_of(q);
+    auto p_ds_loop = [&](auto test_diagonal) {
         CUTE_UNROLL
-        for (int ki = 0; ki < key_extent<kQueryIsRow>(s); ++ki) {
-            const int i = kQueryIsRow ? qi : ki;
-            const int j = kQueryIsRow ? ki : qi;
-            const float t = s(i, j);  // tanh, or -inf where kBeforeExp's mask hides the element
-            float p = exp2f(fmaf(t, scale_log2, fmaf(-slope_log2, distance(i, j), -lse_log2)));
-            if constexpr (kHide == HideP::kInExp) {
-                p = mask.hides_past_diagonal(q, key_of<kQueryIsRow>(coords, i, j)) ? 0.f : p;
+        for (int qi = 0; qi < query_extent<kQueryIsRow>(s); ++qi) {
+            const int q = query_of<kQueryIsRow>(coords, kQueryIsRow ? qi : 0, kQueryIsRow ? 0 : qi);
+            const float lse_log2 = lse_log2_of(q);
+            const float dsum = dsum_of(q);
+            CUTE_UNROLL
+            for (int ki = 0; ki < key_extent<kQueryIsRow>(s); ++ki) {
+                const int i = kQueryIsRow ? qi : ki;
+                const int j = kQueryIsRow ? ki : qi;
+                const float t = s(i, j);  // tanh, or -inf where kBeforeExp's mask hides the element
+                float p = exp2f(fmaf(t, scale_log2, fmaf(-slope_log2, distance(i, j), -lse_log2)));
+                if constexpr (decltype(test_diagonal)::value) {
+                    p = mask.hides_past_diagonal(q, key_of<kQueryIsRow>(coords, i, j)) ? 0.f : p;
+                }
+                s(i, j) = p;
+                // 1 - t^2; where t = -inf, P = 0 and the min keeps the factor at 0 instead of -inf (0 * inf = NaN).
+                dp(i, j) = p * (dp(i, j) - dsum) * (1.f - fminf(t * t, 1.f));
             }
-            s(i, j) = p;
-            // 1 - t^2; where t = -inf, P = 0 and the min keeps the factor at 0 instead of -inf (0 * inf = NaN).
-            dp(i, j) = p * (dp(i, j) - dsum) * (1.f - fminf(t * t, 1.f));
         }
+    };
+    if constexpr (kHide == HideP::kInExp) {
+        // As in compute_p: the window test only in tiles that cross an edge.
+        if (mask.may_hide_past_diagonal()) {
+            p_ds_loop(std::true_type{});
+        } else {
+            p_ds_loop(std::false_type{});
+        }
+    } else {
+        p_ds_loop(std::false_type{});
     }
     if constexpr (kHide == HideP::kInExp) {
         // Keys past the sequence end: P and, computed from the P they had before, dS.

@@ -30,6 +30,18 @@ using namespace cute;
 //   loop made the hdim 128 kernel spill in its step loop).
 enum class HideP { kBeforeExp, kInExp };
 
+// mask.hides_past_diagonal(q, k) where kTest, else false without naming it: the exp loops below take the test as a
+// generic lambda's argument, and a call that does not depend on it would be checked against every mask type,
+// NoTileMask included, which has no such test.
+template <bool kTest, class Mask>
+__forceinline__ __device__ bool hidden_past_diagonal(const Mask& mask, int q, int k) {
+    if constexpr (kTest) {
+        return mask.hides_past_diagonal(q, k);
+    } else {
+        return false;
+    }
+}
+
 // s: the scores S (or S^T), overwritten with P = exp2(s * scale_log2 - lse_log2_of(q)), where lse_log2_of(q)
 // is the LSE of tile query q times log2(e). coords: the tile positions of s's values; mask: this tile's
 // TileMask; score_mod applies first (kVariants only), at the tile's absolute position pos.
@@ -53,7 +65,8 @@ __forceinline__ __device__ void compute_p(STensor& s, const CoordTensor& coords,
                 const int i = kQueryIsRow ? qi : ki;
                 const int j = kQueryIsRow ? ki : qi;
                 if constexpr (decltype(test_diagonal)::value) {
-                    const bool hidden = mask.hides_past_diagonal(q, key_of<kQueryIsRow>(coords, i, j));
+                    const bool hidden = hidden_past_diagonal<decltype(test_diagonal)::value>(
+                        mask, q, key_of<kQueryIsRow>(coords, i, j));
                     s(i, j) = hidden ? 0.f : exp2f(s(i, j) * scale_log2 - lse_log2);
                 } else {
                     s(i, j) = exp2f(s(i, j) * scale_log2 - lse_log2);
@@ -209,7 +222,9 @@ __forceinline__ __device__ void compute_p_ds_softcap(STensor& s, DpTensor& dp, c
                 const float t = s(i, j);  // tanh, or -inf where kBeforeExp's mask hides the element
                 float p = exp2f(fmaf(t, scale_log2, fmaf(-slope_log2, distance(i, j), -lse_log2)));
                 if constexpr (decltype(test_diagonal)::value) {
-                    p = mask.hides_past_diagonal(q, key_of<kQueryIsRow>(coords, i, j)) ? 0.f : p;
+                    p = hidden_past_diagonal<decltype(test_diagonal)::value>(mask, q, key_of<kQueryIsRow>(coords, i, j))
+                            ? 0.f
+                            : p;
                 }
                 s(i, j) = p;
                 // 1 - t^2; where t = -inf, P = 0 and the min keeps the factor at 0 instead of -inf (0 * inf = NaN).

@@ -434,8 +434,10 @@ def device_plan(
     )
 
 
-def check_forced_plans(q, k, causal, force, *, deterministic=False, lens=None, max_seqlens=None, passes=("fwd", "bwd")):
-    """Asserts that calls with q and k (and ``lens``, ``max_seqlens`` as in device_plan) under
+def check_forced_plans(
+    q, k, causal, force, *, deterministic=False, lens=None, max_seqlens=None, passes=("fwd", "bwd"), variants=None
+):
+    """Asserts that calls with q and k (and ``lens``, ``max_seqlens`` and ``variants`` as in device_plan) under
     ``force_plan(**force)`` take each forced choice where it applies, and report it off where it does not
     (another head dim, a GPU without the Hopper kernels, deterministic mode, varlen). Returns {pass: plan}, or
     {} for a call with nothing to compute (no query or no key: no kernel runs)."""
@@ -456,6 +458,7 @@ def check_forced_plans(q, k, causal, force, *, deterministic=False, lens=None, m
             lens=lens,
             max_seqlens=max_seqlens,
             num_splits=num_splits,
+            variants=variants,
             **force,
         )
         plans[pass_] = p

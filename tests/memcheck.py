@@ -90,18 +90,19 @@ def split_kv():
 def warp_specialized():
     """Hopper forwards on the warp-specialized kernel (forced, also where the plans would pick another) with more
     units of its persistent schedule than an H200 has SMs, so that CTAs run several tiles, query rows that see no
-    key among them (seqlen_q > seqlen_k, causal), and sequences that end inside a tile. Returns the calls."""
+    key among them (seqlen_q > seqlen_k, causal), and sequences that end inside a tile; without dropout and in its
+    dropout form, whose producer warps draw into buffers of their own. Returns the calls."""
     calls = 0
     force = {"ws": True, "short_keys": False}
     for head_dim, causal in itertools.product(KERNEL_HEAD_DIMS, (False, True)):
         if not flash_attn_cuda.kernel_available(head_dim, torch.bfloat16, causal):
             continue
-        for sq, sk in ((700, 900), (900, 301)):
+        for (sq, sk), dropout_p in itertools.product(((700, 900), (900, 301)), (0.0, 0.2)):
             q = torch.randn(3, sq, 24, head_dim, device="cuda", dtype=torch.bfloat16)
             k, v = torch.randn(2, 3, sk, 8, head_dim, device="cuda", dtype=torch.bfloat16).unbind(0)
-            check_forced_plans(q, k, causal, force, passes=("fwd",))
+            check_forced_plans(q, k, causal, force, passes=("fwd",), variants={"dropout": dropout_p > 0})
             with force_plan(**force):
-                flash_attn_func(q, k, v, causal=causal)
+                flash_attn_func(q, k, v, dropout_p=dropout_p, causal=causal)
             calls += 1
     return calls
 

@@ -602,7 +602,12 @@ SMEM_163KIB = 166912  # sm_80, sm_87
 SMEM_99KIB = 101376  # sm_86, sm_89, sm_120, sm_121
 SMEM_227KIB = 232448  # sm_90, sm_100, sm_103
 PASS_CASES = [("fwd", False), ("bwd", False), ("bwd", True)]
-MASK_CASES = {"noncausal": {}, "causal": {"causal": True}, "variants": {"window_size": (128, 0), "softcap": 5.0}}
+MASK_CASES = {
+    "noncausal": {},
+    "causal": {"causal": True},
+    "variants": {"window_size": (128, 0), "softcap": 5.0},
+    "dropout": {"dropout": True},
+}
 SHAPE_CASES = {
     "long": {"batch": 2, "seqlen_q": 512, "seqlen_k": 512, "nheads": 8, "nheads_k": 8},
     "decode": {"batch": 8, "seqlen_q": 1, "seqlen_k": 4096, "nheads": 32, "nheads_k": 8},
@@ -662,6 +667,19 @@ def test_smem_of_head_dim_128(pass_, gpu, seqlen_k, override, smem):
         pass_, batch=2, seqlen_q=4096, seqlen_k=seqlen_k, nheads=8, nheads_k=8, head_dim=128, override=override, **gpu
     )
     assert p.smem == smem, p
+
+
+@pytest.mark.parametrize("head_dim, smem", [(128, 230400), (224, 189440)])
+def test_smem_of_the_dropout_forward(head_dim, smem):
+    # The warp-specialized kernel's dropout form adds two buffers of a byte per score of a block, for the draws
+    # its producer warps make ahead of the consumers. Head dim 128: 197632 (above) + 2 x 16 KiB (128 x 128
+    # blocks). Head dim 224 (128 x 64 blocks): Q (56 KiB), two stages of K and of V (4 x 28 KiB), 2 x 8 KiB and
+    # 1 KiB; its output tile, which has a buffer of its own without dropout, no longer fits beside them and
+    # stages in Q's buffer.
+    args = {"batch": 2, "seqlen_q": 4096, "seqlen_k": 4096, "nheads": 8, "nheads_k": 8, "head_dim": head_dim}
+    p = plan("fwd", **args, dropout=True, **H200)
+    assert p.warp_specialized and not p.variants and p.smem == smem, p
+    assert plan("fwd", **args, **H200).smem == (197632 if head_dim == 128 else 230400)
 
 
 def test_mma_sync_backward_stages_by_budget():

@@ -125,12 +125,15 @@ struct FwdSm90WsKernelTraits : FwdSm90Operands<Element_, kHeadDim_, kBlockM_, kB
     static constexpr int kDrawThreads = 96;
     static constexpr int kDropStages = 2;
     static constexpr int kDropStageBytes = kStagedDropout ? kBlockM_ * kBlockN : 0;
-    // setmaxnreg budgets: the producer keeps the minimum, the consumers share the rest of the SM's 64K
-    // registers (a warpgroup's count times 128 threads, at most 512 per thread summed over warpgroups). The
-    // drawing warps take what two consumer warpgroups of 240 leave, 32.
-    static constexpr int kProducerRegs = kConsumerWarpgroups == 2 && !kStagedDropout ? 24 : 32;
+    // setmaxnreg budgets: the producer keeps the minimum, the consumers share the rest of what the launch gave the
+    // CTA, kLaunchRegs per thread (ptxas's count under __launch_bounds__(kNThreads, 1): 64K registers over the
+    // threads, in multiples of 8). Moving registers between warpgroups cannot exceed it: a consumer warpgroup's
+    // setmaxnreg.inc waits until the producer's dec has freed enough, and waits forever if that is not enough.
+    static constexpr int kLaunchRegs = 65536 / kNThreads / 8 * 8;
+    static constexpr int kProducerRegs = kConsumerWarpgroups == 2 ? 24 : 32;
     static constexpr int kConsumerRegs = kConsumerWarpgroups == 2 ? 240 : 160;
-    static_assert(kProducerRegs + kConsumerWarpgroups * kConsumerRegs <= 512, "64K registers per SM");
+    static_assert(kProducerRegs + kConsumerWarpgroups * kConsumerRegs <= (kConsumerWarpgroups + 1) * kLaunchRegs,
+                  "setmaxnreg only moves the registers the launch allocated");
 
     static_assert(kConsumerWarpgroups >= 2 && kConsumerWarpgroups <= 3, "two or three consumer warpgroups");
     static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "P V's k-steps are 16 keys; wgmma N is at most 256");

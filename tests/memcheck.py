@@ -91,7 +91,7 @@ def warp_specialized():
     """Hopper forwards on the warp-specialized kernel (forced, also where the plans would pick another) with more
     units of its persistent schedule than an H200 has SMs, so that CTAs run several tiles, query rows that see no
     key among them (seqlen_q > seqlen_k, causal), and sequences that end inside a tile; without dropout and in its
-    dropout form, whose producer warps draw into buffers of their own. Returns the calls."""
+    dropout form. Returns the calls."""
     calls = 0
     force = {"ws": True, "short_keys": False}
     for head_dim, causal in itertools.product(KERNEL_HEAD_DIMS, (False, True)):

@@ -669,19 +669,6 @@ def test_smem_of_head_dim_128(pass_, gpu, seqlen_k, override, smem):
     assert p.smem == smem, p
 
 
-@pytest.mark.parametrize("head_dim, smem", [(128, 230400), (224, 189440)])
-def test_smem_of_the_dropout_forward(head_dim, smem):
-    # The warp-specialized kernel's dropout form adds two buffers of a byte per score of a block, for the draws
-    # its producer warps make ahead of the consumers. Head dim 128: 197632 (above) + 2 x 16 KiB (128 x 128
-    # blocks). Head dim 224 (128 x 64 blocks): Q (56 KiB), two stages of K and of V (4 x 28 KiB), 2 x 8 KiB and
-    # 1 KiB; its output tile, which has a buffer of its own without dropout, no longer fits beside them and
-    # stages in Q's buffer.
-    args = {"batch": 2, "seqlen_q": 4096, "seqlen_k": 4096, "nheads": 8, "nheads_k": 8, "head_dim": head_dim}
-    p = plan("fwd", **args, dropout=True, **H200)
-    assert p.warp_specialized and not p.variants and p.smem == smem, p
-    assert plan("fwd", **args, **H200).smem == (197632 if head_dim == 128 else 230400)
-
-
 def test_mma_sync_backward_stages_by_budget():
     # The mma.sync backward double-buffers Q and dO where that fits sm_80's 163 KiB, else loads the next query
     # block during the dQ GEMM: at head dim 256, K, V, P, dS (64 + 16 KiB) and one stage (64.5 KiB).

@@ -565,9 +565,9 @@ def test_softcap_or_dropout_alone_runs_a_plain_forward(mod, force, head_dim, cau
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [96, 160, 192, 224])
 def test_dropout_alone_warp_specialized_head_dims(head_dim, causal):
-    # The warp-specialized forward's dropout form at the head dims the test above leaves out. Its buffers for the
-    # draws change each tile's shared memory: head dim 160 fills 225 of the 227 KiB, and head dim 224 stages its
-    # output in Q's buffer. 257 query rows make three query blocks, the last one partial, over 2100 keys.
+    # The warp-specialized forward's dropout form at the head dims the test above leaves out: 96 (the 64 B
+    # swizzle), 160 and 192 (96-key blocks, which need the draw's key offsets past 32) and 224 (64-key blocks). 257
+    # query rows make three query blocks, the last one partial, over 2100 keys.
     require_kernels(head_dim, torch.bfloat16)
     variant = dataclasses.replace(PLAIN_MODS["dropout"], causal=causal)
     q, k, v = make_inputs(2, 257, 2100, 28, 4, head_dim, torch.bfloat16)

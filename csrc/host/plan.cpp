@@ -165,8 +165,7 @@ void plan_fwd(const Problem& p, const Target& t, int forced_splits, const PlanOv
     if (plan.warp_specialized) {
         plan.block_m = ws.block_m;
         plan.block_n = ws.block_n;
-        plan.smem_bytes = fwd_ws_smem_bytes(plan.kernel_head_dim, ws.block_m, ws.block_n, ws.stages,
-                                            p.plain_mod == PlainMod::kDropout);
+        plan.smem_bytes = fwd_ws_smem_bytes(plan.kernel_head_dim, ws.block_m, ws.block_n, ws.stages);
         plan.num_splits = 1;
         return;
     }

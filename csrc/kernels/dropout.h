@@ -20,7 +20,6 @@
 #pragma once
 
 #include <cstdint>
-#include <utility>
 
 #include <cute/tensor.hpp>
 
@@ -97,21 +96,9 @@ struct Dropout {
     __forceinline__ __device__ static void for_each_draw_by_rows(const PhiloxStream& philox, const Tile& t,
                                                                  const CoordTensor& coords, int q0, int k0,
                                                                  const Visit& visit) {
-        for_each_call_by_rows(t, coords, q0, k0,
-                              [&](int, int q, uint32_t key_counter) { return philox(q, key_counter); }, visit);
-    }
-
-    // for_each_draw_by_rows with the words of each call from draw(i, q, key_counter), for the i-th call of the tile
-    // (query rows q & ~8 and q | 8, key counter key_counter), i counting from 0 in the order visited: the same
-    // calls in the same order for every thread of a tile shape, which lets one thread make the calls of another
-    // (stage_kept) and that thread find them by i (kept_from).
-    template <class Tile, class CoordTensor, class Draw, class Visit>
-    __forceinline__ __device__ static void for_each_call_by_rows(const Tile& t, const CoordTensor& coords, int q0,
-                                                                 int k0, const Draw& draw, const Visit& visit) {
         static_assert(decltype(size<0>(t))::value % 2 == 0 && decltype(size<1>(t))::value % 4 == 0);
         const int first = key_of<true>(coords, 0, 0);
         const uint32_t key_base = uint32_t(k0 + first);
-        int call = 0;
         CUTE_UNROLL
         for (int r = 0; r < size<0>(t); r += 2) {
             const int q = q0 + query_of<true>(coords, r, 0);
@@ -121,33 +108,10 @@ struct Dropout {
                 const uint32_t d = uint32_t(key_of<true>(coords, r, c) - first);
                 const uint32_t d_prev = c == 0 ? ~0u : uint32_t(key_of<true>(coords, r, c - 2) - first);
                 const uint32_t key = (key_base | (d & 31u)) + (d & ~31u);
-                if ((d & ~25u) != (d_prev & ~25u)) { w = draw(call++, q, key & ~25u); }
+                if ((d & ~25u) != (d_prev & ~25u)) { w = philox(q, key & ~25u); }
                 visit(r, c, w, key);
             }
         }
-    }
-
-    // The calls for_each_call_by_rows makes over a (rows, cols) tile view in the mma.sync or wgmma accumulator
-    // layout: a thread holds two adjacent keys of each 8-key group, so a call, which covers four such groups of
-    // two rows, takes eight of its columns.
-    template <class Tile>
-    __host__ __device__ static constexpr int calls_by_rows() {
-        constexpr int kRows = decltype(size<0>(std::declval<Tile>()))::value;
-        constexpr int kCols = decltype(size<1>(std::declval<Tile>()))::value;
-        static_assert(kRows % 2 == 0 && kCols % 8 == 0);
-        return kRows / 2 * (kCols / 8);
-    }
-
-    // Each byte's add for the carry test of kept_bits: a byte is kept when it is at least the threshold, that is
-    // when byte + (256 - threshold) carries out of its 8 bits (threshold in [1, 255]).
-    __forceinline__ __device__ uint32_t keep_add() const { return (256u - params.dropout_threshold) * 0x01010101u; }
-
-    // Bit 7 of each byte of the result: whether that byte of word is kept (its other bits are not used). The
-    // carries of a word's four bytes come from one add of their low 7 bits, which cannot carry into the next
-    // byte, and a majority of three (LOP3).
-    __forceinline__ __device__ static uint32_t kept_bits(uint32_t word, uint32_t add) {
-        const uint32_t low7 = (word & 0x7F7F7F7Fu) + (add & 0x7F7F7F7Fu);
-        return (word & add) | ((word | add) & low7);  // majority of word, add and low7: the carry out of bit 7
     }
 
     // Zeroes the dropped values of a tile of P already converted to a 16-bit Element, as the mma.sync forward feeds
@@ -193,72 +157,35 @@ struct Dropout {
                                                   DsumOf dsum_of) const {
         static_assert(decltype(size(p))::value == decltype(size(dp))::value, "P and dP of one tile");
         const PhiloxStream philox(*this);
-        const uint32_t add = keep_add();
+        const uint32_t add = (256u - params.dropout_threshold) * 0x01010101u;  // threshold in [1, 255]
         const float keep_scale = params.dropout_keep_scale;
+        // Bit 7 of each byte of the result: whether that byte of word is kept (its other bits are not used).
+        auto kept_bits = [&](uint32_t word) {
+            const uint32_t low7 = (word & 0x7F7F7F7Fu) + (add & 0x7F7F7F7Fu);
+            return (word & add) | ((word | add) & low7);  // majority of word, add and low7: the carry out of bit 7
+        };
         auto drop = [&](int r, int c, uint32_t mask, float dsum) {
             const float pv = p(r, c);
             const float dpv = __uint_as_float(__float_as_uint(dp(r, c)) & mask);
             p(r, c) = __uint_as_float(__float_as_uint(pv) & mask);
             dp(r, c) = pv * fmaf(dpv, keep_scale, -dsum);
         };
-        auto spread = [](uint32_t bits, uint32_t sel) { return prmt_signed(bits, 0u, sel); };
+        // All ones where bit 7 of byte `sel & 3` of bits is set, else 0: PTX's prmt replicates a byte's bit 7 when
+        // its selector nibble has bit 3 set (CUDA's __byte_perm keeps only the low three bits of each nibble).
+        auto spread = [](uint32_t bits, uint32_t sel) {
+            uint32_t mask;
+            asm("prmt.b32 %0, %1, %2, %3;" : "=r"(mask) : "r"(bits), "r"(0u), "r"(sel));
+            return mask;
+        };
         for_each_draw_by_rows(philox, p, coords, q0, k0, [&](int r, int c, const uint4& w, uint32_t key) {
             // The selector of byte (key >> 3) & 3 in all four nibbles, each with bit 3 set.
             const uint32_t sel = (((key >> 3) & 3u) | 8u) * 0x1111u;
             const float dsum = dsum_of(query_of<true>(coords, r, 0));
             const float dsum_8 = dsum_of(query_of<true>(coords, r + 1, 0));
-            drop(r, c, spread(kept_bits(w.x, add), sel), dsum);
-            drop(r, c + 1, spread(kept_bits(w.y, add), sel), dsum);
-            drop(r + 1, c, spread(kept_bits(w.z, add), sel), dsum_8);
-            drop(r + 1, c + 1, spread(kept_bits(w.w, add), sel), dsum_8);
-        });
-    }
-
-    // PRMT of (a, b) by sel, whose selector nibbles with bit 3 set replicate the selected byte's bit 7 into all
-    // of its result byte: PTX's prmt does, CUDA's __byte_perm keeps only the low three bits of each nibble.
-    __forceinline__ __device__ static uint32_t prmt_signed(uint32_t a, uint32_t b, uint32_t sel) {
-        uint32_t result;
-        asm("prmt.b32 %0, %1, %2, %3;" : "=r"(result) : "r"(a), "r"(b), "r"(sel));
-        return result;
-    }
-
-    // The warp-specialized Hopper forward draws apart from the threads that use the draws: warps of its producer
-    // warpgroup make each consumer thread's calls a key block ahead and leave them in shared memory as kept bits
-    // (kept_bits of each word), and the consumer thread only selects with them (apply_kept), one PRMT and one AND
-    // per pair of converted values in place of a 16th of a call and four instructions per value.
-    //
-    // stage_kept: the calls of a consumer thread whose tile positions are coords (rows are queries; q0 and k0 as
-    // in apply), in for_each_call_by_rows's order, the i-th one's kept words to chunks[i * stride].
-    template <class CoordTensor>
-    __forceinline__ __device__ void stage_kept(const PhiloxStream& philox, const CoordTensor& coords, int q0, int k0,
-                                               uint4* chunks, int stride) const {
-        const uint32_t add = keep_add();
-        for_each_call_by_rows(coords, coords, q0, k0, [&](int i, int q, uint32_t key_counter) {
-            const uint4 w = philox(q, key_counter);
-            chunks[i * stride] = make_uint4(kept_bits(w.x, add), kept_bits(w.y, add), kept_bits(w.z, add),
-                                            kept_bits(w.w, add));
-            return w;
-        }, [](int, int, const uint4&, uint32_t) {});
-    }
-
-    // Zeroes the dropped values of a tile of P converted to a 16-bit Element (rp, coords and k0 as in
-    // apply_converted) from kept(i), the kept words stage_kept made for the i-th call of this thread. A column
-    // pair's two bytes sit at the same position b of words x and y (rows r) or z and w (rows r + 8): one signed
-    // PRMT spreads bit 7 of byte b of the first word over the pair's low half and of the second over its high half,
-    // the pair's mask.
-    template <class RPTensor, class CoordTensor, class Kept>
-    __forceinline__ __device__ static void apply_kept(RPTensor& rp, const CoordTensor& coords, int k0,
-                                                      const Kept& kept) {
-        static_assert(sizeof(typename RPTensor::value_type) == 2, "pairs of 16-bit values");
-        uint32_t* pairs = reinterpret_cast<uint32_t*>(raw_pointer_cast(rp.data()));
-        for_each_call_by_rows(rp, coords, 0, k0, [&](int i, int, uint32_t) { return kept(i); },
-                              [&](int r, int c, const uint4& w, uint32_t key) {
-            // Byte b of the first word to bytes 0 and 1 (nibbles 8 + b), of the second to bytes 2 and 3
-            // (nibbles 8 + 4 + b).
-            const uint32_t b = (key >> 3) & 3u;
-            const uint32_t sel = (b | 8u) * 0x0011u + (b | 12u) * 0x1100u;
-            pairs[rp.layout()(r, c) / 2] &= prmt_signed(w.x, w.y, sel);
-            pairs[rp.layout()(r + 1, c) / 2] &= prmt_signed(w.z, w.w, sel);
+            drop(r, c, spread(kept_bits(w.x), sel), dsum);
+            drop(r, c + 1, spread(kept_bits(w.y), sel), dsum);
+            drop(r + 1, c, spread(kept_bits(w.z), sel), dsum_8);
+            drop(r + 1, c + 1, spread(kept_bits(w.w), sel), dsum_8);
         });
     }
 

@@ -9,9 +9,7 @@
 //   also take turns issuing their GEMMs (named barriers in a ring), so that one warpgroup's softmax runs while
 //   another's GEMMs hold the tensor cores.
 // setmaxnreg gives the producer warpgroup the minimum of registers and the consumers the rest.
-// kMod: the kernel's softcap or dropout form, for a call whose one variant that is (PlainMod). With dropout the
-// producer warpgroup's other three warps make the dropout's draws a block ahead of the consumers, through
-// buffers and mbarriers as the loads do (Dropout::stage_kept), and the consumers only select.
+// kMod: the kernel's softcap or dropout form, for a call whose one variant that is (PlainMod).
 #pragma once
 
 #include <cmath>
@@ -92,49 +90,6 @@ struct FwdWsSchedule {
     }
 };
 
-// The dropout form's draws, by the producer warpgroup's threads dtidx = 0..kDrawThreads - 1 (its warps but the
-// first): for every block the consumers visit, in their order, the calls of each consumer thread, into the next
-// of kDropStages buffers once every consumer thread has released it. Consumer thread t's i-th call lands in
-// chunk i * kConsumerThreads + t, so that a warp's loads and stores of one chunk index are 512 consecutive
-// bytes. Each drawing thread takes consumer threads dtidx, dtidx + kDrawThreads, ...
-template <class Traits, bool kCausal>
-__forceinline__ __device__ void draw_dropout(const FwdParams& params,
-                                             const FwdWsSchedule<Traits::kBlockM, kCausal>& schedule,
-                                             typename Traits::SharedStorage& storage, int dtidx) {
-    using Barrier = cutlass::arch::ClusterBarrier;
-    using Tile = FwdTile<Traits::kBlockM, Traits::kBlockN, kCausal>;
-    constexpr int kBlockM = Traits::kBlockM;
-    constexpr int kBlockN = Traits::kBlockN;
-    constexpr int kDropStages = Traits::kDropStages;
-    typename Traits::TiledMmaS mma_s;
-    Tensor cS = make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{});  // (kBlockM, kBlockN)
-    int blocks_drawn = 0;
-    for (int unit = int(blockIdx.x); unit < schedule.units; unit += int(gridDim.x)) {
-        for (int part = 0; part < schedule.tiles_in(unit); ++part) {
-            const auto coord = schedule.tile(unit, part, params.batch);
-            const Tile tile(params, coord.m_block, coord.batch, coord.head);
-            const int n_block_end = tile.n_block_end();
-            const int blocks = n_block_end - tile.n_block_begin();
-            const Dropout dropout(params, tile.batch_idx, tile.head_idx);
-            const Dropout::PhiloxStream philox(dropout);
-            for (int i = 0; i < blocks; ++i) {
-                const RingSlot<kDropStages> slot(blocks_drawn + i);
-                Barrier::wait(&storage.drop.empty[slot.stage], slot.phase ^ 1u);
-                uint4* chunks = storage.drop.kept[slot.stage];
-#pragma unroll 1
-                for (int t = dtidx; t < Traits::kConsumerThreads; t += Traits::kDrawThreads) {
-                    Tensor tScS = mma_s.get_thread_slice(t).partition_C(cS);  // (MMA, MMA_M, MMA_N)
-                    Tensor tScS_rc = make_tensor(tScS.data(), gmma_acc_rowcol_layout(tScS.layout()));  // (rows, cols)
-                    dropout.stage_kept(philox, tScS_rc, tile.m_block * kBlockM, (n_block_end - 1 - i) * kBlockN,
-                                       chunks + t, Traits::kConsumerThreads);
-                }
-                Barrier::arrive(&storage.drop.full[slot.stage]);
-            }
-            blocks_drawn += max(blocks, 0);
-        }
-    }
-}
-
 template <class Traits, bool kCausal, PlainMod kMod>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams<Traits> ws) {
@@ -150,14 +105,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     constexpr int kHeadDim = Traits::kHeadDim;
     constexpr int kStages = Traits::kStages;
     constexpr int kConsumerWarpgroups = Traits::kConsumerWarpgroups;
-    constexpr int kDropStages = Traits::kDropStages;
-    static_assert(Traits::kStagedDropout == kDropout, "the dropout form's traits hold its draw buffers");
     const FwdParams& params = ws.base;
     const FwdWsSchedule<kBlockM, kCausal> schedule(params.seqlen_q, params.batch, params.num_heads);
 
     extern __shared__ __align__(1024) char smem_ws[];
     auto& storage = *reinterpret_cast<typename Traits::SharedStorage*>(smem_ws);
-    Tensor sQ = make_tensor(make_smem_ptr(storage.q), typename Traits::SmemLayoutQ{});  // (kBlockM, kHeadDim)
+    Tensor sQ = make_tensor(make_smem_ptr(storage.q), typename Traits::SmemLayoutQ{});         // (kBlockM, kHeadDim)
     Tensor sK = make_tensor(make_smem_ptr(storage.k),
                             typename Traits::SmemLayoutKVStages{});  // (kBlockN, kHeadDim, kStages)
     Tensor sV = make_tensor(make_smem_ptr(storage.v),
@@ -178,15 +131,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             Barrier::init(&storage.k_empty[s], Traits::kConsumerWarps);
             Barrier::init(&storage.v_empty[s], Traits::kConsumerWarps);
         }
-        if constexpr (kDropout) {
-            // Each drawing thread's arrival fills a buffer, each consumer thread's empties it: every thread's own
-            // shared-memory accesses are ordered by its own arrival.
-            CUTE_UNROLL
-            for (int s = 0; s < kDropStages; ++s) {
-                Barrier::init(&storage.drop.full[s], Traits::kDrawThreads);
-                Barrier::init(&storage.drop.empty[s], Traits::kConsumerThreads);
-            }
-        }
         cutlass::arch::fence_barrier_init();
     }
     __syncthreads();
@@ -198,12 +142,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         // K runs one block ahead of V: a consumer needs block n's K for its S while it still multiplies block
         // n + 1's P by V.
         cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
-        if constexpr (kDropout) {
-            if (warp_idx != 0) {
-                draw_dropout<Traits, kCausal>(params, schedule, storage, int(threadIdx.x) - 32);
-                return;
-            }
-        }
         if (warp_idx != 0 || !cute::elect_one_sync()) { return; }
         Tensor mQ = ws.tma_q.get_tma_tensor(
             make_shape(params.seqlen_q, params.head_dim, params.num_heads, params.batch));  // (seqlen_q, d, h, b)
@@ -318,28 +256,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             const int n_block_end = tile.n_block_end();
             const int blocks = n_block_end - tile.n_block_begin();
             OnlineSoftmax<decltype(size<0>(acc_o_rc))::value> softmax(params.softmax_scale_log2);
+            const Dropout dropout(params, tile.batch_idx, tile.head_idx);
             // Dropout on the probabilities of the i-th block visited, after the exps (whose row sums are the
-            // undropped softmax's, the LSE's). load_kept reads the block's kept bits while the previous block's
-            // P V may still run, and releases their buffer; drop selects in the converted P once P V has read the
-            // previous P.
-            constexpr int kCalls = Dropout::calls_by_rows<decltype(tScS_rc)>();
-            uint4 kept[kDropout ? kCalls : 1];
-            auto load_kept = [&](int i) {
-                if constexpr (kDropout) {
-                    const RingSlot<kDropStages> slot(kv_blocks + i);
-                    Barrier::wait(&storage.drop.full[slot.stage], slot.phase);
-                    CUTE_UNROLL
-                    for (int c = 0; c < kCalls; ++c) {
-                        kept[c] = storage.drop.kept[slot.stage][c * Traits::kConsumerThreads + ctidx];
-                    }
-                    Barrier::arrive(&storage.drop.empty[slot.stage]);
-                }
-            };
+            // undropped softmax's, the LSE's) and before the previous block's P V completes, which the draw runs
+            // under.
             auto drop = [&](int i) {
                 if constexpr (kDropout) {
-                    Tensor rP_rc = gmma_as_rowcol(rP);  // (rows, kBlockN cols)
-                    Dropout::apply_kept(rP_rc, tScS_rc, (n_block_end - 1 - i) * kBlockN,
-                                        [&](int c) { return kept[c]; });
+                    dropout.template apply</*kQueryIsRow=*/true, /*kNegate=*/false>(
+                        scores, tScS_rc, tile.m_block * kBlockM, (n_block_end - 1 - i) * kBlockN);
                 }
             };
             auto tile_mask = [&](int n_block) {
@@ -361,9 +285,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                     mask.template apply</*kQueryIsRow=*/true>(scores, tScS_rc);
                 }
                 softmax.exp_scores(scores);
-                load_kept(0);
-                convert_p();
                 drop(0);
+                convert_p();
                 // One step: the S GEMM of the i-th block visited with the P V of the one before, then the i-th
                 // block's softmax while that P V runs. Masked and unmasked steps are compiled apart, so that no
                 // branch joins between the two waits: ptxas placed the P V wait at such a join, above the softmax,
@@ -383,12 +306,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                         tile_mask(n_block_end - 1 - i).template apply</*kQueryIsRow=*/true>(scores, tScS_rc);
                     }
                     Tensor correction = softmax.exp_scores(scores);
-                    load_kept(i);
+                    drop(i);
                     warpgroup_wait_for<0>(acc_o);
                     release(storage.v_empty, i - 1);
                     softmax.rescale(acc_o_rc, correction);
                     convert_p();
-                    drop(i);
                 };
                 for (int i = 1; i < blocks; ++i) {
                     if (tile_mask(n_block_end - 1 - i).needs_mask()) {

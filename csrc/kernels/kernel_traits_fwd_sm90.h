@@ -102,9 +102,7 @@ namespace flash {
 // issues the TMA loads, and kConsumerWarpgroups warpgroups of 64 query rows each that only compute. K and V
 // have kStages buffers each, filled and drained through mbarriers, so the producer runs ahead of the GEMMs
 // without any CTA-wide barrier in the main loop.
-// kStagedDropout: the dropout form, whose producer warpgroup also draws the dropout (Dropout::stage_kept) into
-// kDropStages buffers of one byte per score of a block.
-template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kStagedDropout_ = false>
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_>
 struct FwdSm90WsKernelTraits : FwdSm90Operands<Element_, kHeadDim_, kBlockM_, kBlockN_> {
     using Base = FwdSm90Operands<Element_, kHeadDim_, kBlockM_, kBlockN_>;
     using Element = Element_;
@@ -119,12 +117,6 @@ struct FwdSm90WsKernelTraits : FwdSm90Operands<Element_, kHeadDim_, kBlockM_, kB
     static constexpr int kNThreads = (kConsumerWarpgroups + 1) * 128;
     static constexpr int kConsumerThreads = kConsumerWarpgroups * 128;
     static constexpr int kConsumerWarps = kConsumerThreads / 32;
-    // The dropout form's draws: the producer warpgroup's warps but the first (which issues the loads) make them
-    // for blocks that kDropStages buffers hold, each a byte per score of a kBlockM x kBlockN block.
-    static constexpr bool kStagedDropout = kStagedDropout_;
-    static constexpr int kDrawThreads = 96;
-    static constexpr int kDropStages = 2;
-    static constexpr int kDropStageBytes = kStagedDropout ? kBlockM_ * kBlockN : 0;
     // setmaxnreg budgets: the producer keeps the minimum, the consumers share the rest of what the launch gave the
     // CTA, kLaunchRegs per thread (ptxas's count under __launch_bounds__(kNThreads, 1): 64K registers over the
     // threads, in multiples of 8). Moving registers between warpgroups cannot exceed it: a consumer warpgroup's
@@ -152,9 +144,7 @@ struct FwdSm90WsKernelTraits : FwdSm90Operands<Element_, kHeadDim_, kBlockM_, kB
     // The output tile gets a buffer of its own where that fits: Q's buffer is then free once a tile's last S GEMM
     // has read it, and the next tile's Q loads while this tile's output is stored. Otherwise (head dims 192 and 256)
     // the output stages in Q's buffer, which the next Q may fill only after the store.
-    static constexpr bool kSeparateO = 2 * kQBytes + 2 * kStages * kKVStageBytes + kDropStages * kDropStageBytes +
-                                           1024 <=
-                                       227 * 1024;
+    static constexpr bool kSeparateO = 2 * kQBytes + 2 * kStages * kKVStageBytes + 1024 <= 227 * 1024;
 
     template <bool kWithO, int kDummy = 0>
     struct OBuffer {
@@ -162,16 +152,6 @@ struct FwdSm90WsKernelTraits : FwdSm90Operands<Element_, kHeadDim_, kBlockM_, kB
     };
     template <int kDummy>  // a partial specialization: a class may not fully specialize its member template
     struct OBuffer<false, kDummy> {};
-    // The dropout form's kept bits, a 16-byte chunk per call (stage_kept's chunks), and their mbarriers. Placed
-    // last, so that the other forms' buffers and mbarriers keep their offsets.
-    template <bool kWithDrop, int kDummy = 0>
-    struct DropBuffers {
-        uint4 kept[kDropStages][kDropStageBytes / 16];
-        uint64_t full[kDropStages];
-        uint64_t empty[kDropStages];
-    };
-    template <int kDummy>
-    struct DropBuffers<false, kDummy> {};
 
     struct SharedStorage {
         alignas(1024) Element q[cosize_v<SmemLayoutQ>];
@@ -185,7 +165,6 @@ struct FwdSm90WsKernelTraits : FwdSm90Operands<Element_, kHeadDim_, kBlockM_, kB
         uint64_t k_empty[kStages];
         uint64_t v_full[kStages];
         uint64_t v_empty[kStages];
-        DropBuffers<kStagedDropout> drop;
     };
     // The output's staging buffer.
     __forceinline__ __device__ static Element* o_smem(SharedStorage& storage) {

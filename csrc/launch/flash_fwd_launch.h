@@ -84,11 +84,9 @@ cudaError_t run_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
 template <typename Element, int kHeadDim, bool kCausal, PlainMod kMod>
 cudaError_t run_fwd_sm90_ws(const FwdParams& params, cudaStream_t stream) {
     constexpr TileShape kTile = kFwdTileSet<KernelFamily::kWgmma, kHeadDim>.ws_tile;
-    constexpr bool kDropout = kMod == PlainMod::kDropout;
-    using Traits = FwdSm90WsKernelTraits<Element, kHeadDim, kTile.block_m, kTile.block_n, kTile.stages, kDropout>;
+    using Traits = FwdSm90WsKernelTraits<Element, kHeadDim, kTile.block_m, kTile.block_n, kTile.stages>;
     static_assert(sizeof(Element) == kElementBytes);
-    static_assert(Traits::kSmemBytes ==
-                      fwd_ws_smem_bytes(kHeadDim, kTile.block_m, kTile.block_n, kTile.stages, kDropout),
+    static_assert(Traits::kSmemBytes == fwd_ws_smem_bytes(kHeadDim, kTile.block_m, kTile.block_n, kTile.stages),
                   "the plans check a GPU's shared memory by the formula");
     // TMA takes every stride as a multiple of 16 bytes; the checks allow any stride on a dimension of size 1, whose
     // only index is 0, so such a stride is replaced by one past the dimensions inside it.

@@ -278,17 +278,12 @@ constexpr int fwd_wgmma_smem_bytes(int head_dim, int block_m, int block_n, int c
 // The warp-specialized wgmma forward (FwdSm90WsKernelTraits::SharedStorage): Q, stages of K and of V, and a
 // buffer of its own for the output tile where that fits the 227 KiB (the next tile's Q can then load while this
 // tile's output is stored), each a multiple of 1 KiB, then the mbarriers, which round the whole up by one more KiB.
-// The dropout form (dropout) adds two buffers of a byte per score of a block for its draws, before the rounding.
-constexpr int fwd_ws_drop_bytes(int block_m, int block_n, bool dropout) { return dropout ? 2 * block_m * block_n : 0; }
-constexpr bool fwd_ws_separate_o(int head_dim, int block_m, int block_n, int stages, bool dropout) {
-    return (2 * block_m * head_dim + 2 * stages * block_n * head_dim) * kElementBytes +
-               fwd_ws_drop_bytes(block_m, block_n, dropout) + 1024 <=
-           kSmem227KiB;
+constexpr bool fwd_ws_separate_o(int head_dim, int block_m, int block_n, int stages) {
+    return (2 * block_m * head_dim + 2 * stages * block_n * head_dim) * kElementBytes + 1024 <= kSmem227KiB;
 }
-constexpr int fwd_ws_smem_bytes(int head_dim, int block_m, int block_n, int stages, bool dropout) {
-    const int o_elems = fwd_ws_separate_o(head_dim, block_m, block_n, stages, dropout) ? block_m * head_dim : 0;
-    return (block_m * head_dim + 2 * stages * block_n * head_dim + o_elems) * kElementBytes +
-           fwd_ws_drop_bytes(block_m, block_n, dropout) + 1024;
+constexpr int fwd_ws_smem_bytes(int head_dim, int block_m, int block_n, int stages) {
+    const int o_elems = fwd_ws_separate_o(head_dim, block_m, block_n, stages) ? block_m * head_dim : 0;
+    return (block_m * head_dim + 2 * stages * block_n * head_dim + o_elems) * kElementBytes + 1024;
 }
 
 // The Hopper backward's kernels (flash_bwd_sm90_kernel.h): head dims up to 128 run the narrow one, whose
@@ -388,11 +383,8 @@ constexpr bool tile_sets_fit_their_budgets() {
             }
         }
         const TileShape& ws = set.ws_tile;
-        for (bool dropout : {false, true}) {
-            if (ws.exists() &&
-                fwd_ws_smem_bytes(set.head_dim, ws.block_m, ws.block_n, ws.stages, dropout) > set.smem_budget) {
-                return false;
-            }
+        if (ws.exists() && fwd_ws_smem_bytes(set.head_dim, ws.block_m, ws.block_n, ws.stages) > set.smem_budget) {
+            return false;
         }
     }
     return true;

@@ -42,6 +42,23 @@ __forceinline__ __device__ bool hidden_past_diagonal(const Mask& mask, int q, in
     }
 }
 
+// Visits a tile queries outer and keys inner, in either orientation, so that what each query needs (its LSE, its
+// D) is read once: per_query(q) for tile query q, then elem(i, j, q, that value) for each of its keys, (i, j) the
+// value's index in the (rows, cols) view.
+template <bool kQueryIsRow, class Tile, class CoordTensor, class PerQuery, class Elem>
+__forceinline__ __device__ void for_each_by_query(const Tile& t, const CoordTensor& coords, const PerQuery& per_query,
+                                                  const Elem& elem) {
+    CUTE_UNROLL
+    for (int qi = 0; qi < query_extent<kQueryIsRow>(t); ++qi) {
+        const int q = query_of<kQueryIsRow>(coords, kQueryIsRow ? qi : 0, kQueryIsRow ? 0 : qi);
+        const auto of_q = per_query(q);
+        CUTE_UNROLL
+        for (int ki = 0; ki < key_extent<kQueryIsRow>(t); ++ki) {
+            elem(kQueryIsRow ? qi : ki, kQueryIsRow ? ki : qi, q, of_q);
+        }
+    }
+}
+
 // s: the scores S (or S^T), overwritten with P = exp2(s * scale_log2 - lse_log2_of(q)), where lse_log2_of(q)
 // is the LSE of tile query q times log2(e). coords: the tile positions of s's values; mask: this tile's
 // TileMask; score_mod applies first (kVariants only), at the tile's absolute position pos.
@@ -56,23 +73,15 @@ __forceinline__ __device__ void compute_p(STensor& s, const CoordTensor& coords,
         if (mask.needs_mask()) { mask.template apply<kQueryIsRow>(s, coords); }
     }
     auto exp_loop = [&](auto test_diagonal) {
-        CUTE_UNROLL
-        for (int qi = 0; qi < query_extent<kQueryIsRow>(s); ++qi) {
-            const int q = query_of<kQueryIsRow>(coords, kQueryIsRow ? qi : 0, kQueryIsRow ? 0 : qi);
-            const float lse_log2 = lse_log2_of(q);
-            CUTE_UNROLL
-            for (int ki = 0; ki < key_extent<kQueryIsRow>(s); ++ki) {
-                const int i = kQueryIsRow ? qi : ki;
-                const int j = kQueryIsRow ? ki : qi;
-                if constexpr (decltype(test_diagonal)::value) {
-                    const bool hidden = hidden_past_diagonal<decltype(test_diagonal)::value>(
-                        mask, q, key_of<kQueryIsRow>(coords, i, j));
-                    s(i, j) = hidden ? 0.f : exp2f(s(i, j) * scale_log2 - lse_log2);
-                } else {
-                    s(i, j) = exp2f(s(i, j) * scale_log2 - lse_log2);
-                }
+        for_each_by_query<kQueryIsRow>(s, coords, lse_log2_of, [&](int i, int j, int q, float lse_log2) {
+            if constexpr (decltype(test_diagonal)::value) {
+                const bool hidden = hidden_past_diagonal<decltype(test_diagonal)::value>(
+                    mask, q, key_of<kQueryIsRow>(coords, i, j));
+                s(i, j) = hidden ? 0.f : exp2f(s(i, j) * scale_log2 - lse_log2);
+            } else {
+                s(i, j) = exp2f(s(i, j) * scale_log2 - lse_log2);
             }
-        }
+        });
     };
     if constexpr (kHide == HideP::kInExp && kVariants) {
         // The variants kernels visit every tile with one step body, and a window's two edges made the test two
@@ -114,42 +123,31 @@ __forceinline__ __device__ void compute_ds_variants(DpTensor& dp, const PTensor&
     // 1 without dropout, where no P is negative: both loops then give the undropped dS.
     const float keep_scale = params.dropout_keep_scale;
     if (!mods.softcap()) {
-        CUTE_UNROLL
-        for (int qi = 0; qi < query_extent<kQueryIsRow>(dp); ++qi) {
-            const float dsum = dsum_of(query_of<kQueryIsRow>(coords, kQueryIsRow ? qi : 0, kQueryIsRow ? 0 : qi));
-            CUTE_UNROLL
-            for (int ki = 0; ki < key_extent<kQueryIsRow>(dp); ++ki) {
-                const int i = kQueryIsRow ? qi : ki;
-                const int j = kQueryIsRow ? ki : qi;
-                const float pv = p(i, j);
-                const float dpv = pv >= 0.f ? dp(i, j) * keep_scale : 0.f;
-                dp(i, j) = fabsf(pv) * (dpv - dsum);
-            }
-        }
+        for_each_by_query<kQueryIsRow>(dp, coords, dsum_of, [&](int i, int j, int, float dsum) {
+            const float pv = p(i, j);
+            const float dpv = pv >= 0.f ? dp(i, j) * keep_scale : 0.f;
+            dp(i, j) = fabsf(pv) * (dpv - dsum);
+        });
         return;
     }
     const float inv_scale_log2 = 1.f / params.softmax_scale_log2;
     const float slope = mods.score_mod.alibi() ? mods.score_mod.slope(mods.head) : 0.f;
     const TileDistances<kQueryIsRow, CoordTensor> distance(mods.score_mod, coords, pos);
-    CUTE_UNROLL
-    for (int qi = 0; qi < query_extent<kQueryIsRow>(dp); ++qi) {
-        const int q = query_of<kQueryIsRow>(coords, kQueryIsRow ? qi : 0, kQueryIsRow ? 0 : qi);
+    // Each query's D (x) and LSE times log2(e) (y).
+    auto dsum_lse_of = [&](int q) {
         const float dsum = dsum_of(q);
-        const float lse_log2 = lse_log2_of(q);
-        CUTE_UNROLL
-        for (int ki = 0; ki < key_extent<kQueryIsRow>(dp); ++ki) {
-            const int i = kQueryIsRow ? qi : ki;
-            const int j = kQueryIsRow ? ki : qi;
-            const float pv = fabsf(p(i, j));
-            const float dpv = p(i, j) >= 0.f ? dp(i, j) * keep_scale : 0.f;
-            float ds = pv * (dpv - dsum);
-            if (pv > 0.f) {
-                const float t = (__log2f(pv) + lse_log2) * inv_scale_log2 + slope * distance(i, j);
-                ds *= 1.f - t * t;
-            }
-            dp(i, j) = ds;
+        return make_float2(dsum, lse_log2_of(q));
+    };
+    for_each_by_query<kQueryIsRow>(dp, coords, dsum_lse_of, [&](int i, int j, int, float2 of_q) {
+        const float pv = fabsf(p(i, j));
+        const float dpv = p(i, j) >= 0.f ? dp(i, j) * keep_scale : 0.f;
+        float ds = pv * (dpv - of_q.x);
+        if (pv > 0.f) {
+            const float t = (__log2f(pv) + of_q.y) * inv_scale_log2 + slope * distance(i, j);
+            ds *= 1.f - t * t;
         }
-    }
+        dp(i, j) = ds;
+    });
 }
 
 // dp: dP (or dP^T), overwritten with dS = P (dP - dsum_of(q)), the gradient of the scaled scores, where
@@ -176,16 +174,8 @@ __forceinline__ __device__ void compute_ds(DpTensor& dp, const PTensor& p, const
             return;
         }
     }
-    CUTE_UNROLL
-    for (int qi = 0; qi < query_extent<kQueryIsRow>(dp); ++qi) {
-        const float dsum = dsum_of(query_of<kQueryIsRow>(coords, kQueryIsRow ? qi : 0, kQueryIsRow ? 0 : qi));
-        CUTE_UNROLL
-        for (int ki = 0; ki < key_extent<kQueryIsRow>(dp); ++ki) {
-            const int i = kQueryIsRow ? qi : ki;
-            const int j = kQueryIsRow ? ki : qi;
-            dp(i, j) = p(i, j) * (dp(i, j) - dsum);
-        }
-    }
+    for_each_by_query<kQueryIsRow>(dp, coords, dsum_of,
+                                   [&](int i, int j, int, float dsum) { dp(i, j) = p(i, j) * (dp(i, j) - dsum); });
 }
 
 // P and dS of one tile in a single pass, for a call with softcap and without dropout, once both S and dP are
@@ -209,28 +199,24 @@ __forceinline__ __device__ void compute_p_ds_softcap(STensor& s, DpTensor& dp, c
     // ALiBi's term in exp2 units: the exponent is (t - slope * distance) * scale_log2 - lse_log2.
     const float slope_log2 = score_mod.alibi() ? score_mod.slope(pos.head) * scale_log2 : 0.f;
     const TileDistances<kQueryIsRow, CoordTensor> distance(score_mod, coords, pos);
+    // Each query's D (x) and LSE times log2(e) (y), the LSE read first: the exp needs it first.
+    auto dsum_lse_of = [&](int q) {
+        const float lse_log2 = lse_log2_of(q);
+        return make_float2(dsum_of(q), lse_log2);
+    };
     auto p_ds_loop = [&](auto test_diagonal) {
-        CUTE_UNROLL
-        for (int qi = 0; qi < query_extent<kQueryIsRow>(s); ++qi) {
-            const int q = query_of<kQueryIsRow>(coords, kQueryIsRow ? qi : 0, kQueryIsRow ? 0 : qi);
-            const float lse_log2 = lse_log2_of(q);
-            const float dsum = dsum_of(q);
-            CUTE_UNROLL
-            for (int ki = 0; ki < key_extent<kQueryIsRow>(s); ++ki) {
-                const int i = kQueryIsRow ? qi : ki;
-                const int j = kQueryIsRow ? ki : qi;
-                const float t = s(i, j);  // tanh, or -inf where kBeforeExp's mask hides the element
-                float p = exp2f(fmaf(t, scale_log2, fmaf(-slope_log2, distance(i, j), -lse_log2)));
-                if constexpr (decltype(test_diagonal)::value) {
-                    p = hidden_past_diagonal<decltype(test_diagonal)::value>(mask, q, key_of<kQueryIsRow>(coords, i, j))
-                            ? 0.f
-                            : p;
-                }
-                s(i, j) = p;
-                // 1 - t^2; where t = -inf, P = 0 and the min keeps the factor at 0 instead of -inf (0 * inf = NaN).
-                dp(i, j) = p * (dp(i, j) - dsum) * (1.f - fminf(t * t, 1.f));
+        for_each_by_query<kQueryIsRow>(s, coords, dsum_lse_of, [&](int i, int j, int q, float2 of_q) {
+            const float t = s(i, j);  // tanh, or -inf where kBeforeExp's mask hides the element
+            float p = exp2f(fmaf(t, scale_log2, fmaf(-slope_log2, distance(i, j), -of_q.y)));
+            if constexpr (decltype(test_diagonal)::value) {
+                p = hidden_past_diagonal<decltype(test_diagonal)::value>(mask, q, key_of<kQueryIsRow>(coords, i, j))
+                        ? 0.f
+                        : p;
             }
-        }
+            s(i, j) = p;
+            // 1 - t^2; where t = -inf, P = 0 and the min keeps the factor at 0 instead of -inf (0 * inf = NaN).
+            dp(i, j) = p * (dp(i, j) - of_q.x) * (1.f - fminf(t * t, 1.f));
+        });
     };
     if constexpr (kHide == HideP::kInExp) {
         // As in compute_p: the window test only in tiles that cross an edge.

@@ -11,6 +11,11 @@ The attention variants follow the semantics of the kernels (and of flash-attn 2.
 - softcap c > 0 replaces the scaled score s by c * tanh(s / c); ALiBi then adds -slope * |p - j|; the masked scores
   become -inf; softmax; dropout last, on the probabilities.
 - A row that sees no key has out = 0 and lse = +inf, so that exp(score - lse) is 0 in its backward.
+- A learnable sink (one logit per query head, FlashAttention-4's ``learnable_sink``, gpt-oss's attention sinks)
+  joins every row's softmax denominator and carries no value: out = sum_j exp(s_j - M) v_j / (sum_j exp(s_j - M) +
+  exp(sink - M)), M the larger of the row's max score and the sink, and the LSE includes it. A row that sees no key
+  then has out = 0 and lse = sink (the sink takes all of the row's mass). Dropout never drops the sink's share.
+- V's head dim may differ from Q's and K's (d_v != d_qk, DeepSeek's MLA): out has V's head dim.
 - Dropout acts at a resolution of 1/256 (the kernels draw 8 random bits per probability): an entry is dropped
   with probability p' = effective_dropout_p(p), round(256 p) / 256 but at least 1/256, and the kept ones are
   scaled by 1 / (1 - p'), so that the expected output is the output without dropout.
@@ -126,8 +131,23 @@ def _masked_scores(
     return scores.masked_fill(~visible, float("-inf")), visible
 
 
-def _softmax(scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-    """softmax over the keys, 0 (rather than NaN) in the rows that see no key."""
+def _sink_column(scores: torch.Tensor, learnable_sink: torch.Tensor) -> torch.Tensor:
+    """The sink logits as one more key column of ``scores`` (batch, nheads, seqlen_q, 1), in scores' dtype."""
+    batch, nheads, seqlen_q, _ = scores.shape
+    if learnable_sink.shape != (nheads,):
+        raise ValueError(f"learnable_sink must have shape ({nheads},), got {tuple(learnable_sink.shape)}")
+    sink = learnable_sink.to(device=scores.device, dtype=scores.dtype)
+    return sink[None, :, None, None].expand(batch, nheads, seqlen_q, 1)
+
+
+def _softmax(scores: torch.Tensor, visible: torch.Tensor, learnable_sink: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax over the keys (and the sink, whose own share is left out), 0 (rather than NaN) in the rows that see
+    no key."""
+    if learnable_sink is not None:
+        # The sink as an extra key: every row then has a finite entry, and a row that sees no key gives the sink
+        # all of its mass (its keys' probabilities are exp(-inf) = 0).
+        extended = torch.cat((scores, _sink_column(scores, learnable_sink)), dim=-1)
+        return torch.softmax(extended, dim=-1)[..., :-1]
     probs = torch.softmax(scores, dim=-1)
     empty_rows = ~visible.any(dim=-1)  # (seqlen_q,)
     return probs.masked_fill(empty_rows.unsqueeze(-1), 0.0)
@@ -141,16 +161,18 @@ def attention_probs(
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
+    learnable_sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The float32 softmax probabilities P of attention_ref (before dropout).
 
     Args: as attention_ref.
 
     Returns:
-        float32 (batch, nheads, seqlen_q, seqlen_k); 0 where a key is masked and in the rows that see no key.
+        float32 (batch, nheads, seqlen_q, seqlen_k); 0 where a key is masked and in the rows that see no key. With
+        learnable_sink a row sums to 1 minus the sink's share.
     """
     scores, visible = _masked_scores(q.float(), k.float(), softmax_scale, causal, window_size, softcap, alibi_slopes)
-    return _softmax(scores, visible)
+    return _softmax(scores, visible, learnable_sink)
 
 
 def attention_ref(
@@ -165,13 +187,15 @@ def attention_ref(
     alibi_slopes: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     dropout_mask: torch.Tensor | None = None,
+    learnable_sink: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention with the same layout and semantics as ``flash_attn2.fwd``.
 
     Args:
         q: (batch, seqlen_q, nheads, head_dim).
-        k, v: (batch, seqlen_k, nheads_k, head_dim); nheads must be a multiple of nheads_k
+        k: (batch, seqlen_k, nheads_k, head_dim); nheads must be a multiple of nheads_k
             (each key/value head serves nheads // nheads_k consecutive query heads).
+        v: (batch, seqlen_k, nheads_k, head_dim_v); head_dim_v may differ from head_dim.
         softmax_scale: multiplier of q @ k^T; defaults to 1 / sqrt(head_dim).
         causal: query row i sees key j iff j <= i + seqlen_k - seqlen_q (the mask is aligned
             to the bottom-right corner of the score matrix). The same as window_size[1] = 0.
@@ -186,11 +210,13 @@ def attention_ref(
             effective_dropout_p(dropout_p), the probability the mask drops with.
         dropout_mask: bool (batch, nheads, seqlen_q, seqlen_k), True where an entry is kept; required when
             dropout_p > 0 (flash_attn_cuda.dropout.keep_mask gives the kernels' mask).
+        learnable_sink: (nheads,), one logit per query head (float32, or q's dtype), computed in the dtype of the
+            rest; it joins each row's softmax denominator and adds no value. Dropout leaves its share alone.
 
     Returns:
-        out: (batch, seqlen_q, nheads, head_dim). Rows that see no key are 0.
+        out: (batch, seqlen_q, nheads, head_dim_v). Rows that see no key are 0.
         lse: float32 (batch, nheads, seqlen_q), natural-log logsumexp of the scores (with softcap and
-            ALiBi, without dropout). Rows that see no key are +inf.
+            ALiBi, without dropout), and of the sink with one. Rows that see no key are +inf, or the sink.
     """
     if dropout_p > 0 and dropout_mask is None:
         raise ValueError("dropout_p > 0 needs a dropout_mask")
@@ -198,13 +224,16 @@ def attention_ref(
         q, k, v = q.float(), k.float(), v.float()
 
     scores, visible = _masked_scores(q, k, softmax_scale, causal, window_size, softcap, alibi_slopes)
-    probs = _softmax(scores, visible)
-    lse = torch.logsumexp(scores, dim=-1).float()
-    # A row with no visible key (causal with seqlen_q > seqlen_k, a window that misses every key, or
-    # seqlen_k == 0) has a logsumexp of -inf; the kernel's convention is lse = +inf, so that
-    # exp(score - lse) is 0 for such rows.
-    empty_rows = ~visible.any(dim=-1)  # (seqlen_q,)
-    lse = lse.masked_fill(empty_rows, float("inf"))
+    probs = _softmax(scores, visible, learnable_sink)
+    if learnable_sink is not None:
+        lse = torch.logsumexp(torch.cat((scores, _sink_column(scores, learnable_sink)), dim=-1), dim=-1).float()
+    else:
+        lse = torch.logsumexp(scores, dim=-1).float()
+        # A row with no visible key (causal with seqlen_q > seqlen_k, a window that misses every key, or
+        # seqlen_k == 0) has a logsumexp of -inf; the kernel's convention is lse = +inf, so that
+        # exp(score - lse) is 0 for such rows.
+        empty_rows = ~visible.any(dim=-1)  # (seqlen_q,)
+        lse = lse.masked_fill(empty_rows, float("inf"))
 
     if dropout_mask is not None:
         # Dropout acts on the probabilities only: the lse above stays that of the full softmax, which is what
@@ -215,6 +244,31 @@ def attention_ref(
     v = v.repeat_interleave(group, dim=2)
     out = torch.einsum("bhqk,bkhd->bqhd", probs, v)
     return out, lse
+
+
+def sink_grad_ref(
+    out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, learnable_sink: torch.Tensor
+) -> torch.Tensor:
+    """The gradient of a loss with respect to learnable_sink, from the forward's out and lse and the loss's dout.
+
+    The sink's probability in row i is exp(sink - lse_i), and raising the sink scales every key probability of
+    the row by 1 minus that share, so d out_i / d sink = -exp(sink - lse_i) out_i and
+
+        d sink_h = -sum over batch and rows i of exp(sink_h - lse_{b,h,i}) * D_{b,h,i},  D = rowsum(dout * out),
+
+    the D that the backward computes anyway (with dropout too: out is the dropped output, whose dout it is).
+
+    Args:
+        out, dout: (batch, seqlen_q, nheads, head_dim_v).
+        lse: float32 (batch, nheads, seqlen_q), attention_ref's with the sink.
+        learnable_sink: (nheads,).
+
+    Returns:
+        float32 (nheads,).
+    """
+    d = (dout.float() * out.float()).sum(dim=-1).transpose(1, 2)  # (batch, nheads, seqlen_q)
+    share = torch.exp(learnable_sink.float()[None, :, None] - lse.float())
+    return -(share * d).sum(dim=(0, 2))
 
 
 # ---- KV caches (flash_attn_with_kvcache) ----
@@ -289,15 +343,16 @@ def kvcache_ref(
     rotary_interleaved: bool = True,
     alibi_slopes: torch.Tensor | None = None,
     upcast: bool = True,
+    learnable_sink: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """flash_attn_with_kvcache in plain PyTorch, one sequence at a time (small sizes only).
 
     Args: as flash_attn_with_kvcache, with cache_seqlens an int32 tensor (or None) and indices in range (the
         kernels clamp bad ones; this does not). upcast: compute everything (rotary included) in float32,
-        otherwise in the inputs' dtype (the low-precision baseline).
+        otherwise in the inputs' dtype (the low-precision baseline). learnable_sink: as attention_ref's.
 
     Returns:
-        (out, lse, k_cache, v_cache): out (batch, seqlen_q, nheads, head_dim) and lse (batch, nheads, seqlen_q) as
+        (out, lse, k_cache, v_cache): out (batch, seqlen_q, nheads, head_dim_v) and lse (batch, nheads, seqlen_q) as
         attention_ref's; the caches after the append, new tensors (float32 with upcast) with the caches' shape.
     """
     dtype = torch.float32 if upcast else q.dtype
@@ -351,6 +406,7 @@ def kvcache_ref(
             window_size=window_size,
             softcap=softcap,
             alibi_slopes=slopes,
+            learnable_sink=learnable_sink,
         )
         outs.append(out)
         lses.append(lse)

@@ -25,7 +25,13 @@ except ImportError:
 
 from flash_attn_cuda import dropout  # noqa: E402
 from flash_attn_cuda.dropout import DROPOUT_ROUNDS, keep_mask, philox4x32, s_dmask, varlen_keep_mask  # noqa: E402
-from flash_attn_cuda.reference import attention_probs, attention_ref, effective_dropout_p, visible_mask  # noqa: E402
+from flash_attn_cuda.reference import (  # noqa: E402
+    attention_probs,
+    attention_ref,
+    effective_dropout_p,
+    sink_grad_ref,
+    visible_mask,
+)
 
 M32 = 0xFFFFFFFF
 
@@ -258,19 +264,22 @@ def test_visible_mask(seqlen_q, seqlen_k, causal, window, rows):
 # ---------------------------------------------------------------- reference: against a row-at-a-time transcription
 
 
-def naive_attention(q, k, v, scale, causal=False, window=(-1, -1), softcap=0.0, slopes=None, keep=None, dropout_p=0.0):
+def naive_attention(
+    q, k, v, scale, causal=False, window=(-1, -1), softcap=0.0, slopes=None, keep=None, dropout_p=0.0, sink=None
+):
     """One query row at a time with Python floats, each variant applied as the spec words it."""
-    b, sq, h, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
+    b, sq, h, _ = q.shape
+    sk, hk, dv = k.shape[1], k.shape[2], v.shape[3]
     left, right = window[0], 0 if causal else window[1]
-    out = torch.zeros(b, sq, h, d, dtype=torch.float64)
+    out = torch.zeros(b, sq, h, dv, dtype=torch.float64)
     lse = torch.empty(b, h, sq, dtype=torch.float64)
     for bi, hi, i in itertools.product(range(b), range(h), range(sq)):
         kv_head = hi // (h // hk)
         p = i + sk - sq
         keys = [j for j in range(sk) if sees(p, j, left, right)]
         if not keys:
-            lse[bi, hi, i] = math.inf
+            # No key: the sink, if any, takes the whole row (out 0, lse the sink).
+            lse[bi, hi, i] = math.inf if sink is None else float(sink[hi])
             continue
         scores = []
         for j in keys:
@@ -281,9 +290,10 @@ def naive_attention(q, k, v, scale, causal=False, window=(-1, -1), softcap=0.0, 
                 slope = slopes[hi] if slopes.dim() == 1 else slopes[bi, hi]
                 s -= float(slope) * abs(p - j)
             scores.append(s)
-        top = max(scores)
+        # The sink joins the denominator (and the max) and adds no value.
+        top = max(scores) if sink is None else max(*scores, float(sink[hi]))
         weights = [math.exp(s - top) for s in scores]
-        total = sum(weights)
+        total = sum(weights) + (0.0 if sink is None else math.exp(float(sink[hi]) - top))
         lse[bi, hi, i] = top + math.log(total)
         for j, w in zip(keys, weights):
             prob = w / total
@@ -304,6 +314,10 @@ VARIANTS = {  # keyword arguments of attention_ref (and naive_attention, which s
     "alibi-batch": dict(alibi_slopes="batch"),
     "dropout": dict(dropout_p=0.3),
     "all": dict(window_size=(3, 1), causal=True, softcap=2.0, alibi_slopes="batch", dropout_p=0.2),
+    # Sinks far below, near and far above the rows' scores (standard-normal q, k and scale 0.4).
+    "sink": dict(learnable_sink="mixed"),
+    "sink-window-dropout": dict(window_size=(2, 0), learnable_sink="mixed", dropout_p=0.3),
+    "sink-all": dict(window_size=(3, 1), causal=True, softcap=2.0, alibi_slopes="heads", learnable_sink="mixed"),
 }
 SHAPES = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim)
     (2, 6, 6, 2, 2, 8),
@@ -320,6 +334,8 @@ def variant_args(name, shape):
         kwargs["alibi_slopes"] = torch.rand(h) if kwargs["alibi_slopes"] == "heads" else torch.rand(b, h)
     if "dropout_p" in kwargs:
         kwargs["dropout_mask"] = torch.rand(b, h, sq, sk) >= kwargs["dropout_p"]
+    if "learnable_sink" in kwargs:
+        kwargs["learnable_sink"] = mixed_sinks(h)
     naive = dict(
         causal=kwargs.get("causal", False),
         window=kwargs.get("window_size", (-1, -1)),
@@ -327,8 +343,14 @@ def variant_args(name, shape):
         slopes=kwargs.get("alibi_slopes"),
         keep=kwargs.get("dropout_mask"),
         dropout_p=kwargs.get("dropout_p", 0.0),
+        sink=kwargs.get("learnable_sink"),
     )
     return kwargs, naive
+
+
+def mixed_sinks(h):
+    """(h,) float32 sink logits: far below the scores, near them, far above, cycled over the heads."""
+    return torch.tensor([-30.0, 0.5, 25.0, -1.0])[torch.arange(h) % 4] + 0.1 * torch.rand(h)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=["square", "gqa", "mqa-tall"])
@@ -398,6 +420,69 @@ def test_reference_alibi_closed_form():
         out, lse = attention_ref(q, k, v, alibi_slopes=slopes, upcast=False)
         torch.testing.assert_close(out[0, 0, 0], expect, rtol=1e-12, atol=1e-12)
         assert lse.item() == pytest.approx(math.log(total), rel=1e-6)
+
+
+@pytest.mark.parametrize("upcast", [True, False])
+def test_reference_sink_rows_without_keys(upcast):
+    # As test_reference_empty_rows with a sink: rows 0-2 see no key under causal, so the sink takes the row:
+    # out 0 and lse the sink. The other rows' probabilities sum to 1 minus the sink's share exp(sink - lse).
+    q, k, v = qkv(1, 7, 4, 4, 2, 8, torch.float32)
+    sink = mixed_sinks(4)
+    out, lse = attention_ref(q, k, v, causal=True, learnable_sink=sink, upcast=upcast)
+    assert torch.all(out[:, :3] == 0)
+    torch.testing.assert_close(lse[0, :, :3], sink[:, None].expand(4, 3))
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    probs = attention_probs(q, k, causal=True, learnable_sink=sink)
+    assert torch.all(probs[:, :, :3] == 0)
+    torch.testing.assert_close(probs.sum(-1), 1 - torch.exp(sink[None, :, None] - lse))
+    with pytest.raises(ValueError, match="learnable_sink"):
+        attention_ref(q, k, v, learnable_sink=torch.zeros(3))
+
+
+def test_reference_sink_far_below_is_no_sink():
+    # A sink 200 below every score is exp(-200) of a row's mass: the plain attention to float64 precision.
+    q, k, v = qkv(2, 5, 6, 4, 2, 8)
+    out, lse = attention_ref(q, k, v, upcast=False, learnable_sink=torch.full((4,), -200.0))
+    expect_out, expect_lse = attention_ref(q, k, v, upcast=False)
+    torch.testing.assert_close(out, expect_out, rtol=0, atol=1e-60)
+    torch.testing.assert_close(lse, expect_lse, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["plain", "causal-gqa", "dropout", "all"])
+def test_sink_grad_ref_matches_autograd(name):
+    # sink_grad_ref's closed form, -sum_i exp(sink - lse_i) rowsum(dout_i * out_i), against autograd through the
+    # float64 reference, with rows that see no key (causal, seqlen_q > seqlen_k) and dropout's kept mask.
+    b, sq, sk, h, hk, d = (2, 9, 5, 4, 2, 8)
+    q, k, v = qkv(b, sq, sk, h, hk, d)
+    kwargs = {
+        "plain": {},
+        "causal-gqa": dict(causal=True),
+        "dropout": dict(dropout_p=0.3, dropout_mask=torch.rand(b, h, sq, sk) >= 0.3),
+        "all": dict(window_size=(2, 1), causal=True, softcap=2.0, alibi_slopes=torch.rand(h)),
+    }[name]
+    sink = mixed_sinks(h).double().requires_grad_()
+    out, lse = attention_ref(q, k, v, 0.4, upcast=False, learnable_sink=sink, **kwargs)
+    dout = randn(*out.shape, dtype=torch.float64)
+    (expect,) = torch.autograd.grad(out, sink, dout)
+    got = sink_grad_ref(out.detach(), dout, lse, sink.detach())
+    assert got.dtype == torch.float32 and got.shape == (h,)
+    torch.testing.assert_close(got, expect.float(), rtol=1e-5, atol=1e-6)
+    # It cannot pass vacuously: the sinks near the scores carry a gradient well away from 0.
+    assert expect.abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("dv", [4, 16])
+def test_reference_value_head_dim(dv):
+    # V's head dim may differ from Q's and K's: out takes V's, and equals the attention over V padded with zero
+    # features to Q's head dim (or V's first features of a wider V), those features sliced off.
+    q, k, _ = qkv(2, 6, 7, 4, 2, 8)
+    v = randn(2, 7, 2, dv, dtype=torch.float64)
+    out, lse = attention_ref(q, k, v, causal=True, upcast=False)
+    assert out.shape == (2, 6, 4, dv)
+    wide = torch.cat((v, randn(2, 7, 2, 3, dtype=torch.float64)), dim=-1)
+    out_wide, lse_wide = attention_ref(q, k, wide, causal=True, upcast=False)
+    torch.testing.assert_close(out, out_wide[..., :dv], rtol=0, atol=1e-14)
+    torch.testing.assert_close(lse, lse_wide, rtol=0, atol=0)
 
 
 def test_reference_alibi_slope_shapes():

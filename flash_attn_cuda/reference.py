@@ -140,17 +140,22 @@ def _sink_column(scores: torch.Tensor, learnable_sink: torch.Tensor) -> torch.Te
     return sink[None, :, None, None].expand(batch, nheads, seqlen_q, 1)
 
 
-def _softmax(scores: torch.Tensor, visible: torch.Tensor, learnable_sink: torch.Tensor | None = None) -> torch.Tensor:
-    """softmax over the keys (and the sink, whose own share is left out), 0 (rather than NaN) in the rows that see
-    no key."""
+def _softmax(
+    scores: torch.Tensor, visible: torch.Tensor, learnable_sink: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The softmax over the keys (with the sink in the denominator, its own share left out) and the float32
+    natural-log LSE of each row. A row that sees no key gets probabilities 0 (rather than NaN) and LSE +inf, or the
+    sink's logit with one."""
     if learnable_sink is not None:
-        # The sink as an extra key: every row then has a finite entry, and a row that sees no key gives the sink
-        # all of its mass (its keys' probabilities are exp(-inf) = 0).
+        # The sink as one more key that carries no value: every row then has a finite entry, and a row that sees no
+        # key gives the sink all of its mass.
         extended = torch.cat((scores, _sink_column(scores, learnable_sink)), dim=-1)
-        return torch.softmax(extended, dim=-1)[..., :-1]
-    probs = torch.softmax(scores, dim=-1)
+        return torch.softmax(extended, dim=-1)[..., :-1], torch.logsumexp(extended, dim=-1).float()
+    # A row with no visible key (causal with seqlen_q > seqlen_k, a window that misses every key, or seqlen_k == 0)
+    # has a logsumexp of -inf; the kernel's convention is lse = +inf, so that exp(score - lse) is 0 for such rows.
     empty_rows = ~visible.any(dim=-1)  # (seqlen_q,)
-    return probs.masked_fill(empty_rows.unsqueeze(-1), 0.0)
+    probs = torch.softmax(scores, dim=-1).masked_fill(empty_rows.unsqueeze(-1), 0.0)
+    return probs, torch.logsumexp(scores, dim=-1).float().masked_fill(empty_rows, float("inf"))
 
 
 def attention_probs(
@@ -172,7 +177,7 @@ def attention_probs(
         learnable_sink a row sums to 1 minus the sink's share.
     """
     scores, visible = _masked_scores(q.float(), k.float(), softmax_scale, causal, window_size, softcap, alibi_slopes)
-    return _softmax(scores, visible, learnable_sink)
+    return _softmax(scores, visible, learnable_sink)[0]
 
 
 def attention_ref(
@@ -224,16 +229,7 @@ def attention_ref(
         q, k, v = q.float(), k.float(), v.float()
 
     scores, visible = _masked_scores(q, k, softmax_scale, causal, window_size, softcap, alibi_slopes)
-    probs = _softmax(scores, visible, learnable_sink)
-    if learnable_sink is not None:
-        lse = torch.logsumexp(torch.cat((scores, _sink_column(scores, learnable_sink)), dim=-1), dim=-1).float()
-    else:
-        lse = torch.logsumexp(scores, dim=-1).float()
-        # A row with no visible key (causal with seqlen_q > seqlen_k, a window that misses every key, or
-        # seqlen_k == 0) has a logsumexp of -inf; the kernel's convention is lse = +inf, so that
-        # exp(score - lse) is 0 for such rows.
-        empty_rows = ~visible.any(dim=-1)  # (seqlen_q,)
-        lse = lse.masked_fill(empty_rows, float("inf"))
+    probs, lse = _softmax(scores, visible, learnable_sink)
 
     if dropout_mask is not None:
         # Dropout acts on the probabilities only: the lse above stays that of the full softmax, which is what

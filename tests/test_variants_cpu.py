@@ -275,11 +275,12 @@ def naive_attention(
     lse = torch.empty(b, h, sq, dtype=torch.float64)
     for bi, hi, i in itertools.product(range(b), range(h), range(sq)):
         kv_head = hi // (h // hk)
+        sink_h = None if sink is None else float(sink[hi])
         p = i + sk - sq
         keys = [j for j in range(sk) if sees(p, j, left, right)]
         if not keys:
             # No key: the sink, if any, takes the whole row (out 0, lse the sink).
-            lse[bi, hi, i] = math.inf if sink is None else float(sink[hi])
+            lse[bi, hi, i] = math.inf if sink_h is None else sink_h
             continue
         scores = []
         for j in keys:
@@ -291,9 +292,9 @@ def naive_attention(
                 s -= float(slope) * abs(p - j)
             scores.append(s)
         # The sink joins the denominator (and the max) and adds no value.
-        top = max(scores) if sink is None else max(*scores, float(sink[hi]))
+        top = max(scores) if sink_h is None else max(*scores, sink_h)
         weights = [math.exp(s - top) for s in scores]
-        total = sum(weights) + (0.0 if sink is None else math.exp(float(sink[hi]) - top))
+        total = sum(weights) + (0.0 if sink_h is None else math.exp(sink_h - top))
         lse[bi, hi, i] = top + math.log(total)
         for j, w in zip(keys, weights):
             prob = w / total

@@ -474,8 +474,8 @@ def test_sink_grad_ref_matches_autograd(name):
 
 @pytest.mark.parametrize("dv", [4, 16])
 def test_reference_value_head_dim(dv):
-    # V's head dim may differ from Q's and K's: out takes V's, and equals the attention over V padded with zero
-    # features to Q's head dim (or V's first features of a wider V), those features sliced off.
+    # V's head dim may differ from Q's and K's: out takes V's. Each output feature depends on its own V feature only,
+    # so out equals the attention over a wider V (three more random features) with those features sliced off.
     q, k, _ = qkv(2, 6, 7, 4, 2, 8)
     v = randn(2, 7, 2, dv, dtype=torch.float64)
     out, lse = attention_ref(q, k, v, causal=True, upcast=False)

@@ -1,6 +1,7 @@
-"""Attention variants: what a sliding window saves, what softcap, ALiBi and dropout cost, in one run.
-bf16 (--dtype fp16), head dim 128, 16 heads, batch x seqlen = 16384 tokens; forward and backward (the backward alone:
-torch.autograd.grad of a kept output, as bench_fwd.py --pass bwd). Three sections:
+"""Attention variants: what a sliding window saves, what softcap, ALiBi, dropout and a learnable sink cost, in one
+run. bf16 (--dtype fp16), head dim 128, 16 heads (the sink section: its own head dims), batch x seqlen = 16384 tokens;
+forward and backward (the backward alone: torch.autograd.grad of a kept output, as bench_fwd.py --pass bwd). Four
+sections:
 
   window         ours with window_size=(1024, 0), causal (Mistral style), and (512, 512), non-causal, against
                  the full mask of the same kind: ours, SDPA FLASH_ATTENTION and CUDNN_ATTENTION (SDPA has no
@@ -11,11 +12,16 @@ torch.autograd.grad of a kept output, as bench_fwd.py --pass bwd). Three section
                  EFFICIENT_ATTENTION with ALiBi as an explicit additive bias (1, h, s, s), and without one.
   dropout        dropout_p 0.1: ours and SDPA FLASH_ATTENTION, each against itself without dropout, and ours
                  against SDPA with dropout. seqlen 2048 and 8192 (--quick: 8192), causal and not.
+  sink           learnable_sink, fp32 (nheads,) logits that require grad, against the same call without one: the
+                 overhead. Hidden size 2048: head dim 64 (32 heads) and 128 (16 heads), causal and not; and head
+                 dim 64 with gpt-oss's sliding window, window_size=(128, 0), causal, both calls windowed. seqlen
+                 2048 and 8192 (--quick: 8192).
 
-    python bench/bench_variants.py                       # all three sections -> variants_<gpu-slug>.{json,md,png}
+    python bench/bench_variants.py                       # all four sections -> variants_<gpu-slug>.{json,md,png}
     python bench/bench_variants.py --quick --rounds 3    # fewer shapes
     python bench/bench_variants.py --dry-run             # the shape list and a rough time estimate, no GPU
     python bench/bench_variants.py --family mma_sync     # ours on the mma.sync kernels (on Hopper: forced)
+    python bench/bench_variants.py --sections sink       # the learnable sink's overhead alone
 """
 
 import argparse
@@ -39,7 +45,12 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 TOKENS, NHEADS, HDIM = 16384, 16, 128
 SOFTCAP, DROPOUT_P = 30.0, 0.1
 WINDOWS = (((1024, 0), True), ((512, 512), False))  # (window_size, causal)
-SECTIONS = ("window", "softcap_alibi", "dropout")
+# The sink section's shapes: the anchor grid's head dims at one hidden size (nheads = SINK_HIDDEN // hdim), and
+# gpt-oss's sliding window, (128, 0) with causal, at head dim 64.
+SINK_HIDDEN, SINK_HDIMS, SINK_WINDOW = 2048, (64, 128), (128, 0)
+SINK_SEED = 0  # the sink's logits: the same for every group of a head count, and from run to run
+# Appended sections go last: bench_group seeds each group's data with its section's index.
+SECTIONS = ("window", "softcap_alibi", "dropout", "sink")
 PASSES = ("fwd", "bwd")
 SANITY_REL_TOL = 0.05  # a loose "is it the same function" check against SDPA, not the correctness rule
 
@@ -110,7 +121,7 @@ def impl_specs(group, sdpa_alibi=False):
     """name -> (backend, kwargs): backend "ours" calls flash_attn_func(q, k, v, **kwargs) on (b, s, h, d) tensors,
     "flash" / "cudnn" / "efficient" call SDPA under that backend on (b, h, s, d) transposed views of (b, s, h, d)
     tensors. The kwargs values
-    "@alibi_slopes" and "@alibi_bias" stand for tensors made with the inputs."""
+    "@alibi_slopes", "@alibi_bias" and "@sink" stand for tensors made with the inputs."""
     c, sec = group["causal"], group["section"]
     if sec == "window":
         return {
@@ -131,6 +142,10 @@ def impl_specs(group, sdpa_alibi=False):
             specs["efficient"] = ("efficient", {"is_causal": c})
             specs["efficient_alibi"] = ("efficient", {"attn_mask": "@alibi_bias"})
         return specs
+    if sec == "sink":
+        # A windowed group's two calls both carry the window, so that the sink is the only difference.
+        plain = {"causal": c, **({"window_size": tuple(group["window"])} if group.get("window") else {})}
+        return {"ours": ("ours", plain), "ours_sink": ("ours", {**plain, "learnable_sink": "@sink"})}
     return {
         "ours": ("ours", {"causal": c}),
         "ours_dropout": ("ours", {"causal": c, "dropout_p": DROPOUT_P}),
@@ -143,13 +158,13 @@ def build_groups(args):
     """One group per (section, shape, mask); each group's implementations take turns."""
     groups = []
 
-    def add(section, seqlen, causal, **extra):
+    def add(section, seqlen, causal, hdim=HDIM, nheads=NHEADS, **extra):
         g = {
             "section": section,
             "seqlen": seqlen,
             "batch": max(1, TOKENS // seqlen),
-            "nheads": NHEADS,
-            "hdim": HDIM,
+            "nheads": nheads,
+            "hdim": hdim,
             "causal": causal,
             **extra,
         }
@@ -165,14 +180,28 @@ def build_groups(args):
             for seqlen in [8192] if args.quick else [2048, 8192]:
                 for causal in (False, True):
                     add(section, seqlen, causal)
+    if "sink" in args.sections:
+        seqlens = [8192] if args.quick else [2048, 8192]
+        for hdim in SINK_HDIMS:
+            for seqlen in seqlens:
+                for causal in (False, True):
+                    add("sink", seqlen, causal, hdim=hdim, nheads=SINK_HIDDEN // hdim)
+        for seqlen in seqlens:
+            add("sink", seqlen, True, hdim=64, nheads=SINK_HIDDEN // 64, window=list(SINK_WINDOW))
     return groups
+
+
+def windowed(group, name):
+    """Whether name's call in the group has a sliding window: the window section's windowed call, and both calls of
+    a windowed sink group."""
+    return name == "ours_window" or (group["section"] == "sink" and bool(group.get("window")))
 
 
 def impl_flops(group, name, pass_):
     """FLOPs of one call: the FA2 convention (4*b*h*s^2*d, halved when causal, x2.5 backward) for a full mask;
-    for the windowed call, the useful work, 4*b*h*d*(visible pairs), x2.5 backward."""
+    for a windowed call, the useful work, 4*b*h*d*(visible pairs), x2.5 backward."""
     b, h, s, d = group["batch"], group["nheads"], group["seqlen"], group["hdim"]
-    if name == "ours_window":
+    if windowed(group, name):
         return 4.0 * b * h * d * group["visible"]["window"] * (2.5 if pass_ == "bwd" else 1.0)
     return common.attn_flops(b, h, s, s, d, group["causal"], pass_)
 
@@ -193,6 +222,9 @@ def add_visible(groups):
                 "full_causal": visible_pairs(s, s, True),
             }
             g["ideal_fraction"] = g["visible"]["window"] / g["visible"]["full"]
+        elif g["section"] == "sink" and g.get("window"):
+            # The windowed calls' useful work (impl_flops).
+            g["visible"] = {"window": visible_pairs(g["seqlen"], g["seqlen"], g["causal"], tuple(g["window"]))}
 
 
 def dry_run(groups, args):
@@ -204,7 +236,7 @@ def dry_run(groups, args):
         for name, (backend, kw) in impl_specs(g, args.sdpa_alibi).items():
             print(f"    {name:20s} {backend:9s} {kw}")
             for pass_ in PASSES:
-                eff = rate[pass_] * (0.6 if name == "ours_window" else 1.0)
+                eff = rate[pass_] * (0.6 if windowed(g, name) else 1.0)
                 # The rounds and the untimed warm-up round before them.
                 total += (args.rounds + 1) * ((args.warmup + args.rep) * impl_flops(g, name, pass_) / eff + 0.02)
                 measurements += args.rounds + 1
@@ -255,8 +287,16 @@ def ours_context(family):
     return lambda: force_plan(kernel=family)
 
 
+def learnable_sink(nheads):
+    """(nheads,) fp32 sink logits, 2 * N(0, 1) from a seeded generator: a leaf that requires grad, as a model's
+    parameter."""
+    gen = torch.Generator(device=DEVICE).manual_seed(SINK_SEED)
+    return (torch.randn(nheads, dtype=torch.float32, device=DEVICE, generator=gen) * 2).requires_grad_(True)
+
+
 def make_runners(lib, lib_err, g, specs, q, k, v, qt, kt, vt, family="auto"):
-    """name -> (context factory, fn, inputs, grad_like: dout in out's layout) or an error string."""
+    """name -> (context factory, fn, inputs, grad_like: dout in out's layout) or an error string. inputs: what the
+    backward differentiates, q, k, v and any tensor argument that requires grad (the sink)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     backends = {
@@ -269,17 +309,22 @@ def make_runners(lib, lib_err, g, specs, q, k, v, qt, kt, vt, family="auto"):
         extra["@alibi_slopes"] = alibi_slopes(g["nheads"])
     if any(v_ == "@alibi_bias" for _, kw in specs.values() for v_ in kw.values()):
         extra["@alibi_bias"] = alibi_bias(alibi_slopes(g["nheads"]), g["seqlen"], g["causal"], q.dtype)
+    if any(v_ == "@sink" for _, kw in specs.values() for v_ in kw.values()):
+        extra["@sink"] = learnable_sink(g["nheads"])
     runners = {}
     for name, (backend, kw) in specs.items():
         kw = {key: extra.get(val, val) if isinstance(val, str) else val for key, val in kw.items()}
         if backend == "ours":
+            # The backward asks for the sink's gradient with dq, dk, dv, as training does. Given a sink, the op
+            # computes that gradient even when only q's, k's and v's are asked for; asking adds only its return.
+            grads = tuple(t for t in kw.values() if isinstance(t, torch.Tensor) and t.requires_grad)
             runners[name] = (
                 lib_err
                 if lib is None
                 else (
                     ours_context(family),
                     lambda kw=kw: lib.flash_attn_func(q, k, v, **kw),
-                    (q, k, v),
+                    (q, k, v, *grads),
                     torch.randn_like,
                 )
             )
@@ -392,6 +437,7 @@ def bench_group(lib, lib_err, g, args):
         else:
             timers[name], outs[name] = (ctx, fns), out
     time_rounds(timers, row, args)
+    # No check for the sink section: SDPA has no sink, and ours with a sink differs from ours without one by design.
     if g["section"] == "window":
         sanity_check(row, outs, "ours_full", "flash_full")
     elif g["section"] == "dropout":
@@ -436,7 +482,7 @@ def finish_row(row):
             if "efficient_alibi" in ms:
                 derived[p]["efficient_alibi"] = overhead(ms, "efficient_alibi", "efficient", p)
                 derived[p]["ours_alibi/efficient_alibi"] = ratio(ms["efficient_alibi"][p], ms["ours_alibi"][p])
-        else:
+        elif sec == "dropout":
             # ours/flash as in the README: flash's time over ours (above 1: ours faster).
             derived[p] = {
                 "ours_dropout": overhead(ms, "ours_dropout", "ours", p),
@@ -444,6 +490,9 @@ def finish_row(row):
                 "ours/flash": ratio(ms["flash"][p], ms["ours"][p]),
                 "ours_dropout/flash_dropout": ratio(ms["flash_dropout"][p], ms["ours_dropout"][p]),
             }
+        else:
+            # The sink's overhead: time with the sink over the same call's time without one, minus 1.
+            derived[p] = {"ours_sink": overhead(ms, "ours_sink", "ours", p)}
     row["derived"] = derived
     return row
 
@@ -465,6 +514,21 @@ def fx(v):
 
 def mask_name(r):
     return "causal" if r["causal"] else "non-causal"
+
+
+def sink_mask_name(r):
+    """The mask, with the window where a sink group has one (the window section gives its windows a column)."""
+    w = r.get("window")
+    return mask_name(r) + (f", window ({w[0]}, {w[1]})" if w else "")
+
+
+def shape_tag(r):
+    """A row's shape in the Failures list: <section> s<seqlen>[c=causal], and for the sink section, whose groups
+    differ in head dim and window too, d<hdim>[w<left>]."""
+    tag = f"{r['section']} s{r['seqlen']}{'c' if r['causal'] else ''}"
+    if r["section"] == "sink":
+        tag += f" d{r['hdim']}" + (f"w{r['window'][0]}" if r.get("window") else "")
+    return tag
 
 
 def markdown(meta, rows):
@@ -566,12 +630,40 @@ def markdown(meta, rows):
                 )
         lines.append("")
 
+    if by_sec["sink"]:
+        lines += [
+            "## 4. Learnable sink: overhead against the same call without one",
+            "",
+            "Times in ms (median). `ours + sink`: the same call with learnable_sink, fp32 (nheads,) logits drawn as "
+            "2 * N(0, 1), a leaf that requires grad, so that the backward computes and returns the sink's gradient "
+            "with dq, dk, dv. `overhead`: time with the sink over time without, minus 1. Hidden size "
+            f"{SINK_HIDDEN}: heads = {SINK_HIDDEN} / hdim. The windowed rows: head dim 64 with gpt-oss's sliding "
+            f"window, window_size={SINK_WINDOW}, causal, in both calls. `TFLOP/s of ours`: the call without the "
+            "sink, by the FA2 convention; for the windowed rows the useful work, 4*b*h*d*(visible (query, key) "
+            "pairs), x2.5 backward.",
+            "",
+            "| hdim | heads | seqlen | batch | mask | pass | ours | ours + sink | overhead | TFLOP/s of ours |",
+            "|---" * 10 + "|",
+        ]
+        for r in sorted(by_sec["sink"], key=lambda r: (bool(r.get("window")), r["hdim"], r["causal"], r["seqlen"])):
+            for p in PASSES:
+                m, dv = r["ms"], r["derived"][p]
+                lines.append(
+                    f"| {r['hdim']} | {r['nheads']} | {r['seqlen']} | {r['batch']} | {sink_mask_name(r)} | {p} | "
+                    f"{fms(m['ours'][p])} | {fms(m['ours_sink'][p])} | {fpct(dv['ours_sink'])} | "
+                    f"{common.fmt_num(r['tflops']['ours'][p])} |"
+                )
+        lines.append("")
+
     errs = {}
     for r in rows:
         for n, e in r["errors"].items():
-            errs.setdefault((n, e), []).append(f"{r['section']} s{r['seqlen']}{'c' if r['causal'] else ''}")
+            errs.setdefault((n, e), []).append(shape_tag(r))
     if errs:
-        lines += ["## Failures (recorded as n/a; shapes as <section> s<seqlen>[c=causal])", ""]
+        lines += [
+            "## Failures (recorded as n/a; shapes as <section> s<seqlen>[c=causal], the sink's with d<hdim>[w<left>])",
+            "",
+        ]
         lines += [f"- {n} ({', '.join(shapes)}): {e}" for (n, e), shapes in sorted(errs.items())] + [""]
     warns = [f"- {r['section']} s{r['seqlen']} {mask_name(r)}: {w}" for r in rows for w in r["warnings"]]
     if warns:
@@ -584,15 +676,33 @@ def seqlen_tick(x):
 
 
 def plot(path, meta, rows):
-    """Window time fractions against seqlen (fwd, bwd), and the overheads of softcap / ALiBi / dropout."""
+    """One row of panels per kind of result in rows: the window's time fractions against seqlen (fwd, bwd); the
+    overheads of softcap / ALiBi and of dropout; the sink's overhead at each head dim."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(13, 8.5), squeeze=False)
     win = [r for r in rows if r["section"] == "window"]
-    for ax, p in zip(axes[0], PASSES):
+    sink_hdims = sorted({r["hdim"] for r in rows if r["section"] == "sink"})
+    # A run of some sections (--sections) leaves out the rows of panels it has nothing for, rather than drawing
+    # them empty; a panel without rows in a row that is drawn is hidden.
+    present = {r["section"] for r in rows}
+    kinds = [
+        kind
+        for kind, shown in (
+            ("window", bool(win)),
+            ("overheads", bool(present & {"softcap_alibi", "dropout"})),
+            ("sink", bool(sink_hdims)),
+        )
+        if shown
+    ] or ["window"]
+    fig, axes = plt.subplots(len(kinds), 2, figsize=(13, 4.25 * len(kinds)), squeeze=False)
+    panels = dict(zip(kinds, axes))
+    for ax, p in zip(panels.get("window", []), PASSES):
+        if not win:
+            ax.set_visible(False)
+            continue
         for causal in (True, False):
             grp = sorted((r for r in win if r["causal"] == causal), key=lambda r: r["seqlen"])
             if not grp:
@@ -619,8 +729,15 @@ def plot(path, meta, rows):
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=6)
 
-    def bars(ax, sec, series, title):
-        grp = sorted((r for r in rows if r["section"] == sec), key=lambda r: (r["causal"], r["seqlen"]))
+    def bars(ax, sec, series, title, hdim=None):
+        # hdim: only that head dim's rows (the sink section has two); windowed rows after the others.
+        grp = sorted(
+            (r for r in rows if r["section"] == sec and hdim in (None, r["hdim"])),
+            key=lambda r: (bool(r.get("window")), r["causal"], r["seqlen"]),
+        )
+        if not grp:
+            ax.set_visible(False)
+            return
         cells = [(r, p) for r in grp for p in PASSES]
         width = 0.8 / max(len(series), 1)
         for i, (n, label) in enumerate(series):
@@ -634,7 +751,12 @@ def plot(path, meta, rows):
         ax.axhline(0, color="gray", linewidth=0.8)
         ax.set_xticks(
             range(len(cells)),
-            [f"{seqlen_tick(r['seqlen'])} {'c' if r['causal'] else 'nc'} {p}" for r, p in cells],
+            [
+                f"{seqlen_tick(r['seqlen'])} {'c' if r['causal'] else 'nc'}"
+                + (f" w{r['window'][0]}" if r.get("window") else "")
+                + f" {p}"
+                for r, p in cells
+            ],
             rotation=45,
             fontsize=7,
         )
@@ -643,18 +765,26 @@ def plot(path, meta, rows):
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend(fontsize=7)
 
-    bars(
-        axes[1][0],
-        "softcap_alibi",
-        [("ours_softcap", "softcap"), ("ours_alibi", "alibi"), ("ours_softcap_alibi", "softcap + alibi")],
-        "softcap / ALiBi: ours",
-    )
-    bars(
-        axes[1][1],
-        "dropout",
-        [("ours_dropout", "ours"), ("flash_dropout", "SDPA flash")],
-        f"dropout p={DROPOUT_P}: overhead",
-    )
+    if "overheads" in panels:
+        bars(
+            panels["overheads"][0],
+            "softcap_alibi",
+            [("ours_softcap", "softcap"), ("ours_alibi", "alibi"), ("ours_softcap_alibi", "softcap + alibi")],
+            "softcap / ALiBi: ours",
+        )
+        bars(
+            panels["overheads"][1],
+            "dropout",
+            [("ours_dropout", "ours"), ("flash_dropout", "SDPA flash")],
+            f"dropout p={DROPOUT_P}: overhead",
+        )
+    # One panel per sink head dim (SINK_HDIMS has two); a row with only one hides the other panel.
+    for i, ax in enumerate(panels.get("sink", [])):
+        if i < len(sink_hdims):
+            h = sink_hdims[i]
+            bars(ax, "sink", [("ours_sink", "ours + sink")], f"learnable sink, hdim {h}: overhead", hdim=h)
+        else:
+            ax.set_visible(False)
     fig.suptitle(f"{meta['title']}: {meta['gpu']}, commit {meta['commit']}, {meta['date']}", fontsize=10)
     fig.tight_layout(rect=(0, 0, 1, 0.96))
     fig.savefig(path, dpi=110)
@@ -708,7 +838,7 @@ def main(argv=None):
     lib, lib_err = load_ours()
     meta = common.stamp()
     meta.update(
-        title=f"Attention variants: sliding window, softcap, ALiBi, dropout ({args.dtype}, hdim 128"
+        title=f"Attention variants: sliding window, softcap, ALiBi, dropout, learnable sink ({args.dtype}"
         + (", ours on mma.sync)" if args.family == "mma_sync" else ")"),
         dtype=args.dtype,
         family=args.family,
@@ -717,6 +847,9 @@ def main(argv=None):
         hdim=HDIM,
         softcap=SOFTCAP,
         dropout_p=DROPOUT_P,
+        sink_hidden=SINK_HIDDEN,
+        sink_hdims=list(SINK_HDIMS),
+        sink_window=list(SINK_WINDOW),
         warmup=args.warmup,
         rep=args.rep,
         rounds=args.rounds,
@@ -724,7 +857,8 @@ def main(argv=None):
         sections=args.sections,
     )
     meta["method"] = (
-        f"{args.dtype}, {NHEADS} heads, head dim {HDIM}, batch x seqlen = {TOKENS} tokens"
+        f"{args.dtype}, {NHEADS} heads, head dim {HDIM} (the sink section: head dims "
+        f"{' and '.join(map(str, SINK_HDIMS))} at hidden size {SINK_HIDDEN}), batch x seqlen = {TOKENS} tokens"
         + (", ours forced to the mma.sync kernels" if args.family == "mma_sync" else "")
         + ". fwd: the call under no_grad; bwd: torch.autograd.grad of an output made once (graph kept), the "
         "backward alone. After an untimed "

@@ -64,7 +64,9 @@ class Ret:
     name: str
     type: str
     # How the fake implementation makes it: "like:<arg>" (the argument's shape, contiguous) or "lse:<arg>" (the
-    # float32 log-sum-exp of a query tensor: (batch, nheads, seqlen_q) of a 4-D one, (nheads, total_q) of a 3-D one).
+    # float32 log-sum-exp of a query tensor: (batch, nheads, seqlen_q) of a 4-D one, (nheads, total_q) of a 3-D one)
+    # or "like_or_empty:<arg>" (the optional argument's shape, or an empty fp32 (0,) when it is absent: the gradient
+    # of an optional argument, which a schema cannot return as None).
     fake: str = ""
 
 
@@ -94,6 +96,12 @@ VARIANTS = Group(
         Arg("alibi_slopes", "Tensor?", "None", "fp32 (nheads,) or (batch, nheads): ALiBi's slope per head"),
         Arg("dropout_p", "float", "0.0", "the probability of dropping an attention weight"),
         Arg("rng_state", "Tensor?", "None", "int64 (2,): dropout's seed and offset; needed when dropout_p > 0"),
+        Arg(
+            "learnable_sink",
+            "Tensor?",
+            "None",
+            "fp32 (nheads,): a logit per query head that joins each row's softmax denominator and carries no value",
+        ),
     ),
 )
 
@@ -112,7 +120,12 @@ DOUT, OUT, LSE = Arg("dout", "Tensor"), Arg("out", "Tensor"), Arg("softmax_lse",
 CU_SEQLENS = (Arg("cu_seqlens_q", "Tensor"), Arg("cu_seqlens_k", "Tensor"))
 MAX_SEQLENS = (Arg("max_seqlen_q", "int"), Arg("max_seqlen_k", "int"))
 FWD_RETURNS = (Ret("out", "Tensor", "like:q"), Ret("softmax_lse", "Tensor", "lse:q"))
-BWD_RETURNS = (Ret("dq", "Tensor", "like:q"), Ret("dk", "Tensor", "like:k"), Ret("dv", "Tensor", "like:v"))
+BWD_RETURNS = (
+    Ret("dq", "Tensor", "like:q"),
+    Ret("dk", "Tensor", "like:k"),
+    Ret("dv", "Tensor", "like:v"),
+    Ret("dlearnable_sink", "Tensor", "like_or_empty:learnable_sink"),
+)
 
 OPS = (
     Op(
@@ -126,7 +139,8 @@ OPS = (
         name="bwd",
         args=(DOUT, Q, K, V, OUT, LSE, SCALE, CAUSAL, DETERMINISTIC, PLAN_OVERRIDE, *variants()),
         returns=BWD_RETURNS,
-        doc="Gradients of fwd: dq, dk, dv, contiguous, in the shapes of q, k, v.",
+        doc="Gradients of fwd: dq, dk, dv, contiguous, in the shapes of q, k, v; and dlearnable_sink, fp32, "
+        "(nheads,) with a learnable_sink, else (0,).",
     ),
     Op(
         name="varlen_fwd",
@@ -181,6 +195,7 @@ OPS = (
             Arg("kvcache", "bool", "False"),
             Arg("paged", "bool", "False"),
             Arg("max_smem", "int", "-1"),
+            Arg("learnable_sink", "bool", "False"),
         ),
         returns=(Ret("", "str"),),
         dispatch="composite",
@@ -207,6 +222,7 @@ OPS = (
             *variants("alibi_slopes"),
             NUM_SPLITS,
             PLAN_OVERRIDE,
+            *variants("learnable_sink"),
         ),
         returns=FWD_RETURNS,
         doc="flash_attn_with_kvcache: appends k and v to the caches in place (rotating k, and q, with "
@@ -224,7 +240,7 @@ OPS = (
             SCALE,
             CAUSAL,
             PLAN_OVERRIDE,
-            *variants("window_left", "window_right", "softcap", "alibi_slopes"),
+            *variants("window_left", "window_right", "softcap", "alibi_slopes", "learnable_sink"),
         ),
         returns=FWD_RETURNS,
         doc="flash_attn_varlen_func with block_table: varlen queries against paged caches (forward only).",

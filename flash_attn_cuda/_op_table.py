@@ -5,43 +5,43 @@ backward op of a forward op ("" if none), and "tensor" or "composite" dispatch."
 
 OPS = {
     'fwd': {
-        "args": ('q', 'k', 'v', 'softmax_scale', 'causal', 'deterministic', 'num_splits', 'plan_override', 'window_left', 'window_right', 'softcap', 'alibi_slopes', 'dropout_p', 'rng_state'),
+        "args": ('q', 'k', 'v', 'softmax_scale', 'causal', 'deterministic', 'num_splits', 'plan_override', 'window_left', 'window_right', 'softcap', 'alibi_slopes', 'dropout_p', 'rng_state', 'learnable_sink'),
         "returns": (('out', 'like:q'), ('softmax_lse', 'lse:q')),
         "backward": 'bwd',
         "dispatch": 'tensor',
     },
     'bwd': {
-        "args": ('dout', 'q', 'k', 'v', 'out', 'softmax_lse', 'softmax_scale', 'causal', 'deterministic', 'plan_override', 'window_left', 'window_right', 'softcap', 'alibi_slopes', 'dropout_p', 'rng_state'),
-        "returns": (('dq', 'like:q'), ('dk', 'like:k'), ('dv', 'like:v')),
+        "args": ('dout', 'q', 'k', 'v', 'out', 'softmax_lse', 'softmax_scale', 'causal', 'deterministic', 'plan_override', 'window_left', 'window_right', 'softcap', 'alibi_slopes', 'dropout_p', 'rng_state', 'learnable_sink'),
+        "returns": (('dq', 'like:q'), ('dk', 'like:k'), ('dv', 'like:v'), ('dlearnable_sink', 'like_or_empty:learnable_sink')),
         "backward": '',
         "dispatch": 'tensor',
     },
     'varlen_fwd': {
-        "args": ('q', 'k', 'v', 'cu_seqlens_q', 'cu_seqlens_k', 'max_seqlen_q', 'max_seqlen_k', 'softmax_scale', 'causal', 'deterministic', 'plan_override', 'window_left', 'window_right', 'softcap', 'alibi_slopes', 'dropout_p', 'rng_state'),
+        "args": ('q', 'k', 'v', 'cu_seqlens_q', 'cu_seqlens_k', 'max_seqlen_q', 'max_seqlen_k', 'softmax_scale', 'causal', 'deterministic', 'plan_override', 'window_left', 'window_right', 'softcap', 'alibi_slopes', 'dropout_p', 'rng_state', 'learnable_sink'),
         "returns": (('out', 'like:q'), ('softmax_lse', 'lse:q')),
         "backward": 'varlen_bwd',
         "dispatch": 'tensor',
     },
     'varlen_bwd': {
-        "args": ('dout', 'q', 'k', 'v', 'out', 'softmax_lse', 'cu_seqlens_q', 'cu_seqlens_k', 'max_seqlen_q', 'max_seqlen_k', 'softmax_scale', 'causal', 'deterministic', 'plan_override', 'window_left', 'window_right', 'softcap', 'alibi_slopes', 'dropout_p', 'rng_state'),
-        "returns": (('dq', 'like:q'), ('dk', 'like:k'), ('dv', 'like:v')),
+        "args": ('dout', 'q', 'k', 'v', 'out', 'softmax_lse', 'cu_seqlens_q', 'cu_seqlens_k', 'max_seqlen_q', 'max_seqlen_k', 'softmax_scale', 'causal', 'deterministic', 'plan_override', 'window_left', 'window_right', 'softcap', 'alibi_slopes', 'dropout_p', 'rng_state', 'learnable_sink'),
+        "returns": (('dq', 'like:q'), ('dk', 'like:k'), ('dv', 'like:v'), ('dlearnable_sink', 'like_or_empty:learnable_sink')),
         "backward": '',
         "dispatch": 'tensor',
     },
     'plan': {
-        "args": ('pass_name', 'batch', 'seqlen_q', 'seqlen_k', 'nheads', 'nheads_k', 'head_dim', 'causal', 'deterministic', 'varlen', 'num_splits', 'plan_override', 'arch', 'num_sms', 'is_bf16', 'window_left', 'window_right', 'alibi', 'dropout', 'softcap', 'kvcache', 'paged', 'max_smem'),
+        "args": ('pass_name', 'batch', 'seqlen_q', 'seqlen_k', 'nheads', 'nheads_k', 'head_dim', 'causal', 'deterministic', 'varlen', 'num_splits', 'plan_override', 'arch', 'num_sms', 'is_bf16', 'window_left', 'window_right', 'alibi', 'dropout', 'softcap', 'kvcache', 'paged', 'max_smem', 'learnable_sink'),
         "returns": (('', ''),),
         "backward": '',
         "dispatch": 'composite',
     },
     'fwd_kvcache': {
-        "args": ('q', 'k_cache', 'v_cache', 'k', 'v', 'rotary_cos', 'rotary_sin', 'cache_seqlens', 'cache_batch_idx', 'cache_leftpad', 'block_table', 'softmax_scale', 'causal', 'window_left', 'window_right', 'softcap', 'rotary_interleaved', 'alibi_slopes', 'num_splits', 'plan_override'),
+        "args": ('q', 'k_cache', 'v_cache', 'k', 'v', 'rotary_cos', 'rotary_sin', 'cache_seqlens', 'cache_batch_idx', 'cache_leftpad', 'block_table', 'softmax_scale', 'causal', 'window_left', 'window_right', 'softcap', 'rotary_interleaved', 'alibi_slopes', 'num_splits', 'plan_override', 'learnable_sink'),
         "returns": (('out', 'like:q'), ('softmax_lse', 'lse:q')),
         "backward": '',
         "dispatch": 'tensor',
     },
     'varlen_fwd_paged': {
-        "args": ('q', 'k_cache', 'v_cache', 'cu_seqlens_q', 'cu_seqlens_k', 'max_seqlen_q', 'max_seqlen_k', 'block_table', 'softmax_scale', 'causal', 'plan_override', 'window_left', 'window_right', 'softcap', 'alibi_slopes'),
+        "args": ('q', 'k_cache', 'v_cache', 'cu_seqlens_q', 'cu_seqlens_k', 'max_seqlen_q', 'max_seqlen_k', 'block_table', 'softmax_scale', 'causal', 'plan_override', 'window_left', 'window_right', 'softcap', 'alibi_slopes', 'learnable_sink'),
         "returns": (('out', 'like:q'), ('softmax_lse', 'lse:q')),
         "backward": '',
         "dispatch": 'tensor',

@@ -38,11 +38,15 @@ _VARLEN_FWD = torch.ops.flash_attn2.varlen_fwd.default
 def _fake_output(rule: str, args: dict) -> torch.Tensor:
     """One output of a fake implementation, by its rule in the op table: "like:<arg>" is the argument's shape,
     contiguous (the ops return contiguous outputs whatever the strides of their inputs); "lse:<arg>" is the float32
-    log-sum-exp of a query tensor, (batch, nheads, seqlen_q) of a 4-D one and (nheads, total_q) of a 3-D one."""
+    log-sum-exp of a query tensor, (batch, nheads, seqlen_q) of a 4-D one and (nheads, total_q) of a 3-D one;
+    "like_or_empty:<arg>" is an optional argument's shape, or (0,) float32 when the call left it out."""
     kind, name = rule.split(":")
-    x = args[name]
+    x = args.get(name)
     if kind == "like":
         return x.new_empty(x.shape)
+    if kind == "like_or_empty":
+        # An optional argument's gradient: its shape, or an empty fp32 placeholder on the first tensor's device.
+        return x.new_empty(x.shape) if x is not None else next(iter(args.values())).new_empty((0,), dtype=torch.float32)
     if kind == "lse":
         shape = (x.shape[0], x.shape[2], x.shape[1]) if x.dim() == 4 else (x.shape[1], x.shape[0])
         return x.new_empty(shape, dtype=torch.float32)
@@ -183,7 +187,9 @@ def _autograd_rule(fwd_name: str, backward_op=None):
                 args.append(forward_inputs[index])
         result = [None] * len(inputs)
         for gradient, index in zip(backward_op(*args), grad_of):
-            result[index] = gradient
+            # An optional argument the call left out gets no gradient: the backward op returns a placeholder for
+            # it, as a schema has no optional returns.
+            result[index] = gradient if forward_inputs[index] is not None else None
         return tuple(result)
 
     return setup_context, backward

@@ -231,6 +231,7 @@ def s_dmask(
     cu_seqlens_k: torch.Tensor | None = None,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
+    learnable_sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The S_dmask that return_attn_probs gives with dropout: the float32 reference probabilities, negated where
     dropout removed the entry, 0 where masked and in the padding.
@@ -242,6 +243,8 @@ def s_dmask(
         dropout_p, rng_state: the call's dropout (keep_mask).
         cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) sequence offsets of a varlen call (read on the host).
         max_seqlen_q, max_seqlen_k: varlen only; default to the longest sequences.
+        learnable_sink: the call's (nheads,) attention sink, which joins each row's denominator as in the kernels'
+            probabilities (attention_probs).
 
     Returns:
         q.dtype (batch, nheads, round_up(seqlen_q, 128), round_up(seqlen_k, 128)) (varlen: of max_seqlen_q/k),
@@ -249,7 +252,10 @@ def s_dmask(
     """
     # A testing aid, not part of the differentiable output: no autograd graph through the reference.
     q, k = q.detach(), k.detach()
-    variants = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap)
+    sink = None if learnable_sink is None else learnable_sink.detach()
+    variants = dict(
+        softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap, learnable_sink=sink
+    )
     if cu_seqlens_q is None:
         batch, seqlen_q, nheads = q.shape[:3]
         seqlen_k = k.shape[1]

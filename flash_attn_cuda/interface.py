@@ -27,13 +27,54 @@ class Variants(NamedTuple):
     alibi_slopes: torch.Tensor | None
     dropout_p: float
     rng_state: torch.Tensor | None
+    learnable_sink: torch.Tensor | None
+
+
+# The dtypes a learnable sink may come in; the ops take float32, so the others are converted (and their gradient
+# converted back by autograd).
+_SINK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _sink_argument(learnable_sink: torch.Tensor | None, s_aux: torch.Tensor | None) -> tuple[torch.Tensor | None, str]:
+    """The sink, given as learnable_sink or under its alias s_aux, and the name it was given under (for messages)."""
+    if s_aux is None:
+        return learnable_sink, "learnable_sink"
+    if learnable_sink is not None:
+        raise ValueError("learnable_sink and s_aux are two names for the same argument; give one of them")
+    return s_aux, "s_aux"
+
+
+def _check_sink(q: torch.Tensor, sink: torch.Tensor | None, name: str) -> torch.Tensor | None:
+    """The sink as the ops take it: float32, contiguous, (nheads,) on q's device. Raises ValueError naming the
+    argument otherwise; a bfloat16 or float16 sink is converted, differentiably."""
+    if sink is None:
+        return None
+    if not isinstance(sink, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor of shape (nheads,), got {type(sink).__name__}")
+    if sink.dtype not in _SINK_DTYPES:
+        raise ValueError(f"{name} must be float32, bfloat16 or float16, got {sink.dtype}")
+    # A q of the wrong kind or rank is reported by the checks of q that follow; the sink is judged against a valid q.
+    if isinstance(q, torch.Tensor) and q.dim() >= 2:
+        nheads = q.shape[-2]
+        if sink.dim() != 1 or sink.shape[0] != nheads:
+            raise ValueError(f"{name} must have shape (nheads,) = ({nheads},), got {tuple(sink.shape)}")
+        if sink.device != q.device:
+            raise ValueError(f"{name} must be on q's device ({q.device}), got {sink.device}")
+    return sink.float().contiguous()
 
 
 def _variants(
-    q: torch.Tensor, dropout_p: float, window_size: tuple[int, int], softcap: float, alibi_slopes: torch.Tensor | None
+    q: torch.Tensor,
+    dropout_p: float,
+    window_size: tuple[int, int],
+    softcap: float,
+    alibi_slopes: torch.Tensor | None,
+    learnable_sink: torch.Tensor | None = None,
+    sink_name: str = "learnable_sink",
 ) -> Variants:
     """The ops' variant arguments for the public functions' ones; with dropout, a fresh rng_state drawn from
-    torch's generator."""
+    torch's generator. learnable_sink is checked and converted (_check_sink); sink_name is the name the caller
+    gave it under."""
     try:
         left, right = window_size
     except (TypeError, ValueError):
@@ -42,8 +83,9 @@ def _variants(
         raise ValueError(f"window_size must hold integers >= -1 (-1: unbounded), got {tuple(window_size)}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    sink = _check_sink(q, learnable_sink, sink_name)
     rng_state = _ops.rng_state(q) if dropout_p > 0.0 else None
-    return Variants(int(left), int(right), float(softcap), alibi_slopes, float(dropout_p), rng_state)
+    return Variants(int(left), int(right), float(softcap), alibi_slopes, float(dropout_p), rng_state, sink)
 
 
 def _kernel_ready(x: torch.Tensor, head_dim: int, compiling: bool) -> torch.Tensor:
@@ -117,6 +159,8 @@ def flash_attn_func(
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    *,
+    learnable_sink: torch.Tensor | None = None,
 ) -> AttnOutput:
     """Exact attention softmax(q k^T * softmax_scale) v without materializing the score matrix.
 
@@ -139,18 +183,29 @@ def flash_attn_func(
         deterministic: make the backward pass bitwise reproducible (dq is summed in a fixed order, at some cost
             in speed); no effect on the forward pass.
         return_attn_probs: also return the log-sum-exp and, with dropout, S_dmask (see Returns).
+        learnable_sink: keyword only; optional (nheads,) tensor, float32, bfloat16 or float16, on q's device: one
+            learnable logit per query head, an attention sink (FlashAttention-4's learnable_sink, vLLM's s_aux,
+            gpt-oss). It joins the softmax denominator of every query row of its head and carries no value:
+            with s_ij the score after softmax_scale, softcap and ALiBi, and M_i = max(max_j s_ij, sink_h),
+            out_i = sum_j exp(s_ij - M_i) v_j / (sum_j exp(s_ij - M_i) + exp(sink_h - M_i)). The rows' weights
+            thus sum to less than 1, and a row that sees no key gives out 0. Dropout drops only the keys'
+            probabilities, never the sink's share. The sink is differentiable: its gradient is
+            d sink_h = -sum over the batch and the rows i of exp(sink_h - lse_i) * sum_d(dout_i * out_i), with lse
+            the returned softmax_lse; it comes back in the sink's dtype (the kernels compute it in float32).
 
     head_dim may be any size up to 256; sizes that are not a multiple of 8 are zero-padded internally.
 
     Returns:
         out (batch, seqlen_q, nheads, head_dim), or (out, softmax_lse, S_dmask) with return_attn_probs, where
         softmax_lse is float32 (batch, nheads, seqlen_q): the natural-log sum of exp(scores) per query row, of
-        the softmax before dropout. S_dmask is None without dropout; with it, a testing aid computed apart from
-        the kernels (in float32 PyTorch, memory quadratic in the lengths): (batch, nheads, seqlen_q rounded up
-        to 128, seqlen_k rounded up to 128) in q's dtype, the softmax probabilities with the entries dropout
-        removed negated, and zeros outside the mask.
+        the softmax before dropout; with learnable_sink, log(sum_j exp(s_ij) + exp(sink_h)), which is sink_h in a
+        row that sees no key. S_dmask is None without dropout; with it, a testing aid computed apart from the
+        kernels (in float32 PyTorch, memory quadratic in the lengths): (batch, nheads, seqlen_q rounded up to 128,
+        seqlen_k rounded up to 128) in q's dtype, the softmax probabilities with the entries dropout removed
+        negated, and zeros outside the mask. With a sink, the probabilities are exp(s_ij - lse_i): the sink is in
+        their denominator, so a row's probabilities sum to 1 - exp(sink_h - lse_i).
     """
-    variants = _variants(q, dropout_p, window_size, softcap, alibi_slopes)
+    variants = _variants(q, dropout_p, window_size, softcap, alibi_slopes, learnable_sink)
     q_in, k_in, scale_in = q, k, softmax_scale
     q, k, v, softmax_scale, head_dim, compiling = _prepare(
         q, k, v, softmax_scale, 4, "(batch, seqlen, nheads, head_dim)"
@@ -174,6 +229,7 @@ def flash_attn_func(
                 alibi_slopes,
                 variants.dropout_p,
                 variants.rng_state,
+                learnable_sink=variants.learnable_sink,
             )
         return out, softmax_lse, s_dmask
     return out
@@ -196,6 +252,9 @@ def flash_attn_varlen_func(
     deterministic: bool = False,
     return_attn_probs: bool = False,
     block_table: torch.Tensor | None = None,
+    *,
+    learnable_sink: torch.Tensor | None = None,
+    s_aux: torch.Tensor | None = None,
 ) -> AttnOutput:
     """Attention over a batch of sequences of different lengths packed without padding.
 
@@ -212,13 +271,18 @@ def flash_attn_varlen_func(
             dropout). k and v are then caches of pages (num_pages, page_size, nheads_k, head_dim), page_size a
             multiple of 16; sequence b's keys are its first cu_seqlens_k[b + 1] - cu_seqlens_k[b] rows, found in
             pages block_table[b, 0], block_table[b, 1], ... (any pages, in any order).
+        learnable_sink: keyword only; the (nheads,) attention sink logits as in flash_attn_func, shared by every
+            sequence. With block_table too (forward only there, like q, k and v).
+        s_aux: keyword only; another name for learnable_sink (vLLM's). Give at most one of the two.
         The other arguments are as in flash_attn_func.
 
     Returns:
         out (total_q, nheads, head_dim), or (out, softmax_lse, S_dmask) with return_attn_probs, where softmax_lse
-        is float32 (nheads, total_q) and S_dmask is as in flash_attn_func, (batch, nheads, max_seqlen_q and
-        max_seqlen_k rounded up to 128), each sequence's from the top-left corner (None without dropout).
+        is float32 (nheads, total_q) (with the sink, as in flash_attn_func) and S_dmask is as in flash_attn_func,
+        (batch, nheads, max_seqlen_q and max_seqlen_k rounded up to 128), each sequence's from the top-left corner
+        (None without dropout).
     """
+    learnable_sink, sink_name = _sink_argument(learnable_sink, s_aux)
     if block_table is not None:
         return _varlen_paged(
             q,
@@ -236,8 +300,10 @@ def flash_attn_varlen_func(
             alibi_slopes,
             return_attn_probs,
             block_table,
+            learnable_sink,
+            sink_name,
         )
-    variants = _variants(q, dropout_p, window_size, softcap, alibi_slopes)
+    variants = _variants(q, dropout_p, window_size, softcap, alibi_slopes, learnable_sink, sink_name)
     q_in, k_in, scale_in = q, k, softmax_scale
     q, k, v, softmax_scale, head_dim, compiling = _prepare(q, k, v, softmax_scale, 3, "(total, nheads, head_dim)")
     out, softmax_lse = _ops.varlen_fwd(
@@ -274,6 +340,7 @@ def flash_attn_varlen_func(
                 cu_seqlens_k,
                 int(max_seqlen_q),
                 int(max_seqlen_k),
+                learnable_sink=variants.learnable_sink,
             )
         return out, softmax_lse, s_dmask
     return out
@@ -331,17 +398,20 @@ def _varlen_paged(
     alibi_slopes: torch.Tensor | None,
     return_attn_probs: bool,
     block_table: torch.Tensor,
+    learnable_sink: torch.Tensor | None,
+    sink_name: str,
 ) -> AttnOutput:
     """flash_attn_varlen_func with a block_table: varlen queries against paged caches, forward only."""
     head_dim = _check_cache_operands(q, k_cache, v_cache, 3, "(total_q, nheads, head_dim)", ("k", "v"))
     if dropout_p != 0.0:
         raise ValueError(f"dropout_p must be 0 with block_table (paged calls are for inference), got {dropout_p}")
-    if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad):
+    sink_grad = isinstance(learnable_sink, torch.Tensor) and learnable_sink.requires_grad
+    if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad or sink_grad):
         raise ValueError(
             "block_table: paged keys and values have no backward pass; call under torch.no_grad() or "
-            "with tensors that do not require grad"
+            f"with tensors that do not require grad (q, k, v and {sink_name})"
         )
-    variants = _variants(q, 0.0, window_size, softcap, alibi_slopes)
+    variants = _variants(q, 0.0, window_size, softcap, alibi_slopes, learnable_sink, sink_name)
     if softmax_scale is None:
         softmax_scale = head_dim**-0.5
     elif softmax_scale < 0:
@@ -365,6 +435,7 @@ def _varlen_paged(
         variants.window_right,
         variants.softcap,
         variants.alibi_slopes,
+        learnable_sink=variants.learnable_sink,
     )
     if out.shape[-1] != head_dim:
         out = out[..., :head_dim]
@@ -391,6 +462,9 @@ def flash_attn_with_kvcache(
     alibi_slopes: torch.Tensor | None = None,
     num_splits: int = 0,
     return_softmax_lse: bool = False,
+    *,
+    learnable_sink: torch.Tensor | None = None,
+    s_aux: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention against a KV cache, for decoding and for prefill into a cache (inference: no backward pass).
 
@@ -425,7 +499,11 @@ def flash_attn_with_kvcache(
         softmax_scale, causal, window_size, softcap, alibi_slopes: as in flash_attn_func, with positions aligned
             to the bottom-right corner of each sequence's own (seqlen_q, keys) score matrix.
         num_splits: key splits per query block (0: chosen from the shape and the GPU; 1: none).
-        return_softmax_lse: also return the float32 (batch, nheads, seqlen_q) log-sum-exp.
+        return_softmax_lse: also return the float32 (batch, nheads, seqlen_q) log-sum-exp (with the sink's term when
+            there is one).
+        learnable_sink: keyword only; the (nheads,) attention sink logits as in flash_attn_func: each query row's
+            softmax denominator gains exp(sink_h), whatever the key splits. No gradient here.
+        s_aux: keyword only; another name for learnable_sink (vLLM's). Give at most one of the two.
 
     head_dim may be any size up to 256; with a size that is not a multiple of 8 the caches are padded into
     copies and the appended rows copied back (slow, but correct).
@@ -434,7 +512,8 @@ def flash_attn_with_kvcache(
         out (batch, seqlen_q, nheads, head_dim), or (out, softmax_lse) with return_softmax_lse.
     """
     head_dim = _check_cache_operands(q, k_cache, v_cache, 4, "(batch, seqlen_q, nheads, head_dim)")
-    variants = _variants(q, 0.0, window_size, softcap, alibi_slopes)
+    learnable_sink, sink_name = _sink_argument(learnable_sink, s_aux)
+    variants = _variants(q, 0.0, window_size, softcap, alibi_slopes, learnable_sink, sink_name)
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together")
     paged = isinstance(block_table, torch.Tensor) and block_table.dim() == 2
@@ -488,6 +567,7 @@ def flash_attn_with_kvcache(
         variants.alibi_slopes,
         int(num_splits) if num_splits else forced_splits,
         plan_override,
+        learnable_sink=variants.learnable_sink,
     )
     if k_cache is not k_cache_in and k is not None:
         k_cache_in.copy_(k_cache[..., :head_dim])
@@ -513,15 +593,28 @@ def flash_attn_qkvpacked_func(
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    *,
+    learnable_sink: torch.Tensor | None = None,
 ) -> AttnOutput:
     """flash_attn_func on q, k, v packed as qkv (batch, seqlen, 3, nheads, head_dim).
 
     q, k and v are read in place from qkv (no copy when head_dim is a multiple of 8), and the gradient comes back
-    as one tensor shaped like qkv.
+    as one tensor shaped like qkv. learnable_sink (keyword only): the attention sink logits of flash_attn_func.
     """
     q, k, v = _unpack(qkv, 2, 3, "qkv", "(batch, seqlen, 3, nheads, head_dim)")
     return flash_attn_func(
-        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
+        q,
+        k,
+        v,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        learnable_sink=learnable_sink,
     )
 
 
@@ -536,11 +629,25 @@ def flash_attn_kvpacked_func(
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    *,
+    learnable_sink: torch.Tensor | None = None,
 ) -> AttnOutput:
-    """flash_attn_func with k and v packed as kv (batch, seqlen_k, 2, nheads_k, head_dim), read in place."""
+    """flash_attn_func with k and v packed as kv (batch, seqlen_k, 2, nheads_k, head_dim), read in place.
+    learnable_sink (keyword only): the attention sink logits of flash_attn_func."""
     k, v = _unpack(kv, 2, 2, "kv", "(batch, seqlen_k, 2, nheads_k, head_dim)")
     return flash_attn_func(
-        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
+        q,
+        k,
+        v,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        learnable_sink=learnable_sink,
     )
 
 
@@ -556,9 +663,12 @@ def flash_attn_varlen_qkvpacked_func(
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    *,
+    learnable_sink: torch.Tensor | None = None,
 ) -> AttnOutput:
     """flash_attn_varlen_func on q, k, v packed as qkv (total, 3, nheads, head_dim), sharing cu_seqlens and
-    max_seqlen; read in place, with the gradient shaped like qkv."""
+    max_seqlen; read in place, with the gradient shaped like qkv. learnable_sink (keyword only): the attention sink
+    logits of flash_attn_func."""
     q, k, v = _unpack(qkv, 1, 3, "qkv", "(total, 3, nheads, head_dim)")
     return flash_attn_varlen_func(
         q,
@@ -576,6 +686,7 @@ def flash_attn_varlen_qkvpacked_func(
         alibi_slopes,
         deterministic,
         return_attn_probs,
+        learnable_sink=learnable_sink,
     )
 
 
@@ -594,8 +705,11 @@ def flash_attn_varlen_kvpacked_func(
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    *,
+    learnable_sink: torch.Tensor | None = None,
 ) -> AttnOutput:
-    """flash_attn_varlen_func with k and v packed as kv (total_k, 2, nheads_k, head_dim), read in place."""
+    """flash_attn_varlen_func with k and v packed as kv (total_k, 2, nheads_k, head_dim), read in place.
+    learnable_sink (keyword only): the attention sink logits of flash_attn_func."""
     k, v = _unpack(kv, 1, 2, "kv", "(total_k, 2, nheads_k, head_dim)")
     return flash_attn_varlen_func(
         q,
@@ -613,4 +727,5 @@ def flash_attn_varlen_kvpacked_func(
         alibi_slopes,
         deterministic,
         return_attn_probs,
+        learnable_sink=learnable_sink,
     )

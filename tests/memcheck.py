@@ -1,8 +1,8 @@
 """Small forward and backward calls for compute-sanitizer (not a pytest module): odd lengths, causal both
 ways, GQA, padded head dims, strided views, deterministic mode and variable-length batches (with empty and
 one-token sequences), forced split-KV forwards, the warp-specialized Hopper forward with several tiles per CTA,
-forced multi-key-block backwards, and the attention variants (windows, softcap, ALiBi, dropout) on both kernel
-families, so out-of-bounds reads or writes show up as memcheck errors.
+forced multi-key-block backwards, the attention variants (windows, softcap, ALiBi, dropout) and learnable sinks on
+both kernel families, so out-of-bounds reads or writes show up as memcheck errors.
 
     compute-sanitizer --tool memcheck python tests/memcheck.py [section ...]
 
@@ -373,6 +373,51 @@ def kvcache():
     return calls
 
 
+def sinks():
+    """Learnable sinks on both kernel families: dense forwards and backwards with GQA, odd lengths and rows that see
+    no key (causal with seqlen_q > seqlen_k), varlen batches with empty sequences, forced split-KV forwards (the
+    sink joins at the combine), and GQA-packed decoding from a paged cache, whose packed rows read their own heads'
+    sinks. Returns the calls."""
+    calls = 0
+    families = [None, "mma_sync"] if torch.cuda.get_device_capability()[0] == 9 else [None]
+    cu_q, cu_k = cu_seqlens()
+    for head_dim, family, causal in itertools.product((64, 128), families, (False, True)):
+        if not flash_attn_cuda.kernel_available(head_dim, torch.bfloat16, causal, backward=True):
+            continue
+        force = {} if family is None else {"kernel": family}
+        sink = torch.randn(6, device="cuda", dtype=torch.float32).requires_grad_()
+        with force_plan(**force):
+            for sq, sk in ((113, 77), (77, 203)):
+                q = torch.randn(2, sq, 6, head_dim, device="cuda", dtype=torch.bfloat16).requires_grad_()
+                k, v = torch.randn(2, 2, sk, 2, head_dim, device="cuda", dtype=torch.bfloat16).unbind(0)
+                out = flash_attn_func(q, k.requires_grad_(), v.requires_grad_(), causal=causal, learnable_sink=sink)
+                out.backward(torch.randn_like(out))
+                calls += 1
+            q = torch.randn(sum(LENS_Q), 6, head_dim, device="cuda", dtype=torch.bfloat16).requires_grad_()
+            k, v = torch.randn(2, sum(LENS_K), 2, head_dim, device="cuda", dtype=torch.bfloat16).unbind(0)
+            out = flash_attn_varlen_func(
+                q, k, v, cu_q, cu_k, max(LENS_Q), max(LENS_K), causal=causal, learnable_sink=sink
+            )
+            out.backward(torch.randn_like(out))
+            calls += 1
+        with torch.no_grad():
+            q = torch.randn(2, 17, 6, head_dim, device="cuda", dtype=torch.bfloat16)
+            k, v = torch.randn(2, 2, 203, 2, head_dim, device="cuda", dtype=torch.bfloat16).unbind(0)
+            with force_plan(num_splits=7, **force):
+                flash_attn_func(q, k, v, causal=causal, learnable_sink=sink)
+            # One query token, 3 query heads per key/value head, paged: the packed decode path.
+            k_cache, v_cache = torch.randn(2, 12, 16, 2, head_dim, device="cuda", dtype=torch.bfloat16).unbind(0)
+            table = torch.randperm(12, device="cuda", dtype=torch.int32).view(3, 4)
+            lens = torch.tensor([0, 33, 64], device="cuda", dtype=torch.int32)
+            q = torch.randn(3, 1, 6, head_dim, device="cuda", dtype=torch.bfloat16)
+            with force_plan(**force):
+                flash_attn_cuda.flash_attn_with_kvcache(
+                    q, k_cache, v_cache, cache_seqlens=lens, block_table=table, causal=causal, s_aux=sink
+                )
+            calls += 2
+    return calls
+
+
 SECTIONS = [
     dense,
     varlen,
@@ -384,6 +429,7 @@ SECTIONS = [
     fwd_regular_tile,
     variants,
     kvcache,
+    sinks,
 ]
 
 

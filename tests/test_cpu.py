@@ -235,16 +235,24 @@ def test_bwd_schema():
         "bool deterministic=False",
     ):
         assert arg in schema, (arg, schema)
-    assert "-> (Tensor dq, Tensor dk, Tensor dv)" in schema
+    assert "-> (Tensor dq, Tensor dk, Tensor dv, Tensor dlearnable_sink)" in schema
 
 
 def test_bwd_fake_shapes_gqa():
     with FakeTensorMode():
         q, k, v = qkv(b=2, sq=33, sk=17, h=6, hk=2, d=64)
         out, lse = torch.ops.flash_attn2.fwd(q, k, v, 0.125, True)
-        dq, dk, dv = torch.ops.flash_attn2.bwd(torch.empty_like(out), q, k, v, out, lse, 0.125, True)
+        dq, dk, dv, dsink = torch.ops.flash_attn2.bwd(torch.empty_like(out), q, k, v, out, lse, 0.125, True)
         assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
         assert dq.dtype == q.dtype and dk.dtype == k.dtype
+        # Without a learnable sink its gradient is an empty placeholder.
+        assert dsink.shape == (0,) and dsink.dtype == torch.float32
+        sink = torch.empty(6, dtype=torch.float32)
+        out, lse = torch.ops.flash_attn2.fwd(q, k, v, 0.125, True, learnable_sink=sink)
+        *_, dsink = torch.ops.flash_attn2.bwd(
+            torch.empty_like(out), q, k, v, out, lse, 0.125, True, learnable_sink=sink
+        )
+        assert dsink.shape == (6,) and dsink.dtype == torch.float32
 
 
 def test_bwd_fake_gradients_are_contiguous():
@@ -253,14 +261,14 @@ def test_bwd_fake_gradients_are_contiguous():
     with FakeTensorMode():
         q, k, v = (torch.empty(2, 4, 33, 64, dtype=torch.float16).transpose(1, 2) for _ in range(3))
         out, lse = torch.ops.flash_attn2.fwd(q, k, v, 0.125, False)
-        grads = torch.ops.flash_attn2.bwd(torch.empty_like(out), q, k, v, out, lse, 0.125, False)
+        grads = torch.ops.flash_attn2.bwd(torch.empty_like(out), q, k, v, out, lse, 0.125, False)[:3]
         assert all(g.is_contiguous() and g.shape == q.shape for g in grads)
         qv, kv, vv = (torch.empty(4, 50, 64, dtype=torch.float16).transpose(0, 1) for _ in range(3))
         cu = torch.tensor([0, 20, 50], dtype=torch.int32)
         out, lse = torch.ops.flash_attn2.varlen_fwd(qv, kv, vv, cu, cu, 30, 30, 0.125, False)
         grads = torch.ops.flash_attn2.varlen_bwd(
             torch.empty_like(out), qv, kv, vv, out, lse, cu, cu, 30, 30, 0.125, False
-        )
+        )[:3]
         assert all(g.is_contiguous() and g.shape == qv.shape for g in grads)
 
 
@@ -636,7 +644,7 @@ def test_varlen_schemas():
     bwd_schema = str(torch.ops.flash_attn2.varlen_bwd.default._schema)
     for arg in ("Tensor dout", "Tensor out", "Tensor softmax_lse", "Tensor cu_seqlens_q", "int max_seqlen_k"):
         assert arg in bwd_schema, (arg, bwd_schema)
-    assert "-> (Tensor dq, Tensor dk, Tensor dv)" in bwd_schema
+    assert "-> (Tensor dq, Tensor dk, Tensor dv, Tensor dlearnable_sink)" in bwd_schema
 
 
 def test_varlen_fake_shapes():
@@ -644,10 +652,10 @@ def test_varlen_fake_shapes():
         q, k, v, cu_q, cu_k, max_q, max_k = varlen_args(h=6, hk=2)
         out, lse = torch.ops.flash_attn2.varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, 0.125, True)
         assert out.shape == q.shape and lse.shape == (6, q.shape[0]) and lse.dtype == torch.float32
-        dq, dk, dv = torch.ops.flash_attn2.varlen_bwd(
+        dq, dk, dv, dsink = torch.ops.flash_attn2.varlen_bwd(
             torch.empty_like(out), q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.125, True
         )
-        assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+        assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape and dsink.shape == (0,)
 
 
 def test_varlen_autograd_through_fake_op():
@@ -802,6 +810,10 @@ def test_autograd_home(python_autograd):
         "q, k, v = (torch.empty(9, 4, 64, dtype=torch.float16, device='meta').requires_grad_() for _ in range(3))\n"
         "out = flash_attn_cuda.flash_attn_varlen_func(q, k, v, cu, cu, 5, 5)\n"
         "assert all(g.shape == q.shape for g in torch.autograd.grad(out.sum(), (q, k, v)))\n"
+        "sink = torch.empty(4, dtype=torch.float32, device='meta').requires_grad_()\n"
+        "out = flash_attn_cuda.flash_attn_varlen_func(q, k, v, cu, cu, 5, 5, learnable_sink=sink)\n"
+        "dq, dsink = torch.autograd.grad(out.sum(), (q, sink))\n"
+        "assert dq.shape == q.shape and dsink.shape == sink.shape\n"
     )
     env = dict(os.environ)
     env.pop("FLASH_ATTN2_PYTHON_AUTOGRAD", None)

@@ -93,7 +93,8 @@ def test_autograd_passes_every_backward_argument(python_rule):
 
     q, k, v = (torch.empty(2, 9, 4, 64, dtype=torch.float16, device="meta").requires_grad_() for _ in range(3))
     alibi = torch.empty(4, dtype=torch.float32, device="meta")
-    args = (q, k, v, 0.25, True, True, 0, "kernel=mma_sync", 3, 5, 7.0, alibi, 0.0, None)
+    sink = torch.empty(4, dtype=torch.float32, device="meta").requires_grad_()
+    args = (q, k, v, 0.25, True, True, 0, "kernel=mma_sync", 3, 5, 7.0, alibi, 0.0, None, sink)
     if python_rule:
         calls = []
 
@@ -116,13 +117,25 @@ def test_autograd_passes_every_backward_argument(python_rule):
         grads = backward(ctx, torch.empty_like(output[0]), None)
         (call,) = calls
         assert call[1:4] == tuple(args[:3]) and call[4] is output[0] and call[5] is output[1]
-        assert call[6:] == (0.25, True, True, "kernel=mma_sync", 3, 5, 7.0, alibi, 0.0, None)
-        assert len(grads) == len(args) and all(g is None for g in grads[3:])
-        assert all(g.shape == q.shape for g in grads[:3])
+        assert call[6:] == (0.25, True, True, "kernel=mma_sync", 3, 5, 7.0, alibi, 0.0, None, sink)
+        assert len(grads) == len(args) and all(g is None for g in grads[3:-1])
+        assert all(g.shape == q.shape for g in grads[:3]) and grads[-1].shape == sink.shape
+        # Without the sink (None), its placeholder gradient goes nowhere.
+        calls.clear()
+        ctx = Ctx()
+        no_sink = (*args[:-1], None)
+        output = torch.ops.flash_attn2.fwd.default(*(a.detach() if isinstance(a, torch.Tensor) else a for a in no_sink))
+        setup_context(ctx, no_sink, output)
+        grads = backward(ctx, torch.empty_like(output[0]), None)
+        assert calls[0][-1] is None and len(grads) == len(args) and all(g is None for g in grads[3:])
     else:
         out, _ = torch.ops.flash_attn2.fwd(*args)
+        dq, dk, dv, dsink = torch.autograd.grad(out.sum(), (q, k, v, sink))
+        assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape and dsink.shape == sink.shape
+        # An optional differentiable argument left out is no input of the autograd node.
+        out, _ = torch.ops.flash_attn2.fwd(*args[:-1])
         dq, dk, dv = torch.autograd.grad(out.sum(), (q, k, v))
-        assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+        assert dq.shape == q.shape
 
 
 def test_public_variants_follow_the_schema():

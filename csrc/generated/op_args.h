@@ -16,6 +16,7 @@ struct VariantArgs {
     const std::optional<Tensor>& alibi_slopes;  // fp32 (nheads,) or (batch, nheads): ALiBi's slope per head
     double dropout_p;  // the probability of dropping an attention weight
     const std::optional<Tensor>& rng_state;  // int64 (2,): dropout's seed and offset; needed when dropout_p > 0
+    const std::optional<Tensor>& learnable_sink;  // fp32 (nheads,): a logit per query head that joins each row's softmax denominator and carries no value
 };
 
 }  // namespace flash

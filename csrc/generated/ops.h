@@ -27,7 +27,7 @@ struct FwdArgs {
 };
 std::tuple<Tensor, Tensor> fwd_op(const FwdArgs& args);
 
-// bwd: Gradients of fwd: dq, dk, dv, contiguous, in the shapes of q, k, v.
+// bwd: Gradients of fwd: dq, dk, dv, contiguous, in the shapes of q, k, v; and dlearnable_sink, fp32, (nheads,) with a learnable_sink, else (0,).
 struct BwdArgs {
     const Tensor& dout;
     const Tensor& q;
@@ -41,7 +41,7 @@ struct BwdArgs {
     const std::string& plan_override;
     Variants variants;
 };
-std::tuple<Tensor, Tensor, Tensor> bwd_op(const BwdArgs& args);
+std::tuple<Tensor, Tensor, Tensor, Tensor> bwd_op(const BwdArgs& args);
 
 // varlen_fwd: Attention over a variable-length batch: (total, nheads, head_dim) q, k, v and cumulative lengths.
 struct VarlenFwdArgs {
@@ -78,7 +78,7 @@ struct VarlenBwdArgs {
     const std::string& plan_override;
     Variants variants;
 };
-std::tuple<Tensor, Tensor, Tensor> varlen_bwd_op(const VarlenBwdArgs& args);
+std::tuple<Tensor, Tensor, Tensor, Tensor> varlen_bwd_op(const VarlenBwdArgs& args);
 
 // plan: The plan of one pass for these sizes and variants, as to_string(Plan) writes it.
 struct PlanArgs {
@@ -105,6 +105,7 @@ struct PlanArgs {
     bool kvcache;
     bool paged;
     int64_t max_smem;
+    bool learnable_sink;
 };
 std::string plan_op(const PlanArgs& args);
 

@@ -11,10 +11,11 @@
 namespace flash {
 namespace {
 
-std::tuple<Tensor, Tensor, Tensor> bwd_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
-                                            const Tensor& out, const Tensor& softmax_lse, double softmax_scale,
-                                            bool causal, bool deterministic, const std::string& plan_override,
-                                            const Varlen* varlen, const Variants& variants) {
+std::tuple<Tensor, Tensor, Tensor, Tensor> bwd_impl(const Tensor& dout, const Tensor& q, const Tensor& k,
+                                                    const Tensor& v, const Tensor& out, const Tensor& softmax_lse,
+                                                    double softmax_scale, bool causal, bool deterministic,
+                                                    const std::string& plan_override, const Varlen* varlen,
+                                                    const Variants& variants) {
     check_qkv(q, k, v);
     if (varlen != nullptr) { check_varlen(*varlen, q, k.size(1), "total_k"); }
     check_bwd_inputs(dout, q, out, softmax_lse, lse_shape(q, varlen));
@@ -50,12 +51,26 @@ std::tuple<Tensor, Tensor, Tensor> bwd_impl(const Tensor& dout, const Tensor& q,
         if (zeroed) { zero_async(t, stream); }
         return t;
     };
+    // The learnable sink's gradient: fp32 (nheads,), or an empty (0,) without a sink (a schema returns a tensor).
+    // Where no query row sees a key, every output row is 0, so D and the sink's gradient are 0 too.
+    auto sink_gradient = [&](bool zeroed) {
+        Tensor t = empty_cuda({variants.sink() ? q.size(2) : 0}, ScalarType::Float, device);
+        if (zeroed && variants.sink()) { zero_async(t, stream); }
+        return t;
+    };
     const bool nothing_to_do = q.numel() == 0 || k.numel() == 0 ||
                                (varlen != nullptr && (batch == 0 || seqlen_q == 0 || varlen->max_seqlen_k == 0));
-    if (nothing_to_do) { return {gradient(q, true), gradient(k, true), gradient(v, true)}; }
+    if (nothing_to_do) { return {gradient(q, true), gradient(k, true), gradient(v, true), sink_gradient(true)}; }
     const Tensor lse = softmax_lse.is_contiguous() ? softmax_lse : torch::stable::contiguous(softmax_lse);
     // D = rowsum(dO * O), laid out like the LSE.
     const Tensor dsum = empty_like_contiguous(lse);
+    // With a learnable sink: each row's share of its gradient, laid out like the LSE; varlen rows past the last
+    // sequence belong to none and stay 0.
+    std::optional<Tensor> sink_grad_rows;
+    if (variants.sink()) {
+        sink_grad_rows = empty_like_contiguous(lse);
+        if (varlen != nullptr) { zero_async(*sink_grad_rows, stream); }
+    }
     // Each sequence owns whole query blocks of dq_accum rows (see BwdParams::dq_accum_ptr).
     const int64_t dq_accum_seqlen = varlen != nullptr ? q.size(1) + batch * kBwdMaxBlockM
                                                       : (seqlen_q + kBwdMaxBlockM - 1) / kBwdMaxBlockM * kBwdMaxBlockM;
@@ -94,6 +109,7 @@ std::tuple<Tensor, Tensor, Tensor> bwd_impl(const Tensor& dout, const Tensor& q,
     params.do_row_stride = dout_k.stride[1];
     params.do_head_stride = dout_k.stride[2];
     params.dsum_ptr = static_cast<float*>(dsum.data_ptr());
+    params.sink_grad_rows_ptr = variants.sink() ? static_cast<float*>(sink_grad_rows->data_ptr()) : nullptr;
     params.dq_accum_ptr = static_cast<float*>(dq_accum.data_ptr());
     const View4 dq_k = pack_gqa(view4(dq), group);
     params.dq_ptr = dq_k.ptr;
@@ -120,7 +136,12 @@ std::tuple<Tensor, Tensor, Tensor> bwd_impl(const Tensor& dout, const Tensor& q,
     if (err == cudaSuccess) { err = launcher(params, stream); }
     check_launch(err, "flash_attn2::bwd", device);
 
-    if (!plan.dkv_fp32_slices) { return {dq, dk_heads, dv_heads}; }
+    // The sink's gradient sums its rows' shares over batch and rows: a torch reduction, whose order is the same in
+    // every run, so the result is bitwise repeatable.
+    const std::vector<int64_t> rows_dims = varlen != nullptr ? std::vector<int64_t>{1} : std::vector<int64_t>{0, 2};
+    const Tensor dsink = variants.sink() ? torch::stable::sum(*sink_grad_rows, rows_dims, false, ScalarType::Float)
+                                         : sink_gradient(false);
+    if (!plan.dkv_fp32_slices) { return {dq, dk_heads, dv_heads, dsink}; }
     const int64_t heads_per_kv = nheads / nheads_k;
     auto sum_group = [&](const Tensor& heads) {
         const Tensor grouped = varlen != nullptr
@@ -129,17 +150,17 @@ std::tuple<Tensor, Tensor, Tensor> bwd_impl(const Tensor& dout, const Tensor& q,
         const Tensor summed = torch::stable::sum(grouped, std::vector<int64_t>{-2}, false, ScalarType::Float);
         return torch::stable::to(summed, dtype);
     };
-    return {dq, sum_group(dk_heads), sum_group(dv_heads)};
+    return {dq, sum_group(dk_heads), sum_group(dv_heads), dsink};
 }
 
 }  // namespace
 
-std::tuple<Tensor, Tensor, Tensor> bwd_op(const BwdArgs& a) {
+std::tuple<Tensor, Tensor, Tensor, Tensor> bwd_op(const BwdArgs& a) {
     return bwd_impl(a.dout, a.q, a.k, a.v, a.out, a.softmax_lse, a.softmax_scale, a.causal, a.deterministic,
                     a.plan_override, nullptr, a.variants);
 }
 
-std::tuple<Tensor, Tensor, Tensor> varlen_bwd_op(const VarlenBwdArgs& a) {
+std::tuple<Tensor, Tensor, Tensor, Tensor> varlen_bwd_op(const VarlenBwdArgs& a) {
     check_varlen_rank(a.q, "q", "(total_q, nheads, head_dim)");
     check_varlen_rank(a.k, "k", "(total_k, nheads_k, head_dim)");
     check_varlen_rank(a.v, "v", "(total_k, nheads_k, head_dim)");

@@ -26,6 +26,7 @@ struct Varlen {
 struct Variants : VariantArgs {
     bool dropout() const { return dropout_p > 0.0; }
     bool alibi() const { return alibi_slopes.has_value(); }
+    bool sink() const { return learnable_sink.has_value(); }
     // causal fixes the window's right side at 0.
     int64_t right(bool causal) const { return causal ? 0 : window_right; }
 };

@@ -275,6 +275,17 @@ void check_variants(const Variants& variants, const Tensor& q, int64_t batch) {
         FLASH_CHECK_ARG(same_device(rng, q), "rng_state must be on the device of q (", device_str(q), "), got ",
                         device_str(rng));
     }
+    if (variants.sink()) {
+        // The public functions convert a bf16 or fp16 sink (and its gradient back); the ops take fp32 only.
+        const Tensor& sink = *variants.learnable_sink;
+        FLASH_CHECK_ARG(sink.scalar_type() == ScalarType::Float, "learnable_sink must be float32, got ",
+                        sink.scalar_type());
+        FLASH_CHECK_ARG(sink.dim() == 1 && sink.size(0) == nheads, "learnable_sink must have shape (nheads,) = (",
+                        num(nheads), ",), got ", shape_str(sink.sizes()));
+        FLASH_CHECK_ARG(sink.is_contiguous(), "learnable_sink must be contiguous");
+        FLASH_CHECK_ARG(same_device(sink, q), "learnable_sink must be on the device of q (", device_str(q), "), got ",
+                        device_str(sink));
+    }
 }
 
 void check_num_splits(int64_t num_splits) {

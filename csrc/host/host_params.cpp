@@ -44,6 +44,7 @@ Problem problem_of(Pass pass, const Tensor& q, const Tensor& k, bool causal, boo
     flags.dropout = variants.dropout();
     flags.kvcache = cache != nullptr;
     flags.paged = cache != nullptr && cache->paged();
+    flags.sink = variants.sink();
     return problem_of(pass, sizes, causal, deterministic, varlen != nullptr, flags);
 }
 
@@ -166,6 +167,8 @@ void set_variant_params(FwdParams& params, const Variants& variants, bool causal
         params.alibi_slopes_ptr = static_cast<const float*>(slopes.data_ptr());
         params.alibi_batch_stride = slopes.dim() == 2 ? slopes.stride(0) : 0;
     }
+    params.learnable_sink_ptr = variants.sink() ? static_cast<const float*>(variants.learnable_sink->data_ptr())
+                                                : nullptr;
     params.rng_state_ptr = nullptr;
     params.dropout_threshold = 0;
     params.dropout_keep_scale = 1.f;

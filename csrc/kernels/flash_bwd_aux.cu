@@ -1,6 +1,7 @@
 #include "kernels/flash_bwd_aux.h"
 
 #include "kernels/block_info.h"
+#include "kernels/row_mod.h"
 #include "launch/launch.h"
 
 #include <cutlass/array.h>
@@ -15,7 +16,9 @@ constexpr int kVec = 8;                                  // elements per 16-byte
 constexpr int kLanesPerRow = 8;                          // D: a row is summed by 8 lanes, 64 columns per step
 constexpr int kTokensPerBlock = kThreads / kLanesPerRow;  // both kernels: grid (token blocks, batch, heads)
 
-// D = rowsum(dO * O) for kTokensPerBlock tokens of one (batch, head), written in the LSE layout.
+// D = rowsum(dO * O) for kTokensPerBlock tokens of one (batch, head), written in the LSE layout; with a learnable
+// sink, also each row's share of the sink's gradient (row_mod.h, hook c), in the same layout, which the host sums
+// per head.
 template <typename Element>
 __global__ void __launch_bounds__(kThreads) dot_do_o_kernel(const __grid_constant__ BwdParams params) {
     const int s = blockIdx.x * kTokensPerBlock + threadIdx.x / kLanesPerRow;
@@ -37,7 +40,16 @@ __global__ void __launch_bounds__(kThreads) dot_do_o_kernel(const __grid_constan
     }
 #pragma unroll
     for (int offset = kLanesPerRow / 2; offset > 0; offset /= 2) { sum += __shfl_xor_sync(0xffffffff, sum, offset); }
-    if (valid && lane == 0) { params.dsum_ptr[binfo.lse_offset(params, b, h) + s] = sum; }
+    if (valid && lane == 0) {
+        const index_t row = binfo.lse_offset(params, b, h) + s;
+        params.dsum_ptr[row] = sum;
+        if (params.learnable_sink_ptr != nullptr) {
+            // Under GQA packing (BwdParams::gqa_pack) row s of head h is query head h * gqa_pack + s.
+            const RowCoord coord{params.gqa_pack > 1 ? h * params.gqa_pack + s : h};
+            params.sink_grad_rows_ptr[row] = LearnableSink{params.learnable_sink_ptr}.grad_term(
+                sum, params.lse_ptr[row], coord);
+        }
+    }
 }
 
 // dq = softmax_scale * dq_accum for kTokensPerBlock tokens of one (batch, head), written at the dq strides

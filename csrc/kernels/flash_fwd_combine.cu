@@ -7,6 +7,7 @@
 #include <cutlass/numeric_types.h>
 
 #include "kernels/block_info.h"
+#include "kernels/row_mod.h"
 #include "launch/launch.h"
 
 namespace flash {
@@ -48,13 +49,16 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const __grid_constant
     for (int offset = 16; offset > 0; offset /= 2) {
         lse_max = fmaxf(lse_max, __shfl_xor_sync(0xffffffff, lse_max, offset));
     }
-    // Every split saw no key for this row: the flash-attn convention is output 0 and LSE +inf.
+    // Every split saw no key for this row: output 0, and the LSE of the sink alone (+inf without one: the
+    // flash-attn convention). The learnable sink joins here, once, and not in the splits' own LSEs.
     const bool empty = lse_max == -INFINITY;
     float sum = 0.f;
 #pragma unroll
     for (int i = 0; i < kSplitsPerLane; ++i) { sum += empty ? 0.f : expf(lse_s[i] - lse_max); }
     for (int offset = 16; offset > 0; offset /= 2) { sum += __shfl_xor_sync(0xffffffff, sum, offset); }
-    const float lse = empty ? INFINITY : lse_max + logf(sum);
+    // Under GQA packing (FwdParams::gqa_pack) row r of head h is query head h * gqa_pack + r.
+    const RowCoord coord{params.gqa_pack > 1 ? h * params.gqa_pack + row : h};
+    const float lse = finish_split_row(LearnableSink{params.learnable_sink_ptr}, {lse_max, sum}, coord);
 #pragma unroll
     for (int i = 0; i < kSplitsPerLane; ++i) { s_weight[warp][lane + 32 * i] = empty ? 0.f : expf(lse_s[i] - lse); }
     __syncwarp();

@@ -10,6 +10,8 @@
 #include "kernels/block_info.h"
 #include "launch/flash_params.h"
 #include "kernels/paged_kv.h"
+#include "kernels/row_mod.h"
+#include "kernels/softmax.h"
 #include "kernels/utils.h"  // copy_to_gmem
 
 namespace flash {
@@ -96,6 +98,26 @@ struct FwdTile {
     __forceinline__ __device__ int n_block_end() const { return n_blocks_.end; }
     // True for a split-KV launch: the epilogue writes partials (write_partial) instead of out and lse.
     __forceinline__ __device__ static bool is_split(const FwdParams& params) { return params.num_splits > 1; }
+
+    // Folds the call's learnable sink (row_mod.h) into the finished rows: acc_o_rc the thread's normalized output
+    // as (rows, cols), lse its rows' LSE, coords_rc the tile positions of acc_o_rc's values. Nothing without a
+    // sink, and nothing in a split-KV CTA, whose split's LSE leaves without it: the sink joins once, at the
+    // combine. One uniform branch, after finalize (OnlineSoftmax::fold_row_terms says why).
+    template <class AccTensor, class LseTensor, class CoordTensor>
+    __forceinline__ __device__ void fold_row_mod(const FwdParams& params, AccTensor& acc_o_rc, LseTensor& lse,
+                                                 const CoordTensor& coords_rc) const {
+        if (params.learnable_sink_ptr == nullptr || is_split(params)) { return; }
+        constexpr int kRows = decltype(size<0>(acc_o_rc))::value;
+        OnlineSoftmax<kRows>::fold_row_terms(acc_o_rc, lse, LearnableSink{params.learnable_sink_ptr},
+                                             [&](int r) { return query_head(params, get<0>(coords_rc(r, 0))); });
+    }
+    // The query head of the tile's row `row`: head_idx, or under GQA packing (FwdParams::gqa_pack) the row's own
+    // head. Rows past the packed sequence (whose results are never written) take its last head, so that no read
+    // leaves the sink tensor.
+    __forceinline__ __device__ int query_head(const FwdParams& params, int row) const {
+        if (params.gqa_pack == 1) { return head_idx; }
+        return head_idx * params.gqa_pack + min(m_block * kBlockM + row, binfo.seqlen_q - 1);
+    }
 
     // The CTA's query block and its key/value sequence in global memory, as (gQ, gK, gV): gQ (kBlockM,
     // kHeadDim), gK and gV (kBlockN, kHeadDim, n). Tiles may run past seqlen or head_dim; those positions

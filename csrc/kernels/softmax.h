@@ -7,6 +7,7 @@
 
 #include <cute/tensor.hpp>
 
+#include "kernels/row_mod.h"
 #include "kernels/utils.h"
 
 namespace flash {
@@ -115,6 +116,23 @@ struct OnlineSoftmax {
             for (int c = 0; c < size<1>(acc_o); ++c) { acc_o(r, c) *= inv_sum; }
         }
         return lse;
+    }
+
+    // Folds a row modifier's terms (row_mod.h) into rows that finalize finished: lse holds each of the thread's rows'
+    // natural-log LSE and acc_o its output, normalized; head_of(r) is the query head of its row r. Kept apart from
+    // finalize, behind the caller's one uniform branch, so that a call without a modifier runs finalize's code as
+    // it was and the schedule around it does not move; with one, it costs one more multiply per output value.
+    template <class RowMod, class AccOTensor, class LseTensor, class HeadOf>
+    __forceinline__ __device__ static void fold_row_terms(AccOTensor& acc_o, LseTensor& lse, const RowMod& mod,
+                                                          HeadOf head_of) {
+        static_assert(decltype(size<0>(acc_o))::value == kRows && decltype(size(lse))::value == kRows);
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+            const RowResult row = fold_into_lse(mod, lse(r), RowCoord{head_of(r)});
+            lse(r) = row.lse;
+            CUTE_UNROLL
+            for (int c = 0; c < size<1>(acc_o); ++c) { acc_o(r, c) *= row.o_scale; }
+        }
     }
 
   private:

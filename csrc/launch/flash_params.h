@@ -65,6 +65,10 @@ struct FwdParams {
     const float* __restrict__ alibi_slopes_ptr;  // nullptr, or fp32 slopes: sequence b, head h at b *
                                                  // alibi_batch_stride + h
     index_t alibi_batch_stride;  // 0 for (nheads,) slopes
+    // nullptr, or fp32 (query heads,): each head's learnable sink, a logit that joins every row's softmax
+    // denominator and carries no value (row_mod.h). The LSE includes it; a row that sees no key gets output 0 and
+    // LSE sink_h.
+    const float* __restrict__ learnable_sink_ptr;
     // Dropout: nullptr, or int64 (2,) [seed, offset] on the device (dropout.h says how they make the mask).
     const int64_t* __restrict__ rng_state_ptr;
     uint32_t dropout_threshold;  // in [1, 255] with dropout (0: none): an element is dropped when its 8 random
@@ -129,6 +133,8 @@ constexpr int kBwdMaxBlockM = 128;
 struct BwdParams : FwdParams {
     const void* __restrict__ do_ptr;  // (batch, seqlen_q, num_heads, head_dim), gradient of out
     float* __restrict__ dsum_ptr;  // (batch, num_heads, seqlen_q) contiguous: rowsum(dout * out), fp32
+    float* __restrict__ sink_grad_rows_ptr;  // with a learnable sink: each row's share of the sink's gradient,
+                                             // -exp(sink_h - lse) * rowsum(dout * out), laid out as dsum
     float* __restrict__ dq_accum_ptr;  // fp32, zeroed, rows of dq_accum_head_dim: dense (batch, num_heads,
                                        // dq_accum_seqlen, .); varlen (num_heads, dq_accum_seqlen, .), where
                                        // sequence b starts at row cu_seqlens_q[b] + b * kBwdMaxBlockM. The

@@ -57,8 +57,21 @@ bool is_tensor(const c10::Argument& arg) {
     return type->kind() == c10::TypeKind::TensorType;
 }
 
-// saved_data's key of the pairing index; no argument has this name.
+// saved_data's keys of the pairing index and of the differentiable arguments the call gave; no argument has
+// these names.
 constexpr const char* kPairingKey = "flash_attn2 pairing";
+constexpr const char* kGivenKey = "flash_attn2 given";
+
+// The positions in pairing.differentiable of the arguments this call gave: an optional tensor left out (None)
+// cannot be a node input, whose metadata needs a device, and gets no gradient.
+std::vector<int64_t> given_differentiable(const Pairing& pairing, const Stack& args, size_t first) {
+    std::vector<int64_t> given;
+    for (size_t r = 0; r < pairing.differentiable.size(); ++r) {
+        const c10::IValue& value = args[first + pairing.differentiable[r]];
+        if (value.isTensor() && value.toTensor().defined()) { given.push_back(static_cast<int64_t>(r)); }
+    }
+    return given;
+}
 
 size_t index_of(const std::vector<c10::Argument>& args, const std::string& name) {
     for (size_t i = 0; i < args.size(); ++i) {
@@ -123,7 +136,8 @@ at::Tensor output_grad(const at::Tensor& grad, const at::Tensor& output) {
 }
 
 struct FwdFunction : public torch::autograd::Function<FwdFunction> {
-    // differentiable: the forward arguments of pairing.differentiable (the node's inputs); args: every argument.
+    // differentiable: the forward arguments of pairing.differentiable that the call gave (the node's inputs);
+    // args: every argument.
     static variable_list forward(AutogradContext* ctx, at::TensorList differentiable, size_t pairing_at, Stack args) {
         (void)differentiable;  // the node's inputs; args holds them too
         const Pairing& pairing = pairings()[pairing_at];
@@ -147,6 +161,7 @@ struct FwdFunction : public torch::autograd::Function<FwdFunction> {
         }
         ctx->save_for_backward(std::move(to_save));
         ctx->saved_data[kPairingKey] = static_cast<int64_t>(pairing_at);
+        ctx->saved_data[kGivenKey] = given_differentiable(pairing, args, 0);
         ctx->set_materialize_grads(false);  // gradients of unused outputs (the LSE's) are not made as zeros
         return outputs;
     }
@@ -176,9 +191,12 @@ struct FwdFunction : public torch::autograd::Function<FwdFunction> {
             }
         }
         pairing.bwd.callBoxed(stack);
-        // One gradient per node input (the differentiable tensors), then none for the two other arguments.
-        variable_list result(pairing.differentiable.size() + 2);
-        for (size_t r = 0; r < pairing.differentiable.size(); ++r) { result[r] = stack[r].toTensor(); }
+        // One gradient per node input (the differentiable tensors the call gave), then none for the two other
+        // arguments. For an optional argument left out, the backward op returns a placeholder (a schema has no
+        // optional returns), which goes nowhere.
+        const std::vector<int64_t> given = ctx->saved_data[kGivenKey].toIntVector();
+        variable_list result(given.size() + 2);
+        for (size_t n = 0; n < given.size(); ++n) { result[n] = stack[static_cast<size_t>(given[n])].toTensor(); }
         return result;
     }
 };
@@ -193,10 +211,10 @@ void autograd_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet /*keys*/
     bool needs_graph = false;
     std::vector<at::Tensor> differentiable;
     if (at::GradMode::is_enabled()) {
-        for (size_t i : pairing.differentiable) {
-            const c10::IValue& value = (*stack)[first + i];
-            differentiable.push_back(value.isTensor() ? value.toTensor() : at::Tensor());
-            needs_graph = needs_graph || (value.isTensor() && value.toTensor().requires_grad());
+        for (int64_t r : given_differentiable(pairing, *stack, first)) {
+            const at::Tensor& t = (*stack)[first + pairing.differentiable[static_cast<size_t>(r)]].toTensor();
+            differentiable.push_back(t);
+            needs_graph = needs_graph || t.requires_grad();
         }
     }
     if (!needs_graph) {

@@ -45,8 +45,12 @@ def _fake_output(rule: str, args: dict) -> torch.Tensor:
     if kind == "like":
         return x.new_empty(x.shape)
     if kind == "like_or_empty":
-        # An optional argument's gradient: its shape, or an empty fp32 placeholder on the first tensor's device.
-        return x.new_empty(x.shape) if x is not None else next(iter(args.values())).new_empty((0,), dtype=torch.float32)
+        # An optional argument's gradient: its shape, or an empty fp32 placeholder on the device of the call's
+        # tensors (the first one given, whatever the order of keyword arguments).
+        if x is not None:
+            return x.new_empty(x.shape)
+        first = next(a for a in args.values() if isinstance(a, torch.Tensor))
+        return first.new_empty((0,), dtype=torch.float32)
     if kind == "lse":
         shape = (x.shape[0], x.shape[2], x.shape[1]) if x.dim() == 4 else (x.shape[1], x.shape[0])
         return x.new_empty(shape, dtype=torch.float32)

@@ -2,48 +2,21 @@
 last argument and the backward ops its gradient; the public functions check learnable_sink (and its alias s_aux)
 before any op runs, convert it to what the ops take, and hand it on in the right place.
 
-The public functions are exercised with the ops replaced by recorders, so no GPU is needed; in a checkout whose
-extension is not built (run with --noconftest, since conftest needs the extension), the package is loaded from
-the source tree with a stand-in for its op module that only the recorders ever replace. The tests on meta tensors
-run the registered ops' fake implementations and autograd, and need the built extension.
+The public functions are exercised with the ops replaced by recorders, so no GPU is needed. The tests on meta
+tensors run the registered ops' fake implementations and autograd.
 """
 
-import importlib
 import importlib.util
 import inspect
-import sys
-import types
 from pathlib import Path
 
 import pytest
 import torch
 
+from flash_attn_cuda import interface
+
 ROOT = Path(__file__).resolve().parent.parent
 CSRC = ROOT / "csrc"
-
-
-def _load_interface():
-    """flash_attn_cuda.interface, and whether the compiled ops back it."""
-    try:
-        importlib.import_module("flash_attn_cuda")
-    except ImportError:
-        package = types.ModuleType("flash_attn_cuda")
-        package.__path__ = [str(ROOT / "flash_attn_cuda")]
-        sys.modules["flash_attn_cuda"] = package
-    try:
-        importlib.import_module("flash_attn_cuda._ops")
-        built = True
-    except ImportError:
-        # interface.py and plan.py import the op module; every call that would reach it goes to a recorder.
-        stand_in = types.ModuleType("flash_attn_cuda._ops")
-        sys.modules["flash_attn_cuda._ops"] = stand_in
-        sys.modules["flash_attn_cuda"]._ops = stand_in
-        built = False
-    return importlib.import_module("flash_attn_cuda.interface"), built
-
-
-interface, BUILT = _load_interface()
-needs_build = pytest.mark.skipif(not BUILT, reason="needs the built extension (its fake implementations)")
 
 
 def load_op_table():
@@ -390,7 +363,6 @@ def test_signatures_keep_the_positional_order(name):
 # ---------------------------------------------------------------- through the registered ops, on meta tensors
 
 
-@needs_build
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", ["func", "varlen"])
 def test_sink_gradient_through_the_ops(case, dtype):
@@ -409,7 +381,6 @@ def test_sink_gradient_through_the_ops(case, dtype):
     assert ds.shape == s.shape and ds.dtype == dtype
 
 
-@needs_build
 def test_sink_returned_lse_shape_through_the_ops():
     q, k, v = dense(torch.bfloat16, "meta")
     out, lse, s_dmask = interface.flash_attn_func(
@@ -418,7 +389,6 @@ def test_sink_returned_lse_shape_through_the_ops():
     assert out.shape == q.shape and lse.shape == (B, H, S) and lse.dtype == torch.float32 and s_dmask is None
 
 
-@needs_build
 def test_backward_ops_give_an_empty_placeholder_without_a_sink():
     # The schema cannot return None: without a sink the backward op's fourth output is an empty float32 tensor.
     q, k, v = dense(torch.float16, "meta")
@@ -429,3 +399,16 @@ def test_backward_ops_give_an_empty_placeholder_without_a_sink():
     out, lse = torch.ops.flash_attn2.fwd(q, k, v, 0.25, False, learnable_sink=s)
     *_, ds = torch.ops.flash_attn2.bwd(torch.empty_like(out), q, k, v, out, lse, 0.25, False, learnable_sink=s)
     assert ds.shape == (H,) and ds.dtype == torch.float32
+
+
+@pytest.mark.filterwarnings("ignore:.*torch.jit.script.*deprecated")
+def test_torchscript_passes_the_sink():
+    # TorchScript binds the op's schema: the sink is an optional tensor argument it can pass by name.
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor):
+        return torch.ops.flash_attn2.fwd(q, k, v, 0.125, True, learnable_sink=sink)
+
+    scripted = torch.jit.script(attend)
+    assert "flash_attn2::fwd" in str(scripted.graph)
+    q = torch.empty(2, 9, 4, 64, dtype=torch.float16, device="meta")
+    out, lse = scripted(q, q, q, torch.empty(4, dtype=torch.float32, device="meta"))
+    assert out.shape == q.shape and lse.shape == (2, 4, 9)

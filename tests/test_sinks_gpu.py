@@ -932,6 +932,99 @@ def test_sink_opcheck_kvcache():
     torch.library.opcheck(ops.fwd_kvcache.default, args)
 
 
+@pytest.mark.filterwarnings("ignore:.*torch.jit.script.*deprecated")
+def test_sink_torchscript_matches_the_op():
+    """A TorchScript function that passes the sink to the op runs the op's kernels: bitwise the eager op's output."""
+    require_kernels(64, torch.bfloat16)
+    q, k, v = make_inputs(2, 70, 90, 6, 2, 64, torch.bfloat16)
+    sink = make_sink(6, keys=90)
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor):
+        return torch.ops.flash_attn2.fwd(q, k, v, 0.125, True, learnable_sink=sink)
+
+    scripted = torch.jit.script(attend)
+    for a, b in zip(scripted(q, k, v, sink), attend(q, k, v, sink)):
+        assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------- CUDA graphs
+
+
+def test_sink_training_step_in_a_cuda_graph():
+    """Forward and backward with a sink captured once in a CUDA graph (the sink's gradient is summed by a torch
+    reduction on the stream, no host synchronization), then replayed on fresh inputs and a fresh sink: bitwise
+    equal to eager calls on the same values (deterministic backward), and the eager calls right."""
+    require_kernels(64, torch.bfloat16)
+    q, k, v = (t.requires_grad_() for t in make_inputs(2, 150, 230, 6, 2, 64, torch.bfloat16))
+    sink = make_sink(6, keys=64).requires_grad_()
+    dout = torch.randn_like(q)
+
+    def step():
+        out, lse, _ = flash_attn_func(
+            q, k, v, causal=True, deterministic=True, return_attn_probs=True, learnable_sink=sink
+        )
+        return (out, lse, *torch.autograd.grad(out, (q, k, v, sink), dout))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up: the kernels load and the allocator sees the step's sizes outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    with torch.no_grad():
+        for t, fresh in zip((q, k, v), make_inputs(2, 150, 230, 6, 2, 64, torch.bfloat16)):
+            t.copy_(fresh)
+        sink.copy_(make_sink(6, keys=64))
+        dout.copy_(torch.randn_like(dout))
+        for t in captured:
+            t.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = tuple(t.detach() for t in step())
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv", "dsink"), captured, eager):
+        assert torch.equal(a.detach(), b), name
+
+    def attend(q, k, v, s, upcast, dropped=True):
+        return attention_ref(q, k, v, None, True, upcast=upcast, learnable_sink=s)
+
+    check_sink_results(attend, q.detach(), k.detach(), v.detach(), sink.detach(), dout, eager, 150 * 3)
+
+
+def test_sink_decode_step_in_a_cuda_graph():
+    """A GQA decoding step (one query token, packed heads, paged cache, s_aux) captured once, replayed with a fresh
+    sink and a longer cache each time: each replay gives the reference's output and LSE, so the kernels read the
+    sink and the lengths on the device at replay."""
+    require_cache_kernels(64, torch.bfloat16)
+    case = Case(batch=2, seqlen_q=1, seqlen_new=0, cache_seqlens=(9, 30), capacity=48, page_size=16, nheads=6)
+    call = build(case, torch.bfloat16, poison_rows=False)
+    kwargs = call_kwargs(call)
+    sink = make_sink(case.nheads, keys=16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        flash_attn_with_kvcache(call.q, call.k_cache, call.v_cache, s_aux=sink, **kwargs)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = flash_attn_with_kvcache(call.q, call.k_cache, call.v_cache, s_aux=sink, **kwargs)
+    for _ in range(3):
+        sink.copy_(make_sink(case.nheads, keys=16))
+        call.q.copy_(torch.randn_like(call.q))
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        expected = flash_attn_with_kvcache(call.q, call.k_cache, call.v_cache, s_aux=sink, **kwargs)
+        assert torch.equal(out, expected[0]) and torch.equal(lse, expected[1])
+        ref = kvcache_ref(call.q, call.k_cache, call.v_cache, **ref_kwargs(call), learnable_sink=sink)
+        lowp = kvcache_ref(call.q, call.k_cache, call.v_cache, **ref_kwargs(call), learnable_sink=sink, upcast=False)
+        check_results(("out", "lse"), (out, lse), ref[:2], lowp[:2], torch.bfloat16)
+        call.seqlens.add_(1)
+        call.lens = [n + 1 for n in call.lens]
+
+
 # ---------------------------------------------------------------- argument validation
 
 BAD = (ValueError, RuntimeError)

@@ -110,11 +110,35 @@ def _kernel_ready(x: torch.Tensor, head_dim: int, compiling: bool) -> torch.Tens
     return x.clone(memory_format=torch.contiguous_format)
 
 
+def _common_head_dim(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, names: tuple[str, str]) -> tuple[int, int, int]:
+    """(head dim of q and k, head dim of v, the width the kernels run): k must have q's head dim, v may have its
+    own (DeepSeek's 192 and 128, say), each at most 256. The kernels take one head dim, so the narrower side is
+    zero-padded to the wider one's (_widen): zero columns of q and k add nothing to the scores, and zero columns
+    of v give output columns that are cut off. Exact, at the cost of the padded copies and the padded columns'
+    work. names: how k and v are called in messages."""
+    head_dim, head_dim_v = q.shape[-1], v.shape[-1]
+    if k.shape[-1] != head_dim:
+        raise ValueError(f"{names[0]} must have the head_dim of q ({head_dim}), got {k.shape[-1]}")
+    if not 0 < head_dim <= 256:
+        raise ValueError(f"head_dim must be in [1, 256], got {head_dim}")
+    if not 0 < head_dim_v <= 256:
+        raise ValueError(f"the head_dim of {names[1]} must be in [1, 256], got {head_dim_v}")
+    return head_dim, head_dim_v, max(head_dim, head_dim_v)
+
+
+def _widen(x: torch.Tensor | None, width: int) -> torch.Tensor | None:
+    """x with its head dim zero-padded to width (a new tensor), or x itself when it has that width."""
+    if x is None or x.shape[-1] == width:
+        return x
+    return F.pad(x, (0, width - x.shape[-1]))
+
+
 def _prepare(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None, rank: int, layout: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, int, bool]:
     """Checks q, k, v of the given rank, resolves the default and negative softmax_scale, and makes the
-    tensors kernel-ready. Returns (q, k, v, softmax_scale, original head_dim, whether torch.compile is tracing)."""
+    tensors kernel-ready: v may have a head dim of its own (_common_head_dim). Returns (q, k, v, softmax_scale, the
+    output's head dim (v's), whether torch.compile is tracing)."""
     if not (
         isinstance(q, torch.Tensor)
         and isinstance(k, torch.Tensor)
@@ -126,11 +150,7 @@ def _prepare(
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor) or t.dim() != rank:
                 raise ValueError(f"{name} must be a {rank}-D tensor {layout}")
-    head_dim = q.shape[-1]
-    if k.shape[-1] != head_dim or v.shape[-1] != head_dim:
-        raise ValueError(f"k and v must have the same head_dim as q ({head_dim}), got {k.shape[-1]} and {v.shape[-1]}")
-    if not 0 < head_dim <= 256:
-        raise ValueError(f"head_dim must be in [1, 256], got {head_dim}")
+    head_dim, head_dim_v, width = _common_head_dim(q, k, v, ("k", "v"))
     if softmax_scale is None:
         softmax_scale = head_dim**-0.5
     elif softmax_scale < 0:
@@ -138,11 +158,11 @@ def _prepare(
         q, softmax_scale = -q, -softmax_scale
     compiling = torch.compiler.is_compiling()
     return (
-        _kernel_ready(q, head_dim, compiling),
-        _kernel_ready(k, head_dim, compiling),
-        _kernel_ready(v, head_dim, compiling),
+        _kernel_ready(_widen(q, width), width, compiling),
+        _kernel_ready(_widen(k, width), width, compiling),
+        _kernel_ready(_widen(v, width), width, compiling),
         float(softmax_scale),
-        head_dim,
+        head_dim_v,
         compiling,
     )
 
@@ -166,8 +186,9 @@ def flash_attn_func(
 
     Args:
         q: (batch, seqlen_q, nheads, head_dim), float16 or bfloat16, on a CUDA device.
-        k, v: (batch, seqlen_k, nheads_k, head_dim); nheads must be a multiple of nheads_k
-            (multi-query and grouped-query attention share each k/v head among nheads / nheads_k query heads).
+        k, v: (batch, seqlen_k, nheads_k, head_dim), v's head dim possibly its own (head_dim_v, below); nheads must
+            be a multiple of nheads_k (multi-query and grouped-query attention share each k/v head among
+            nheads / nheads_k query heads).
         dropout_p: attention dropout probability in [0, 1): probabilities are dropped after the softmax, with
             probability p' = round(256 dropout_p) / 256 (8 random bits each, as flash-attn 2.x; at least 1/256),
             and the kept ones scaled by 1 / (1 - p'). The mask comes from torch's CUDA generator (one draw per
@@ -193,10 +214,13 @@ def flash_attn_func(
             d sink_h = -sum over the batch and the rows i of exp(sink_h - lse_i) * sum_d(dout_i * out_i), with lse
             the returned softmax_lse; it comes back in the sink's dtype (the kernels compute it in float32).
 
-    head_dim may be any size up to 256; sizes that are not a multiple of 8 are zero-padded internally.
+    head_dim may be any size up to 256; sizes that are not a multiple of 8 are zero-padded internally. v may have a
+    head dim of its own, head_dim_v, also up to 256 (DeepSeek's 192 for q and k, 128 for v): out and dv then have
+    head_dim_v. Such a call runs at the wider of the two head dims, the narrower tensors zero-padded into copies
+    (exact; the padded columns cost their share of the work).
 
     Returns:
-        out (batch, seqlen_q, nheads, head_dim), or (out, softmax_lse, S_dmask) with return_attn_probs, where
+        out (batch, seqlen_q, nheads, head_dim_v), or (out, softmax_lse, S_dmask) with return_attn_probs, where
         softmax_lse is float32 (batch, nheads, seqlen_q): the natural-log sum of exp(scores) per query row, of
         the softmax before dropout; with learnable_sink, log(sum_j exp(s_ij) + exp(sink_h)), which is sink_h in a
         row that sees no key. S_dmask is None without dropout; with it, a testing aid computed apart from the
@@ -260,7 +284,7 @@ def flash_attn_varlen_func(
 
     Args:
         q: (total_q, nheads, head_dim): the queries of all sequences, one after another.
-        k, v: (total_k, nheads_k, head_dim).
+        k, v: (total_k, nheads_k, head_dim), v's head dim possibly its own (as in flash_attn_func).
         cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) on q's device: sequence b owns rows
             [cu_seqlens[b], cu_seqlens[b + 1]). Rows outside every sequence are left unwritten in the output.
         max_seqlen_q, max_seqlen_k: Python ints, the longest query and key sequence (they size the launch;
@@ -277,7 +301,7 @@ def flash_attn_varlen_func(
         The other arguments are as in flash_attn_func.
 
     Returns:
-        out (total_q, nheads, head_dim), or (out, softmax_lse, S_dmask) with return_attn_probs, where softmax_lse
+        out (total_q, nheads, head_dim_v), or (out, softmax_lse, S_dmask) with return_attn_probs, where softmax_lse
         is float32 (nheads, total_q) (with the sink, as in flash_attn_func) and S_dmask is as in flash_attn_func,
         (batch, nheads, max_seqlen_q and max_seqlen_k rounded up to 128), each sequence's from the top-left corner
         (None without dropout).
@@ -353,9 +377,9 @@ def _check_cache_operands(
     q_rank: int,
     q_layout: str,
     names: tuple[str, str] = ("k_cache", "v_cache"),
-) -> int:
+) -> tuple[int, int, int]:
     """Checks the ranks and head dims of a cache call's q and caches (named `names` in messages); returns the head
-    dim."""
+    dims of q and k, of v, and the width the kernels run (_common_head_dim)."""
     if not isinstance(q, torch.Tensor) or q.dim() != q_rank:
         raise ValueError(f"q must be a {q_rank}-D tensor {q_layout}")
     for name, t in zip(names, (k_cache, v_cache)):
@@ -364,22 +388,13 @@ def _check_cache_operands(
                 f"{name} must be a 4-D tensor (batch_cache, seqlen_cache, nheads_k, head_dim), or "
                 "(num_pages, page_size, nheads_k, head_dim) with a block_table"
             )
-    head_dim = q.shape[-1]
-    if k_cache.shape[-1] != head_dim or v_cache.shape[-1] != head_dim:
-        raise ValueError(
-            f"{names[0]} and {names[1]} must have the head_dim of q ({head_dim}), got "
-            f"{k_cache.shape[-1]} and {v_cache.shape[-1]}"
-        )
-    if not 0 < head_dim <= 256:
-        raise ValueError(f"head_dim must be in [1, 256], got {head_dim}")
-    return head_dim
+    return _common_head_dim(q, k_cache, v_cache, names)
 
 
-def _pad_head_dim(x: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """x with its head dim zero-padded to a multiple of 8 (a new tensor), or x itself when it is one already."""
-    if x is None or head_dim % _ALIGN_ELEMS == 0:
-        return x
-    return F.pad(x, (0, _ALIGN_ELEMS - head_dim % _ALIGN_ELEMS))
+def _pad_head_dim(x: torch.Tensor, width: int) -> torch.Tensor:
+    """A cache with its head dim zero-padded to width rounded up to a multiple of 8 (a new tensor), or x itself
+    when it has that head dim already."""
+    return _widen(x, -(-width // _ALIGN_ELEMS) * _ALIGN_ELEMS)
 
 
 def _varlen_paged(
@@ -402,7 +417,9 @@ def _varlen_paged(
     sink_name: str,
 ) -> AttnOutput:
     """flash_attn_varlen_func with a block_table: varlen queries against paged caches, forward only."""
-    head_dim = _check_cache_operands(q, k_cache, v_cache, 3, "(total_q, nheads, head_dim)", ("k", "v"))
+    head_dim, head_dim_v, width = _check_cache_operands(
+        q, k_cache, v_cache, 3, "(total_q, nheads, head_dim)", ("k", "v")
+    )
     if dropout_p != 0.0:
         raise ValueError(f"dropout_p must be 0 with block_table (paged calls are for inference), got {dropout_p}")
     sink_grad = isinstance(learnable_sink, torch.Tensor) and learnable_sink.requires_grad
@@ -417,8 +434,8 @@ def _varlen_paged(
     elif softmax_scale < 0:
         q, softmax_scale = -q, -softmax_scale
     compiling = torch.compiler.is_compiling()
-    q = _kernel_ready(q, head_dim, compiling)
-    k_cache, v_cache = _pad_head_dim(k_cache, head_dim), _pad_head_dim(v_cache, head_dim)
+    q = _kernel_ready(_widen(q, width), width, compiling)
+    k_cache, v_cache = _pad_head_dim(k_cache, width), _pad_head_dim(v_cache, width)
     out, softmax_lse = torch.ops.flash_attn2.varlen_fwd_paged(
         q,
         k_cache,
@@ -437,8 +454,8 @@ def _varlen_paged(
         variants.alibi_slopes,
         learnable_sink=variants.learnable_sink,
     )
-    if out.shape[-1] != head_dim:
-        out = out[..., :head_dim]
+    if out.shape[-1] != head_dim_v:
+        out = out[..., :head_dim_v]
     return (out, softmax_lse, None) if return_attn_probs else out
 
 
@@ -506,16 +523,25 @@ def flash_attn_with_kvcache(
         s_aux: keyword only; another name for learnable_sink (vLLM's). Give at most one of the two.
 
     head_dim may be any size up to 256; with a size that is not a multiple of 8 the caches are padded into
-    copies and the appended rows copied back (slow, but correct).
+    copies and the appended rows copied back (slow, but correct). v_cache (and v) may have a head dim of their own,
+    head_dim_v (as in flash_attn_func): the narrower cache is then padded into a copy the same way, and out has
+    head_dim_v.
 
     Returns:
-        out (batch, seqlen_q, nheads, head_dim), or (out, softmax_lse) with return_softmax_lse.
+        out (batch, seqlen_q, nheads, head_dim_v), or (out, softmax_lse) with return_softmax_lse.
     """
-    head_dim = _check_cache_operands(q, k_cache, v_cache, 4, "(batch, seqlen_q, nheads, head_dim)")
+    head_dim, head_dim_v, width = _check_cache_operands(q, k_cache, v_cache, 4, "(batch, seqlen_q, nheads, head_dim)")
     learnable_sink, sink_name = _sink_argument(learnable_sink, s_aux)
     variants = _variants(q, 0.0, window_size, softcap, alibi_slopes, learnable_sink, sink_name)
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together")
+    new_dims = (k.shape[-1], v.shape[-1]) if isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) else None
+    if new_dims is not None and new_dims != (head_dim, head_dim_v):
+        # The caches are widened to one head dim for the kernels: a narrower k or v would be padded silently.
+        raise ValueError(
+            f"k and v must have the head dims of k_cache and v_cache ({head_dim} and {head_dim_v}), got "
+            f"{k.shape[-1]} and {v.shape[-1]}"
+        )
     paged = isinstance(block_table, torch.Tensor) and block_table.dim() == 2
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
     if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
@@ -540,11 +566,11 @@ def flash_attn_with_kvcache(
         # Rotary embedding is linear, so rotating -q gives -(rotated q).
         q, softmax_scale = -q, -softmax_scale
     compiling = torch.compiler.is_compiling()
-    q = _kernel_ready(q, head_dim, compiling)
+    q = _kernel_ready(_widen(q, width), width, compiling)
     if k is not None:
-        k, v = _kernel_ready(k, head_dim, compiling), _kernel_ready(v, head_dim, compiling)
+        k, v = (_kernel_ready(_widen(x, width), width, compiling) for x in (k, v))
     k_cache_in, v_cache_in = k_cache, v_cache
-    k_cache, v_cache = _pad_head_dim(k_cache, head_dim), _pad_head_dim(v_cache, head_dim)
+    k_cache, v_cache = _pad_head_dim(k_cache, width), _pad_head_dim(v_cache, width)
     forced_splits, plan_override = forced()
     out, softmax_lse = torch.ops.flash_attn2.fwd_kvcache(
         q,
@@ -569,11 +595,14 @@ def flash_attn_with_kvcache(
         plan_override,
         learnable_sink=variants.learnable_sink,
     )
-    if k_cache is not k_cache_in and k is not None:
-        k_cache_in.copy_(k_cache[..., :head_dim])
-        v_cache_in.copy_(v_cache[..., :head_dim])
-    if out.shape[-1] != head_dim:
-        out = out[..., :head_dim]
+    if k is not None:
+        # The appended rows went into the padded copies: back into the caches given.
+        if k_cache is not k_cache_in:
+            k_cache_in.copy_(k_cache[..., :head_dim])
+        if v_cache is not v_cache_in:
+            v_cache_in.copy_(v_cache[..., :head_dim_v])
+    if out.shape[-1] != head_dim_v:
+        out = out[..., :head_dim_v]
     return (out, softmax_lse) if return_softmax_lse else out
 
 

@@ -309,7 +309,11 @@ def rounded_output_floors(attend, q, k, v, dout, scale, dropout=False):
     delta_lse = torch.where(torch.isfinite(lse), delta.transpose(-1, -2), 0.0)
     (dq,) = torch.autograd.grad(lse, qf, delta_lse, retain_graph=True)
     # dk_j = scale sum_i delta_i P_ij |q_i|: out is linear in V with weights P, so the gradient of
-    # sum_i delta_i |q_i| . out_i by V is sum_i P_ij delta_i |q_i|. Needs V's head dim to equal Q's.
+    # sum_i delta_i |q_i| . out_i by V is sum_i P_ij delta_i |q_i|. P does not depend on V, so where V's head dim
+    # is not Q's, a stand-in V of Q's head dim carries the same weights.
+    if vf.shape[-1] != qf.shape[-1]:
+        vf = torch.zeros(*vf.shape[:-1], qf.shape[-1], device=vf.device).requires_grad_()
+        out, _ = undropped(qf.detach(), kf.detach(), vf, True)
     weights = torch.where(torch.isfinite(lse).transpose(-1, -2)[..., None], delta[..., None] * qf.detach().abs(), 0.0)
     (dk,) = torch.autograd.grad(out, vf, weights)
     return 2 * dq.abs(), 2 * scale * dk

@@ -195,7 +195,6 @@ OPS = (
             Arg("kvcache", "bool", "False"),
             Arg("paged", "bool", "False"),
             Arg("max_smem", "int", "-1"),
-            Arg("learnable_sink", "bool", "False"),
         ),
         returns=(Ret("", "str"),),
         dispatch="composite",

@@ -29,7 +29,7 @@ OPS = {
         "dispatch": 'tensor',
     },
     'plan': {
-        "args": ('pass_name', 'batch', 'seqlen_q', 'seqlen_k', 'nheads', 'nheads_k', 'head_dim', 'causal', 'deterministic', 'varlen', 'num_splits', 'plan_override', 'arch', 'num_sms', 'is_bf16', 'window_left', 'window_right', 'alibi', 'dropout', 'softcap', 'kvcache', 'paged', 'max_smem', 'learnable_sink'),
+        "args": ('pass_name', 'batch', 'seqlen_q', 'seqlen_k', 'nheads', 'nheads_k', 'head_dim', 'causal', 'deterministic', 'varlen', 'num_splits', 'plan_override', 'arch', 'num_sms', 'is_bf16', 'window_left', 'window_right', 'alibi', 'dropout', 'softcap', 'kvcache', 'paged', 'max_smem'),
         "returns": (('', ''),),
         "backward": '',
         "dispatch": 'composite',

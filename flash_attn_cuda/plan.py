@@ -148,7 +148,6 @@ def plan(
     kvcache: bool = False,
     paged: bool = False,
     max_smem: int | None = None,
-    learnable_sink: bool = False,
 ) -> Plan:
     """The plan of one pass ("fwd" or "bwd") of a call with these sizes.
 
@@ -164,8 +163,6 @@ def plan(
     (windows too, in the backward), and dropout rules out key splits. ``kvcache``: a forward that reads a KV cache
     (flash_attn_with_kvcache, or paged varlen), which runs the variants kernel; ``seqlen_k`` is then the cache's
     capacity per sequence. ``paged``: that cache is paged (``block_table``; needs ``kvcache``).
-    ``learnable_sink``: the call has one; every forward kernel folds it in but the warp-specialized Hopper one,
-    which such a call does not take.
 
     ``max_smem``: the shared memory per block, in bytes, that the GPU offers its kernels (CUDA's
     ``cudaDevAttrMaxSharedMemoryPerBlockOptin``). None: with ``arch``, that arch's documented figure (163 KiB =
@@ -197,6 +194,5 @@ def plan(
         bool(kvcache),
         bool(paged),
         -1 if max_smem is None else int(max_smem),
-        bool(learnable_sink),
     )
     return _parse(text)

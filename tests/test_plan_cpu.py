@@ -862,19 +862,6 @@ def test_hopper_forward_warp_specialized_needs_dense_plain_calls():
     assert not plan("fwd", **dense, varlen=True, **H200).warp_specialized
     assert not plan("fwd", **dense, window_size=(256, 0), **H200).warp_specialized
     assert not plan("fwd", **dense, alibi=True, **H200).warp_specialized
-    # A learnable sink, which that kernel does not fold in, not even when forced: a plain call keeps the other
-    # plain wgmma kernel; softcap or dropout alone, whose plain forms only that kernel has on Hopper, the variants
-    # kernel; on an A100 the mma.sync kernels' plain forms. The backward's plan does not change.
-    for extra, variants in (
-        ({}, False),
-        ({"override": "ws=1"}, False),
-        ({"softcap": 30.0}, True),
-        ({"dropout": True}, True),
-    ):
-        with_sink = plan("fwd", **dense, **extra, learnable_sink=True, **H200)
-        assert (with_sink.kernel, with_sink.warp_specialized, with_sink.variants) == ("wgmma", False, variants), extra
-        assert not plan("fwd", **dense, **extra, learnable_sink=True, **A100).variants, extra
-    assert plan("bwd", **dense, learnable_sink=True, **H200) == plan("bwd", **dense, **H200)
     # Queries for one consumer warpgroup only (decoding and other short queries), or split keys.
     short = dict(dense, seqlen_q=64)
     assert not plan("fwd", **short, **H200).warp_specialized

@@ -231,7 +231,6 @@ def check_sink_plans(q, k, variant, slopes, force, *, deterministic=False, lens=
         alibi=slopes is not None,
         dropout=variant.dropout_p > 0,
         softcap=variant.softcap,
-        learnable_sink=True,
     )
     plans = {}
     for pass_ in ("fwd", "bwd"):
@@ -251,7 +250,8 @@ def check_sink_plans(q, k, variant, slopes, force, *, deterministic=False, lens=
             mma_only = small_smem or (deterministic and pass_ == "bwd")
             assert p.kernel == ("mma_sync" if mma_only else choices["kernel"]), p
         if pass_ == "fwd":
-            assert not p.warp_specialized, p
+            if "ws" in choices:
+                assert p.warp_specialized == choices["ws"], p
             if num_splits and lens is None and not variant.dropout_p:
                 assert p.num_splits == num_splits, p
         plans[pass_] = p
@@ -407,6 +407,23 @@ SINK_VARIANTS = {
     "combo": (V(window=(64, 16), softcap=20.0, alibi="batch_heads"), (2, 161, 97, 6, 2, 96)),
 }
 VARIANT_PAIRS = [("wgmma", torch.float16), ("mma_sync", torch.bfloat16)]
+
+
+# The warp-specialized Hopper forward's sink forms, one per PlainMod (plain, softcap alone, dropout alone), against
+# the other Hopper kernel (ws=False): shapes with enough query rows for every consumer warpgroup.
+WS_CASES = {
+    "plain": (V(), (2, 300, 257, 6, 2, 128)),
+    "plain-causal-d64": (V(causal=True), (2, 300, 2100, 8, 2, 64)),
+    "softcap": (V(softcap=5.0, gain=2.0), (2, 257, 300, 6, 2, 128)),
+    "dropout-causal": (V(causal=True, dropout_p=0.17), (2, 300, 300, 6, 3, 128)),
+}
+
+
+@pytest.mark.parametrize("ws", [True, False], ids=["ws", "no-ws"])
+@pytest.mark.parametrize("name", list(WS_CASES))
+def test_sink_warp_specialized_forms(name, ws):
+    variant, shape = WS_CASES[name]
+    check_dense(shape, variant, torch.bfloat16, "wgmma", force={"ws": ws, "short_keys": False})
 
 
 @pytest.mark.parametrize("kernel, dtype", VARIANT_PAIRS, ids=[f"{k}-{dtype_id(d)}" for k, d in VARIANT_PAIRS])

@@ -105,7 +105,6 @@ struct PlanArgs {
     bool kvcache;
     bool paged;
     int64_t max_smem;
-    bool learnable_sink;
 };
 std::string plan_op(const PlanArgs& args);
 

@@ -44,7 +44,6 @@ Problem problem_of(Pass pass, const Tensor& q, const Tensor& k, bool causal, boo
     flags.dropout = variants.dropout();
     flags.kvcache = cache != nullptr;
     flags.paged = cache != nullptr && cache->paged();
-    flags.sink = variants.sink();
     return problem_of(pass, sizes, causal, deterministic, varlen != nullptr, flags);
 }
 

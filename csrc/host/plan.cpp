@@ -142,9 +142,7 @@ void plan_fwd(const Problem& p, const Target& t, int forced_splits, const PlanOv
     // warpgroups without rows skip their MMAs. It is persistent, so a tile's loads run under the previous tile's
     // work, which is what the short-key tile's two CTAs per SM are for: where it runs, that tile does not.
     const TileShape& ws = set.ws_tile;
-    // Nor calls with a learnable sink, which its epilogue does not fold in: that code changed how ptxas scheduled
-    // its main loop (docs/design-notes.md, 'Learnable sinks'), where the other kernels' loops kept their code.
-    const bool ws_serves = !plan.variants && !p.varlen && plan.gqa_pack == 1 && !p.sink && ws.exists() &&
+    const bool ws_serves = !plan.variants && !p.varlen && plan.gqa_pack == 1 && ws.exists() &&
                            seqlen_q > ws.block_m - 64 && o.short_keys != 1;
     const bool ws_pays = ws.block_m < 192 || !plan.causal || p.seqlen_k > kFwdWsMinKeys192RowsCausal;
     // Key splits for a tile: split-KV runs on dense batches only, and without dropout. The launch grid's x is
@@ -288,7 +286,6 @@ Problem problem_of(Pass pass, const ProblemSizes& sizes, bool causal, bool deter
     const bool dropout_only = v.dropout && !window && !v.alibi && v.softcap == 0.0 && !v.kvcache;
     problem.plain_mod = softcap_only ? PlainMod::kSoftcap : dropout_only ? PlainMod::kDropout : PlainMod::kNone;
     problem.paged = v.paged;
-    problem.sink = v.sink;
     return problem;
 }
 

@@ -36,7 +36,6 @@ struct Problem {
     PlainMod plain_mod = PlainMod::kNone;  // softcap or dropout when it is the call's one variant, which the plain
                                            // forward kernels take in a form of their own
     bool paged = false;  // the keys are in a paged KV cache (block_table)
-    bool sink = false;  // a learnable sink: every forward kernel but the warp-specialized one folds it in
 };
 
 // A call's sizes, as problem_of takes them (Problem's first fields).
@@ -59,7 +58,6 @@ struct VariantFlags {
     bool dropout = false;  // dropout_p > 0
     bool kvcache = false;  // the keys are a KV cache (fwd_kvcache, varlen_fwd_paged): forward only
     bool paged = false;  // that cache is paged (block_table)
-    bool sink = false;  // a learnable sink is given
 };
 
 // The Problem of one pass: the one place that turns a call's flags into the plans' (masked kernel, variants

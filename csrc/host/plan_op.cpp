@@ -84,7 +84,6 @@ std::string plan_op(const PlanArgs& a) {
     flags.dropout = a.dropout;
     flags.kvcache = a.kvcache;
     flags.paged = a.paged;
-    flags.sink = a.learnable_sink;
     const Problem problem = problem_of(pass, sizes, a.causal, a.deterministic, a.varlen, flags);
     const Target target = a.arch < 0 ? current_target(a, pass) : named_target(a);
     return to_string(make_plan(problem, target, static_cast<int>(a.num_splits), override));

@@ -9,7 +9,10 @@
 //   also take turns issuing their GEMMs (named barriers in a ring), so that one warpgroup's softmax runs while
 //   another's GEMMs hold the tensor cores.
 // setmaxnreg gives the producer warpgroup the minimum of registers and the consumers the rest.
-// kMod: the kernel's softcap or dropout form, for a call whose one variant that is (PlainMod).
+// kMod: the kernel's softcap or dropout form, for a call whose one variant that is (PlainMod). kSink: the form for
+// calls with a learnable sink, which folds it into each finished row (OnlineSoftmax::fold_row_terms). A form of its
+// own rather than a runtime branch: the branch in the epilogue, which sits inside the persistent tile loop, moved
+// ptxas's schedule of the main loop (docs/design-notes.md, 'Learnable sinks'), and the plain form keeps its code.
 #pragma once
 
 #include <cmath>
@@ -90,7 +93,7 @@ struct FwdWsSchedule {
     }
 };
 
-template <class Traits, bool kCausal, PlainMod kMod>
+template <class Traits, bool kCausal, PlainMod kMod, bool kSink>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams<Traits> ws) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -336,6 +339,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             // readers of those rows, are complete, and Q's buffer is released after the store has read them.
             Tensor lse = softmax.finalize(acc_o_rc, kSoftcap ? params.score_scale : params.softmax_scale,
                                           kDropout ? params.dropout_keep_scale : 1.f);
+            if constexpr (kSink) {
+                // No key splits and no GQA packing here (plan_fwd): every row is the tile's own head.
+                softmax.fold_row_terms(acc_o_rc, lse, LearnableSink{params.learnable_sink_ptr},
+                                       [&](int) { return tile.head_idx; });
+            }
             Tensor rO = convert_fragment<Element>(acc_o);
             // The epilogue's addresses derive from a thread index and a buffer offset the compiler cannot see
             // through, so they are computed here each tile: hoisted out of the tile loop, they stayed live through

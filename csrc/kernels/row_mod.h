@@ -17,8 +17,8 @@
 //   (a) fold: OnlineSoftmax::fold_row_terms (softmax.h), in the forward kernels, after finalize, for a row that
 //       saw at least one key, with its finished LSE as the max and 1 as the sum (natural-log units). Called only
 //       where the CTA writes the final output: a split-KV CTA (FwdTile::is_split) writes its split's own LSE and
-//       gets no terms (FwdTile::fold_row_mod), nor does the warp-specialized Hopper kernel, which calls with a
-//       sink do not take (plan_fwd).
+//       gets no terms (FwdTile::fold_row_mod). The warp-specialized Hopper kernel folds them in a form of its own
+//       (kSink), so that its plain form keeps its code.
 //   (b) fold again, at the split-KV combine (flash_fwd_combine.cu), for a row that some split saw a key of, with
 //       the max and sum of the splits' LSEs: the terms join once, here. The splits' weights exp(lse_s - LSE) then
 //       normalize the output by themselves.
@@ -80,8 +80,8 @@ struct NoRowMod {
 static_assert(RowModifier<NoRowMod>);
 
 // A learnable sink per query head (FwdParams::learnable_sink_ptr), or none when the pointer is null: a runtime
-// choice (the forward kernels test it once, FwdTile::fold_row_mod), so that one kernel serves calls with and
-// without sinks and neither pays in its main loop.
+// choice (the forward kernels test it once, FwdTile::fold_row_mod; the warp-specialized one's launcher picks its
+// kSink form), so that calls with and without sinks share kernels and neither pays in its main loop.
 struct LearnableSink {
     static constexpr bool kActive = true;
     const float* sink;  // (query heads,) natural-log logits, or nullptr

@@ -120,9 +120,9 @@ struct OnlineSoftmax {
 
     // Folds a row modifier's terms (row_mod.h) into rows that finalize finished: lse holds each of the thread's rows'
     // natural-log LSE and acc_o its output, normalized; head_of(r) is the query head of its row r. Kept apart from
-    // finalize, behind the caller's one uniform branch, so that finalize's code stays as it was, and the kernel that
-    // never folds (the warp-specialized one: docs/design-notes.md, 'Learnable sinks') compiles as before; it costs a
-    // call with a modifier one more multiply per output value.
+    // finalize, behind the caller's one uniform branch (or, in the warp-specialized kernel, a form of its own), so
+    // that finalize's code stays as it was: folded into it, the fold moved that kernel's main loop
+    // (docs/design-notes.md, 'Learnable sinks'). It costs a call with a modifier one more multiply per output value.
     template <class RowMod, class AccOTensor, class LseTensor, class HeadOf>
     __forceinline__ __device__ static void fold_row_terms(AccOTensor& acc_o, LseTensor& lse, const RowMod& mod,
                                                           HeadOf head_of) {

@@ -79,9 +79,9 @@ cudaError_t run_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
 }
 
 // The warp-specialized Hopper kernel of the wgmma set's ws_tile, for dense batches of a plain kernel without key
-// splits or GQA packing (the plan checked), in its kMod form. TMA descriptors of q, k and v are encoded for each
-// call: they hold the pointers and strides.
-template <typename Element, int kHeadDim, bool kCausal, PlainMod kMod>
+// splits or GQA packing (the plan checked), in its kMod form, and with kSink for calls with a learnable sink. TMA
+// descriptors of q, k and v are encoded for each call: they hold the pointers and strides.
+template <typename Element, int kHeadDim, bool kCausal, PlainMod kMod, bool kSink>
 cudaError_t run_fwd_sm90_ws(const FwdParams& params, cudaStream_t stream) {
     constexpr TileShape kTile = kFwdTileSet<KernelFamily::kWgmma, kHeadDim>.ws_tile;
     using Traits = FwdSm90WsKernelTraits<Element, kHeadDim, kTile.block_m, kTile.block_n, kTile.stages>;
@@ -130,8 +130,9 @@ cudaError_t run_fwd_sm90_ws(const FwdParams& params, cudaStream_t stream) {
     // and the kernel gets the call's own.
     FwdParams one_piece = params;
     one_piece.batch = 1;
-    return launch_kernel_with<&flash_fwd_sm90_ws_kernel<Traits, kCausal, kMod>, Traits::kNThreads, Traits::kSmemBytes>(
-        grid, one_piece, stream, Traits::kSmemBytes, [&](const FwdParams&) { return ws; });
+    return launch_kernel_with<&flash_fwd_sm90_ws_kernel<Traits, kCausal, kMod, kSink>, Traits::kNThreads,
+                              Traits::kSmemBytes>(grid, one_piece, stream, Traits::kSmemBytes,
+                                                  [&](const FwdParams&) { return ws; });
 }
 
 // The plain kernel of the call's form (plain_mod_of: a plain plan with softcap or dropout set is a call whose one
@@ -156,7 +157,10 @@ cudaError_t run_fwd(const FwdParams& params, cudaStream_t stream) {
         if constexpr (kSet.ws_tile.exists() && !kVariants) {
             if (params.warp_specialized) {
                 return run_plain_mod(params, [&](auto mod) {
-                    return run_fwd_sm90_ws<Element, kHeadDim, kCausal, decltype(mod)::value>(params, stream);
+                    constexpr PlainMod kMod = decltype(mod)::value;
+                    return params.learnable_sink_ptr != nullptr
+                               ? run_fwd_sm90_ws<Element, kHeadDim, kCausal, kMod, true>(params, stream)
+                               : run_fwd_sm90_ws<Element, kHeadDim, kCausal, kMod, false>(params, stream);
                 });
             }
         }

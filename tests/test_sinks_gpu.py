@@ -214,9 +214,9 @@ def check_rows_without_keys(out, lse, sink, empty):
 
 
 def check_sink_plans(q, k, variant, slopes, force, *, deterministic=False, lens=None):
-    """The plans of a call with a sink (flash_attn_cuda.plan.plan with learnable_sink=True): the forced kernel
-    family (the backward's is mma.sync when deterministic, and every pass's under a shared-memory limit below the
-    Hopper tiles), never the warp-specialized forward, and forced key splits where they apply. Returns
+    """The plans of a call with a sink, which are those of the same call without one: the forced kernel family (the
+    backward's is mma.sync when deterministic, and every pass's under a shared-memory limit below the Hopper tiles),
+    the warp-specialized forward where forced on or off, and forced key splits where they apply. Returns
     {pass: plan}, or {} for a call with nothing to compute."""
     if lens is None:
         sizes = (q.shape[0], q.shape[1], k.shape[1])
@@ -766,7 +766,6 @@ def check_cache_plan(call, kernel, num_splits):
         softcap=case.softcap,
         kvcache=True,
         paged=case.page_size is not None,
-        learnable_sink=True,
     )
     small_smem = MAX_SMEM is not None and MAX_SMEM < SMEM_227KIB
     assert p.kernel == ("mma_sync" if small_smem else kernel), p

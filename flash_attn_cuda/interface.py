@@ -133,6 +133,15 @@ def _widen(x: torch.Tensor | None, width: int) -> torch.Tensor | None:
     return F.pad(x, (0, width - x.shape[-1]))
 
 
+def _ready_at(x: torch.Tensor, width: int, compiling: bool) -> torch.Tensor:
+    """x kernel-ready at the call's head dim `width` (_kernel_ready): a narrower x is zero-padded straight to width
+    rounded up to a multiple of 8, in one copy rather than one per padding."""
+    if x.shape[-1] == width:
+        return _kernel_ready(x, width, compiling)
+    padded = -(-width // _ALIGN_ELEMS) * _ALIGN_ELEMS
+    return _kernel_ready(_widen(x, padded), padded, compiling)
+
+
 def _prepare(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None, rank: int, layout: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, int, bool]:
@@ -158,9 +167,9 @@ def _prepare(
         q, softmax_scale = -q, -softmax_scale
     compiling = torch.compiler.is_compiling()
     return (
-        _kernel_ready(_widen(q, width), width, compiling),
-        _kernel_ready(_widen(k, width), width, compiling),
-        _kernel_ready(_widen(v, width), width, compiling),
+        _ready_at(q, width, compiling),
+        _ready_at(k, width, compiling),
+        _ready_at(v, width, compiling),
         float(softmax_scale),
         head_dim_v,
         compiling,
@@ -434,7 +443,7 @@ def _varlen_paged(
     elif softmax_scale < 0:
         q, softmax_scale = -q, -softmax_scale
     compiling = torch.compiler.is_compiling()
-    q = _kernel_ready(_widen(q, width), width, compiling)
+    q = _ready_at(q, width, compiling)
     k_cache, v_cache = _pad_head_dim(k_cache, width), _pad_head_dim(v_cache, width)
     out, softmax_lse = torch.ops.flash_attn2.varlen_fwd_paged(
         q,
@@ -566,9 +575,9 @@ def flash_attn_with_kvcache(
         # Rotary embedding is linear, so rotating -q gives -(rotated q).
         q, softmax_scale = -q, -softmax_scale
     compiling = torch.compiler.is_compiling()
-    q = _kernel_ready(_widen(q, width), width, compiling)
+    q = _ready_at(q, width, compiling)
     if k is not None:
-        k, v = (_kernel_ready(_widen(x, width), width, compiling) for x in (k, v))
+        k, v = (_ready_at(x, width, compiling) for x in (k, v))
     k_cache_in, v_cache_in = k_cache, v_cache
     k_cache, v_cache = _pad_head_dim(k_cache, width), _pad_head_dim(v_cache, width)
     forced_splits, plan_override = forced()

@@ -363,6 +363,17 @@ def check_results(names, ours, ref, lowp, dtype, floors=None):
 # ---------------------------------------------------------------- inputs
 
 
+@pytest.fixture
+def seeded_exact_reference():
+    """For GPU tests against the float32 reference (pytestmark's usefixtures): the same draws on every run, so that
+    no test passes or fails by the luck of its inputs, and the reference's matmuls in float32, not silently TF32."""
+    torch.manual_seed(0)
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    yield
+    torch.set_float32_matmul_precision(previous)
+
+
 def rand(*shape, dtype, device="cuda"):
     """Standard-normal values of ``shape`` in ``dtype``."""
     return torch.randn(shape, dtype=dtype, device=device)

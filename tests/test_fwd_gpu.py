@@ -31,21 +31,11 @@ from flash_attn_cuda import flash_attn_func
 from flash_attn_cuda.plan import force_plan, override_string, plan
 from flash_attn_cuda.reference import attention_ref
 
-pytestmark = [pytest.mark.gpu, requires_gpu]
+pytestmark = [pytest.mark.gpu, requires_gpu, pytest.mark.usefixtures("seeded_exact_reference")]
 
 fwd = torch.ops.flash_attn2.fwd
 SEQLENS = [1, 17, 113, 1023, 2049]
 LAYOUTS = ["contiguous", "packed", "seq_major", "heads_major", "guard_bands"]
-
-
-@pytest.fixture(autouse=True)
-def _setup():
-    torch.manual_seed(0)
-    # The float32 reference must not silently run its matmuls in TF32.
-    previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    yield
-    torch.set_float32_matmul_precision(previous)
 
 
 def require_kernel(head_dim, dtype, causal):

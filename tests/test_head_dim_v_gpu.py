@@ -26,7 +26,7 @@ from flash_attn_cuda.dropout import keep_mask
 from flash_attn_cuda.plan import force_plan
 from flash_attn_cuda.reference import attention_ref, kvcache_ref
 
-pytestmark = [pytest.mark.gpu, requires_gpu]
+pytestmark = [pytest.mark.gpu, requires_gpu, pytest.mark.usefixtures("seeded_exact_reference")]
 
 DEVICE = "cuda"
 
@@ -43,16 +43,6 @@ CASES = [
         ("mma_sync", (torch.float16, torch.bfloat16)[i % 2]),
     )
 ]
-
-
-@pytest.fixture(autouse=True)
-def _setup():
-    torch.manual_seed(0)
-    # The float32 reference must not silently run its matmuls in TF32.
-    previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    yield
-    torch.set_float32_matmul_precision(previous)
 
 
 def family(kernel, d_qk, d_v, dtype):

@@ -43,20 +43,10 @@ from flash_attn_cuda import flash_attn_varlen_func, flash_attn_with_kvcache
 from flash_attn_cuda.plan import force_plan, override_string, plan
 from flash_attn_cuda.reference import kvcache_ref
 
-pytestmark = [pytest.mark.gpu, requires_gpu]
+pytestmark = [pytest.mark.gpu, requires_gpu, pytest.mark.usefixtures("seeded_exact_reference")]
 
 ops = torch.ops.flash_attn2
 NAN = float("nan")
-
-
-@pytest.fixture(autouse=True)
-def _setup():
-    torch.manual_seed(0)
-    # The float32 reference must not silently run its matmuls in TF32.
-    previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    yield
-    torch.set_float32_matmul_precision(previous)
 
 
 # ---------------------------------------------------------------- dtypes and kernel families

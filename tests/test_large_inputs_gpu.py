@@ -41,18 +41,7 @@ from flash_attn_cuda.dropout import keep_mask, varlen_keep_mask
 from flash_attn_cuda.plan import force_plan, override_string, plan
 from flash_attn_cuda.reference import attention_ref
 
-pytestmark = [pytest.mark.gpu, requires_gpu]
-
-
-@pytest.fixture(autouse=True)
-def _setup():
-    # The same draws on every run, so that no test passes or fails by the luck of its inputs.
-    torch.manual_seed(0)
-    # The float32 reference must not silently run its matmuls in TF32.
-    previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    yield
-    torch.set_float32_matmul_precision(previous)
+pytestmark = [pytest.mark.gpu, requires_gpu, pytest.mark.usefixtures("seeded_exact_reference")]
 
 
 # Every length up to 17, then both sides of the 64- and 128-row/key block edges.

@@ -13,7 +13,7 @@ from conftest import check_close, requires_gpu
 
 from flash_attn_cuda import flash_attn_func
 
-pytestmark = [pytest.mark.gpu, requires_gpu]
+pytestmark = [pytest.mark.gpu, requires_gpu, pytest.mark.usefixtures("seeded_exact_reference")]
 
 transformers = pytest.importorskip("transformers")
 if not all(hasattr(transformers, name) for name in ("GptOssConfig", "GptOssForCausalLM", "AttentionInterface")):

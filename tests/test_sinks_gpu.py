@@ -69,22 +69,12 @@ from flash_attn_cuda.dropout import keep_mask, varlen_keep_mask
 from flash_attn_cuda.plan import force_plan, override_string, plan
 from flash_attn_cuda.reference import attention_ref, kvcache_ref, sink_grad_ref
 
-pytestmark = [pytest.mark.gpu, requires_gpu]
+pytestmark = [pytest.mark.gpu, requires_gpu, pytest.mark.usefixtures("seeded_exact_reference")]
 
 ops = torch.ops.flash_attn2
 DEVICE = "cuda"
 V = Variant
 KERNELS = ("wgmma", "mma_sync")
-
-
-@pytest.fixture(autouse=True)
-def _setup():
-    torch.manual_seed(0)
-    # The float32 reference must not silently run its matmuls in TF32.
-    previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    yield
-    torch.set_float32_matmul_precision(previous)
 
 
 def dtype_id(dtype):

@@ -15,6 +15,8 @@ except Exception:
     if not _RUNNING_INFO:
         raise
 else:
+    # Registers (does not activate) the SDPA flash backend implementation with torch.nn.attention.
+    from . import sdpa
     from ._ops import compiled_kernels, kernel_available
     from .interface import (
         flash_attn_func,
@@ -44,6 +46,7 @@ __all__: list[str] = [
     "unpad_input",
     "compiled_kernels",
     "kernel_available",
+    "sdpa",
     "__version__",
     "_ops",
 ]

@@ -136,6 +136,8 @@ def _is_marked(rng_state: torch.Tensor) -> bool:
 def _fallback(kind: str, reason: str, original, keyset, args, kwargs):
     calls[f"fallback_{kind}"] += 1
     _log.debug("flash_attn_cuda.sdpa: %s runs PyTorch's kernel: %s", kind, reason)
+    if original is None:
+        raise RuntimeError(f"flash_attn_cuda.sdpa: the {kind} cannot run here ({reason}) and PyTorch has no kernel")
     return original.call_boxed(keyset, *args, **kwargs)
 
 
@@ -370,12 +372,20 @@ def _present(name: str) -> bool:
     return hasattr(torch.ops.aten, name) and "default" in getattr(torch.ops.aten, name).overloads()
 
 
+def _kernel(name: str, dispatch_key: str):
+    """PyTorch's kernel of the aten op for the key, or None where it has none (the CPU key of these ops)."""
+    try:
+        return torch.library.get_kernel(f"aten::{name}", dispatch_key)
+    except RuntimeError:
+        return None
+
+
 def register_kernels(dispatch_key: str = "CUDA") -> Handle:
     """Replaces the CUDA kernels of the flash attention aten ops with this library's (the registry's register_fn:
     ``activate()`` is the way in). PyTorch's kernels are read first, so that the calls these kernels cannot serve
     run them. dispatch_key: another key than CUDA's is for tests of this glue on the CPU."""
     names = [name for name in _REPLACED if _present(name)]
-    kernels = _Kernels({name: torch.library.get_kernel(f"aten::{name}", dispatch_key) for name in names})
+    kernels = _Kernels({name: _kernel(name, dispatch_key) for name in names})
     library = torch.library.Library("aten", "IMPL", dispatch_key)
     for name in names:
         library.impl(name, getattr(kernels, _REPLACED[name]), dispatch_key, with_keyset=True)

@@ -28,6 +28,7 @@ else:
         flash_attn_with_kvcache,
     )
     from .padding import pad_input, unpad_input
+    from .serving import SchedulerMetadata, flash_attn_combine, get_scheduler_metadata
 
 try:
     from ._build_info import VERSION as __version__
@@ -42,6 +43,9 @@ __all__: list[str] = [
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
     "flash_attn_with_kvcache",
+    "flash_attn_combine",
+    "get_scheduler_metadata",
+    "SchedulerMetadata",
     "pad_input",
     "unpad_input",
     "compiled_kernels",

@@ -7,8 +7,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from . import _ops, dropout
-from .plan import forced
+from . import _ops, dropout, serving
+from .plan import forced, override_string
 
 _ALIGN_ELEMS = 8  # the kernels move 16-byte (8-element) chunks
 
@@ -273,7 +273,7 @@ def flash_attn_varlen_func(
     k: torch.Tensor,
     v: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
+    cu_seqlens_k: torch.Tensor | None,
     max_seqlen_q: int,
     max_seqlen_k: int,
     dropout_p: float = 0.0,
@@ -288,6 +288,12 @@ def flash_attn_varlen_func(
     *,
     learnable_sink: torch.Tensor | None = None,
     s_aux: torch.Tensor | None = None,
+    seqused_q: torch.Tensor | None = None,
+    seqused_k: torch.Tensor | None = None,
+    num_splits: int = 0,
+    pack_gqa: bool | None = None,
+    out: torch.Tensor | None = None,
+    lse_out: torch.Tensor | None = None,
 ) -> AttnOutput:
     """Attention over a batch of sequences of different lengths packed without padding.
 
@@ -307,6 +313,17 @@ def flash_attn_varlen_func(
         learnable_sink: keyword only; the (nheads,) attention sink logits as in flash_attn_func, shared by every
             sequence. With block_table too (forward only there, like q, k and v).
         s_aux: keyword only; another name for learnable_sink (vLLM's). Give at most one of the two.
+        seqused_q, seqused_k: keyword only; optional int32 (batch,): only the first seqused_q[b] queries and
+            seqused_k[b] keys of sequence b take part (FlashAttention-3's arguments, for buffers padded per
+            sequence); values are clamped to [0, the sequence's length]. Output rows of unused queries are 0 and
+            their LSE +inf. With block_table, cu_seqlens_k may be None when seqused_k is given: sequence b's keys
+            are then its first seqused_k[b] cache rows. Not with dropout.
+        num_splits: keyword only; 0 or 1 (these kernels never split a varlen call's keys). flash_attn_with_kvcache
+            takes any count.
+        pack_gqa: keyword only; accepted for FlashAttention-3's callers: varlen calls never run the query heads of
+            a key/value head as rows of one head, whatever it says.
+        out, lse_out: keyword only; preallocated tensors of out's and softmax_lse's shapes and dtypes, which the
+            results are copied into and which the call returns in their place.
         The other arguments are as in flash_attn_func.
 
     Returns:
@@ -316,8 +333,18 @@ def flash_attn_varlen_func(
         (None without dropout).
     """
     learnable_sink, sink_name = _sink_argument(learnable_sink, s_aux)
+    if num_splits not in (0, 1):
+        raise ValueError(f"num_splits must be 0 or 1 for varlen calls, whose keys are never split, got {num_splits}")
+    if (seqused_q is not None or seqused_k is not None) and dropout_p != 0.0:
+        raise ValueError(f"dropout_p must be 0 with seqused_q or seqused_k, got {dropout_p}")
     if block_table is not None:
-        return _varlen_paged(
+        if seqused_q is not None:
+            raise ValueError("seqused_q is not supported with block_table; cut the queries with cu_seqlens_q")
+        if seqused_k is not None:
+            cu_seqlens_k = serving.paged_lengths(q, cu_seqlens_q, cu_seqlens_k, seqused_k)
+        elif cu_seqlens_k is None:
+            raise ValueError("cu_seqlens_k may be None only with seqused_k")
+        result = _varlen_paged(
             q,
             k,
             v,
@@ -331,14 +358,24 @@ def flash_attn_varlen_func(
             window_size,
             softcap,
             alibi_slopes,
-            return_attn_probs,
+            True,
             block_table,
             learnable_sink,
             sink_name,
         )
+        out, softmax_lse = serving.write_outputs(result[0], result[1], out, lse_out)
+        return (out, softmax_lse, None) if return_attn_probs else out
+    if cu_seqlens_k is None:
+        raise ValueError("cu_seqlens_k may be None only with block_table and seqused_k")
+    if seqused_q is not None or seqused_k is not None:
+        cu_seqlens_q, cu_seqlens_k = serving.used_sequences(q, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+        if isinstance(alibi_slopes, torch.Tensor) and alibi_slopes.dim() == 2:
+            # (batch, nheads) slopes are indexed by sequence: each part of sequence b takes b's.
+            alibi_slopes = alibi_slopes.repeat_interleave(serving.PARTS_PER_SEQUENCE, dim=0)
     variants = _variants(q, dropout_p, window_size, softcap, alibi_slopes, learnable_sink, sink_name)
     q_in, k_in, scale_in = q, k, softmax_scale
     q, k, v, softmax_scale, head_dim, compiling = _prepare(q, k, v, softmax_scale, 3, "(total, nheads, head_dim)")
+    out_given = out
     out, softmax_lse = _ops.varlen_fwd(
         q,
         k,
@@ -356,6 +393,8 @@ def flash_attn_varlen_func(
     )
     if out.shape[-1] != head_dim:
         out = out[..., :head_dim]
+    if out_given is not None or lse_out is not None:
+        out, softmax_lse = serving.write_outputs(out, softmax_lse, out_given, lse_out)
     if return_attn_probs:
         s_dmask = None
         if variants.dropout_p > 0.0:
@@ -491,6 +530,10 @@ def flash_attn_with_kvcache(
     *,
     learnable_sink: torch.Tensor | None = None,
     s_aux: torch.Tensor | None = None,
+    pack_gqa: bool | None = None,
+    scheduler_metadata: serving.SchedulerMetadata | None = None,
+    out: torch.Tensor | None = None,
+    lse_out: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention against a KV cache, for decoding and for prefill into a cache (inference: no backward pass).
 
@@ -530,6 +573,12 @@ def flash_attn_with_kvcache(
         learnable_sink: keyword only; the (nheads,) attention sink logits as in flash_attn_func: each query row's
             softmax denominator gains exp(sink_h), whatever the key splits. No gradient here.
         s_aux: keyword only; another name for learnable_sink (vLLM's). Give at most one of the two.
+        pack_gqa: keyword only; False runs each query head on its own; None or True lets the plan run the query
+            heads of a key/value head as rows of one head (one query row, no ALiBi), reading each cache row once.
+        scheduler_metadata: keyword only; what get_scheduler_metadata computed for this call's sizes: the call then
+            runs that plan's key splits and kernels (num_splits and pack_gqa give way to it).
+        out, lse_out: keyword only; preallocated tensors of out's and softmax_lse's shapes and dtypes, which the
+            results are copied into and which the call returns in their place.
 
     head_dim may be any size up to 256; with a size that is not a multiple of 8 the caches are padded into
     copies and the appended rows copied back (slow, but correct). v_cache (and v) may have a head dim of their own,
@@ -581,6 +630,16 @@ def flash_attn_with_kvcache(
     k_cache_in, v_cache_in = k_cache, v_cache
     k_cache, v_cache = _pad_head_dim(k_cache, width), _pad_head_dim(v_cache, width)
     forced_splits, plan_override = forced()
+    num_splits = int(num_splits) if num_splits else forced_splits
+    if pack_gqa is False:
+        plan_override = ";".join(filter(None, (plan_override, override_string(gqa_pack=False))))
+    if scheduler_metadata is not None:
+        if not isinstance(scheduler_metadata, serving.SchedulerMetadata):
+            raise ValueError("scheduler_metadata must be what flash_attn_cuda.get_scheduler_metadata returned")
+        scheduler_metadata.check((q.shape[0], q.shape[2], k_cache.shape[2], head_dim, head_dim_v, q.dtype))
+        num_splits = scheduler_metadata.num_splits
+        plan_override = ";".join(filter(None, (plan_override, scheduler_metadata.plan_override)))
+    out_given = out
     out, softmax_lse = torch.ops.flash_attn2.fwd_kvcache(
         q,
         k_cache,
@@ -600,7 +659,7 @@ def flash_attn_with_kvcache(
         variants.softcap,
         bool(rotary_interleaved),
         variants.alibi_slopes,
-        int(num_splits) if num_splits else forced_splits,
+        num_splits,
         plan_override,
         learnable_sink=variants.learnable_sink,
     )
@@ -612,6 +671,8 @@ def flash_attn_with_kvcache(
             v_cache_in.copy_(v_cache[..., :head_dim_v])
     if out.shape[-1] != head_dim_v:
         out = out[..., :head_dim_v]
+    if out_given is not None or lse_out is not None:
+        out, softmax_lse = serving.write_outputs(out, softmax_lse, out_given, lse_out)
     return (out, softmax_lse) if return_softmax_lse else out
 
 

@@ -20,6 +20,8 @@ by ``;``:
   sm_120).
 - ``ws=0|1``: the Hopper forward's warp-specialized TMA kernel (dense calls of the plain kernels without key
   splits, GQA packing or the short-key tile), else the kernel whose warps all load and compute.
+- ``gqa_pack=0|1``: 0 runs every query head on its own; 1 (the default) runs the query heads that share a
+  key/value head as rows of one head where the kernels can (dense forwards with one query row).
 
 A key left out keeps the heuristic's choice. ``force_plan`` sets both for the public functions
 (``flash_attn_func`` and the others) called inside it, forward and backward. Two environment variables, read
@@ -40,7 +42,7 @@ from . import _ops  # noqa: F401  (loads torch.ops.flash_attn2)
 # ContextVar's get().
 _forced = (0, "")
 
-_OVERRIDE_KEYS = ("kernel", "gqa_walk", "key_blocks", "short_keys", "short_queries", "max_smem", "ws")
+_OVERRIDE_KEYS = ("kernel", "gqa_walk", "key_blocks", "short_keys", "short_queries", "max_smem", "ws", "gqa_pack")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +76,7 @@ def override_string(
     short_queries: bool | None = None,
     max_smem: int | None = None,
     ws: bool | None = None,
+    gqa_pack: bool | None = None,
 ) -> str:
     """The ``plan_override`` op argument for these choices (None: the heuristic decides)."""
     values = {
@@ -84,6 +87,7 @@ def override_string(
         "short_queries": short_queries,
         "max_smem": max_smem,
         "ws": ws,
+        "gqa_pack": gqa_pack,
     }
     parts = []
     for key in _OVERRIDE_KEYS:

@@ -119,6 +119,19 @@ def test_gqa_packing_of_one_query_row(pass_, gpu, causal):
     assert make(pass_, gpu, seqlen_q=1, nheads=32, nheads_k=4, causal=causal, varlen=True).gqa_pack == 1
 
 
+@pytest.mark.parametrize("pass_", ["fwd", "bwd"])
+def test_gqa_pack_override(pass_):
+    # 0 turns packing off; 1 is the default, which packs only where the kernels can (one dense query row).
+    assert make(pass_, seqlen_q=1, nheads=32, nheads_k=4, gqa_pack=False).gqa_pack == 1
+    assert make(pass_, seqlen_q=1, nheads=32, nheads_k=4, gqa_pack=True).gqa_pack == 8
+    assert make(pass_, seqlen_q=2, nheads=32, nheads_k=4, gqa_pack=True).gqa_pack == 1
+    decode = {"batch": 2, "seqlen_q": 1, "seqlen_k": 512, "nheads": 32, "nheads_k": 4, "head_dim": 128, "kvcache": True}
+    assert plan("fwd", **decode, **H200).gqa_pack == 8
+    assert plan("fwd", **decode, override="gqa_pack=0", **H200).gqa_pack == 1
+    with pytest.raises(BAD_ARGUMENT, match="gqa_pack"):
+        make(pass_, override="gqa_pack=2")
+
+
 def test_packed_backward_has_no_gqa_left():
     # Packed, dK and dV come out per key/value head: no group walk and no fp32 slices, whatever is forced.
     for walk in (None, True, False):

@@ -356,7 +356,12 @@ def test_signatures_keep_the_positional_order(name):
     keyword_only = {p.name: p.default for p in params if p.kind == p.KEYWORD_ONLY}
     expected = {"learnable_sink": None}
     if name in ("flash_attn_varlen_func", "flash_attn_with_kvcache"):
-        expected["s_aux"] = None
+        # vLLM's alias, and FlashAttention-3's serving arguments.
+        expected.update(s_aux=None, pack_gqa=None, out=None, lse_out=None)
+    if name == "flash_attn_varlen_func":
+        expected.update(seqused_q=None, seqused_k=None, num_splits=0)
+    if name == "flash_attn_with_kvcache":
+        expected.update(scheduler_metadata=None)
     assert keyword_only == expected
 
 

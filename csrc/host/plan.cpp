@@ -223,8 +223,8 @@ void plan_kernels(const Problem& p, const Target& t, int num_splits, const PlanO
     // (FwdTile::fold_window_into_keys).
     const bool packable = !plan.causal && !p.positional;
     const bool variants_packable = p.pass == Pass::kFwd && plan.variants && !p.head_positions;
-    const bool pack = !p.varlen && (packable || variants_packable) && p.seqlen_q == 1 && p.nheads_k > 0 &&
-                      p.nheads > p.nheads_k;
+    const bool pack = o.gqa_pack != 0 && !p.varlen && (packable || variants_packable) && p.seqlen_q == 1 &&
+                      p.nheads_k > 0 && p.nheads > p.nheads_k;
     plan.gqa_pack = pack ? p.nheads / p.nheads_k : 1;
     plan.kernel_head_dim = kernel_head_dim_for(plan.family, p.pass, kernel_head_dim(p.head_dim), t.max_smem);
     plan.num_splits = 1;
@@ -314,6 +314,8 @@ std::string parse_plan_override(std::string_view text, PlanOverride& out) {
             if (!parse_int(value, 0, 1, field)) { return where + ": " + std::string(key) + " must be 0 or 1"; }
         } else if (key == "ws") {
             if (!parse_int(value, 0, 1, out.warp_specialized)) { return where + ": ws must be 0 or 1"; }
+        } else if (key == "gqa_pack") {
+            if (!parse_int(value, 0, 1, out.gqa_pack)) { return where + ": gqa_pack must be 0 or 1"; }
         } else if (key == "max_smem") {
             if (!parse_int(value, 1, kMaxForcedSmem, out.max_smem)) {
                 return where + ": max_smem must be bytes of shared memory per block, an integer in [1, " +
@@ -324,7 +326,9 @@ std::string parse_plan_override(std::string_view text, PlanOverride& out) {
                 return where + ": key_blocks must be an integer in [1, " + std::to_string(kMaxForcedKeyBlocks) + "]";
             }
         } else {
-            return where + ": unknown key (kernel, gqa_walk, key_blocks, short_keys, short_queries, max_smem, ws)";
+            return where +
+                   ": unknown key (kernel, gqa_walk, key_blocks, short_keys, short_queries, max_smem, ws, "
+                   "gqa_pack)";
         }
     }
     return "";

@@ -102,6 +102,7 @@ struct PlanOverride {
     int short_queries = -1;  // short_queries=0|1
     int max_smem = -1;  // max_smem=bytes: plan as if the GPU offered at most this much shared memory per block
     int warp_specialized = -1;  // ws=0|1
+    int gqa_pack = -1;  // gqa_pack=0|1: 0 never packs GQA heads as query rows; 1 packs where the kernels can
 };
 
 struct Plan {
@@ -134,7 +135,8 @@ constexpr int kMaxForcedKeyBlocks = 128;
 constexpr int kMaxForcedSmem = 1 << 20;
 
 // Parses plan_override ("key=value" pairs separated by ';', keys kernel, gqa_walk, key_blocks, short_keys,
-// short_queries, max_smem, ws). Returns an error message naming plan_override, or "" when `text` is well formed.
+// short_queries, max_smem, ws, gqa_pack). Returns an error message naming plan_override, or "" when `text` is well
+// formed.
 std::string parse_plan_override(std::string_view text, PlanOverride& out);
 
 // The plan of `problem` on `target`. num_splits: the forward's op argument (0: the heuristic decides;

@@ -13,6 +13,10 @@ has no autograd. Autograd of fwd and varlen_fwd comes from one of two places:
   requires grad: the registered Python autograd kernel costs every call, with or without grad, several
   microseconds more. Even so, host-bound calls cost more than with the C++ library.
 
+varlen_fwd_paged (flash_attn_varlen_func with a block_table) has no backward op. Its autograd, registered here in
+Python, records a node that raises when a backward reaches it (varlen_fwd_paged below): a forward with inputs that
+require grad runs, as in flash-attn 2.x, and only a backward through it is an error.
+
 The fake implementations and the autograd rules come from the op table (csrc/op_table.py, generated into
 _op_table.py), so they name no op argument here.
 """
@@ -33,6 +37,7 @@ _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 _FWD = torch.ops.flash_attn2.fwd.default
 _VARLEN_FWD = torch.ops.flash_attn2.varlen_fwd.default
+_VARLEN_FWD_PAGED = torch.ops.flash_attn2.varlen_fwd_paged.default
 
 
 def _fake_output(rule: str, args: dict) -> torch.Tensor:
@@ -328,3 +333,105 @@ def varlen_fwd(
     if _CPP_AUTOGRAD_TORCH is not None:
         return _VARLEN_FWD(*args)
     return _call(_VARLEN_FWD, _VarlenFwd, args, compiling, _VARLEN_FWD_DIFFERENTIABLE)
+
+
+# Paged keys and values: a forward without a backward. The node that autograd records raises this message when a
+# backward reaches it; the public function takes the sink as learnable_sink or s_aux, so the message names both.
+PAGED_NO_BACKWARD = (
+    "block_table: flash_attn_varlen_func with paged keys and values has no backward pass, so q, k, v and "
+    "learnable_sink (s_aux) get no gradient through it; run that call under torch.no_grad(), with tensors that do "
+    "not require grad, or detach its outputs before a backward pass"
+)
+
+# The error is an op of its own, called by the backward, rather than a raise in the backward itself: torch.compile
+# traces the backward (on fake tensors) as soon as an input requires grad, and a raise there would fail the
+# compilation of a forward that never runs a backward. Traced, the op stands in the compiled backward and raises
+# when that backward runs. It takes the incoming gradient so that it belongs to the backward graph.
+torch.library.define("flash_attn2::paged_no_backward", "(Tensor grad) -> Tensor")
+
+
+@torch.library.impl("flash_attn2::paged_no_backward", "CompositeExplicitAutograd")
+def _paged_no_backward(grad):
+    raise RuntimeError(PAGED_NO_BACKWARD)
+
+
+@torch.library.register_fake("flash_attn2::paged_no_backward")
+def _paged_no_backward_fake(grad):
+    return grad.new_empty(())
+
+
+_PAGED_ARGS = OPS["varlen_fwd_paged"]["args"]
+# The arguments a backward would differentiate: those of varlen_fwd's backward, under the paged op's names.
+_VARLEN_FWD_PAGED_DIFFERENTIABLE = tuple(
+    _PAGED_ARGS.index(name) for name in ("q", "k_cache", "v_cache", "learnable_sink")
+)
+
+
+def _paged_setup_context(ctx, inputs, output):
+    # Only the shapes and dtypes of the differentiable inputs are kept: a saved tensor would make autograd check
+    # its version at the backward, and a cache written in place since (the next decoding step) would fail that
+    # check with a message about in-place writes instead of this one.
+    ctx.num_inputs = len(inputs)
+    ctx.metas = [
+        (i, inputs[i].shape, inputs[i].dtype)
+        for i in _VARLEN_FWD_PAGED_DIFFERENTIABLE
+        if isinstance(inputs[i], torch.Tensor)
+    ]
+
+
+def _paged_backward(ctx, *grads):
+    grad = next(g for g in grads if g is not None)
+    # Raises when it runs. Under tracing it returns a fake scalar, and the gradients are views of it, so that the
+    # op stays in the graph for as long as any of them is used.
+    anchor = torch.ops.flash_attn2.paged_no_backward(grad)
+    result = [None] * ctx.num_inputs
+    for index, shape, dtype in ctx.metas:
+        result[index] = anchor.to(dtype).expand(shape)
+    return tuple(result)
+
+
+torch.library.register_autograd("flash_attn2::varlen_fwd_paged", _paged_backward, setup_context=_paged_setup_context)
+_VarlenFwdPaged = _eager_function("_VarlenFwdPaged", "_VARLEN_FWD_PAGED", _paged_setup_context, _paged_backward)
+
+
+def varlen_fwd_paged(
+    q,
+    k_cache,
+    v_cache,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    block_table,
+    softmax_scale,
+    causal,
+    plan_override,
+    window_left,
+    window_right,
+    softcap,
+    alibi_slopes,
+    *,
+    learnable_sink,
+    compiling,
+):
+    """torch.ops.flash_attn2.varlen_fwd_paged with its autograd (a node whose backward raises PAGED_NO_BACKWARD),
+    as fwd(): eager calls skip the registered Python autograd kernel."""
+    args = (
+        q,
+        k_cache,
+        v_cache,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        block_table,
+        softmax_scale,
+        causal,
+        plan_override,
+        window_left,
+        window_right,
+        softcap,
+        alibi_slopes,
+        learnable_sink,
+    )
+    return _call(_VARLEN_FWD_PAGED, _VarlenFwdPaged, args, compiling, _VARLEN_FWD_PAGED_DIFFERENTIABLE)

@@ -306,10 +306,12 @@ def flash_attn_varlen_func(
             the kernels never read cu_seqlens on the host, so the call is CUDA-graph safe).
         causal, window_size, alibi_slopes: per sequence, aligned to the bottom-right corner of its own score
             matrix; (batch, nheads) slopes are indexed by sequence. Dropout masks are per sequence too.
-        block_table: int32 (batch, max_pages) for paged keys and values (inference only: no backward, no
-            dropout). k and v are then caches of pages (num_pages, page_size, nheads_k, head_dim), page_size a
-            multiple of 16; sequence b's keys are its first cu_seqlens_k[b + 1] - cu_seqlens_k[b] rows, found in
-            pages block_table[b, 0], block_table[b, 1], ... (any pages, in any order).
+        block_table: int32 (batch, max_pages) for paged keys and values (inference only: no dropout, no backward).
+            k and v are then caches of pages (num_pages, page_size, nheads_k, head_dim), page_size a multiple of
+            16; sequence b's keys are its first cu_seqlens_k[b + 1] - cu_seqlens_k[b] rows, found in pages
+            block_table[b, 0], block_table[b, 1], ... (any pages, in any order). Inputs may require grad: the
+            outputs then carry a grad_fn, but a backward pass through them raises a RuntimeError naming
+            block_table.
         learnable_sink: keyword only; the (nheads,) attention sink logits as in flash_attn_func, shared by every
             sequence. With block_table too (forward only there, like q, k and v).
         s_aux: keyword only; another name for learnable_sink (vLLM's). Give at most one of the two.
@@ -464,18 +466,13 @@ def _varlen_paged(
     learnable_sink: torch.Tensor | None,
     sink_name: str,
 ) -> AttnOutput:
-    """flash_attn_varlen_func with a block_table: varlen queries against paged caches, forward only."""
+    """flash_attn_varlen_func with a block_table: varlen queries against paged caches, forward only (a backward
+    through its outputs raises)."""
     head_dim, head_dim_v, width = _check_cache_operands(
         q, k_cache, v_cache, 3, "(total_q, nheads, head_dim)", ("k", "v")
     )
     if dropout_p != 0.0:
         raise ValueError(f"dropout_p must be 0 with block_table (paged calls are for inference), got {dropout_p}")
-    sink_grad = isinstance(learnable_sink, torch.Tensor) and learnable_sink.requires_grad
-    if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad or sink_grad):
-        raise ValueError(
-            "block_table: paged keys and values have no backward pass; call under torch.no_grad() or "
-            f"with tensors that do not require grad (q, k, v and {sink_name})"
-        )
     variants = _variants(q, 0.0, window_size, softcap, alibi_slopes, learnable_sink, sink_name)
     if softmax_scale is None:
         softmax_scale = head_dim**-0.5
@@ -484,7 +481,9 @@ def _varlen_paged(
     compiling = torch.compiler.is_compiling()
     q = _ready_at(q, width, compiling)
     k_cache, v_cache = _pad_head_dim(k_cache, width), _pad_head_dim(v_cache, width)
-    out, softmax_lse = torch.ops.flash_attn2.varlen_fwd_paged(
+    # Inputs that require grad are taken: the outputs then carry a node whose backward raises, naming block_table
+    # (flash-attn 2.x's tests run this forward with such inputs and skip only its backward).
+    out, softmax_lse = _ops.varlen_fwd_paged(
         q,
         k_cache,
         v_cache,
@@ -501,6 +500,7 @@ def _varlen_paged(
         variants.softcap,
         variants.alibi_slopes,
         learnable_sink=variants.learnable_sink,
+        compiling=compiling,
     )
     if out.shape[-1] != head_dim_v:
         out = out[..., :head_dim_v]

@@ -702,14 +702,190 @@ def varlen_paged_args():
     return q, caches, cu, table, max(lens)
 
 
-def test_varlen_paged_rejects_grad_and_dropout():
+def test_varlen_paged_rejects_dropout_and_takes_grad():
     q, (k_cache, v_cache), cu, table, max_len = varlen_paged_args()
-    with pytest.raises(ValueError, match="grad"):
-        flash_attn_varlen_func(q.requires_grad_(), k_cache, v_cache, cu, cu, max_len, max_len, block_table=table)
     with pytest.raises(ValueError, match="dropout_p"):
-        flash_attn_varlen_func(q.detach(), k_cache, v_cache, cu, cu, max_len, max_len, dropout_p=0.1, block_table=table)
+        flash_attn_varlen_func(q, k_cache, v_cache, cu, cu, max_len, max_len, dropout_p=0.1, block_table=table)
+    # A q that requires grad is no reason to refuse the forward (only a backward through it is): the call gets as
+    # far as the op's device check, with grad mode on and off.
+    q.requires_grad_()
+    with pytest.raises(ValueError, match="CUDA"):
+        flash_attn_varlen_func(q, k_cache, v_cache, cu, cu, max_len, max_len, block_table=table)
     with torch.no_grad(), pytest.raises(ValueError, match="CUDA"):
         flash_attn_varlen_func(q, k_cache, v_cache, cu, cu, max_len, max_len, block_table=table)
+
+
+# ---------------------------------------------------------------- paged varlen autograd
+
+
+def paged_attention_on_cpu(
+    q,
+    k_cache,
+    v_cache,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    block_table,
+    softmax_scale,
+    causal,
+    plan_override="",
+    window_left=-1,
+    window_right=-1,
+    softcap=0.0,
+    alibi_slopes=None,
+    learnable_sink=None,
+):
+    """A CPU kernel for varlen_fwd_paged (its schema, its outputs): attention_ref on each sequence's keys gathered
+    from its pages. It lets the autograd around the op run on the CPU, eagerly and under torch.compile."""
+    outs, lses = [], []
+    starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for b in range(block_table.shape[0]):
+        pages = block_table[b].long()
+        n = starts_k[b + 1] - starts_k[b]
+        k, v = (cache[pages].flatten(0, 1)[None, :n] for cache in (k_cache, v_cache))
+        out, lse = attention_ref(
+            q[None, starts_q[b] : starts_q[b + 1]],
+            k,
+            v,
+            softmax_scale,
+            causal,
+            window_size=(window_left, window_right),
+            softcap=softcap,
+            alibi_slopes=alibi_slopes,
+            learnable_sink=learnable_sink,
+        )
+        outs.append(out[0].to(q.dtype))
+        lses.append(lse[0])
+    return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+@pytest.fixture
+def paged_cpu_kernel():
+    """varlen_fwd_paged runs paged_attention_on_cpu on CPU tensors for the duration of the test (the registration is
+    dropped afterwards, and the op's own CPU kernel, which refuses CPU tensors, is back)."""
+    with torch.library._scoped_library("flash_attn2", "IMPL") as lib:
+        lib.impl("varlen_fwd_paged", paged_attention_on_cpu, "CPU")
+        yield
+
+
+def paged_grad_inputs(grad_of, sink_name="learnable_sink"):
+    """(inputs, call): paged varlen inputs on the CPU, those named in grad_of requiring grad ("q", "k", "v",
+    "sink"), and call(**inputs) -> (out, lse) through flash_attn_varlen_func, with the sink under sink_name."""
+    q, (k_cache, v_cache), cu, table, max_len = varlen_paged_args()
+    sink = torch.randn(q.shape[1])
+    inputs = dict(q=q, k=k_cache, v=v_cache, sink=sink)
+    for name in grad_of:
+        inputs[name].requires_grad_()
+
+    def call(q, k, v, sink):
+        out, lse, _ = flash_attn_varlen_func(
+            q,
+            k,
+            v,
+            cu,
+            cu,
+            max_len,
+            max_len,
+            causal=True,
+            return_attn_probs=True,
+            block_table=table,
+            **{sink_name: sink},
+        )
+        return out, lse
+
+    return inputs, call
+
+
+GRAD_OF = {"q": ("q",), "k": ("k",), "v": ("v",), "sink": ("sink",), "all": ("q", "k", "v", "sink")}
+
+
+@pytest.mark.parametrize("sink_name", ["learnable_sink", "s_aux"])
+@pytest.mark.parametrize("grad_of", list(GRAD_OF))
+def test_varlen_paged_forward_with_grad_then_backward_raises(grad_of, sink_name, paged_cpu_kernel):
+    # flash-attn 2.x's tests run the paged forward with inputs that require grad and skip only its backward: the
+    # forward runs, its outputs carry a grad_fn (so out.sum() and the like work), are those of the same call without
+    # grad, and a backward through either output raises, naming block_table and the sink under both its names.
+    inputs, call = paged_grad_inputs(GRAD_OF[grad_of], sink_name)
+    out, lse = call(**inputs)
+    assert out.grad_fn is not None and lse.grad_fn is not None
+    with torch.no_grad():
+        out_ref, lse_ref = call(**inputs)
+    assert out_ref.grad_fn is None
+    assert torch.equal(out.detach(), out_ref) and torch.equal(lse.detach(), lse_ref)
+    # The stand-in kernel is right: the same attention on dense keys, gathered from the pages by hand.
+    rows = inputs["k"].detach()[[0, 1, 3, 2]].flatten(0, 1)
+    v_rows = inputs["v"].detach()[[0, 1, 3, 2]].flatten(0, 1)
+    first, _ = attention_ref(
+        inputs["q"].detach()[None, :5], rows[None, :5], v_rows[None, :5], causal=True, learnable_sink=inputs["sink"]
+    )
+    assert torch.equal(out_ref[:5], first[0].to(out_ref.dtype))
+    loss = out.float().sum() + lse.sum()
+    for target in (loss, lse.sum()):
+        with pytest.raises(RuntimeError, match="block_table") as raised:
+            target.backward(retain_graph=True)
+        assert "learnable_sink (s_aux)" in str(raised.value)
+    leaves = [inputs[name] for name in GRAD_OF[grad_of]]
+    assert all(t.grad is None for t in leaves)
+
+
+def test_varlen_paged_grad_off_records_nothing(paged_cpu_kernel):
+    inputs, call = paged_grad_inputs(())
+    out, lse = call(**inputs)
+    assert not out.requires_grad and not lse.requires_grad
+    inputs, call = paged_grad_inputs(("q", "k", "v", "sink"))
+    with torch.inference_mode():
+        out, _ = call(**inputs)
+    assert not out.requires_grad
+
+
+def test_varlen_paged_backward_message_survives_a_cache_write(paged_cpu_kernel):
+    # The node keeps no tensor: a cache written in place after the forward (the next decoding step) would otherwise
+    # fail autograd's version check first, with a message about in-place writes rather than block_table.
+    q, (k_cache, v_cache), cu, table, max_len = varlen_paged_args()
+    k_leaf = k_cache.clone().requires_grad_()
+    k_used = k_leaf * 1.0  # a non-leaf cache that requires grad, written in place below
+    out = flash_attn_varlen_func(q, k_used, v_cache, cu, cu, max_len, max_len, block_table=table)
+    with torch.no_grad():
+        k_used[0].zero_()
+    with pytest.raises(RuntimeError, match="block_table"):
+        out.sum().backward()
+
+
+def test_varlen_paged_op_backward_raises(paged_cpu_kernel):
+    # The op called directly, through its registered autograd (not the public function's eager path).
+    q, (k_cache, v_cache), cu, table, max_len = varlen_paged_args()
+    out, lse = torch.ops.flash_attn2.varlen_fwd_paged(
+        q, k_cache.requires_grad_(), v_cache, cu, cu, max_len, max_len, table, 0.125, False
+    )
+    assert out.grad_fn is not None
+    with pytest.raises(RuntimeError, match="block_table"):
+        torch.autograd.grad(out.sum(), k_cache)
+
+
+@pytest.mark.parametrize("grad_of", ["q", "k", "sink"])
+def test_varlen_paged_backward_raises_under_compile(grad_of, paged_cpu_kernel):
+    # torch.compile traces the backward with the forward as soon as an input requires grad; the error is an op in
+    # the traced backward, so the forward compiles and runs, and the compiled backward raises when it runs.
+    torch._dynamo.reset()
+    inputs, call = paged_grad_inputs(GRAD_OF[grad_of])
+    compiled = torch.compile(call, backend="aot_eager", fullgraph=True)
+    out, lse = compiled(**inputs)
+    with torch.no_grad():
+        out_ref, lse_ref = call(**inputs)
+    assert torch.equal(out.detach(), out_ref) and torch.equal(lse.detach(), lse_ref)
+    assert out.grad_fn is not None
+    with pytest.raises(RuntimeError, match="block_table"):
+        (out.float().sum() + lse.sum()).backward()
+
+
+def test_paged_no_backward_op():
+    # Raises whenever it runs; its fake gives the scalar that the traced gradients are views of.
+    with pytest.raises(RuntimeError, match="block_table"):
+        torch.ops.flash_attn2.paged_no_backward(torch.ones(3))
+    with FakeTensorMode():
+        anchor = torch.ops.flash_attn2.paged_no_backward(torch.ones(3, dtype=torch.bfloat16))
+    assert anchor.shape == () and anchor.dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("case", ["page-size", "table-batch", "max-seqlen-k", "table-int64"])

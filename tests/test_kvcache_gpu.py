@@ -41,7 +41,7 @@ from conftest import (
 import flash_attn_cuda
 from flash_attn_cuda import flash_attn_varlen_func, flash_attn_with_kvcache
 from flash_attn_cuda.plan import force_plan, override_string, plan
-from flash_attn_cuda.reference import kvcache_ref
+from flash_attn_cuda.reference import attention_ref, kvcache_ref
 
 pytestmark = [pytest.mark.gpu, requires_gpu, pytest.mark.usefixtures("seeded_exact_reference")]
 
@@ -1007,22 +1007,104 @@ def test_varlen_paged_variants(variant, pair):
     run_varlen_paged(VARLEN_LENS_Q, VARLEN_LENS_K, 4, 1, 96, pair[0], 32, pair[1], **variant)
 
 
-def test_varlen_paged_is_forward_only():
-    """Paged varlen has no backward pass and no dropout: ValueError when q requires grad (unless grad is off) or
-    dropout_p != 0."""
-    require_kernels(64, torch.bfloat16)
-    lens = [5, 9]
-    q = rand(sum(lens), 4, 64, dtype=torch.bfloat16).requires_grad_()
-    k_cache, v_cache = rand(4, 16, 2, 64, dtype=torch.bfloat16), rand(4, 16, 2, 64, dtype=torch.bfloat16)
-    block_table = torch.tensor([[0, 1], [3, 2]], dtype=torch.int32, device="cuda")
-    cu = cu_seqlens(lens)
-    with pytest.raises(ValueError, match="grad"):
-        flash_attn_varlen_func(q, k_cache, v_cache, cu, cu, 9, 9, block_table=block_table)
-    with pytest.raises(ValueError, match="dropout_p"):
-        flash_attn_varlen_func(q.detach(), k_cache, v_cache, cu, cu, 9, 9, dropout_p=0.1, block_table=block_table)
+def paged_sequences(lens_q, lens_k, h, hk, d, dtype, page_size):
+    """(q, k_cache, v_cache, cu_q, cu_k, block_table, k_dense, v_dense) of a paged varlen call on random data, with
+    shuffled pages; k_dense and v_dense are each sequence's keys and values gathered from its pages, packed."""
+    batch = len(lens_q)
+    max_pages = max(1, -(-max(lens_k) // page_size))
+    num_pages = batch * max_pages + 2
+    block_table = torch.randperm(num_pages, device="cuda")[: batch * max_pages].view(batch, max_pages)
+    block_table = block_table.to(torch.int32)
+    k_cache = rand(num_pages, page_size, hk, d, dtype=dtype)
+    v_cache = rand(num_pages, page_size, hk, d, dtype=dtype)
+    q = rand(sum(lens_q), h, d, dtype=dtype)
+    k_dense, v_dense = (
+        torch.cat([cache[block_table[b].long()].flatten(0, 1)[: lens_k[b]] for b in range(batch)])
+        for cache in (k_cache, v_cache)
+    )
+    return q, k_cache, v_cache, cu_seqlens(lens_q), cu_seqlens(lens_k), block_table, k_dense, v_dense
+
+
+def sink_varlen_ref(q, k, v, lens_q, lens_k, causal, sink, upcast):
+    """reference.attention_ref with a sink on each sequence, packed again: out (total_q, h, d), lse (h, total_q)."""
+    outs, lses = [], []
+    starts_q, starts_k = cu_seqlens(lens_q).tolist(), cu_seqlens(lens_k).tolist()
+    for b in range(len(lens_q)):
+        out, lse = attention_ref(
+            q[None, starts_q[b] : starts_q[b + 1]],
+            k[None, starts_k[b] : starts_k[b + 1]],
+            v[None, starts_k[b] : starts_k[b + 1]],
+            None,
+            causal,
+            upcast=upcast,
+            learnable_sink=sink,
+        )
+        outs.append(out[0])
+        lses.append(lse[0])
+    return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+PAGED_GRAD_OF = {"q": ("q",), "caches": ("k", "v"), "sink": ("sink",), "all": ("q", "k", "v", "sink")}
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("grad_of", list(PAGED_GRAD_OF))
+def test_varlen_paged_forward_with_grad_inputs(grad_of, compiled):
+    """flash-attn 2.x's test_flash_attn_varlen_causal runs the paged forward with q and the caches requiring grad and
+    skips only the backward. Here: the forward runs with such inputs (the sink among them), its outputs are right
+    (the correctness rule) and bit-identical to the same call's under torch.no_grad(), they carry a grad_fn, and a
+    backward through them raises naming block_table; eagerly and under torch.compile(fullgraph=True). dropout_p != 0
+    stays refused."""
+    dtype = torch.bfloat16
+    require_kernels(64, dtype)
+    lens_q, lens_k = [5, 9, 1, 17], [20, 9, 33, 40]
+    q, k_cache, v_cache, cu_q, cu_k, block_table, k_dense, v_dense = paged_sequences(
+        lens_q, lens_k, 4, 2, 64, dtype, 16
+    )
+    sink = torch.randn(4, device="cuda")
+    inputs = dict(q=q, k=k_cache, v=v_cache, sink=sink)
+    for name in PAGED_GRAD_OF[grad_of]:
+        inputs[name].requires_grad_()
+
+    def call(q, k, v, sink):
+        out, lse, _ = flash_attn_varlen_func(
+            q,
+            k,
+            v,
+            cu_q,
+            cu_k,
+            max(lens_q),
+            max(lens_k),
+            causal=True,
+            return_attn_probs=True,
+            block_table=block_table,
+            learnable_sink=sink,
+        )
+        return out, lse
+
+    if compiled:
+        torch._dynamo.reset()
+    run = torch.compile(call, fullgraph=True) if compiled else call
+    poison_allocator(q.device)
+    out, lse = run(**inputs)
+    assert out.requires_grad and out.grad_fn is not None and lse.grad_fn is not None
     with torch.no_grad():
-        out = flash_attn_varlen_func(q, k_cache, v_cache, cu, cu, 9, 9, block_table=block_table)
-    assert out.shape == q.shape and not out.requires_grad and torch.isfinite(out).all()
+        out_ng, lse_ng = call(**inputs)
+    assert torch.equal(bits(out.detach()), bits(out_ng)) and torch.equal(lse.detach(), lse_ng)
+
+    def attend(upcast):
+        return sink_varlen_ref(q.detach(), k_dense, v_dense, lens_q, lens_k, True, sink.detach(), upcast)
+
+    check_results(("out", "lse"), (out.detach(), lse.detach()), attend(True), attend(False), dtype)
+    # What code that never calls backward does with such outputs works; a backward raises.
+    loss = out.float().sum() + lse.sum()
+    with pytest.raises(RuntimeError, match="block_table"):
+        loss.backward()
+    assert all(inputs[name].grad is None for name in PAGED_GRAD_OF[grad_of])
+    with pytest.raises(ValueError, match="dropout_p"):
+        flash_attn_varlen_func(
+            q, k_cache, v_cache, cu_q, cu_k, max(lens_q), max(lens_k), dropout_p=0.1, block_table=block_table
+        )
 
 
 # ---------------------------------------------------------------- CUDA graphs, torch.compile, opcheck

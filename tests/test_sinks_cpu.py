@@ -78,8 +78,8 @@ def test_public_variants_follow_the_table():
 
 
 class Recorder:
-    """Stands in for the op module (fwd, varlen_fwd, rng_state) and for the cache ops of torch.ops.flash_attn2,
-    recording every call; the attention calls return zeros of the right shapes."""
+    """Stands in for the op module (fwd, varlen_fwd, varlen_fwd_paged, rng_state) and for torch.ops.flash_attn2's
+    fwd_kvcache, recording every call; the attention calls return zeros of the right shapes."""
 
     def __init__(self):
         self.calls = []
@@ -101,6 +101,10 @@ class Recorder:
         self.calls.append(("varlen_fwd", args, kwargs))
         return self._outputs(args[0])
 
+    def varlen_fwd_paged(self, *args, **kwargs):
+        self.calls.append(("varlen_fwd_paged", args, kwargs))
+        return self._outputs(args[0])
+
     def op(self, name):
         def call(*args, **kwargs):
             self.calls.append((name, args, kwargs))
@@ -119,8 +123,7 @@ class Recorder:
 def recorder(monkeypatch):
     rec = Recorder()
     monkeypatch.setattr(interface, "_ops", rec)
-    for name in ("fwd_kvcache", "varlen_fwd_paged"):
-        monkeypatch.setattr(torch.ops.flash_attn2, name, rec.op(name), raising=False)
+    monkeypatch.setattr(torch.ops.flash_attn2, "fwd_kvcache", rec.op("fwd_kvcache"), raising=False)
     return rec
 
 
@@ -317,14 +320,11 @@ def test_bad_sink_draws_no_dropout_state(recorder):
 
 
 @pytest.mark.parametrize("name", ["learnable_sink", "s_aux"])
-def test_paged_refuses_a_sink_that_needs_its_gradient(name, recorder):
-    # Paged calls have no backward: a sink that requires grad is refused while grad mode is on, as q, k and v are.
+def test_paged_takes_a_sink_that_requires_grad(name, recorder):
+    # Paged calls have no backward, but their forward runs with inputs that require grad (a backward through its
+    # outputs raises: test_kvcache_cpu's paged autograd tests), the sink as q, k and v.
     s = sink().requires_grad_()
-    with pytest.raises(ValueError, match=name):
-        call_paged(s, name=name)
-    assert recorder.calls == []
-    with torch.no_grad():
-        call_paged(s, name=name)
+    call_paged(s, name=name)
     assert passed_sink(recorder, "varlen_fwd_paged", "keyword") is s
 
 

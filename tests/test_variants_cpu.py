@@ -159,6 +159,39 @@ def test_keep_fraction(p):
     assert abs(kept - (1 - p_applied)) < 5 * sigma, (kept, 1 - p_applied, sigma)
 
 
+# The drop fraction of a sample of masks against p' = effective_dropout_p(p): within 6 binomial standard deviations
+# sqrt(p' (1 - p') / n). The binomial applies because the entries drop independently: tools/dropout_keep_stats.py
+# finds the variance of the drops per 4-byte word and per 16-byte Philox call within 0.2% of the binomial's, and
+# per mask within the 3% its 2000 draws resolve (docs/design-notes.md, "Dropout's drop fraction"). A correct mask
+# then fails with probability 2e-9; the rng_states are fixed, so the test is deterministic besides.
+FRACTION_STATES = [(2024, 11), (0x9E37_79B9_7F4A_7C15, 3), (7, 2**40 + 5), (2**64 - 1, 123456789)]
+FRACTION_SHAPE = (2, 8, 128, 128)  # 262144 entries per state, 1048576 in all
+
+
+def drop_fraction(dropout_p):
+    """(fraction dropped, entries) over the masks of FRACTION_STATES at FRACTION_SHAPE."""
+    dropped = sum(int((~keep_mask(rng_state(*state), dropout_p, *FRACTION_SHAPE)).sum()) for state in FRACTION_STATES)
+    n = len(FRACTION_STATES) * math.prod(FRACTION_SHAPE)
+    return dropped / n, n
+
+
+def within_six_sigma(fraction, p_drop, n):
+    return abs(fraction - p_drop) <= 6 * math.sqrt(p_drop * (1 - p_drop) / n)
+
+
+@pytest.mark.parametrize("p", [0.17, 0.1])
+def test_drop_fraction_is_effective_p(p):
+    p_drop = effective_dropout_p(p)
+    fraction, n = drop_fraction(p)
+    assert within_six_sigma(fraction, p_drop, n), (fraction, p_drop, n)
+    # The check can fail: masks drawn one threshold step off (p' -+ 1/256: 10.6 standard deviations at this n for
+    # p = 0.17, 13.2 for p = 0.1; round(256 p) truncated instead of rounded is one of them at p = 0.17) are rejected.
+    threshold = round(256 * p_drop)
+    for wrong in (threshold - 1, threshold + 1):
+        wrong_fraction, _ = drop_fraction(wrong / 256)
+        assert not within_six_sigma(wrong_fraction, p_drop, n), (wrong, wrong_fraction, p_drop)
+
+
 def test_effective_dropout_p():
     # Multiples of 1/256, rounded to nearest; at least 1/256 and at most 255/256 for p > 0.
     assert effective_dropout_p(0.0) == 0.0

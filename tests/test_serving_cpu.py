@@ -173,8 +173,11 @@ class RecordingOps:
 @pytest.fixture
 def cache_ops(monkeypatch):
     ops = RecordingOps()
-    for name in ("fwd_kvcache", "varlen_fwd_paged"):
-        monkeypatch.setattr(torch.ops.flash_attn2, name, ops.op(name), raising=False)
+    monkeypatch.setattr(torch.ops.flash_attn2, "fwd_kvcache", ops.op("fwd_kvcache"), raising=False)
+    recorded = ops.op("varlen_fwd_paged")
+    monkeypatch.setattr(
+        interface._ops, "varlen_fwd_paged", lambda *args, compiling, **kwargs: recorded(*args, **kwargs)
+    )
     return ops
 
 

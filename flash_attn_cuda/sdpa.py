@@ -185,6 +185,11 @@ def _forward_unserved(a: dict) -> str | None:
     varlen = a["cum_seq_q"] is not None
     if (a["cum_seq_k"] is not None) != varlen or a["query"].dim() != (3 if varlen else 4):
         return "a layout other than (batch, seqlen, nheads, head_dim) or packed variable-length"
+    if varlen and any(
+        a[name].dtype != torch.int32 or a[name].dim() != 1 or a[name].device != a["query"].device
+        for name in ("cum_seq_q", "cum_seq_k")
+    ):
+        return "cumulative lengths that are not int32 (batch + 1,) on the query's device"
     return _unserved(
         a["query"],
         a["key"],

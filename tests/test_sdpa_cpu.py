@@ -343,6 +343,14 @@ def test_forward_only_arguments_run_pytorchs_kernel(cpu_glue, stock, extra):
     assert sdpa.calls == {"fallback_forward": 1} and cpu_glue.seen == []
 
 
+def test_int64_cumulative_lengths_run_pytorchs_kernel(cpu_glue, stock):
+    kernels, recorders = stock
+    q, k, v = (x[0] for x in qkv(b=1))
+    cu_q, cu_k = torch.tensor([0, 4, 9]), torch.tensor([0, 6, 13])
+    assert kernels.flash_forward(None, q, k, v, cu_q, cu_k, 5, 7, 0.0, False, False) == "pytorch"
+    assert sdpa.calls == {"fallback_forward": 1}
+
+
 def test_backward_of_a_foreign_dropout_forward_runs_pytorchs_kernel(cpu_glue, stock):
     kernels, recorders = stock
     q, k, v = qkv()

@@ -36,6 +36,7 @@ import logging
 import torch
 
 from . import _ops, info
+from ._kernel_list import kernel_name
 from .interface import _kernel_ready
 from .plan import forced
 
@@ -56,8 +57,11 @@ _ALIGN = 8  # elements: the kernels' 16-byte loads, which SDPA's own head-dim pa
 
 # A forward here returns its dropout rng_state as a (2,) view of a 3-element buffer: the extra element is the mark
 # by which the backward, which sees only the tensor, knows that this library drew it. Storage size is host-side
-# metadata: reading it costs no device synchronization.
+# metadata: reading it costs no device synchronization. A copy of the state (saved-tensor hooks that offload
+# activations make one) loses that mark, so the values carry one too: the kernels read only the low 32 bits of the
+# offset, and the high 32 hold _OFFSET_TAG, which PyTorch's offsets (counts of random numbers drawn) do not reach.
 _MARKED_RNG_BYTES = 3 * 8
+_OFFSET_TAG = 0x53445041
 
 
 def _aten(name: str) -> torch._ops.OpOverload:
@@ -85,8 +89,28 @@ def _runs_on(device_index: int) -> bool:
     return info.kernel_image(capability, build["archs"], build.get("ptx_archs") or ()) is not None
 
 
+def _deterministic() -> bool:
+    """torch.use_deterministic_algorithms(True), as PyTorch's flash kernels read it: warn-only mode keeps the
+    faster, non-deterministic backward (and PyTorch's warning)."""
+    return torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled()
+
+
 def _window(size) -> int:
     return -1 if size is None else int(size)
+
+
+def _kernels(dropout_p, causal, window_left, window_right, head_dim, dtype) -> tuple[str, str]:
+    """The names of the forward and backward kernels the plan runs for these arguments (csrc/host/plan.cpp,
+    problem_of): a right edge of 0 with causal, or the window (-1, 0), is plain causal; a left edge, or a right one
+    past the diagonal without causal, takes the variants kernels; dropout alone runs on the plain forward kernel
+    and the variants backward."""
+    masked = bool(causal) or window_left >= 0 or window_right >= 0
+    window = window_left >= 0 or (not causal and window_right > 0)
+    kernel_dim, dtype_name = _ops.kernel_head_dim(head_dim), _ops._DTYPE_NAMES[dtype]
+    return (
+        kernel_name("fwd", kernel_dim, dtype_name, masked, window),
+        kernel_name("bwd", kernel_dim, dtype_name, masked, window or dropout_p > 0.0),
+    )
 
 
 def _unserved(q, k, v, dropout_p, causal, scale, window_left, window_right) -> str | None:
@@ -107,8 +131,7 @@ def _unserved(q, k, v, dropout_p, causal, scale, window_left, window_right) -> s
         return NOT_ON_ONE_GPU
     if not _runs_on(q.device.index if q.device.index is not None else torch.cuda.current_device()):
         return "no kernel image for this GPU in this build"
-    variants = dropout_p > 0.0 or window_left >= 0 or window_right >= 0
-    if not _ops.kernel_available(head_dim, q.dtype, bool(causal), backward=True, variants=variants):
+    if not set(_kernels(dropout_p, causal, window_left, window_right, head_dim, q.dtype)) <= _ops.compiled_kernels():
         return "kernel not in this build"
     return None
 
@@ -123,14 +146,29 @@ def _like(reference: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
 
 
 def _rng_state(q: torch.Tensor) -> torch.Tensor:
-    """A fresh int64 (seed, offset) drawn from torch's CUDA generator (as _ops.rng_state), marked as this library's."""
+    """A fresh int64 (seed, offset) drawn from torch's CUDA generator (as _ops.rng_state), marked as this library's
+    by its storage and by the offset's high word."""
     state = torch.empty(3, dtype=torch.int64, device=q.device)[:2]
     torch.randint(-(2**63), 2**63 - 1, (2,), dtype=torch.int64, device=q.device, out=state)
+    state[1:].bitwise_and_(0xFFFFFFFF).bitwise_or_(_OFFSET_TAG << 32)
     return state
 
 
-def _is_marked(rng_state: torch.Tensor) -> bool:
-    return rng_state.numel() == 2 and rng_state.untyped_storage().nbytes() == _MARKED_RNG_BYTES
+def _drawn_here(rng_state: torch.Tensor) -> bool:
+    """Whether a forward here drew this dropout rng_state: from its storage when it is the tensor the forward
+    returned (no synchronization), else from the offset's high word, read from the device."""
+    if rng_state.numel() != 2:
+        return False
+    if rng_state.untyped_storage().nbytes() == _MARKED_RNG_BYTES:
+        return True
+    if rng_state.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "flash_attn_cuda.sdpa: the backward of an SDPA call with dropout got a copy of the forward's rng_state "
+            "(saved-tensor hooks?), and telling whose dropout mask it is means reading it, which a CUDA graph "
+            "capture cannot do"
+        )
+    offset = int(rng_state.view(torch.int64)[1])
+    return (offset >> 32) & 0xFFFFFFFF == _OFFSET_TAG
 
 
 def _fallback(kind: str, reason: str, original, keyset, args, kwargs):
@@ -151,7 +189,7 @@ def _forward(a: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     num_splits, plan_override = forced()
     if a.get("num_splits") is not None:
         num_splits = int(a["num_splits"])
-    deterministic = torch.are_deterministic_algorithms_enabled()
+    deterministic = _deterministic()
     variants = (_window(a["window_size_left"]), _window(a["window_size_right"]), 0.0, None, dropout_p, rng_state, None)
     if a["cum_seq_q"] is None:
         out, lse = _OPS.fwd(
@@ -222,7 +260,7 @@ def _backward(a: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | str:
         return reason
     rng_state = None
     if dropout_p > 0.0:
-        if not _is_marked(a["rng_state"]):
+        if not _drawn_here(a["rng_state"]):
             return "the forward's dropout rng_state comes from PyTorch's kernel"
         rng_state = a["rng_state"].view(torch.int64)
     q, k, v = (_kernel_ready(a[name], a[name].shape[-1], False) for name in ("query", "key", "value"))
@@ -230,7 +268,7 @@ def _backward(a: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | str:
     out = _kernel_ready(a["out"], a["out"].shape[-1], False)
     scale = a["scale"] if a["scale"] is not None else q.shape[-1] ** -0.5
     plan_override = forced()[1]
-    deterministic = torch.are_deterministic_algorithms_enabled()
+    deterministic = _deterministic()
     variants = (window_left, window_right, 0.0, None, dropout_p, rng_state, None)
     if a["cum_seq_q"] is None:
         dq, dk, dv, _ = _OPS.bwd(

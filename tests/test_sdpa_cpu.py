@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from flash_attn_cuda import dropout, reference, sdpa
+from flash_attn_cuda._kernel_list import kernel_name
+from flash_attn_cuda.plan import plan
 
 BF16 = torch.bfloat16
 REPLACED = [name for name in sdpa._REPLACED if sdpa._present(name)]
@@ -260,7 +262,7 @@ def test_dropout_pairs_the_forward_rng_state_with_the_backward(cpu_glue):
     p = 0.25
     result = torch.ops.aten._scaled_dot_product_flash_attention(*(x.transpose(1, 2) for x in base), p, False)
     out, rng_state = result[0], result[6]
-    assert sdpa._is_marked(rng_state)
+    assert sdpa._drawn_here(rng_state) and rng_state.untyped_storage().nbytes() == sdpa._MARKED_RNG_BYTES
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(BF16)
     out.backward(dout)
     (_, fwd_q, fwd_rng), (_, _, bwd_rng) = cpu_glue.seen
@@ -349,6 +351,56 @@ def test_int64_cumulative_lengths_run_pytorchs_kernel(cpu_glue, stock):
     cu_q, cu_k = torch.tensor([0, 4, 9]), torch.tensor([0, 6, 13])
     assert kernels.flash_forward(None, q, k, v, cu_q, cu_k, 5, 7, 0.0, False, False) == "pytorch"
     assert sdpa.calls == {"fallback_forward": 1}
+
+
+def test_a_copied_dropout_rng_state_still_pairs_the_passes(cpu_glue):
+    # Saved-tensor hooks that offload activations hand the backward a copy, without the forward's storage.
+    q, k, v = qkv()
+    base = leaves([q, k, v])
+    with torch.autograd.graph.save_on_cpu():
+        result = torch.ops.aten._scaled_dot_product_flash_attention(*(x.transpose(1, 2) for x in base), 0.25, False)
+    rng_state = result[6]
+    copy = rng_state.clone()
+    assert copy.untyped_storage().nbytes() != sdpa._MARKED_RNG_BYTES and sdpa._drawn_here(copy)
+    assert not sdpa._drawn_here(torch.tensor([5, 7]).view(torch.uint64))  # PyTorch's (seed, offset)
+    copied = [rng_state.clone()]
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: x.clone(), lambda x: x):
+        result = torch.ops.aten._scaled_dot_product_flash_attention(*(x.transpose(1, 2) for x in base), 0.25, False)
+    result[0].float().sum().backward()
+    assert sdpa.calls["backward"] == 1 and "fallback_backward" not in sdpa.calls, (sdpa.calls, copied)
+
+
+@pytest.mark.parametrize(
+    "dropout_p, causal, window",
+    [
+        (0.0, True, (-1, 0)),  # varlen_attn's causal: the plain causal kernels, not the variants ones
+        (0.0, False, (-1, 0)),
+        (0.0, True, (-1, 5)),
+        (0.0, False, (-1, 5)),
+        (0.0, True, (3, 0)),
+        (0.0, False, (-1, -1)),
+        (0.1, False, (-1, -1)),  # dropout alone: the plain forward kernel, the variants backward
+        (0.1, True, (-1, -1)),
+    ],
+)
+def test_the_kernels_asked_for_are_the_ones_the_plan_runs(dropout_p, causal, window):
+    names = sdpa._kernels(dropout_p, causal, *window, 64, BF16)
+    for pass_, name in zip(("fwd", "bwd"), names):
+        planned = plan(
+            pass_,
+            batch=1,
+            seqlen_q=128,
+            seqlen_k=128,
+            nheads=2,
+            nheads_k=2,
+            head_dim=64,
+            causal=causal,
+            window_size=window,
+            dropout=dropout_p > 0,
+            arch=80,
+            num_sms=108,
+        )
+        assert name == kernel_name(pass_, 64, "bf16", planned.causal, planned.variants), (pass_, planned)
 
 
 def test_backward_of_a_foreign_dropout_forward_runs_pytorchs_kernel(cpu_glue, stock):

@@ -7,10 +7,12 @@
 # leaves the stripped extension in $OUT/so_part_* so a later call can carry it in .devbuild/ and skip the build),
 # prebuilt (installs .devbuild/_C*.so instead of building), test (pytest), memcheck (compute-sanitizer over
 # tests/memcheck.py; $MEMCHECK_SECTIONS picks sections), bench (mma peak + forward grid), bench_bwd (backward
-# and forward+backward, seqlen 2k/8k/16k, with cuDNN and deterministic mode), bench_varlen, bench_skinny, tune
-# (bench/tune_tiles.py with $TUNE_ARGS), profile (Nsight Compute over bench/profile_call.py with $PROFILE_ARGS, ncu
-# options $NCU_ARGS, report in $OUT/ncu_profile.txt), grad_error_ratio (tools/grad_error_ratio.py with
-# $GRAD_ERROR_ARGS), pack (everything in $OUT into one results.tar, since a device call returns at most 8 files).
+# and forward+backward, seqlen 2k/8k/16k, with cuDNN and deterministic mode), bench_sdpa (PyTorch SDPA on our
+# kernels against its flash and cuDNN backends, forward and backward, seqlen 2k/8k/16k), bench_varlen,
+# bench_skinny, tune (bench/tune_tiles.py with $TUNE_ARGS), profile (Nsight Compute over bench/profile_call.py
+# with $PROFILE_ARGS, ncu options $NCU_ARGS, report in $OUT/ncu_profile.txt), grad_error_ratio
+# (tools/grad_error_ratio.py with $GRAD_ERROR_ARGS), pack (everything in $OUT into one results.tar, since a device
+# call returns at most 8 files).
 # Results go to $OUT (default /tmp/flash_out).
 set -uo pipefail
 OUT=${OUT:-/tmp/flash_out}
@@ -54,6 +56,10 @@ for stage in "$@"; do
     bench_bwd)
         python3 bench/bench_fwd.py --out-dir "$OUT" --pass bwd --quick --impls ours,flash,cudnn,ours_det 2>&1 | tail -12
         python3 bench/bench_fwd.py --out-dir "$OUT" --pass fwd_bwd --quick --impls ours,flash,cudnn 2>&1 | tail -12
+        ;;
+    bench_sdpa)
+        python3 bench/bench_sdpa.py --out-dir "$OUT" --quick 2>&1 | tail -12
+        python3 bench/bench_sdpa.py --out-dir "$OUT" --pass bwd --quick 2>&1 | tail -12
         ;;
     bench_varlen)
         python3 bench/bench_varlen.py --out-dir "$OUT" 2>&1 | tail -9

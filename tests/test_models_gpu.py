@@ -19,7 +19,8 @@ transformers = pytest.importorskip("transformers")
 if not all(hasattr(transformers, name) for name in ("GptOssConfig", "GptOssForCausalLM", "AttentionInterface")):
     pytest.skip("this transformers has no GptOss or no AttentionInterface", allow_module_level=True)
 
-IMPLEMENTATION = "flash_attn_cuda"
+# transformers (5.x) takes any implementation name that contains "flash" for a flash-attn package to load.
+IMPLEMENTATION = "ours_cuda_sinks"
 
 
 def flash_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

@@ -298,11 +298,6 @@ def test_unserved_call_runs_pytorch_kernel(active):
     check_dense(q, k, v, dout, (out, *grads), False, lse=lse, dropout_p=FALLBACK_DROPOUT_P, mask=mask)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="sdpa tells the rng_state of its own forward by the size of the tensor's storage, which a copy of the "
-    "saved tensor does not keep: the backward then runs PyTorch's kernel on our seed and offset",
-)
 def test_dropout_backward_after_offloading(active):
     """Saved tensors offloaded to host memory (torch.autograd.graph.save_on_cpu, which copies each one out and back)
     must not change which kernels run the backward of a dropout call that ours served: ours again, under the mask

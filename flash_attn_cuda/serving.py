@@ -59,8 +59,8 @@ def used_sequences(
     starts_k, ends_k = cu_seqlens_k[:-1], cu_seqlens_k[1:]
     used_q = ends_q if seqused_q is None else starts_q + torch.minimum(seqused_q.clamp(min=0), ends_q - starts_q)
     used_k = ends_k if seqused_k is None else starts_k + torch.minimum(seqused_k.clamp(min=0), ends_k - starts_k)
-    cu_q = torch.cat((torch.stack((starts_q, used_q, ends_q), dim=1).flatten(), ends_q[-1:]))
-    cu_k = torch.cat((torch.stack((starts_k, used_k, used_k), dim=1).flatten(), ends_k[-1:]))
+    cu_q = torch.cat((torch.stack((starts_q, used_q, ends_q), dim=1).flatten(), cu_seqlens_q[-1:]))
+    cu_k = torch.cat((torch.stack((starts_k, used_k, used_k), dim=1).flatten(), cu_seqlens_k[-1:]))
     return cu_q, cu_k
 
 
@@ -186,7 +186,8 @@ def get_scheduler_metadata(
         seqlen_k=int(max_seqlen_k),
         nheads=int(num_heads_q),
         nheads_k=int(num_heads_kv),
-        head_dim=max(int(headdim), int(headdim_v)),
+        # The call pads its head dims to the wider one, rounded up to a multiple of 8 (interface._ready_at).
+        head_dim=-(-max(int(headdim), int(headdim_v)) // 8) * 8,
         causal=bool(causal),
         num_splits=int(num_splits),
         override=override,
@@ -258,9 +259,9 @@ def flash_attn_combine(
     top = top.masked_fill(top == float("-inf"), 0.0)
     weights = torch.exp(lse - top)  # (num_splits, ...): 0 for the splits without a key
     total = weights.sum(dim=0)
-    merged = (out_partial * weights.unsqueeze(-1)).sum(dim=0) / total.clamp(
-        min=torch.finfo(torch.float32).tiny
-    ).unsqueeze(-1)
+    # A split without a key adds nothing, whatever its partial output holds (FlashAttention-3 leaves it unwritten).
+    weighted = torch.where(weights.unsqueeze(-1) > 0, out_partial * weights.unsqueeze(-1), 0.0)
+    merged = weighted.sum(dim=0) / total.clamp(min=torch.finfo(torch.float32).tiny).unsqueeze(-1)
     merged_lse = torch.where(total > 0, top + torch.log(total), torch.full_like(total, float("inf")))
     if out is not None:
         return out.copy_(merged), merged_lse

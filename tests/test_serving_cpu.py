@@ -49,6 +49,11 @@ def test_used_sequences_splits_each_sequence_in_three():
     assert cu_q.dtype == cu_k.dtype == torch.int32
 
 
+def test_used_sequences_of_an_empty_batch():
+    cu_q, cu_k = serving.used_sequences(torch.empty(0), int32([4]), int32([6]), int32([]), None)
+    assert cu_q.tolist() == [4] and cu_k.tolist() == [6]
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
@@ -275,6 +280,9 @@ def test_scheduler_metadata_pins_the_plan():
     assert get_scheduler_metadata(2, 1, 8192, 8, 8, 64, num_splits=3, **H200).num_splits == 3
     paged = get_scheduler_metadata(2, 1, 8192, 8, 8, 64, page_size=256, **H200)
     assert paged.sizes == (2, 8, 8, 64, 64, torch.bfloat16)
+    # Head dims the call pads (to the wider one, then to a multiple of 8) plan as padded; sizes keep the call's.
+    odd = get_scheduler_metadata(2, 1, 1024, 8, 2, 100, headdim_v=36, **H200)
+    assert odd.plan.kernel_head_dim == 128 and odd.sizes == (2, 8, 2, 100, 36, torch.bfloat16)
 
 
 @pytest.mark.parametrize(
@@ -330,6 +338,7 @@ def test_combine_rows_without_keys_and_varlen_layout():
     lse_partial = randn(3, 7, H, dtype=torch.float32)
     lse_partial[:, 2] = float("-inf")  # row 2 saw no key in any split
     lse_partial[1, 4] = float("inf")  # split 1 saw no key for row 4
+    out_partial[1, 4] = float("nan")  # and left its partial output unwritten
     out = torch.empty(7, H, D, dtype=torch.bfloat16)
     result, lse = flash_attn_combine(out_partial, lse_partial, out=out)
     assert result is out and torch.all(out[2] == 0) and torch.all(lse[2] == float("inf"))

@@ -8,6 +8,11 @@ The version is BASE_VERSION plus a PEP 440 local tag naming the CUDA major of th
 with what; `python -m flash_attn_cuda.info` prints it). `make wheel` (tools/build_wheel.sh) builds and repairs
 a wheel.
 
+The build compiles against the torch installed in the Python that runs it: `pip install --no-build-isolation -v
+-e .` (pip's isolated build environment holds no torch; without the flag this script stops and says so, see
+docs/design-notes.md, "Isolated builds"). -v lets pip show the build's output, among it ninja's progress,
+"flash_attn_cuda: compiled K/N files (T s)" as each file finishes; pip shows nothing of it otherwise.
+
 Environment knobs:
   CUTLASS_PATH             CUTLASS checkout to use (its include/ directory is searched)
   FLASH_ATTN2_CUDA_ARCHS   semicolon-separated SM versions to emit machine code (SASS) for, default "80;90"
@@ -180,6 +185,22 @@ def nvcc_flags(archs, ptx_archs, nvcc_threads):
     return flags
 
 
+def require_torch() -> None:
+    """Stops with a message naming --no-build-isolation where torch is not installed, which is what an isolated
+    build environment looks like (pip install . without the flag), instead of a bare ModuleNotFoundError."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        oldest = "{}.{}".format(*TORCH_TARGET_VERSION)
+        raise SystemExit(
+            "flash_attn_cuda: the build cannot import torch. It compiles against the torch you will run it with, "
+            "which must be installed\nin the Python that builds; an isolated build environment (pip's default, and "
+            f"python -m build's) hides it.\nInstall torch (>= {oldest}) first, then build without build isolation:\n"
+            "    pip install --no-build-isolation -v .    (-e for an editable install; -v shows the progress)\n"
+            "    python -m build --no-isolation"
+        )
+
+
 def locate_cuda_home() -> None:
     """torch guesses CUDA_HOME as the parent of the nvcc found on PATH, which is wrong when that nvcc is
     a wrapper script (e.g. /usr/local/bin/nvcc). Pick the first candidate that has the toolkit headers."""
@@ -301,6 +322,9 @@ def build_extensions():
     hdims, dtypes = kernel_selection()
     nvcc_threads = env_int("NVCC_THREADS", 1)
     os.environ.setdefault("MAX_JOBS", str(default_max_jobs(nvcc_threads)))
+    # ninja prints its status before each command line as the command finishes (torch runs ninja -v; output to a
+    # pipe, as under pip, gets one line per file): "flash_attn_cuda: compiled 12/100 files (734.2 s): nvcc ...".
+    os.environ.setdefault("NINJA_STATUS", "flash_attn_cuda: compiled %f/%t files (%e s): ")
     cuda_version = nvcc_version()
     version = f"{BASE_VERSION}+cu{cuda_version.split('.')[0]}"
 
@@ -377,6 +401,7 @@ def main():
     if BUILDING_SDIST:
         setup(version=BASE_VERSION, packages=packages)
         return
+    require_torch()
     ext_modules, version = build_extensions()
     from torch.utils.cpp_extension import BuildExtension
 

@@ -3,7 +3,7 @@ PYTHON ?= python3
 
 .PHONY: install test test-all bench clean generate wheel smoke-wheel
 
-# -v: pip shows the build's output, among it the compile progress ("flash_attn_cuda: compiled K/N files").
+# -v: pip shows the build's output, among it the compile progress ("flash_attn_cuda._C: compiled K/N files").
 install:
 	$(PYTHON) -m pip install --no-build-isolation -v -e .
 

@@ -11,7 +11,7 @@ a wheel.
 The build compiles against the torch installed in the Python that runs it: `pip install --no-build-isolation -v
 -e .` (pip's isolated build environment holds no torch; without the flag this script stops and says so, see
 docs/design-notes.md, "Isolated builds"). -v lets pip show the build's output, among it ninja's progress,
-"flash_attn_cuda: compiled K/N files (T s)" as each file finishes; pip shows nothing of it otherwise.
+"flash_attn_cuda._C: compiled K/N files (T s)" as each file finishes; pip shows nothing of it otherwise.
 
 Environment knobs:
   CUTLASS_PATH             CUTLASS checkout to use (its include/ directory is searched)
@@ -322,9 +322,6 @@ def build_extensions():
     hdims, dtypes = kernel_selection()
     nvcc_threads = env_int("NVCC_THREADS", 1)
     os.environ.setdefault("MAX_JOBS", str(default_max_jobs(nvcc_threads)))
-    # ninja prints its status before each command line as the command finishes (torch runs ninja -v; output to a
-    # pipe, as under pip, gets one line per file): "flash_attn_cuda: compiled 12/100 files (734.2 s): nvcc ...".
-    os.environ.setdefault("NINJA_STATUS", "flash_attn_cuda: compiled %f/%t files (%e s): ")
     cuda_version = nvcc_version()
     version = f"{BASE_VERSION}+cu{cuda_version.split('.')[0]}"
 
@@ -405,11 +402,23 @@ def main():
     ext_modules, version = build_extensions()
     from torch.utils.cpp_extension import BuildExtension
 
+    # The compile progress: ninja prints its status line (NINJA_STATUS) before each command line as the command
+    # finishes (torch runs ninja -v; output to a pipe, as under pip, gets one line per file), here naming the
+    # extension: "flash_attn_cuda._C: compiled 12/100 files (734.2 s): nvcc ...". A NINJA_STATUS of the caller's
+    # own is left as it is.
+    name_in_status = "NINJA_STATUS" not in os.environ
+
+    class BuildExtensionWithProgress(BuildExtension.with_options(use_ninja=True)):
+        def build_extension(self, ext):
+            if name_in_status:
+                os.environ["NINJA_STATUS"] = f"{ext.name}: compiled %f/%t files (%e s): "
+            super().build_extension(ext)
+
     setup(
         version=version,
         packages=packages,
         ext_modules=ext_modules,
-        cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+        cmdclass={"build_ext": BuildExtensionWithProgress},
         options={"bdist_wheel": {"py_limited_api": "cp{}{}".format(*PY_LIMITED_API)}},
     )
 

@@ -3,8 +3,9 @@ PYTHON ?= python3
 
 .PHONY: install test test-all bench clean generate wheel smoke-wheel
 
+# -v: pip shows the build's output, among it the compile progress ("flash_attn_cuda._C: compiled K/N files").
 install:
-	$(PYTHON) -m pip install --no-build-isolation -e .
+	$(PYTHON) -m pip install --no-build-isolation -v -e .
 
 # Build the wheel into dist/ and repair it into wheelhouse/ (tools/build_wheel.sh; the setup.py knobs apply).
 wheel:

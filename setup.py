@@ -8,6 +8,11 @@ The version is BASE_VERSION plus a PEP 440 local tag naming the CUDA major of th
 with what; `python -m flash_attn_cuda.info` prints it). `make wheel` (tools/build_wheel.sh) builds and repairs
 a wheel.
 
+The build compiles against the torch installed in the Python that runs it: `pip install --no-build-isolation -v
+-e .` (pip's isolated build environment holds no torch; without the flag this script stops and says so, see
+docs/design-notes.md, "Isolated builds"). -v lets pip show the build's output, among it ninja's progress,
+"flash_attn_cuda._C: compiled K/N files (T s)" as each file finishes; pip shows nothing of it otherwise.
+
 Environment knobs:
   CUTLASS_PATH             CUTLASS checkout to use (its include/ directory is searched)
   FLASH_ATTN2_CUDA_ARCHS   semicolon-separated SM versions to emit machine code (SASS) for, default "80;90"
@@ -178,6 +183,22 @@ def nvcc_flags(archs, ptx_archs, nvcc_threads):
     if os.environ.get("FLASH_ATTN2_PTXAS_VERBOSE") == "1":
         flags.append("-Xptxas=-v")
     return flags
+
+
+def require_torch() -> None:
+    """Stops with a message naming --no-build-isolation where torch is not installed, which is what an isolated
+    build environment looks like (pip install . without the flag), instead of a bare ModuleNotFoundError."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        oldest = "{}.{}".format(*TORCH_TARGET_VERSION)
+        raise SystemExit(
+            "flash_attn_cuda: the build cannot import torch. It compiles against the torch you will run it with, "
+            "which must be installed\nin the Python that builds; an isolated build environment (pip's default, and "
+            f"python -m build's) hides it.\nInstall torch (>= {oldest}) first, then build without build isolation:\n"
+            "    pip install --no-build-isolation -v .    (-e for an editable install; -v shows the progress)\n"
+            "    python -m build --no-isolation"
+        )
 
 
 def locate_cuda_home() -> None:
@@ -377,14 +398,27 @@ def main():
     if BUILDING_SDIST:
         setup(version=BASE_VERSION, packages=packages)
         return
+    require_torch()
     ext_modules, version = build_extensions()
     from torch.utils.cpp_extension import BuildExtension
+
+    # The compile progress: ninja prints its status line (NINJA_STATUS) before each command line as the command
+    # finishes (torch runs ninja -v; output to a pipe, as under pip, gets one line per file), here naming the
+    # extension: "flash_attn_cuda._C: compiled 12/100 files (734.2 s): nvcc ...". A NINJA_STATUS of the caller's
+    # own is left as it is.
+    name_in_status = "NINJA_STATUS" not in os.environ
+
+    class BuildExtensionWithProgress(BuildExtension.with_options(use_ninja=True)):
+        def build_extension(self, ext):
+            if name_in_status:
+                os.environ["NINJA_STATUS"] = f"{ext.name}: compiled %f/%t files (%e s): "
+            super().build_extension(ext)
 
     setup(
         version=version,
         packages=packages,
         ext_modules=ext_modules,
-        cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+        cmdclass={"build_ext": BuildExtensionWithProgress},
         options={"bdist_wheel": {"py_limited_api": "cp{}{}".format(*PY_LIMITED_API)}},
     )
 

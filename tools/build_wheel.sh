@@ -7,8 +7,8 @@
 #   bash tools/build_wheel.sh          # prints the repaired wheel's path last
 #
 # PYTHON picks the interpreter (default python3); AUDITWHEEL_PLAT the platform tag (default
-# manylinux_2_28_<machine>). The full build log goes to build.log. dist/ and wheelhouse/ keep one
-# flash_attn_cuda wheel each: this build's.
+# manylinux_2_28_<machine>). The full build log goes to build.log; the compile progress is shown. dist/ and
+# wheelhouse/ keep one flash_attn_cuda wheel each: this build's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -20,12 +20,16 @@ rm -f dist/flash_attn_cuda-*.whl wheelhouse/flash_attn_cuda-*.whl
 # build/temp.* (the object files) stays, for ninja's incremental build.
 rm -rf build/lib.* build/bdist.*
 start=$(date +%s)
-if ! "$PYTHON" -m pip wheel --no-build-isolation --no-deps -v -w dist . > build.log 2>&1; then
+# pip -v passes the build's output on (indented by two spaces). All of it goes to build.log; shown are the lines
+# that say what is built (setup.py's summary, which each build hook prints: shown once) and how far the compile
+# is (ninja's status as setup.py sets it, "flash_attn_cuda._C: compiled K/N files (T s)", cut before the command).
+if ! "$PYTHON" -m pip wheel --no-build-isolation --no-deps -v -w dist . 2>&1 | tee build.log |
+    awk '/^ *flash_attn_cuda [0-9]/ { sub(/^ */, ""); if (!seen[$0]++) print; fflush() }
+         /^ *flash_attn_cuda[._A-Za-z0-9]*: compiled / { sub(/^ */, ""); sub(/\): .*/, ")"); print; fflush() }'; then
     tail -n 80 build.log
     echo "build_wheel.sh: the build failed; full log in build.log" >&2
     exit 1
 fi
-grep -E "^flash_attn_cuda " build.log || true
 echo "build_wheel.sh: built in $(( $(date +%s) - start )) s"
 built=(dist/flash_attn_cuda-*.whl)
 if [ "${#built[@]}" -ne 1 ] || [ ! -f "${built[0]}" ]; then

@@ -179,6 +179,11 @@ def _fallback(kind: str, reason: str, original, keyset, args, kwargs):
     return original.call_boxed(keyset, *args, **kwargs)
 
 
+def _varlen_sizes(a: dict) -> tuple:
+    """The varlen ops' (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) from the aten arguments `a`."""
+    return a["cum_seq_q"], a["cum_seq_k"], int(a["max_q"]), int(a["max_k"])
+
+
 def _forward(a: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out, lse, rng_state) of _flash_attention_forward's arguments `a`, dense or variable-length, on these
     kernels; out in the layout of empty_like(query), rng_state int64 (marked) or None without dropout."""
@@ -200,10 +205,7 @@ def _forward(a: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             q,
             k,
             v,
-            a["cum_seq_q"],
-            a["cum_seq_k"],
-            int(a["max_q"]),
-            int(a["max_k"]),
+            *_varlen_sizes(a),
             float(scale),
             bool(a["is_causal"]),
             deterministic,
@@ -292,10 +294,7 @@ def _backward(a: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | str:
             v,
             out,
             a["logsumexp"],
-            a["cum_seq_q"],
-            a["cum_seq_k"],
-            int(a["max_q"]),
-            int(a["max_k"]),
+            *_varlen_sizes(a),
             float(scale),
             bool(a["is_causal"]),
             deterministic,

@@ -272,16 +272,16 @@ def bench_shape(lib, lib_err, dtype_name, hdim, causal, seqlen, args):
     return row
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("bench_fwd.py needs a CUDA GPU")
-    lib, lib_err = load_ours()
+PASS_TITLES = {"fwd": "Forward", "bwd": "Backward", "fwd_bwd": "Forward + backward"}
+
+
+def grid_meta(args, what, inputs):
+    """common.stamp() with the run's settings and its method: how the anchor grid is timed, then `inputs` (what
+    each implementation runs on, and what an n/a cell means). what: the title's subject ("attention")."""
     meta = common.stamp()
-    title = {"fwd": "Forward", "bwd": "Backward", "fwd_bwd": "Forward + backward"}[args.pass_]
     meta.update(
         {
-            "title": f"{title} attention, {args.dtype}",
+            "title": f"{PASS_TITLES[args.pass_]} {what}, {args.dtype}",
             "pass": args.pass_,
             "dtype": args.dtype,
             "tokens": args.tokens,
@@ -297,27 +297,34 @@ def main(argv=None):
         f"causal, x2.5 for the backward, x3.5 for forward + backward. After an untimed warm-up round, "
         f"each cell: the median over {args.rounds} rounds in which the implementations take turns "
         f"(round r starts with the r-th), each round the median of {max(args.rep, 20)} timed calls "
-        f"(CUDA events) after {args.warmup} warm-up calls. Inputs: ours (b,s,h,d) contiguous; SDPA "
-        f"the (b,h,s,d) transposed views of (b,s,h,d) tensors, as models call it (dout too, in out's "
-        f"layout). flash / cudnn / efficient: torch SDPA backends FLASH_ATTENTION / CUDNN_ATTENTION / "
-        f"EFFICIENT_ATTENTION. fa4: FlashAttention-4's flash_attn_func (flash-attn-4), on ours' tensors. "
-        f"n/a: failed or unsupported."
+        f"(CUDA events) after {args.warmup} warm-up calls. " + inputs
     )
+    return meta
+
+
+def grid_peak(args, meta):
+    """The mma.sync peak of mma_peak.json for this GPU (None when not measured), printed with the run's stamp."""
     peak = common.load_mma_peak(args.mma_peak or os.path.join(args.out_dir, "mma_peak.json"), meta["gpu"])
     print(
         f"[bench] {meta['gpu']} commit {meta['commit']} torch {meta['torch']} cuDNN {meta['cudnn']}; mma.sync peak: "
         + (f"{peak['tflops']:.0f} TFLOP/s" if peak else "not measured")
     )
+    return peak
+
+
+def grid_rows(args, peak, measure, ref=common.REF):
+    """measure(hdim, causal, seqlen) -> row over the grid of args, each row finished and printed; a shape that
+    raises (out of memory making inputs, say) is recorded as n/a and the grid goes on."""
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
     rows = []
     for hdim in args.hdims:
         for causal in causals:
             for seqlen in args.seqlens:
                 try:
-                    row = bench_shape(lib, lib_err, args.dtype, hdim, causal, seqlen, args)
-                except Exception as exc:  # e.g. out of memory making inputs: record the shape as n/a, go on
+                    row = measure(hdim, causal, seqlen)
+                except Exception as exc:
                     row = new_row(args, hdim, causal, seqlen, f"{type(exc).__name__}: {exc}")
-                row = common.finish_row(row, args.impls, peak["tflops"] if peak else None)
+                row = common.finish_row(row, args.impls, peak["tflops"] if peak else None, ref=ref)
                 rows.append(row)
                 print(
                     f"hdim {hdim:3d} {'causal    ' if causal else 'non-causal'} s={seqlen:5d} b={row['batch']:3d}: "
@@ -326,6 +333,26 @@ def main(argv=None):
                     + "".join(f"\n    WARNING {w}" for w in row["warnings"]),
                     flush=True,
                 )
+    return rows
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("bench_fwd.py needs a CUDA GPU")
+    lib, lib_err = load_ours()
+    meta = grid_meta(
+        args,
+        "attention",
+        "Inputs: ours (b,s,h,d) contiguous; SDPA the (b,h,s,d) transposed views of (b,s,h,d) tensors, as models "
+        "call it (dout too, in out's layout). flash / cudnn / efficient: torch SDPA backends FLASH_ATTENTION / "
+        "CUDNN_ATTENTION / EFFICIENT_ATTENTION. fa4: FlashAttention-4's flash_attn_func (flash-attn-4), on ours' "
+        "tensors. n/a: failed or unsupported.",
+    )
+    peak = grid_peak(args, meta)
+    rows = grid_rows(
+        args, peak, lambda hdim, causal, seqlen: bench_shape(lib, lib_err, args.dtype, hdim, causal, seqlen, args)
+    )
     name = f"{args.pass_}_{meta['gpu_slug']}" + ("" if args.dtype == "bf16" else f"_{args.dtype}")
     print()
     print(common.write_reports(args.out_dir, name, meta, rows, args.impls, peak))

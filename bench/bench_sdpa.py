@@ -186,59 +186,21 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("bench_sdpa.py needs a CUDA GPU: no CUDA device is visible to torch")
     sdpa, sdpa_err = load_sdpa()
-    meta = common.stamp()
-    title = {"fwd": "Forward", "bwd": "Backward", "fwd_bwd": "Forward + backward"}[args.pass_]
-    meta.update(
-        {
-            "title": f"{title} attention through PyTorch SDPA, {args.dtype}",
-            "pass": args.pass_,
-            "dtype": args.dtype,
-            "tokens": args.tokens,
-            "hidden": args.hidden,
-            "warmup": args.warmup,
-            "rep": max(args.rep, 20),
-            "rounds": args.rounds,
-        }
+    meta = bench_fwd.grid_meta(
+        args,
+        "attention through PyTorch SDPA",
+        f"Every implementation is F.scaled_dot_product_attention(q, k, v, is_causal=...) on the same (b,h,s,d) "
+        f"transposed views of (b,s,h,d) tensors, as models call it (dout too, in out's layout). {REF}: "
+        f"flash_attn_cuda.sdpa activated, backend FLASH_ATTENTION (the aten flash ops on our kernels, through "
+        f"their Python glue); flash: deactivated, FLASH_ATTENTION (PyTorch's FlashAttention-2); cudnn: "
+        f"CUDNN_ATTENTION. The activation toggles between turns, outside the timed calls. n/a: failed, "
+        f"unsupported, or (for {REF}) run by PyTorch's kernels instead of ours.",
     )
-    meta["method"] = (
-        f"{args.dtype}, batch x seqlen = {args.tokens} tokens, hidden {args.hidden} "
-        f"(nheads = {args.hidden} / hdim). TFLOP/s by the FA2 convention: 4*b*h*s^2*d, halved when "
-        f"causal, x2.5 for the backward, x3.5 for forward + backward. After an untimed warm-up round, "
-        f"each cell: the median over {args.rounds} rounds in which the implementations take turns "
-        f"(round r starts with the r-th), each round the median of {max(args.rep, 20)} timed calls "
-        f"(CUDA events) after {args.warmup} warm-up calls. Every implementation is "
-        f"F.scaled_dot_product_attention(q, k, v, is_causal=...) on the same (b,h,s,d) transposed views of "
-        f"(b,s,h,d) tensors, as models call it (dout too, in out's layout). {REF}: flash_attn_cuda.sdpa "
-        f"activated, backend FLASH_ATTENTION (the aten flash ops on our kernels, through their Python glue); "
-        f"flash: deactivated, FLASH_ATTENTION (PyTorch's FlashAttention-2); cudnn: CUDNN_ATTENTION. The "
-        f"activation toggles between turns, outside the timed calls. n/a: failed, unsupported, or (for "
-        f"{REF}) run by PyTorch's kernels instead of ours."
-    )
-    peak = common.load_mma_peak(args.mma_peak or os.path.join(args.out_dir, "mma_peak.json"), meta["gpu"])
-    print(
-        f"[bench] {meta['gpu']} commit {meta['commit']} torch {meta['torch']} cuDNN {meta['cudnn']}; mma.sync peak: "
-        + (f"{peak['tflops']:.0f} TFLOP/s" if peak else "not measured")
-    )
-    causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
-    rows = []
+    peak = bench_fwd.grid_peak(args, meta)
     try:
-        for hdim in args.hdims:
-            for causal in causals:
-                for seqlen in args.seqlens:
-                    try:
-                        row = bench_shape(sdpa, sdpa_err, hdim, causal, seqlen, args)
-                    except Exception as exc:  # e.g. out of memory making inputs: record the shape as n/a, go on
-                        row = bench_fwd.new_row(args, hdim, causal, seqlen, f"{type(exc).__name__}: {exc}")
-                    row = common.finish_row(row, args.impls, peak["tflops"] if peak else None, ref=REF)
-                    rows.append(row)
-                    print(
-                        f"hdim {hdim:3d} {'causal    ' if causal else 'non-causal'} s={seqlen:5d} "
-                        f"b={row['batch']:3d}: "
-                        + "  ".join(f"{k} {common.fmt_num(row['tflops'][k])}" for k in args.impls)
-                        + "".join(f"\n    {k}: {e}" for k, e in row["errors"].items())
-                        + "".join(f"\n    WARNING {w}" for w in row["warnings"]),
-                        flush=True,
-                    )
+        rows = bench_fwd.grid_rows(
+            args, peak, lambda hdim, causal, seqlen: bench_shape(sdpa, sdpa_err, hdim, causal, seqlen, args), REF
+        )
     finally:
         if sdpa is not None:
             sdpa.deactivate()

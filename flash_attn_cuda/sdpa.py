@@ -272,35 +272,23 @@ def _backward(a: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | str:
     plan_override = forced()[1]
     deterministic = _deterministic()
     variants = (window_left, window_right, 0.0, None, dropout_p, rng_state, None)
-    if a["cum_seq_q"] is None:
-        dq, dk, dv, _ = _OPS.bwd(
-            dout,
-            q,
-            k,
-            v,
-            out,
-            a["logsumexp"],
-            float(scale),
-            bool(a["is_causal"]),
-            deterministic,
-            plan_override,
-            *variants,
-        )
-    else:
-        dq, dk, dv, _ = _OPS.varlen_bwd(
-            dout,
-            q,
-            k,
-            v,
-            out,
-            a["logsumexp"],
-            *_varlen_sizes(a),
-            float(scale),
-            bool(a["is_causal"]),
-            deterministic,
-            plan_override,
-            *variants,
-        )
+    # varlen_bwd takes bwd's arguments with the lengths after the LSE.
+    varlen = a["cum_seq_q"] is not None
+    op, sizes = (_OPS.varlen_bwd, _varlen_sizes(a)) if varlen else (_OPS.bwd, ())
+    dq, dk, dv, _ = op(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        a["logsumexp"],
+        *sizes,
+        float(scale),
+        bool(a["is_causal"]),
+        deterministic,
+        plan_override,
+        *variants,
+    )
     calls["backward"] += 1
     return _like(a["query"], dq), _like(a["key"], dk), _like(a["value"], dv)
 

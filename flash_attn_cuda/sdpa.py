@@ -48,6 +48,8 @@ NOT_ON_ONE_GPU = "tensors not on one CUDA device"
 
 # What ran where since import: "forward" and "backward" for calls served here, "fallback_forward" and
 # "fallback_backward" for calls handed to PyTorch's kernels (each also logged at DEBUG level with its reason).
+# PyTorch's SDPA kernels call _flash_attention_forward/_backward through the dispatcher, which brings that inner
+# call back here: one SDPA call that falls back counts two fallbacks, the inner one for the same reason.
 calls: collections.Counter = collections.Counter()
 
 _DTYPES = (torch.float16, torch.bfloat16)

@@ -303,7 +303,7 @@ def test_decode_gqa_packing(head_dim, dtype, h, hk, sk, causal, deterministic):
     dout = rand(3, 1, h, head_dim, dtype=dtype)
     out, lse = torch.ops.flash_attn2.fwd(q, k, v, head_dim**-0.5, causal)
     assert out.is_contiguous() and lse.shape == (3, h, 1) and lse.is_contiguous()
-    dq, dk, dv = torch.ops.flash_attn2.bwd(dout, q, k, v, out, lse, head_dim**-0.5, causal, deterministic)
+    dq, dk, dv, _ = torch.ops.flash_attn2.bwd(dout, q, k, v, out, lse, head_dim**-0.5, causal, deterministic)
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
     assert dq.is_contiguous() and dk.is_contiguous() and dv.is_contiguous()
 

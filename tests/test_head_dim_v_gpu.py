@@ -69,9 +69,11 @@ def check(attend, q, k, v, dout, ours, rows, dropout_p=0.0):
     assert ours[0].shape[-1] == v.shape[-1] and ours[2].shape == q.shape and ours[4].shape == v.shape
 
 
-def run_dense(q, k, v, causal, force, dropout_p=0.0, deterministic=False):
-    """flash_attn_func forward and backward on poisoned memory: (out, lse, dq, dk, dv) and the dropout mask."""
-    dout = rand(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
+def run_dense(q, k, v, causal, force, dropout_p=0.0, deterministic=False, dout=None):
+    """flash_attn_func forward and backward on poisoned memory: (out, lse, dq, dk, dv), dout (fresh unless given)
+    and the dropout mask."""
+    if dout is None:
+        dout = rand(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     poison_allocator(q.device)
     torch.manual_seed(7)
@@ -129,7 +131,7 @@ def test_dropout_and_deterministic(kernel):
         )
 
     check(attend, q, k, v, dout, ours, 97 * 2, dropout_p=0.17)
-    again, _, _ = run_dense(q, k, v, True, force, dropout_p=0.17, deterministic=True)
+    again, _, _ = run_dense(q, k, v, True, force, dropout_p=0.17, deterministic=True, dout=dout)
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), ours, again):
         assert torch.equal(a, b), name
 

@@ -289,7 +289,9 @@ def test_unserved_call_runs_pytorch_kernel(active):
         result = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, FALLBACK_DROPOUT_P, False, True)
         out, lse, debug_mask = result[0], result[1], result[8]
         grads = torch.autograd.grad(out, (q, k, v), dout)
-    assert ran == {"forward": 0, "backward": 0, "fallback_forward": 1, "fallback_backward": 1}
+    # PyTorch's SDPA kernels call _flash_attention_forward/_backward through the dispatcher, which comes back
+    # here and falls back again: two of each, and nothing served here.
+    assert ran == {"forward": 0, "backward": 0, "fallback_forward": 2, "fallback_backward": 2}
     assert debug_mask.shape[:2] == (b, h) and debug_mask.shape[2] >= sq and debug_mask.shape[3] >= sk
     mask = ~torch.signbit(debug_mask[:, :, :sq, :sk])
     # The decoding holds if about 1 - p of the entries are kept (binomial: 104000 entries, sigma about 0.0013).

@@ -303,7 +303,7 @@ def run_dense(
         poison_allocator(q.device)
         out, lse = ops.fwd(q, k, v, scale, variant.causal, deterministic, force.get("num_splits", 0), override, *extra)
         poison_allocator(q.device)
-        dq, dk, dv = ops.bwd(dout, q, k, v, out, lse, scale, variant.causal, deterministic, override, *extra)
+        dq, dk, dv, _ = ops.bwd(dout, q, k, v, out, lse, scale, variant.causal, deterministic, override, *extra)
     else:
         if variant.dropout_p:
             torch.manual_seed(seed)
@@ -726,7 +726,7 @@ def run_varlen(lens_q, lens_k, h, hk, d, dtype, variant, *, force=None, determin
             q, k, v, cu_q, cu_k, max_q, max_k, scale, variant.causal, deterministic, override, *extra
         )
         poison_allocator(q.device)
-        dq, dk, dv = ops.varlen_bwd(
+        dq, dk, dv, _ = ops.varlen_bwd(
             dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, variant.causal, deterministic, override, *extra
         )
     else:
@@ -1124,11 +1124,11 @@ class MaskProbe:
         if self.via == "op":
             override, extra = self._op_args()
             if self.lens is None:
-                return ops.bwd(dout, q, k, v, out, lse, self.scale, causal, False, override, *extra)
+                return ops.bwd(dout, q, k, v, out, lse, self.scale, causal, False, override, *extra)[:3]
             max_q, max_k = max(self.lens_q), max(self.lens_k)
             return ops.varlen_bwd(
                 dout, q, k, v, out, lse, self.cu_q, self.cu_k, max_q, max_k, self.scale, causal, False, override, *extra
-            )
+            )[:3]
         graph_out, leaves = graph
         with force_plan(**self.force):
             return torch.autograd.grad(graph_out, leaves, dout, retain_graph=True)

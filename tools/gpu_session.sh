@@ -4,13 +4,15 @@
 # benchmark on your own GPU, run the bench/ scripts directly (bench/README.md).
 # Run from the repository root:  bash tools/gpu_session.sh build test memcheck bench
 # Stages: build (setup.py build_ext --inplace, all kernels unless FLASH_ATTN2_HDIMS/DTYPES say otherwise; also
-# leaves the stripped extension in $OUT/so_part_* so a later call can carry it in .devbuild/ and skip the build),
-# prebuilt (installs .devbuild/_C*.so instead of building), test (pytest), memcheck (compute-sanitizer over
+# leaves the stripped extension, the autograd library and _build_info.py in $OUT/devbuild.tar.part_* so a later
+# call can carry them in .devbuild/ and skip the build), prebuilt (installs what .devbuild/ holds instead of
+# building), test (pytest), memcheck (compute-sanitizer over
 # tests/memcheck.py; $MEMCHECK_SECTIONS picks sections), bench (mma peak + forward grid), bench_bwd (backward
 # and forward+backward, seqlen 2k/8k/16k, with cuDNN and deterministic mode), bench_sdpa (PyTorch SDPA on our
 # kernels against its flash and cuDNN backends, forward and backward, seqlen 2k/8k/16k), bench_varlen,
 # bench_skinny, tune (bench/tune_tiles.py with $TUNE_ARGS), profile (Nsight Compute over bench/profile_call.py
-# with $PROFILE_ARGS, ncu options $NCU_ARGS, report in $OUT/ncu_profile.txt), grad_error_ratio
+# with $PROFILE_ARGS, ncu options $NCU_ARGS, report in $OUT/ncu_profile.txt), upstream (flash-attn's test file
+# carried in .upstream/, through tools/upstream_compat.py, one test in $UPSTREAM_EVERY), grad_error_ratio
 # (tools/grad_error_ratio.py with $GRAD_ERROR_ARGS), pack (everything in $OUT into one results.tar, since a device
 # call returns at most 8 files).
 # Results go to $OUT (default /tmp/flash_out).
@@ -35,11 +37,29 @@ for stage in "$@"; do
         echo "build: $((SECONDS - start)) s wall"
         find build -name .ninja_log -exec cp {} "$OUT/ninja_log.txt" \;
         grep -E "spill stores" "$OUT/build.log" | sort | uniq -c
-        so=$(ls flash_attn_cuda/_C*.so) && strip --strip-debug -o /tmp/_C.so "$so" && split -b 15M /tmp/_C.so "$OUT/so_part_"
+        # What a later call needs to skip the build: the stripped extension, the autograd library and
+        # _build_info.py, as one tar in parts of at most 15 MB (a device call returns files of at most 16 MiB).
+        rm -rf /tmp/devbuild && mkdir -p /tmp/devbuild && so=$(ls flash_attn_cuda/_C*.so) &&
+            strip --strip-debug -o "/tmp/devbuild/$(basename "$so")" "$so" &&
+            cp flash_attn_cuda/_autograd_torch*.so flash_attn_cuda/_build_info.py /tmp/devbuild/ &&
+            tar -C /tmp/devbuild -cf - . | split -b 15M - "$OUT/devbuild.tar.part_"
         ;;
     prebuilt)
-        # .devbuild/ holds the extension from an earlier build stage (cat so_part_* > .devbuild/<its name>).
-        cp .devbuild/_C*.so flash_attn_cuda/ || exit 1
+        # .devbuild/ holds an earlier build stage's devbuild.tar.part_* (carry it), or a bare _C*.so.
+        if compgen -G ".devbuild/devbuild.tar.part_*" > /dev/null; then
+            cat .devbuild/devbuild.tar.part_* | tar -xf - -C flash_attn_cuda || exit 1
+        else
+            cp .devbuild/_C*.so .devbuild/_autograd_torch*.so .devbuild/_build_info.py flash_attn_cuda/ 2> /dev/null
+        fi
+        ls flash_attn_cuda/_C*.so > /dev/null || exit 1
+        ;;
+    upstream)
+        # flash-attn's own tests/test_flash_attn.py, carried in .upstream/ (tools/upstream_compat.py), on a
+        # sample of one test in $UPSTREAM_EVERY.
+        timeout "${UPSTREAM_TIMEOUT:-300}" python3 tools/upstream_compat.py .upstream/test_flash_attn.py \
+            --every "${UPSTREAM_EVERY:-50}" -- -q -n "${UPSTREAM_WORKERS:-15}" -rf --tb=line 2>&1 |
+            tee "$OUT/upstream.log" | tail -30
+        [ "${PIPESTATUS[0]}" = 0 ] || status=1
         ;;
     test)
         timeout 480 python3 -m pytest -q -p no:cacheprovider tests ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/test.log" | tail -40

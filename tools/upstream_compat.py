@@ -26,7 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 PACKAGE = {
-    "__init__.py": '''
+    "__init__.py": """
 from flash_attn_cuda import (
     flash_attn_func,
     flash_attn_kvpacked_func,
@@ -38,11 +38,11 @@ from flash_attn_cuda import (
 )
 
 __version__ = "2.8.3"
-''',
-    "bert_padding.py": '''
+""",
+    "bert_padding.py": """
 from flash_attn_cuda.padding import pad_input, unpad_input
-''',
-    "flash_attn_interface.py": '''
+""",
+    "flash_attn_interface.py": """
 from flash_attn_cuda import *  # noqa: F401,F403
 
 
@@ -50,7 +50,7 @@ def _get_block_size_n(device, head_dim, is_dropout, is_causal):
     # The tests use it to undo a blocked layout of S_dmask; this package returns S_dmask in plain (row, key)
     # order, on which any block size is the identity.
     return 64
-''',
+""",
     "layers/__init__.py": "",
     "layers/rotary.py": '''
 import torch
@@ -86,7 +86,7 @@ def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offse
 ''',
 }
 
-CONFTEST = '''
+CONFTEST = """
 import os
 import zlib
 
@@ -107,7 +107,7 @@ def pytest_collection_modifyitems(config, items):
         kept = [item for item in items if zlib.crc32(item.nodeid.encode()) % EVERY == 0]
         config.hook.pytest_deselected(items=[item for item in items if item not in set(kept)])
         items[:] = kept
-'''
+"""
 
 
 def main() -> int:

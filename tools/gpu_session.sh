@@ -55,9 +55,9 @@ for stage in "$@"; do
         ;;
     upstream)
         # flash-attn's own tests/test_flash_attn.py, carried in .upstream/ (tools/upstream_compat.py), on a
-        # sample of one test in $UPSTREAM_EVERY.
+        # sample of one test in $UPSTREAM_EVERY: v2.8.3's file collects 508,772 tests, 300 keeps about 1,700.
         timeout "${UPSTREAM_TIMEOUT:-300}" python3 tools/upstream_compat.py .upstream/test_flash_attn.py \
-            --every "${UPSTREAM_EVERY:-50}" -- -q -n "${UPSTREAM_WORKERS:-15}" -rf --tb=line 2>&1 |
+            --every "${UPSTREAM_EVERY:-300}" -- -q -n "${UPSTREAM_WORKERS:-15}" -rf --tb=line 2>&1 |
             tee "$OUT/upstream.log" | tail -30
         [ "${PIPESTATUS[0]}" = 0 ] || status=1
         ;;

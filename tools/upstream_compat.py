@@ -104,9 +104,9 @@ def pytest_collection_modifyitems(config, items):
         if hasattr(item.module, "normalize_flash_attn_S"):
             item.module.normalize_flash_attn_S = probabilities_as_returned
     if EVERY > 1:
-        kept = [item for item in items if zlib.crc32(item.nodeid.encode()) % EVERY == 0]
-        config.hook.pytest_deselected(items=[item for item in items if item not in set(kept)])
-        items[:] = kept
+        keep = [zlib.crc32(item.nodeid.encode()) % EVERY == 0 for item in items]
+        config.hook.pytest_deselected(items=[item for item, k in zip(items, keep) if not k])
+        items[:] = [item for item, k in zip(items, keep) if k]
 """
 
 

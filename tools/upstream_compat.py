@@ -55,6 +55,8 @@ def _get_block_size_n(device, head_dim, is_dropout, is_causal):
     "layers/rotary.py": '''
 import torch
 
+from flash_attn_cuda.reference import apply_rotary
+
 
 def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, cu_seqlens=None,
                      max_seqlen=None):
@@ -68,17 +70,7 @@ def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offse
         positions = seqlen_offsets.to(x.device).long()[:, None] + rows[None, :]
     else:
         positions = (int(seqlen_offsets) + rows)[None, :].expand(batch, seqlen)
-    half = cos.shape[1]
-    c = cos.float()[positions].unsqueeze(2)
-    s = sin.float()[positions].unsqueeze(2)
-    rot = x[..., : 2 * half].float()
-    if interleaved:
-        x0, x1 = rot[..., 0::2], rot[..., 1::2]
-        rotated = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2)
-    else:
-        x0, x1 = rot[..., :half], rot[..., half:]
-        rotated = torch.cat((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1)
-    out = torch.cat((rotated.to(x.dtype), x[..., 2 * half :]), dim=-1)
+    out = apply_rotary(x.float(), cos.float(), sin.float(), positions, interleaved).to(x.dtype)
     if inplace:
         x.copy_(out)
         return x

@@ -14,7 +14,8 @@ Layout of the draw (the same in every pass, dense or varlen):
   (j >> 3) & 3 of output word 2 * bit3(i) + bit0(j) (the rows 8 apart, the column pairs and the 8-column groups
   that one thread holds in the kernels' MMA accumulator layouts)
 - the entry is dropped iff that byte < round(256 p), at least 1 and at most 255 for p > 0: it drops with
-  probability p' = reference.effective_dropout_p(p), and the kept entries are scaled by 1 / (1 - p')
+  probability p' = reference.effective_dropout_p(p), and the kept entries are scaled by 1 / (1 - p)
+  (reference.dropout_keep_scale, as flash-attn 2.x)
 
 Everything is done on int64 tensors that hold uint32 values, since torch has no unsigned 32-bit arithmetic.
 """

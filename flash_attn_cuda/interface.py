@@ -200,8 +200,9 @@ def flash_attn_func(
             nheads / nheads_k query heads).
         dropout_p: attention dropout probability in [0, 1): probabilities are dropped after the softmax, with
             probability p' = round(256 dropout_p) / 256 (8 random bits each, as flash-attn 2.x; at least 1/256),
-            and the kept ones scaled by 1 / (1 - p'). The mask comes from torch's CUDA generator (one draw per
-            call), so torch.manual_seed reproduces it; the backward regenerates it. Use 0.0 for evaluation.
+            and the kept ones scaled by 1 / (1 - dropout_p), as flash-attn 2.x scales them. The mask comes from
+            torch's CUDA generator (one draw per call), so torch.manual_seed reproduces it; the backward
+            regenerates it. Use 0.0 for evaluation.
         softmax_scale: defaults to 1 / sqrt(head_dim).
         causal: query i attends to key j only if j <= i + seqlen_k - seqlen_q (aligned to the bottom-right
             corner of the score matrix). Queries that see no key produce zeros.

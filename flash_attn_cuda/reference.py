@@ -18,7 +18,8 @@ The attention variants follow the semantics of the kernels (and of flash-attn 2.
 - V's head dim may differ from Q's and K's (d_v != d_qk, DeepSeek's MLA): out has V's head dim.
 - Dropout acts at a resolution of 1/256 (the kernels draw 8 random bits per probability): an entry is dropped
   with probability p' = effective_dropout_p(p), round(256 p) / 256 but at least 1/256, and the kept ones are
-  scaled by 1 / (1 - p'), so that the expected output is the output without dropout.
+  scaled by dropout_keep_scale(p) = 1 / (1 - p), as flash-attn 2.x and PyTorch scale them (the expected output
+  is then (1 - p') / (1 - p) times the undropped one, within 1/512 / (1 - p) of it).
 """
 
 from __future__ import annotations
@@ -36,6 +37,14 @@ def effective_dropout_p(dropout_p: float) -> float:
     if dropout_p == 0.0:
         return 0.0
     return min(max(math.floor(float(dropout_p) * 256.0 + 0.5), 1), 255) / 256.0
+
+
+def dropout_keep_scale(dropout_p: float) -> float:
+    """The factor the kernels scale kept probabilities by: 1 / (1 - dropout_p), of the p asked for (not of
+    effective_dropout_p), as flash-attn 2.x and PyTorch's own kernels; 1 for p = 0."""
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    return 1.0 / (1.0 - float(dropout_p))
 
 
 def visible_mask(
@@ -211,8 +220,8 @@ def attention_ref(
         softcap: if > 0, a score s = softmax_scale * q.k becomes softcap * tanh(s / softcap).
         alibi_slopes: float32 (nheads,) or (batch, nheads); adds -slope * |p - j| to the score of key j
             (after softcap).
-        dropout_p: dropout probability; the kept probabilities are scaled by 1 / (1 - p'), p' =
-            effective_dropout_p(dropout_p), the probability the mask drops with.
+        dropout_p: dropout probability; the kept probabilities are scaled by dropout_keep_scale(dropout_p),
+            1 / (1 - dropout_p) (the mask drops with effective_dropout_p(dropout_p)).
         dropout_mask: bool (batch, nheads, seqlen_q, seqlen_k), True where an entry is kept; required when
             dropout_p > 0 (flash_attn_cuda.dropout.keep_mask gives the kernels' mask).
         learnable_sink: (nheads,), one logit per query head (float32, or q's dtype), computed in the dtype of the
@@ -234,7 +243,7 @@ def attention_ref(
     if dropout_mask is not None:
         # Dropout acts on the probabilities only: the lse above stays that of the full softmax, which is what
         # the kernels store and what their backward recomputes P from.
-        probs = probs * dropout_mask.to(probs.device) / (1.0 - effective_dropout_p(dropout_p))
+        probs = probs * dropout_mask.to(probs.device) * dropout_keep_scale(dropout_p)
 
     group = q.shape[2] // k.shape[2]
     v = v.repeat_interleave(group, dim=2)

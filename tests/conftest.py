@@ -15,7 +15,7 @@ import torch
 
 from flash_attn_cuda import _kernel_list
 from flash_attn_cuda.plan import override_string, plan
-from flash_attn_cuda.reference import attention_ref, effective_dropout_p, visible_mask
+from flash_attn_cuda.reference import attention_ref, dropout_keep_scale, visible_mask
 
 # ---------------------------------------------------------------- shared constants
 #
@@ -326,8 +326,8 @@ def gradient_floors(attend, q, k, v, dout, scale, rows, dropout_p=0.0):
     fp32 = fp32_cancellation_floor(q, k, v, dout, scale, rows)
     dq, dk = rounded_output_floors(attend, q, k, v, dout, scale, dropout=dropout_p > 0)
     return {
-        "dq": Floor(dq, fp32["dq"] / (1.0 - effective_dropout_p(dropout_p))),
-        "dk": Floor(dk, fp32["dk"] / (1.0 - effective_dropout_p(dropout_p))),
+        "dq": Floor(dq, fp32["dq"] * dropout_keep_scale(dropout_p)),
+        "dk": Floor(dk, fp32["dk"] * dropout_keep_scale(dropout_p)),
     }
 
 

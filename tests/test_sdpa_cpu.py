@@ -125,7 +125,7 @@ class ReferenceOps:
         group = nheads // nheads_k
         probs = reference.attention_probs(q, k, scale, causal, (wl, wr))
         mask = _mask(rng, p, batch, nheads, seqlen_q, seqlen_k)
-        kept = 1.0 if mask is None else mask / (1.0 - reference.effective_dropout_p(p))
+        kept = 1.0 if mask is None else mask * reference.dropout_keep_scale(p)
         qf, kf, vf, do = q.float(), k.float().repeat_interleave(group, 2), v.float().repeat_interleave(group, 2), dout
         dv = torch.einsum("bhqk,bqhd->bkhd", probs * kept, do.float())
         d_probs = torch.einsum("bqhd,bkhd->bhqk", do.float(), vf) * kept

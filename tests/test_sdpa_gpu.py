@@ -273,8 +273,8 @@ def test_flash_op_with_dropout(active, b, sq, sk, h, hk, d, causal, dtype):
     check_dense(q, k, v, dout, (out, *grads), causal, scale, lse=lse, dropout_p=DROPOUT_P, mask=mask)
 
 
-# PyTorch's kernel scales what it keeps by 1 / (1 - p) and ours by 1 / (1 - effective_dropout_p(p)): at 0.25 the
-# two are the same, so the reference scales as PyTorch's kernel does.
+# PyTorch's kernel drops with probability p itself and ours with effective_dropout_p(p); both scale what they keep
+# by 1 / (1 - p). At 0.25 the two probabilities are the same too.
 FALLBACK_DROPOUT_P = 0.25
 
 

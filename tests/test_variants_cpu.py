@@ -28,6 +28,7 @@ from flash_attn_cuda.dropout import DROPOUT_ROUNDS, keep_mask, philox4x32, s_dma
 from flash_attn_cuda.reference import (  # noqa: E402
     attention_probs,
     attention_ref,
+    dropout_keep_scale,
     effective_dropout_p,
     sink_grad_ref,
     visible_mask,
@@ -205,6 +206,16 @@ def test_effective_dropout_p():
             effective_dropout_p(bad)
 
 
+def test_dropout_keep_scale():
+    # flash-attn 2.x's and PyTorch's scale, 1 / (1 - p) of the p asked for, not of the p the mask drops with.
+    assert dropout_keep_scale(0.0) == 1.0
+    assert dropout_keep_scale(0.17) == 1.0 / 0.83
+    assert dropout_keep_scale(0.17) != 1.0 / (1.0 - effective_dropout_p(0.17))
+    for bad in (1.0, -0.1):
+        with pytest.raises(ValueError, match="dropout_p"):
+            dropout_keep_scale(bad)
+
+
 def test_keep_mask_edges_of_p():
     state = rng_state(5, 6)
     assert keep_mask(state, 0.0, 1, 2, 40, 40).all()
@@ -332,7 +343,7 @@ def naive_attention(
         for j, w in zip(keys, weights):
             prob = w / total
             if keep is not None:
-                prob = prob * bool(keep[bi, hi, i, j]) / (1 - effective_dropout_p(dropout_p))
+                prob = prob * bool(keep[bi, hi, i, j]) * dropout_keep_scale(dropout_p)
             out[bi, i, hi] += prob * v[bi, j, kv_head].double()
     return out, lse
 

@@ -174,11 +174,12 @@ void set_variant_params(FwdParams& params, const Variants& variants, bool causal
     if (variants.dropout()) {
         params.rng_state_ptr = static_cast<const int64_t*>(variants.rng_state->data_ptr());
         // Dropped when the element's 8 random bits fall below round(256 p), at least 1 (a tiny p still reads as
-        // dropout) and at most 255 (dropout.h). The kept elements scale by the inverse of the probability that
-        // really keeps them, so that the expected output is the undropped one (reference.effective_dropout_p).
+        // dropout) and at most 255 (dropout.h, reference.effective_dropout_p). The kept elements scale by
+        // 1 / (1 - p), the p the caller asked for, as flash-attn 2.x and PyTorch's kernels scale them: callers
+        // (and flash-attn's own tests) compare against references that scale so.
         const double threshold = std::clamp(std::floor(variants.dropout_p * 256.0 + 0.5), 1.0, 255.0);
         params.dropout_threshold = static_cast<uint32_t>(threshold);
-        params.dropout_keep_scale = static_cast<float>(256.0 / (256.0 - threshold));
+        params.dropout_keep_scale = static_cast<float>(1.0 / (1.0 - variants.dropout_p));
     }
 }
 

@@ -73,7 +73,7 @@ struct FwdParams {
     const int64_t* __restrict__ rng_state_ptr;
     uint32_t dropout_threshold;  // in [1, 255] with dropout (0: none): an element is dropped when its 8 random
                                  // bits are below it
-    float dropout_keep_scale;  // 256 / (256 - dropout_threshold): one over the probability of keeping an element
+    float dropout_keep_scale;  // 1 / (1 - dropout_p), dropout_p as the caller gave it: flash-attn 2.x's scale
 
     // KV caches (fwd_kvcache, varlen_fwd_paged), read by the variants kernels only (BlockInfo::of_cache). Key rows
     // count in a sequence's own cache: its row of k_ptr (batch stride), or, paged, the rows of its pages in

@@ -19,7 +19,7 @@ The attention variants follow the semantics of the kernels (and of flash-attn 2.
 - Dropout acts at a resolution of 1/256 (the kernels draw 8 random bits per probability): an entry is dropped
   with probability p' = effective_dropout_p(p), round(256 p) / 256 but at least 1/256, and the kept ones are
   scaled by dropout_keep_scale(p) = 1 / (1 - p), as flash-attn 2.x and PyTorch scale them (the expected output
-  is then (1 - p') / (1 - p) times the undropped one, within 1/512 / (1 - p) of it).
+  is then (1 - p') / (1 - p) times the undropped one: from p = 1/512 up, within 1/512 / (1 - p) of it).
 """
 
 from __future__ import annotations

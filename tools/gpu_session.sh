@@ -4,9 +4,9 @@
 # benchmark on your own GPU, run the bench/ scripts directly (bench/README.md).
 # Run from the repository root:  bash tools/gpu_session.sh build test memcheck bench
 # Stages: build (setup.py build_ext --inplace, all kernels unless FLASH_ATTN2_HDIMS/DTYPES say otherwise; also
-# leaves the stripped extension, the autograd library and _build_info.py in $OUT/devbuild.tar.part_* so a later
-# call can carry them in .devbuild/ and skip the build), prebuilt (installs what .devbuild/ holds instead of
-# building), test (pytest, on $PYTEST_WORKERS workers with $PYTEST_ARGS), memcheck (compute-sanitizer over
+# leaves the stripped extension, the autograd library and _build_info.py in $OUT/devbuild.tar.xz so a later call
+# can carry it in .devbuild/ and skip the build), prebuilt (installs what .devbuild/ holds instead of building;
+# $DEVBUILD names another directory), test (pytest, on $PYTEST_WORKERS workers with $PYTEST_ARGS), memcheck (compute-sanitizer over
 # tests/memcheck.py; $MEMCHECK_SECTIONS picks sections), bench (mma peak + forward grid), bench_bwd (backward
 # and forward+backward, seqlen 2k/8k/16k, with cuDNN and deterministic mode), bench_sdpa (PyTorch SDPA on our
 # kernels against its flash and cuDNN backends, forward and backward, seqlen 2k/8k/16k), bench_varlen,
@@ -26,6 +26,13 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 
+# stdin to stdout through Python's lzma module ($1: compress or decompress; preset 3: 40 MB in 6 s, to 3.4 MB).
+xz_stream() {
+    python3 -c 'import lzma, sys
+data = sys.stdin.buffer.read()
+sys.stdout.buffer.write(lzma.compress(data, preset=3) if sys.argv[1] == "compress" else lzma.decompress(data))' "$1"
+}
+
 status=0
 for stage in "$@"; do
     echo "=== $stage ($(date -u +%H:%M:%S))"
@@ -41,18 +48,23 @@ for stage in "$@"; do
         find build -name .ninja_log -exec cp {} "$OUT/ninja_log.txt" \;
         grep -E "spill stores" "$OUT/build.log" | sort | uniq -c
         # What a later call needs to skip the build: the stripped extension, the autograd library and
-        # _build_info.py, as one tar in parts of at most 15 MB (a device call returns files of at most 16 MiB).
+        # _build_info.py, as one xz-compressed tar (a device call returns files of at most 16 MiB; the full sm_90a
+        # build's 40 MB compress to 3.4 MB), through Python's lzma module (xz_stream), which needs no xz binary.
         rm -rf /tmp/devbuild && mkdir -p /tmp/devbuild && so=$(ls flash_attn_cuda/_C*.so) &&
             strip --strip-debug -o "/tmp/devbuild/$(basename "$so")" "$so" &&
             cp flash_attn_cuda/_autograd_torch*.so flash_attn_cuda/_build_info.py /tmp/devbuild/ &&
-            tar -C /tmp/devbuild -cf - . | split -b 15M - "$OUT/devbuild.tar.part_"
+            tar -C /tmp/devbuild -cf - . | xz_stream compress > "$OUT/devbuild.tar.xz"
         ;;
     prebuilt)
-        # .devbuild/ holds an earlier build stage's devbuild.tar.part_* (carry it), or a bare _C*.so.
-        if compgen -G ".devbuild/devbuild.tar.part_*" > /dev/null; then
-            cat .devbuild/devbuild.tar.part_* | tar -xf - -C flash_attn_cuda || exit 1
+        # ${DEVBUILD:-.devbuild}/ holds an earlier build stage's devbuild.tar.xz (carry it), its older form in
+        # parts (devbuild.tar.part_*), or a bare _C*.so.
+        devbuild=${DEVBUILD:-.devbuild}
+        if [ -f "$devbuild/devbuild.tar.xz" ]; then
+            xz_stream decompress < "$devbuild/devbuild.tar.xz" | tar -xf - -C flash_attn_cuda || exit 1
+        elif compgen -G "$devbuild/devbuild.tar.part_*" > /dev/null; then
+            cat "$devbuild"/devbuild.tar.part_* | tar -xf - -C flash_attn_cuda || exit 1
         else
-            cp .devbuild/_C*.so .devbuild/_autograd_torch*.so .devbuild/_build_info.py flash_attn_cuda/ 2> /dev/null
+            cp "$devbuild"/_C*.so "$devbuild"/_autograd_torch*.so "$devbuild"/_build_info.py flash_attn_cuda/ 2> /dev/null
         fi
         ls flash_attn_cuda/_C*.so > /dev/null || exit 1
         ;;

@@ -160,10 +160,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
     auto copy_b_sdp = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, mma_sdp);
     auto thr_copy_a_sdp = copy_a_sdp.get_thread_slice(tidx);
     auto thr_copy_b_sdp = copy_b_sdp.get_thread_slice(tidx);
-    Tensor tSrQ = thr_mma_sdp.partition_fragment_A(sQ);  // (MMA, MMA_M, MMA_K)
-    Tensor tSrdO = thr_mma_sdp.partition_fragment_A(sdO);  // (MMA, MMA_M, MMA_K)
-    Tensor tSrK = thr_mma_sdp.partition_fragment_B(sK);  // (MMA, MMA_N, MMA_K)
-    Tensor tSrV = thr_mma_sdp.partition_fragment_B(sV);  // (MMA, MMA_N, MMA_K)
+    Tensor tSrQ = register_fragment_A<Element>(mma_sdp, sQ);  // (MMA, MMA_M, MMA_K)
+    Tensor tSrdO = register_fragment_A<Element>(mma_sdp, sdO);  // (MMA, MMA_M, MMA_K)
+    Tensor tSrK = register_fragment_B<Element>(mma_sdp, sK);  // (MMA, MMA_N, MMA_K)
+    Tensor tSrV = register_fragment_B<Element>(mma_sdp, sV);  // (MMA, MMA_N, MMA_K)
     Tensor tSsQ = thr_copy_a_sdp.partition_S(sQ);
     Tensor tSsdO = thr_copy_a_sdp.partition_S(sdO);
     Tensor tSsK = thr_copy_b_sdp.partition_S(sK);
@@ -186,10 +186,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
     auto copy_b_dkv = make_tiled_copy_B(typename Traits::SmemCopyAtomT{}, mma_dkv);
     auto thr_copy_a_dkv = copy_a_dkv.get_thread_slice(tidx);
     auto thr_copy_b_dkv = copy_b_dkv.get_thread_slice(tidx);
-    Tensor tKVrPt = thr_mma_dkv.partition_fragment_A(sPt);  // (MMA, MMA_N, MMA_K over queries)
-    Tensor tKVrdSt = thr_mma_dkv.partition_fragment_A(sdSt);  // (MMA, MMA_N, MMA_K)
-    Tensor tKVrdOt = thr_mma_dkv.partition_fragment_B(sdOt);  // (MMA, MMA_D, MMA_K)
-    Tensor tKVrQt = thr_mma_dkv.partition_fragment_B(sQt);  // (MMA, MMA_D, MMA_K)
+    Tensor tKVrPt = register_fragment_A<Element>(mma_dkv, sPt);  // (MMA, MMA_N, MMA_K over queries)
+    Tensor tKVrdSt = register_fragment_A<Element>(mma_dkv, sdSt);  // (MMA, MMA_N, MMA_K)
+    Tensor tKVrdOt = register_fragment_B<Element>(mma_dkv, sdOt);  // (MMA, MMA_D, MMA_K)
+    Tensor tKVrQt = register_fragment_B<Element>(mma_dkv, sQt);  // (MMA, MMA_D, MMA_K)
     Tensor tKVsPt = thr_copy_a_dkv.partition_S(sPt);
     Tensor tKVsdSt = thr_copy_a_dkv.partition_S(sdSt);
     Tensor tKVsdOt = thr_copy_b_dkv.partition_S(sdOt);
@@ -212,8 +212,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
     auto thr_copy_b_dq = copy_b_dq.get_thread_slice(tidx);
     Tensor sKt_chunks = local_tile(sKt, Shape<Int<kDqChunk>, Int<kBlockN>>{},
                                    make_coord(_, 0));  // (kDqChunk, kBlockN, chunk)
-    Tensor tQrdS = thr_mma_dq.partition_fragment_A(sdS);  // (MMA, MMA_M, MMA_K over keys)
-    Tensor tQrKt = thr_mma_dq.partition_fragment_B(sKt_chunks(_, _, 0));  // (MMA, MMA_D, MMA_K)
+    Tensor tQrdS = register_fragment_A<Element>(mma_dq, sdS);  // (MMA, MMA_M, MMA_K over keys)
+    Tensor tQrKt = register_fragment_B<Element>(mma_dq, sKt_chunks(_, _, 0));  // (MMA, MMA_D, MMA_K)
     Tensor tQsdS = thr_copy_a_dq.partition_S(sdS);
     Tensor tQsKt = thr_copy_b_dq.partition_S(sKt_chunks);  // (CPY, CPY_D, CPY_K, chunk)
     Tensor tQrdS_view = thr_copy_a_dq.retile_D(tQrdS);

@@ -75,9 +75,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const _
 
     typename Traits::TiledMma tiled_mma;
     auto thr_mma = tiled_mma.get_thread_slice(tidx);
-    Tensor tSrQ = thr_mma.partition_fragment_A(sQ);    // (MMA, MMA_M, MMA_K)
-    Tensor tSrK = thr_mma.partition_fragment_B(sK);    // (MMA, MMA_N, MMA_K)
-    Tensor tOrVt = thr_mma.partition_fragment_B(sVt);  // (MMA, MMA_N over head_dim, MMA_K over keys)
+    Tensor tSrQ = register_fragment_A<Element>(tiled_mma, sQ);    // (MMA, MMA_M, MMA_K)
+    Tensor tSrK = register_fragment_B<Element>(tiled_mma, sK);    // (MMA, MMA_N, MMA_K)
+    Tensor tOrVt = register_fragment_B<Element>(tiled_mma, sVt);  // (MMA, MMA_N over head_dim, MMA_K over keys)
     Tensor acc_o = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (MMA, MMA_M, MMA_N)
     clear(acc_o);
     Tensor tScS = thr_mma.partition_C(cS);  // (MMA, MMA_M, MMA_N)

@@ -48,6 +48,19 @@ __forceinline__ __device__ auto convert_fragment(const Tensor<Engine, Layout>& s
     return dst;
 }
 
+// A thread's register fragment of tiled_mma's A (or B) operand for a shared-memory tile: sized from the tile's
+// shape alone. ThrMMA::partition_fragment_A(tile) partitions the tile itself first; that made the same PTX for
+// the mma.sync kernels, but on the swizzled layouts the partitions cost the compiler's front end about half a GiB
+// per backward kernel (docs/design-notes.md, 'Where a backward kernel's compile memory goes').
+template <class Element, class TiledMma, class SmemTile>
+__forceinline__ __device__ auto register_fragment_A(const TiledMma& tiled_mma, const SmemTile& tile) {
+    return make_tensor<Element>(partition_shape_A(tiled_mma, shape(tile)));
+}
+template <class Element, class TiledMma, class SmemTile>
+__forceinline__ __device__ auto register_fragment_B(const TiledMma& tiled_mma, const SmemTile& tile) {
+    return make_tensor<Element>(partition_shape_B(tiled_mma, shape(tile)));
+}
+
 // Each row of an accumulator is spread over the 4 threads of a quad (lanes 4r..4r+3).
 template <class Op>
 __forceinline__ __device__ float quad_allreduce(float x, Op op) {

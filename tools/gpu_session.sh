@@ -6,8 +6,8 @@
 # Stages: build (setup.py build_ext --inplace, all kernels unless FLASH_ATTN2_HDIMS/DTYPES say otherwise; also
 # leaves the stripped extension, the autograd library and _build_info.py in $OUT/devbuild.tar.xz so a later call
 # can carry it in .devbuild/ and skip the build), prebuilt (installs what .devbuild/ holds instead of building;
-# $DEVBUILD names another directory), test (pytest, on $PYTEST_WORKERS workers with $PYTEST_ARGS), memcheck (compute-sanitizer over
-# tests/memcheck.py; $MEMCHECK_SECTIONS picks sections), bench (mma peak + forward grid), bench_bwd (backward
+# $DEVBUILD names another directory), test (pytest, on $PYTEST_WORKERS workers with $PYTEST_ARGS), memcheck
+# (compute-sanitizer over tests/memcheck.py; $MEMCHECK_SECTIONS picks sections), bench (mma peak + forward grid), bench_bwd (backward
 # and forward+backward, seqlen 2k/8k/16k, with cuDNN and deterministic mode), bench_sdpa (PyTorch SDPA on our
 # kernels against its flash and cuDNN backends, forward and backward, seqlen 2k/8k/16k), bench_varlen,
 # bench_skinny, tune (bench/tune_tiles.py with $TUNE_ARGS), profile (Nsight Compute over bench/profile_call.py

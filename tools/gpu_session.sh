@@ -3,18 +3,17 @@
 # benchmark. It fits our own GPU access (no network, a carried CUTLASS wheel, at most 8 files back per call); to
 # benchmark on your own GPU, run the bench/ scripts directly (bench/README.md).
 # Run from the repository root:  bash tools/gpu_session.sh build test memcheck bench
-# Stages: build (setup.py build_ext --inplace, all kernels unless FLASH_ATTN2_HDIMS/DTYPES say otherwise; also
-# leaves the stripped extension, the autograd library and _build_info.py in $OUT/devbuild.tar.xz so a later call
-# can carry it in .devbuild/ and skip the build), prebuilt (installs what .devbuild/ holds instead of building;
-# $DEVBUILD names another directory), test (pytest, on $PYTEST_WORKERS workers with $PYTEST_ARGS), memcheck
-# (compute-sanitizer over tests/memcheck.py; $MEMCHECK_SECTIONS picks sections), bench (mma peak + forward grid), bench_bwd (backward
-# and forward+backward, seqlen 2k/8k/16k, with cuDNN and deterministic mode), bench_sdpa (PyTorch SDPA on our
-# kernels against its flash and cuDNN backends, forward and backward, seqlen 2k/8k/16k), bench_varlen,
-# bench_skinny, tune (bench/tune_tiles.py with $TUNE_ARGS), profile (Nsight Compute over bench/profile_call.py
-# with $PROFILE_ARGS, ncu options $NCU_ARGS, report in $OUT/ncu_profile.txt), upstream (flash-attn's test file
-# carried in .upstream/, through tools/upstream_compat.py, one test in $UPSTREAM_EVERY), grad_error_ratio
-# (tools/grad_error_ratio.py with $GRAD_ERROR_ARGS), pack (everything in $OUT into one results.tar, since a device
-# call returns at most 8 files).
+# Stages: build (setup.py build_ext --inplace, all kernels unless FLASH_ATTN2_HDIMS/DTYPES say otherwise; also leaves
+# the stripped extension, the autograd library and _build_info.py in $OUT/devbuild.tar.xz so a later call can carry it
+# in .devbuild/ and skip the build), prebuilt (installs what .devbuild/ holds instead of building; $DEVBUILD names
+# another directory), test (pytest, on $PYTEST_WORKERS workers with $PYTEST_ARGS), memcheck (compute-sanitizer over
+# tests/memcheck.py; $MEMCHECK_SECTIONS picks sections), bench (mma peak + forward grid), bench_bwd (backward and
+# forward+backward, seqlen 2k/8k/16k, with cuDNN and deterministic mode), bench_sdpa (PyTorch SDPA on our kernels
+# against its flash and cuDNN backends, forward and backward, seqlen 2k/8k/16k), bench_varlen, bench_skinny, tune
+# (bench/tune_tiles.py with $TUNE_ARGS), profile (Nsight Compute over bench/profile_call.py with $PROFILE_ARGS, ncu
+# options $NCU_ARGS, report in $OUT/ncu_profile.txt), upstream (flash-attn's test file carried in .upstream/, through
+# tools/upstream_compat.py, one test in $UPSTREAM_EVERY), grad_error_ratio (tools/grad_error_ratio.py with
+# $GRAD_ERROR_ARGS), pack (everything in $OUT into one results.tar, since a device call returns at most 8 files).
 # Results go to $OUT (default /tmp/flash_out).
 set -uo pipefail
 OUT=${OUT:-/tmp/flash_out}
@@ -56,15 +55,13 @@ for stage in "$@"; do
             tar -C /tmp/devbuild -cf - . | xz_stream compress > "$OUT/devbuild.tar.xz"
         ;;
     prebuilt)
-        # ${DEVBUILD:-.devbuild}/ holds an earlier build stage's devbuild.tar.xz (carry it), its older form in
-        # parts (devbuild.tar.part_*), or a bare _C*.so.
+        # ${DEVBUILD:-.devbuild}/ holds an earlier build stage's devbuild.tar.xz (carry it), or a bare _C*.so.
         devbuild=${DEVBUILD:-.devbuild}
         if [ -f "$devbuild/devbuild.tar.xz" ]; then
             xz_stream decompress < "$devbuild/devbuild.tar.xz" | tar -xf - -C flash_attn_cuda || exit 1
-        elif compgen -G "$devbuild/devbuild.tar.part_*" > /dev/null; then
-            cat "$devbuild"/devbuild.tar.part_* | tar -xf - -C flash_attn_cuda || exit 1
         else
-            cp "$devbuild"/_C*.so "$devbuild"/_autograd_torch*.so "$devbuild"/_build_info.py flash_attn_cuda/ 2> /dev/null
+            cp "$devbuild"/_C*.so "$devbuild"/_autograd_torch*.so "$devbuild"/_build_info.py flash_attn_cuda/ \
+                2> /dev/null
         fi
         ls flash_attn_cuda/_C*.so > /dev/null || exit 1
         ;;
@@ -118,7 +115,8 @@ for stage in "$@"; do
         ;;
     pack)
         # Only 8 files come back from a device call: bundle everything written so far into one tar.
-        tar -C "$OUT" -cf /tmp/flash_results.tar . && find "$OUT" -mindepth 1 -delete && mv /tmp/flash_results.tar "$OUT/results.tar"
+        tar -C "$OUT" -cf /tmp/flash_results.tar . && find "$OUT" -mindepth 1 -delete &&
+            mv /tmp/flash_results.tar "$OUT/results.tar"
         ;;
     tune)
         python3 bench/tune_tiles.py --out-dir "$OUT" ${TUNE_ARGS:-} 2>&1 | tail -60

@@ -836,12 +836,15 @@ def test_plan_op_problem_rules(gpu, variant, variants, causal_one_row, causal_lo
 @pytest.mark.parametrize(
     "head_dim, seqlen, causal, warp_specialized",
     [
-        # Head dims 32 and 64 (192-row tiles) at every length non-causal, and past 2048 keys causal.
+        # Head dims 32 and 64 (192-row tiles) at every length non-causal, and past 1024 keys causal.
         (64, 512, False, True),
         (64, 2048, False, True),
-        (64, 2048, True, False),
+        (64, 1024, True, False),
+        (64, 1025, True, True),
+        (64, 2048, True, True),
         (64, 4096, True, True),
         (32, 1024, True, False),
+        (32, 2048, True, True),
         (32, 300, False, True),
         # Head dim 128 at every length, also where the short-key tile ran before the kernel was persistent.
         (128, 512, False, True),

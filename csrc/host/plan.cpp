@@ -46,11 +46,12 @@ int choose_num_splits(int64_t ctas, int64_t seqlen_k, const TileShape& tile, int
 
 // seqlen_k at or below which head dims 32 and 64, whose warp-specialized tile has 192 rows and three consumer
 // warpgroups, keep the other Hopper kernel under a causal mask, where a 192-row block on the diagonal computes the
-// most scores it drops. Persistent, at head dim 64 (H200, bf16), the warp-specialized kernel was 34%, 13% and 4%
-// slower causal at 512, 1024 and 2048 keys and 11-14% faster from 4k; non-causal it was 5-6% faster at 512 and
-// 1024 keys and 16-21% faster from 2k, so non-causal calls take it at every length. The other head dims' tiles
-// have 128 rows, and at head dims 128 and 256 it was faster at every length measured.
-constexpr int kFwdWsMinKeys192RowsCausal = 2048;
+// most scores it drops. At head dim 64, causal (H100, bf16), the warp-specialized kernel was 26% slower at 512
+// keys, even at 1024 and 15% faster at 2048, 34% faster at 4096; non-causal it was faster at every length
+// (H200), so non-causal calls take it at every length. The other head dims' tiles have 128 rows, and at head dims
+// 128 and 256 it was faster at every length measured. (docs/design-notes.md, 'P's conversion and the output's
+// staging'.)
+constexpr int kFwdWsMinKeys192RowsCausal = 1024;
 
 // ---- Forward: the Hopper short-key tile ----
 

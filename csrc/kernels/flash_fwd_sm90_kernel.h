@@ -196,14 +196,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kCtasPerSm)
     tile.fold_row_mod(params, acc_o_rc, lse, tOcO_rc);
     Tensor sO = make_tensor(sQ.data(), typename Traits::SmemLayoutO{});  // (kBlockM, kHeadDim)
     tile.template epilogue<typename Traits::GmemTiledCopyO>(params, acc_o_rc, tOcO_rc, lse, sO, [&] {
-        // By stmatrix from one base address per thread, as in the warp-specialized kernel's epilogue (which says
-        // what the element-wise stores cost).
-        Tensor rO = convert_fragment<Element>(acc_o);
-        auto smem_tiled_copy_O = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_o);
-        auto smem_thr_copy_O = smem_tiled_copy_O.get_thread_slice(tidx);
-        Tensor tOrO = smem_thr_copy_O.retile_S(rO);  // ((Atom, AtomNum), MMA_M, MMA_N)
-        Tensor tOsO = smem_thr_copy_O.partition_D(sO);  // ((Atom, AtomNum), PIPE_M, PIPE_N)
-        copy(smem_tiled_copy_O, tOrO, tOsO);
+        store_fragment_to_smem(mma_o, tidx, convert_fragment<Element>(acc_o), sO);
     }, tidx);
 #endif
 }

@@ -362,14 +362,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             if constexpr (Traits::kSeparateO) {
                 named_barrier_sync(epilogue_barrier, 128);  // the previous tile's store has read these rows
             }
-            // The output rows into shared memory by stmatrix (four 8 x 8 tiles of 16-bit values an instruction), from
-            // a partition whose per-thread part is one base address: element-wise stores computed each element's
-            // swizzled address and stored 16 bits at a time.
-            auto smem_tiled_copy_O = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_o);
-            auto smem_thr_copy_O = smem_tiled_copy_O.get_thread_slice(etidx);
-            Tensor tOrO = smem_thr_copy_O.retile_S(rO);  // ((Atom, AtomNum), MMA_M, MMA_N)
-            Tensor tOsO = smem_thr_copy_O.partition_D(sO);  // ((Atom, AtomNum), PIPE_M, PIPE_N)
-            copy(smem_tiled_copy_O, tOrO, tOsO);
+            store_fragment_to_smem(mma_o, etidx, rO, sO);
             tile.write_lse(params, lse, tOcO_rc);
             named_barrier_sync(epilogue_barrier, 128);
             tile.template store_o_rows<typename Traits::GmemTiledCopyO, 64>(params, sO, cwg, etidx % 128);

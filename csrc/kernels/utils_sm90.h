@@ -77,6 +77,22 @@ __forceinline__ __device__ void warpgroup_gemm(TiledMma& tiled_mma, TensorA& tCr
     }
 }
 
+// A 16-bit accumulator fragment rO (tiled_mma's C layout, thread tidx's part) into the shared-memory tile sO by
+// stmatrix: four 8 x 8 tiles of 16-bit values an instruction, from a partition whose per-thread part is one base
+// address. Element-wise stores computed each element's swizzled address and stored 16 bits at a time: in the
+// warp-specialized forward's epilogue 64 stores and their arithmetic per thread at head dim 128, with spills.
+template <class TiledMma, class FragmentO, class SmemTensorO>
+__forceinline__ __device__ void store_fragment_to_smem(const TiledMma& tiled_mma, int tidx, const FragmentO& rO,
+                                                       SmemTensorO& sO) {
+    using Element = typename FragmentO::value_type;
+    static_assert(sizeof(Element) == 2, "stmatrix moves 16-bit values");
+    auto smem_tiled_copy_O = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, tiled_mma);
+    auto smem_thr_copy_O = smem_tiled_copy_O.get_thread_slice(tidx);
+    Tensor tOrO = smem_thr_copy_O.retile_S(rO);  // ((Atom, AtomNum), MMA_M, MMA_N)
+    Tensor tOsO = smem_thr_copy_O.partition_D(sO);  // ((Atom, AtomNum), PIPE_M, PIPE_N)
+    copy(smem_tiled_copy_O, tOrO, tOsO);
+}
+
 // Returns x unchanged, but the compiler can no longer see where it came from: values computed from the
 // result inside a loop are recomputed there instead of being hoisted out and held (or spilled) across it.
 __forceinline__ __device__ int opaque_int(int x) {

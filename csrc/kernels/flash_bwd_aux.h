@@ -12,7 +12,7 @@ namespace flash {
 cudaError_t run_bwd_dot_do_o(const BwdParams& params, bool is_bf16, cudaStream_t stream);
 
 // Writes params.dq_ptr = params.dq_accum_ptr * softmax_scale in the input dtype, for a dq_accum in (row, column)
-// order (the Hopper kernels'; the mma.sync kernel converts its own, flash_bwd_convert_dq_kernel).
+// order (the Hopper backward's short-query tile's; the other kernels' dq_accum is in fragment order, dq_accum.h).
 cudaError_t run_bwd_convert_dq(const BwdParams& params, bool is_bf16, cudaStream_t stream);
 
 }  // namespace flash

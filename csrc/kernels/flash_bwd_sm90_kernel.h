@@ -20,6 +20,7 @@
 #include "kernels/block.h"
 #include "kernels/block_info.h"
 #include "kernels/bwd_p_ds.h"
+#include "kernels/dq_accum.h"
 #include "launch/flash_params.h"
 #include "kernels/global_ops.h"
 #include "kernels/kernel_traits_bwd_sm90.h"
@@ -270,16 +271,18 @@ struct BwdSm90Block {
                         make_stride(Int<kHeadDim>{}, _1{}, Int<kBlockM * kHeadDim>{})));  // (kBlockM, kHeadDim, m)
     }
 
-    // Adds step's dQ (acc_dq, partitioned by thr_mma_dq) into dq_accum, skipping the rows past seqlen_q: with
-    // short queries every key block's CTA would otherwise add a block of mostly zero rows into the same L2
-    // lines. A test of each value's row, which folds to a few compares per step (a thread holds two rows of
-    // each 64-row wgmma tile, or four query columns of a transposed one); testing the values for zero instead
-    // (a compare and a select per pair in every step) cost the anchor shapes 1-3%.
-    // acc_dq is (kBlockM, kHeadDim), added a pair of adjacent columns at a time, or with
-    // Traits::kDqTransposed (kHeadDim, kBlockM), whose adjacent values lie in different rows of dq_accum.
+    // Adds step's dQ (acc_dq, partitioned by thr_mma_dq, the slice of thread `thread`) into dq_accum, skipping the
+    // rows past seqlen_q: with short queries every key block's CTA would otherwise add a block of mostly zero rows
+    // into the same L2 lines. A test of each value's row, which folds to a few compares per step (a thread holds
+    // two rows of each 64-row wgmma tile, or four query columns of a transposed one); testing the values for zero
+    // instead (a compare and a select per pair in every step) cost the anchor shapes 1-3%.
+    // acc_dq is (kBlockM, kHeadDim), added in the dQ GEMM's fragment order (dq_accum.h) four values at a time:
+    // values 4 g to 4 g + 3 of a wgmma fragment are a column pair of rows r and r + 8, skipped when r is past
+    // seqlen_q (row r + 8 then is too, or it adds its exact zeros inside the tile). With Traits::kDqTransposed
+    // it is (kHeadDim, kBlockM), added one value at a time in (row, column) order.
     template <class ThrMma, class Acc>
     __forceinline__ __device__ void add_dq(const BwdParams& params, const ThrMma& thr_mma_dq, const Acc& acc_dq,
-                                           const BwdStep& step) const {
+                                           const BwdStep& step, int thread) const {
         Tensor gdQ = gdQaccum(params, step.head)(_, _, step.m_block);  // (kBlockM, kHeadDim)
         const int rows_left = binfo.seqlen_q - step.m_block * kBlockM;
         if constexpr (Traits::kDqTransposed) {
@@ -291,12 +294,14 @@ struct BwdSm90Block {
             CUTE_UNROLL
             for (int i = 0; i < size(acc_dq); ++i) { red_add_if(get<1>(tdQcdQ(i)) < rows_left, &tdQgdQ(i), acc_dq(i)); }
         } else {
-            Tensor tdQgdQ = thr_mma_dq.partition_C(gdQ);  // (MMA, MMA_M, MMA_D)
+            static_assert(Traits::kDqChunk == kHeadDim &&
+                          decltype(size(acc_dq))::value * Traits::kNThreads == kBlockM * kHeadDim);
+            float* dst = &gdQ(0, 0) + thread * 4;  // the tile's floats, in fragment order
             Tensor tdQcdQ = thr_mma_dq.partition_C(
                 make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));  // (MMA, MMA_M, MMA_D)
             CUTE_UNROLL
-            for (int i = 0; i < size(acc_dq); i += 2) {
-                red_add_pair_if(get<0>(tdQcdQ(i)) < rows_left, &tdQgdQ(i), acc_dq(i), acc_dq(i + 1));
+            for (int g = 0; g < size(acc_dq) / 4; ++g) {
+                red_add_dq_if(get<0>(tdQcdQ(4 * g)) < rows_left, dst + g * Traits::kNThreads * 4, acc_dq, g);
             }
         }
     }
@@ -506,7 +511,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             warpgroup_fence_operand(acc_dk);
             warpgroup_fence_operand(rPt);
             warpgroup_fence_operand(rdSt);
-            blk.add_dq(params, thr_mma_dq, acc_dq, step);
+            blk.add_dq(params, thr_mma_dq, acc_dq, step, loop_tidx);
         }
         // With one step per key block, the next one's K and V and first Q and dO are in flight during the store.
         blk.store_dk_dv(params, mma_dkv, acc_dk, acc_dv, opaque_int(tidx));
@@ -622,12 +627,23 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         warpgroup_gemm_issue</*kZeroInit=*/false>(mma_dkv, tKVrPt, tKVrdOt, acc_dv);
         warpgroup_gemm_issue</*kZeroInit=*/false>(mma_dkv, tKVrdSt, tKVrQt, acc_dk);
         warpgroup_wait_for<2>(acc_dq);
-        blk.add_dq(params, thr_mma_dq, acc_dq, step);
+        blk.add_dq(params, thr_mma_dq, acc_dq, step, loop_tidx);
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc_dv);
         warpgroup_fence_operand(acc_dk);
     }
     blk.store_dk_dv(params, mma_dkv, acc_dk, acc_dv, tidx);
+#endif
+}
+
+// dq = softmax_scale * dq_accum for one query block of one (sequence, query head), from dq_accum in the dQ GEMM's
+// fragment order (the kernels above but for the short-query tile, Traits::kDqTransposed).
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kNThreads)
+    flash_bwd_sm90_convert_dq_kernel(const __grid_constant__ BwdParams params) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    static_assert(!Traits::kDqTransposed);
+    convert_dq_tile<Traits>(params);
 #endif
 }
 

@@ -31,28 +31,20 @@ __forceinline__ __device__ void red_add_quad(float* dst, float a, float b, float
 #endif
 }
 
-// Adds two adjacent fp32 values into global memory when `add`, without waiting for a reply: one vector
-// reduction on sm_90, two scalar ones before it. The predicate is inside the asm: with an `if` around the
-// reduction instead, ptxas spilled 4 bytes in the hdim 128 causal Hopper backward.
-__forceinline__ __device__ void red_add_pair_if(bool add, float* dst, float a, float b) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// red_add_quad when `add`, sm_90 only. The predicate is inside the asm: with an `if` around a reduction instead,
+// ptxas spilled 4 bytes in the hdim 128 causal Hopper backward.
+__forceinline__ __device__ void red_add_quad_if(bool add, float* dst, float a, float b, float c, float d) {
     asm volatile(
         "{\n"
         ".reg .pred p;\n"
-        "setp.ne.b32 p, %3, 0;\n"
-        "@p red.global.add.v2.f32 [%0], {%1, %2};\n"
+        "setp.ne.b32 p, %5, 0;\n"
+        "@p red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n"
         "}\n" ::"l"(dst),
-        "f"(a), "f"(b), "r"(int(add))
+        "f"(a), "f"(b), "f"(c), "f"(d), "r"(int(add))
         : "memory");
-#else
-    if (add) {
-        atomicAdd(dst, a);
-        atomicAdd(dst + 1, b);
-    }
-#endif
 }
 
-// Adds one fp32 value into global memory when `add` (predicated inside the asm, as red_add_pair_if).
+// Adds one fp32 value into global memory when `add` (predicated inside the asm, as red_add_quad_if).
 __forceinline__ __device__ void red_add_if(bool add, float* dst, float a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile(

@@ -61,6 +61,10 @@ struct BwdSm90BaseTraits {
     using GmemTiledCopyQ = GmemTiledCopyLoad;  // Q and dO
     using GmemTiledCopyStore = typename FwdSm90KernelTraits<Element, kHeadDim, 128, 64, 1>::GmemTiledCopyO;  // dK, dV
     static constexpr bool kDqTransposed = false;  // whether dQ is computed as dQ^T = K^T dS^T (BwdSm90KernelTraits)
+    // dq_accum's conversion (convert_dq_tile, for dQ GEMMs with query rows): one chunk of the whole head dim,
+    // the dQ fragments into a Q-shaped tile with stmatrix.
+    static constexpr int kDqChunk = kHeadDim;
+    using SmemCopyAtomStore = Copy_Atom<SM90_U32x4_STSM_N, Element>;
 };
 
 // Head dims 32 to 128 (flash_bwd_sm90_kernel): each warpgroup owns 64 keys for the four GEMMs that produce

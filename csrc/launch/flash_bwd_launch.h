@@ -83,8 +83,17 @@ cudaError_t launch_bwd_sm90(const BwdParams& params, cudaStream_t stream) {
     const cudaError_t err = launch_kernel<kKernel, Traits::kNThreads, Traits::kSmemBytes>(grid, params, stream,
                                                                                           smem_bytes);
     if (err != cudaSuccess) { return err; }
-    // These kernels add dQ into dq_accum in (row, column) order.
-    return run_bwd_convert_dq(params, std::is_same_v<typename Traits::Element, cutlass::bfloat16_t>, stream);
+    if constexpr (Traits::kDqTransposed) {
+        // The short-query tile adds dQ^T into dq_accum in (row, column) order.
+        return run_bwd_convert_dq(params, std::is_same_v<typename Traits::Element, cutlass::bfloat16_t>, stream);
+    } else {
+        // The others in the dQ GEMM's fragment order (dq_accum.h), which their own conversion reads back.
+        const dim3 convert_grid((params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, params.batch,
+                                params.num_heads);
+        constexpr int kConvertSmemBytes = Traits::kSmemQElems * int(sizeof(typename Traits::Element));
+        return launch_kernel<&flash_bwd_sm90_convert_dq_kernel<Traits>, Traits::kNThreads, kConvertSmemBytes>(
+            convert_grid, params, stream);
+    }
 }
 
 // kVariants: as in run_fwd.

@@ -667,13 +667,25 @@ def test_every_kernel_fits_its_arch(gpu, budget, head_dim, pass_, deterministic,
         ("fwd", H200, 64, "ws=0", 114688),
         # mma.sync, non-causal: Q (128 rows x 128) and one K and one V block (64 keys x 128): 32 + 32 KiB.
         ("fwd", A100, 4096, "", 65536),
-        # The Hopper backward with one key block per CTA, then with its second K/V buffer (2 x 32 KiB more).
-        ("bwd", H200, 4096, "key_blocks=1", 148480),
+        # The Hopper backward: Q, dO (two stages each), K, V, dS^T and LSE/D, 145 KiB, and past them its second
+        # K/V buffer (2 x 32 KiB) with several key blocks per CTA, or in its place two fp32 dQ tiles (2 x 32 KiB).
+        ("bwd", H200, 4096, "key_blocks=1", 214016),
         ("bwd", H200, 4096, "key_blocks=2", 214016),
+        # The 16-row short-query tile adds dQ from registers: no dQ tiles.
+        ("bwd", H200, 4096, "key_blocks=1;short_queries=1", 87040),
         # mma.sync: K, V, P, dS (32 + 32 + 16 + 16 KiB) and two stages of Q, dO, LSE and D (2 x 32.5 KiB).
         ("bwd", A100, 4096, "", 164864),
     ],
-    ids=["h200-fwd", "h200-fwd-no-ws", "h200-fwd-short-keys", "a100-fwd", "h200-bwd", "h200-bwd-two-kv", "a100-bwd"],
+    ids=[
+        "h200-fwd",
+        "h200-fwd-no-ws",
+        "h200-fwd-short-keys",
+        "a100-fwd",
+        "h200-bwd",
+        "h200-bwd-two-kv",
+        "h200-bwd-short-queries",
+        "a100-bwd",
+    ],
 )
 def test_smem_of_head_dim_128(pass_, gpu, seqlen_k, override, smem):
     p = plan(

@@ -207,8 +207,10 @@ void plan_bwd(const Problem& p, const Target& t, const PlanOverride& o, Plan& pl
                                                                   plan.heads_per_cta * ceil_div(seqlen_q, plan.block_m),
                                                                   std::max(t.num_sms, 1));
     }
-    // A CTA that walks several key blocks launches with its second K/V buffer.
-    plan.smem_bytes = kernel_smem_bytes(set, tile, plan.key_blocks_per_cta > 1);
+    // A CTA that walks several key blocks launches with its second K/V buffer, and so does one that adds dQ through
+    // shared memory in its place.
+    plan.smem_bytes = kernel_smem_bytes(
+        set, tile, plan.key_blocks_per_cta > 1 || (wgmma && bwd_sm90_dq_through_smem(hd, tile.block_m)));
 }
 
 // The plan's mask, GQA packing and tiles, once its family and whether it runs the variants kernel are chosen.

@@ -81,6 +81,7 @@ struct BwdSm90Block {
     Element* scratch_base;  // Traits::kSmemScratchElems elements
     float* s_lse;           // (kStagesQ, kBlockM)
     float* s_dsum;          // (kStagesQ, kBlockM)
+    float* s_dq;            // two dQ tiles of Traits::kSmemDqTileFloats with Traits::kDqThroughSmem (add_dq)
 
     __forceinline__ __device__ BwdSm90Block(const BwdParams& params, char* smem_raw)
         : n_block(blockIdx.x * (Traits::kStagesKV > 1 ? params.key_blocks_per_cta : 1)),
@@ -105,6 +106,7 @@ struct BwdSm90Block {
         scratch_base = k_base + 2 * Traits::kSmemKVElems;
         s_lse = reinterpret_cast<float*>(scratch_base + Traits::kSmemScratchElems);
         s_dsum = s_lse + Traits::kStagesQ * kBlockM;
+        s_dq = reinterpret_cast<float*>(smem_raw + Traits::kSmemBytesOneKV);
     }
 
     // Steps of a key block whose first query block is first_m_block.
@@ -136,6 +138,14 @@ struct BwdSm90Block {
     __forceinline__ __device__ BwdStep next_step(const BwdStep& step) const {
         const bool wrap = step.m_block + 1 == m_block_end;
         return {step.number + 1, step.head + int(wrap), wrap ? m_block_begin : step.m_block + 1};
+    }
+    // The step before `step` of the same key block.
+    __forceinline__ __device__ BwdStep previous_step(const BwdStep& step) const {
+        const bool wrap = step.m_block == m_block_begin;
+        return {step.number - 1, step.head - int(wrap), wrap ? m_block_end - 1 : step.m_block - 1};
+    }
+    __forceinline__ __device__ BwdStep last_step() const {
+        return {step_end - 1, first_head + heads_per_cta - 1, m_block_end - 1};
     }
 
     template <class Layout>
@@ -237,29 +247,65 @@ struct BwdSm90Block {
         cp_async_fence();
     }
 
-    // Opens step `step` and returns its stage: waits for its loads, makes them visible to wgmma, syncs the
-    // CTA (so every warpgroup is done with the previous step's shared-memory tiles), and starts loading the
-    // next step (the next key block's first after the last) into the other stage. The first step of a key
-    // block whose successor's K and V are in flight (load_next_kv, the newest cp.async group) leaves that
-    // group pending.
-    __forceinline__ __device__ int begin_step(const BwdParams& params, const BwdStep& step, bool kv_in_flight,
-                                              int thread) const {
-        const int stage = step.number & 1;
+    // Opens step `step` and returns its stage: waits for its loads, makes them visible to wgmma, and syncs the
+    // CTA, so that every warpgroup is done with the previous step's shared-memory tiles. The first step of a key
+    // block whose successor's K and V are in flight (load_next_kv, the newest cp.async group) leaves that group
+    // pending.
+    __forceinline__ __device__ int begin_step(const BwdStep& step, bool kv_in_flight) const {
         if (kv_in_flight && step.number == step_begin) {
             cp_async_wait<1>();
         } else {
             cp_async_wait<0>();
         }
-        // cp.async writes are generic-proxy stores; wgmma reads shared memory through the async proxy.
+        // cp.async writes and add_dq's are generic-proxy stores; wgmma and the bulk reductions read shared memory
+        // through the async proxy.
         cutlass::arch::fence_view_async_shared();
         __syncthreads();
+        return step.number & 1;
+    }
+
+    // After begin_step, once the step's first GEMMs are issued: adds the previous step's dQ tile from shared memory
+    // and starts loading the next step (the next key block's first after the last) into the other stage. Issued
+    // before those GEMMs, the copies' address arithmetic waited on the load/store queue while the tensor cores had
+    // nothing to do.
+    __forceinline__ __device__ void prefetch(const BwdParams& params, const BwdStep& step, int thread) const {
+        if (dq_through_smem(params) && step.number > step_begin) { reduce_dq(params, previous_step(step), thread); }
         const bool last = step.number + 1 == step_end;
         if (!last || has_next_key_block()) {
             const BwdStep next = last ? BwdStep{step_end, first_head, m_block_begin_next} : next_step(step);
-            load_q_do(params, next, stage ^ 1, thread);
+            load_q_do(params, next, (step.number & 1) ^ 1, thread);
             cp_async_fence();
         }
-        return stage;
+    }
+
+    // Whether add_dq writes dQ to shared memory for a bulk reduction (Traits::kDqThroughSmem): in a CTA of one key
+    // block, whose second K/V buffer holds the two dQ tiles.
+    __forceinline__ __device__ static bool dq_through_smem(const BwdParams& params) {
+        return Traits::kDqThroughSmem && params.key_blocks_per_cta == 1;
+    }
+
+    // Adds the dQ tile that add_dq wrote to shared memory for `step` into dq_accum, one bulk reduction by thread 0,
+    // called after a barrier that follows every thread's writes and an async-proxy fence. The tile of step s - 2
+    // used the same shared memory; waiting for that reduction's reads here, before the barrier in the middle of
+    // step s that comes before add_dq overwrites it, keeps the two apart. The tile is added whole: rows past
+    // seqlen_q hold exact zeros (load_q_do) and dq_accum pads each sequence past its last query block.
+    __forceinline__ __device__ void reduce_dq(const BwdParams& params, const BwdStep& step, int thread) const {
+        if (thread == 0) {
+            bulk_wait_read<0>();
+            bulk_reduce_add_f32(&gdQaccum(params, step.head)(0, 0, step.m_block),
+                                s_dq + (step.number & 1) * Traits::kSmemDqTileFloats,
+                                Traits::kSmemDqTileFloats * int(sizeof(float)));
+            bulk_commit();
+        }
+    }
+
+    // After a key block's steps: adds the last one's dQ tile from shared memory (add_dq).
+    __forceinline__ __device__ void flush_dq(const BwdParams& params, int thread) const {
+        if (dq_through_smem(params) && step_end > step_begin) {
+            cutlass::arch::fence_view_async_shared();
+            __syncthreads();
+            reduce_dq(params, last_step(), thread);
+        }
     }
 
     // Query head head_idx's dQ accumulator as (kBlockM, kHeadDim) tiles.
@@ -296,6 +342,16 @@ struct BwdSm90Block {
         } else {
             static_assert(Traits::kDqChunk == kHeadDim &&
                           decltype(size(acc_dq))::value * Traits::kNThreads == kBlockM * kHeadDim);
+            if (dq_through_smem(params)) {
+                // Four values a 16 B store, each warp's 512 consecutive bytes, in the tile reduce_dq adds.
+                float* tile = s_dq + (step.number & 1) * Traits::kSmemDqTileFloats + thread * 4;
+                CUTE_UNROLL
+                for (int g = 0; g < size(acc_dq) / 4; ++g) {
+                    *reinterpret_cast<float4*>(tile + g * Traits::kNThreads * 4) = make_float4(
+                        acc_dq(4 * g), acc_dq(4 * g + 1), acc_dq(4 * g + 2), acc_dq(4 * g + 3));
+                }
+                return;
+            }
             float* dst = &gdQ(0, 0) + thread * 4;  // the tile's floats, in fragment order
             Tensor tdQcdQ = thr_mma_dq.partition_C(
                 make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));  // (MMA, MMA_M, MMA_D)
@@ -410,7 +466,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         Tensor tSrV = thr_mma_kv.make_fragment_A(thr_mma_kv.partition_A(blk.sV(kv_stage)));  // (MMA, MMA_N, MMA_K)
         for (BwdStep step = blk.first_step(); step.number < blk.step_end; step = blk.next_step(step)) {
             const int loop_tidx = opaque_int(tidx);
-            const int stage = blk.begin_step(params, step, kv_in_flight, loop_tidx);
+            const int stage = blk.begin_step(step, kv_in_flight);
             const int m_block = step.m_block;
 
             // Both score GEMMs are in flight together; P^T is computed while dP^T finishes.
@@ -421,6 +477,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             Tensor tSrdO = thr_mma_sdp.make_fragment_B(thr_mma_sdp.partition_B(blk.sdO(stage)));  // (MMA, MMA_M, MMA_K)
             warpgroup_gemm_issue</*kZeroInit=*/true>(mma_sdp, tSrK, tSrQ, acc_st);
             warpgroup_gemm_issue</*kZeroInit=*/true>(mma_sdp, tSrV, tSrdO, acc_dpt);
+            blk.prefetch(params, step, loop_tidx);
 
             // (key row, query column) of each accumulator value.
             Tensor tStcSt = thr_mma_sdp.partition_C(cSt);  // (MMA, MMA_N, MMA_M)
@@ -513,10 +570,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             warpgroup_fence_operand(rdSt);
             blk.add_dq(params, thr_mma_dq, acc_dq, step, loop_tidx);
         }
+        blk.flush_dq(params, tidx);
         // With one step per key block, the next one's K and V and first Q and dO are in flight during the store.
         blk.store_dk_dv(params, mma_dkv, acc_dk, acc_dv, opaque_int(tidx));
     } while (blk.next_key_block());
     cp_async_wait<0>();  // no cp.async may land in shared memory after the CTA exits
+    if (BwdSm90Block<Traits, kCausal, kVariants>::dq_through_smem(params) && tidx == 0) {
+        bulk_wait<0>();  // nor a bulk reduction read it
+    }
 #endif
 }
 
@@ -561,7 +622,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     blk.load_first(params, tidx);
     for (BwdStep step = blk.first_step(); step.number < blk.step_end; step = blk.next_step(step)) {
         const int loop_tidx = opaque_int(tidx);
-        const int stage = blk.begin_step(params, step, /*kv_in_flight=*/false, loop_tidx);
+        const int stage = blk.begin_step(step, /*kv_in_flight=*/false);
         const int m_block = step.m_block;
 
         auto thr_mma_sdp = mma_sdp.get_thread_slice(loop_tidx);
@@ -573,6 +634,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         Tensor tSrV = thr_mma_sdp.make_fragment_B(thr_mma_sdp.partition_B(blk.sV(0)));  // (MMA, MMA_N, MMA_K)
         warpgroup_gemm_issue</*kZeroInit=*/true>(mma_sdp, tSrQ, tSrK, acc_s);
         warpgroup_gemm_issue</*kZeroInit=*/true>(mma_sdp, tSrdO, tSrV, acc_dp);
+        blk.prefetch(params, step, loop_tidx);
 
         // (query row, key column) of each accumulator value.
         Tensor tScS = thr_mma_sdp.partition_C(cS);  // (MMA, MMA_M, MMA_N)

@@ -60,6 +60,30 @@ __forceinline__ __device__ void red_add_if(bool add, float* dst, float a) {
 #endif
 }
 
+// sm_90 bulk reductions: the TMA unit adds `bytes` (a multiple of 16) of fp32 values from shared memory into
+// global memory (both 16 B aligned), value by value, as the calling thread's bulk operation. The issuing thread
+// groups its operations with bulk_commit; bulk_wait_read<N> returns once at most N of its groups still read
+// shared memory, and bulk_wait<N> once at most N are still incomplete. Shared-memory writes by other threads
+// reach the operation only through fence.proxy.async and a barrier before it is issued.
+__forceinline__ __device__ void bulk_reduce_add_f32(float* dst, const float* smem_src, int bytes) {
+    const uint32_t src = cute::cast_smem_ptr_to_uint(smem_src);
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(dst), "r"(src),
+                 "r"(bytes)
+                 : "memory");
+}
+
+__forceinline__ __device__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+
+template <int N>
+__forceinline__ __device__ void bulk_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
+}
+
+template <int N>
+__forceinline__ __device__ void bulk_wait() {
+    asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory");
+}
+
 // A flag read and write that order the accesses around them across the GPU (deterministic dQ turns).
 __forceinline__ __device__ int load_acquire(const int* ptr) {
     int value;

@@ -61,6 +61,9 @@ struct BwdSm90BaseTraits {
     using GmemTiledCopyQ = GmemTiledCopyLoad;  // Q and dO
     using GmemTiledCopyStore = typename FwdSm90KernelTraits<Element, kHeadDim, 128, 64, 1>::GmemTiledCopyO;  // dK, dV
     static constexpr bool kDqTransposed = false;  // whether dQ is computed as dQ^T = K^T dS^T (BwdSm90KernelTraits)
+    static constexpr bool kDqThroughSmem =
+        false;  // whether dQ reaches dq_accum by bulk reductions (BwdSm90KernelTraits)
+    static constexpr int kSmemDqTileFloats = 0;
     // dq_accum's conversion (convert_dq_tile, for dQ GEMMs with query rows): one chunk of the whole head dim,
     // the dQ fragments into a Q-shaped tile with stmatrix.
     static constexpr int kDqChunk = kHeadDim;
@@ -155,6 +158,13 @@ struct BwdSm90KernelTraits
     static constexpr int kSmemBytesOneKV = (Base::smem_bytes(kSmemScratchElems) + 1023) / 1024 * 1024;
     static constexpr int kSmemBytes = kSmemBytesOneKV + 2 * Base::kSmemKVElems * int(sizeof(Element));
     static_assert(kSmemBytes <= 227 * 1024);
+
+    // The 64-row tile adds a step's dQ through shared memory (BwdSm90Block::add_dq): two (kBlockM, kHeadDim) fp32
+    // tiles in the dQ GEMM's fragment order, in the second K/V buffer's place, which a CTA of one key block does
+    // not use (the two are the same size: kBlockN = 2 kBlockM keys of two 2-byte tiles).
+    static constexpr bool kDqThroughSmem = !kDqTransposed;
+    static constexpr int kSmemDqTileFloats = kBlockM * kHeadDim;
+    static_assert(!kDqThroughSmem || 2 * kSmemDqTileFloats * int(sizeof(float)) <= kSmemBytes - kSmemBytesOneKV);
 };
 
 // Head dims 160 to 256 (flash_bwd_sm90_wide_kernel): the warpgroups split the keys of S = Q K^T and

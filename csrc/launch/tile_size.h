@@ -292,6 +292,11 @@ constexpr int fwd_ws_smem_bytes(int head_dim, int block_m, int block_n, int stag
 constexpr bool bwd_sm90_narrow(int head_dim) { return head_dim <= 128; }
 // Whether that kernel can walk several key blocks per CTA (BwdParams::key_blocks_per_cta).
 constexpr bool bwd_sm90_walks_key_blocks(int head_dim) { return bwd_sm90_narrow(head_dim); }
+// Whether it adds dQ through shared memory, in its second K/V buffer's place (BwdSm90KernelTraits::kDqThroughSmem):
+// its 64-row tile, not the 16-row one.
+constexpr bool bwd_sm90_dq_through_smem(int head_dim, int block_m) {
+    return bwd_sm90_narrow(head_dim) && block_m == 64;
+}
 
 // wgmma backward (BwdSm90BaseTraits::smem_bytes and its two kernels' traits): two stages of Q and dO with the
 // fp32 LSE and D of their rows, one K and V buffer, and scratch: dS^T (narrow) or P and dS (wide). The narrow

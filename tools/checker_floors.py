@@ -8,6 +8,7 @@ checked against the float32 reference with the plain rule (2 max|ref_lowp - ref|
 with one ulp of the largest entry added; failures are counted by the tensor's number of entries.
 
     python tools/checker_floors.py --draws 30 --seqlens 1,2,3,5,9,17,33 --head-dims 8,32,64
+    python tools/checker_floors.py --draws 300 --seqlens 17,113 --head-dims 64,128 --batch 2 --heads 4
 """
 
 import argparse
@@ -53,6 +54,8 @@ def main():
     parser.add_argument("--seqlens", default="1,2,3,5,9,17,33")
     parser.add_argument("--head-dims", default="8,32,64")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=1)
     a = parser.parse_args()
     torch.manual_seed(a.seed)
     seqlens = [int(x) for x in a.seqlens.split(",")]
@@ -62,8 +65,8 @@ def main():
         for dtype, sq, sk, d, causal in itertools.product(
             (torch.float16, torch.bfloat16), seqlens, seqlens, head_dims, (False, True)
         ):
-            q, k, v = (torch.randn(1, s, 1, d, dtype=dtype) for s in (sq, sk, sk))
-            dout = torch.randn(1, sq, 1, d, dtype=dtype)
+            q, k, v = (torch.randn(a.batch, s, a.heads, d, dtype=dtype) for s in (sq, sk, sk))
+            dout = torch.randn(a.batch, sq, a.heads, d, dtype=dtype)
             ref, lowp = reference(q, k, v, dout, causal, True), reference(q, k, v, dout, causal, False)
             for ours, r, lp in zip(emulated(q, k, v, dout, causal), ref, lowp):
                 m = r.abs().max().item()

@@ -61,8 +61,9 @@ struct BwdSm90BaseTraits {
     using GmemTiledCopyQ = GmemTiledCopyLoad;  // Q and dO
     using GmemTiledCopyStore = typename FwdSm90KernelTraits<Element, kHeadDim, 128, 64, 1>::GmemTiledCopyO;  // dK, dV
     static constexpr bool kDqTransposed = false;  // whether dQ is computed as dQ^T = K^T dS^T (BwdSm90KernelTraits)
-    static constexpr bool kDqThroughSmem =
-        false;  // whether dQ reaches dq_accum by bulk reductions (BwdSm90KernelTraits)
+    // Whether dQ reaches dq_accum through shared memory by bulk reductions, and the floats of each of its tiles
+    // (BwdSm90KernelTraits).
+    static constexpr bool kDqThroughSmem = false;
     static constexpr int kSmemDqTileFloats = 0;
     // dq_accum's conversion (convert_dq_tile, for dQ GEMMs with query rows): one chunk of the whole head dim,
     // the dQ fragments into a Q-shaped tile with stmatrix.

@@ -279,7 +279,7 @@ struct BwdSm90Block {
     }
 
     // Whether add_dq writes dQ to shared memory for a bulk reduction (Traits::kDqThroughSmem): in a CTA of one key
-    // block, whose second K/V buffer holds the two dQ tiles.
+    // block, where the two dQ tiles take the second K/V buffer's place.
     __forceinline__ __device__ static bool dq_through_smem(const BwdParams& params) {
         return Traits::kDqThroughSmem && params.key_blocks_per_cta == 1;
     }

@@ -114,7 +114,8 @@ struct BwdSm90KernelTraits
     static constexpr int kBlockN = kBlockN_;
 
     static_assert(kBlockN == 64 * Base::kNWarpgroups, "each warpgroup owns 64 keys");
-    static_assert(kBlockM == 64 || (kBlockM == 16 && kHeadDim == 64 * Base::kNWarpgroups),
+    static_assert(kBlockM == 64 || (kBlockM == 128 && kHeadDim <= 64) ||
+                      (kBlockM == 16 && kHeadDim == 64 * Base::kNWarpgroups),
                   "64 query rows, or 16 where the head dim gives each warpgroup 64 rows of dQ^T");
     static_assert(kHeadDim <= 128, "dK and dV of 64 keys stay in one warpgroup's registers");
     static constexpr bool kDqTransposed = kBlockM < 64;
@@ -133,7 +134,7 @@ struct BwdSm90KernelTraits
 
     // dS^T rows are kBlockM queries: 128 B of them at 64, 32 B at 16.
     using SmemAtomdSt =
-        std::conditional_t<kBlockM == 64, GMMA::Layout_K_SW128_Atom<Element>, GMMA::Layout_K_SW32_Atom<Element>>;
+        std::conditional_t<kBlockM % 64 == 0, GMMA::Layout_K_SW128_Atom<Element>, GMMA::Layout_K_SW32_Atom<Element>>;
     using SmemLayoutdSt = decltype(tile_to_shape(SmemAtomdSt{}, Shape<Int<kBlockN>, Int<kBlockM>>{}));  // dS^T
     using SmemLayoutdS = decltype(composition(
         SmemLayoutdSt{},
@@ -157,15 +158,17 @@ struct BwdSm90KernelTraits
     // had before (kSmemBytesOneKV); the larger carve-out serves only CTAs that walk several key blocks.
     static constexpr int kStagesKV = 2;
     static constexpr int kSmemBytesOneKV = (Base::smem_bytes(kSmemScratchElems) + 1023) / 1024 * 1024;
-    static constexpr int kSmemBytes = kSmemBytesOneKV + 2 * Base::kSmemKVElems * int(sizeof(Element));
-    static_assert(kSmemBytes <= 227 * 1024);
 
-    // The 64-row tile adds a step's dQ through shared memory (BwdSm90Block::add_dq): two (kBlockM, kHeadDim) fp32
-    // tiles in the dQ GEMM's fragment order, in the second K/V buffer's place, which a CTA of one key block does
-    // not use (the two are the same size: kBlockN = 2 kBlockM keys of two 2-byte tiles).
+    // Tiles whose dQ GEMM has query rows add a step's dQ through shared memory (BwdSm90Block::add_dq): two
+    // (kBlockM, kHeadDim) fp32 tiles in the GEMM's fragment order, past kSmemBytesOneKV, in the place of the second
+    // K/V buffer, which a CTA of one key block does not use. The 64-row tile's are as large as that buffer; the
+    // 128-row one's (head dim 64) twice as large.
     static constexpr bool kDqThroughSmem = !kDqTransposed;
     static constexpr int kSmemDqTileFloats = kBlockM * kHeadDim;
-    static_assert(!kDqThroughSmem || 2 * kSmemDqTileFloats * int(sizeof(float)) <= kSmemBytes - kSmemBytesOneKV);
+    static constexpr int kSmemTailBytes = cute::max(2 * Base::kSmemKVElems * int(sizeof(Element)),
+                                                    kDqThroughSmem ? 2 * kSmemDqTileFloats * int(sizeof(float)) : 0);
+    static constexpr int kSmemBytes = kSmemBytesOneKV + kSmemTailBytes;
+    static_assert(kSmemBytes <= 227 * 1024);
 };
 
 // Head dims 160 to 256 (flash_bwd_sm90_wide_kernel): the warpgroups split the keys of S = Q K^T and

@@ -79,7 +79,8 @@ cudaError_t launch_bwd_sm90(const BwdParams& params, cudaStream_t stream) {
     const int n_blocks = (params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
     const dim3 grid((n_blocks + params.key_blocks_per_cta - 1) / params.key_blocks_per_cta, params.batch,
                     params.num_heads / params.heads_per_cta);
-    // The second K/V buffer's place holds the dQ tiles of kDqThroughSmem in a CTA of one key block.
+    // The tail past kSmemBytesOneKV holds the second K/V buffer, or the dQ tiles of kDqThroughSmem in a CTA of one
+    // key block.
     const bool second_kv_buffer = params.key_blocks_per_cta > 1 || Traits::kDqThroughSmem;
     static_assert(Traits::kDqThroughSmem == bwd_sm90_dq_through_smem(kHeadDim, Traits::kBlockM));
     const int smem_bytes = second_kv_buffer ? Traits::kSmemBytes : Traits::kSmemBytesOneKV;

@@ -184,7 +184,7 @@ constexpr TileSet kTileSets[] = {
     {KernelFamily::kMmaSync, Pass::kBwd, 256, kSmem99KiB, {64, 32, 0, 1, true}, {64, 32, 0, 1, true}, {}},
 
     {KernelFamily::kWgmma, Pass::kBwd, 32, kSmem227KiB, {kBwdSm90BlockM, 128}, {kBwdSm90BlockM, 128}, {}},
-    {KernelFamily::kWgmma, Pass::kBwd, 64, kSmem227KiB, {kBwdSm90BlockM, 128}, {kBwdSm90BlockM, 128}, {}},
+    {KernelFamily::kWgmma, Pass::kBwd, 64, kSmem227KiB, {128, 128}, {128, 128}, {}},
     {KernelFamily::kWgmma, Pass::kBwd, 96, kSmem227KiB, {kBwdSm90BlockM, 128}, {kBwdSm90BlockM, 128}, {}},
     {KernelFamily::kWgmma,
      Pass::kBwd,
@@ -292,16 +292,17 @@ constexpr int fwd_ws_smem_bytes(int head_dim, int block_m, int block_n, int stag
 constexpr bool bwd_sm90_narrow(int head_dim) { return head_dim <= 128; }
 // Whether that kernel can walk several key blocks per CTA (BwdParams::key_blocks_per_cta).
 constexpr bool bwd_sm90_walks_key_blocks(int head_dim) { return bwd_sm90_narrow(head_dim); }
-// Whether it adds dQ through shared memory, in its second K/V buffer's place (BwdSm90KernelTraits::kDqThroughSmem):
-// its 64-row tile, not the 16-row one.
+// Whether it adds dQ through shared memory (BwdSm90KernelTraits::kDqThroughSmem): its tiles whose dQ GEMM has query
+// rows (64 or 128), not the 16-row one, which computes dQ^T.
 constexpr bool bwd_sm90_dq_through_smem(int head_dim, int block_m) {
-    return bwd_sm90_narrow(head_dim) && block_m == 64;
+    return bwd_sm90_narrow(head_dim) && block_m % 64 == 0;
 }
 
 // wgmma backward (BwdSm90BaseTraits::smem_bytes and its two kernels' traits): two stages of Q and dO with the
 // fp32 LSE and D of their rows, one K and V buffer, and scratch: dS^T (narrow) or P and dS (wide). The narrow
-// kernel rounds that to 1 KiB (where swizzle atoms repeat) and puts its second K/V buffer past it, so that a
-// launch of one key block per CTA (second_kv_buffer false) takes the smaller size.
+// kernel rounds that to 1 KiB (where swizzle atoms repeat) and puts a tail past it that holds its second K/V buffer
+// (a CTA that walks several key blocks) or its two fp32 dQ tiles (one that adds dQ through shared memory), so
+// that a launch that needs neither (second_kv_buffer false) takes the smaller size.
 constexpr int bwd_wgmma_smem_bytes(int head_dim, int block_m, int block_n, bool second_kv_buffer) {
     const bool narrow = bwd_sm90_narrow(head_dim);
     const int scratch_elems = narrow ? block_n * block_m : 2 * block_m * block_n;
@@ -309,7 +310,10 @@ constexpr int bwd_wgmma_smem_bytes(int head_dim, int block_m, int block_n, bool 
                        2 * 2 * block_m * 4;
     if (!narrow) { return one_kv; }
     const int one_kv_rounded = (one_kv + 1023) / 1024 * 1024;
-    return second_kv_buffer ? one_kv_rounded + 2 * block_n * head_dim * kElementBytes : one_kv_rounded;
+    const int dq_tiles = bwd_sm90_dq_through_smem(head_dim, block_m) ? 2 * block_m * head_dim * 4 : 0;
+    const int kv = 2 * block_n * head_dim * kElementBytes;
+    const int tail = kv > dq_tiles ? kv : dq_tiles;
+    return second_kv_buffer ? one_kv_rounded + tail : one_kv_rounded;
 }
 
 // The dynamic shared memory of a launch of `tile` from `set`. second_kv_buffer: a Hopper backward that walks

@@ -4,13 +4,15 @@ attention routed to flash_attn_func through transformers' AttentionInterface. Ea
 of the sinks and of the attention projections meet the correctness rule against the model's own eager attention in
 float32 (the reference) and in bfloat16 (the low-precision baseline), the same weights in all three. With the
 kernels replaced by the float32 reference rounded to bfloat16, on the CPU, the test passed, and failed with the
-window one key wider or without the sinks. Skips where transformers has no GptOss.
+window one key wider or without the sinks. Skips where transformers has no GptOss, or the build has no head-dim-64
+bf16 kernels.
 """
 
 import pytest
 import torch
 from conftest import check_close, requires_gpu
 
+import flash_attn_cuda
 from flash_attn_cuda import flash_attn_func
 
 pytestmark = [pytest.mark.gpu, requires_gpu, pytest.mark.usefixtures("seeded_exact_reference")]
@@ -93,6 +95,10 @@ def loss_and_grads(model, tokens):
 
 
 def test_gpt_oss_trains_through_our_kernels():
+    # The model's sliding-window layers take the variants kernels, its full layers the causal ones.
+    for variants in (False, True):
+        if not flash_attn_cuda.kernel_available(64, torch.bfloat16, True, backward=True, variants=variants):
+            pytest.skip("this build has no head-dim-64 bf16 causal kernels")
     transformers.AttentionInterface.register(IMPLEMENTATION, flash_attention)
     tokens = torch.randint(0, 512, (2, 300), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     ref_loss, ref_grads = loss_and_grads(make_model(torch.float32, "eager"), tokens)

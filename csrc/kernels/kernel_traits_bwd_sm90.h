@@ -116,7 +116,8 @@ struct BwdSm90KernelTraits
     static_assert(kBlockN == 64 * Base::kNWarpgroups, "each warpgroup owns 64 keys");
     static_assert(kBlockM == 64 || (kBlockM == 128 && kHeadDim <= 64) ||
                       (kBlockM == 16 && kHeadDim == 64 * Base::kNWarpgroups),
-                  "64 query rows, or 16 where the head dim gives each warpgroup 64 rows of dQ^T");
+                  "64 query rows, 128 at head dims up to 64, or 16 where the head dim gives each warpgroup 64 rows "
+                  "of dQ^T");
     static_assert(kHeadDim <= 128, "dK and dV of 64 keys stay in one warpgroup's registers");
     static constexpr bool kDqTransposed = kBlockM < 64;
 
@@ -132,7 +133,7 @@ struct BwdSm90KernelTraits
     using TiledMmadQ =
         decltype(bwd_sm90_tiled_mma_dq<Element, kHeadDim, kBlockM, kBlockN, Base::kNWarpgroups, kDqTransposed>());
 
-    // dS^T rows are kBlockM queries: 128 B of them at 64, 32 B at 16.
+    // dS^T rows are kBlockM queries: 128 B swizzle atoms at 64 and 128, 32 B at 16.
     using SmemAtomdSt =
         std::conditional_t<kBlockM % 64 == 0, GMMA::Layout_K_SW128_Atom<Element>, GMMA::Layout_K_SW32_Atom<Element>>;
     using SmemLayoutdSt = decltype(tile_to_shape(SmemAtomdSt{}, Shape<Int<kBlockN>, Int<kBlockM>>{}));  // dS^T

@@ -46,12 +46,13 @@ MARKERS = {
 requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def require_fwd_bwd_kernels(head_dim, dtype, causal):
-    """Skips the calling test unless this build has the forward and backward kernels for the configuration."""
+def require_fwd_bwd_kernels(head_dim, dtype, causal, variants=False):
+    """Skips the calling test unless this build has the forward and backward kernels for the configuration
+    (``variants``: those of calls with a window, softcap, ALiBi or dropout)."""
     import flash_attn_cuda
 
-    if not flash_attn_cuda.kernel_available(head_dim, dtype, causal, backward=True):
-        pytest.skip(f"kernels for head_dim={head_dim} {dtype} causal={causal} not compiled")
+    if not flash_attn_cuda.kernel_available(head_dim, dtype, causal, backward=True, variants=variants):
+        pytest.skip(f"kernels for head_dim={head_dim} {dtype} causal={causal} variants={variants} not compiled")
 
 
 def pytest_addoption(parser):

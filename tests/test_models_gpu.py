@@ -10,9 +10,8 @@ bf16 kernels.
 
 import pytest
 import torch
-from conftest import check_close, requires_gpu
+from conftest import check_close, require_fwd_bwd_kernels, requires_gpu
 
-import flash_attn_cuda
 from flash_attn_cuda import flash_attn_func
 
 pytestmark = [pytest.mark.gpu, requires_gpu, pytest.mark.usefixtures("seeded_exact_reference")]
@@ -97,8 +96,7 @@ def loss_and_grads(model, tokens):
 def test_gpt_oss_trains_through_our_kernels():
     # The model's sliding-window layers take the variants kernels, its full layers the causal ones.
     for variants in (False, True):
-        if not flash_attn_cuda.kernel_available(64, torch.bfloat16, True, backward=True, variants=variants):
-            pytest.skip("this build has no head-dim-64 bf16 causal kernels")
+        require_fwd_bwd_kernels(64, torch.bfloat16, True, variants=variants)
     transformers.AttentionInterface.register(IMPLEMENTATION, flash_attention)
     tokens = torch.randint(0, 512, (2, 300), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     ref_loss, ref_grads = loss_and_grads(make_model(torch.float32, "eager"), tokens)

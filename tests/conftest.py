@@ -518,8 +518,23 @@ def check_forced_plans(
             walk = bool(force["gqa_walk"]) and hopper and grouped
             assert p.heads_per_cta == (nheads // nheads_k if walk else 1), p
             assert p.dkv_fp32_slices == (grouped and not walk), p
+        if "ws" in force:
+            # The warp-specialized backward: dense plain calls at head dims 64 and 128 (launch/tile_size.h: ws_tile),
+            # not on the short-query tile; one key block per tile.
+            serves = (
+                hopper
+                and lens is None
+                and kernel_dim in (64, 128)
+                and not p.variants
+                and p.gqa_pack == 1
+                and not p.short_query_tile
+            )
+            assert p.warp_specialized == bool(force["ws"] and serves), p
+        else:
+            assert not p.warp_specialized, p
         if "key_blocks" in force:
-            assert p.key_blocks_per_cta == (force["key_blocks"] if hopper and kernel_dim <= 128 else 1), p
+            walks = hopper and kernel_dim <= 128 and not p.warp_specialized
+            assert p.key_blocks_per_cta == (force["key_blocks"] if walks else 1), p
         if "short_queries" in force:
             assert p.short_query_tile == bool(force["short_queries"] and hopper and kernel_dim == 128), p
             if p.short_query_tile:

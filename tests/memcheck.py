@@ -1,8 +1,8 @@
 """Small forward and backward calls for compute-sanitizer (not a pytest module): odd lengths, causal both
 ways, GQA, padded head dims, strided views, deterministic mode and variable-length batches (with empty and
-one-token sequences), forced split-KV forwards, the warp-specialized Hopper forward with several tiles per CTA,
-forced multi-key-block backwards, the attention variants (windows, softcap, ALiBi, dropout) and learnable sinks on
-both kernel families, so out-of-bounds reads or writes show up as memcheck errors.
+one-token sequences), forced split-KV forwards, the warp-specialized Hopper forward and backward with several
+tiles per CTA, forced multi-key-block backwards, the attention variants (windows, softcap, ALiBi, dropout) and
+learnable sinks on both kernel families, so out-of-bounds reads or writes show up as memcheck errors.
 
     compute-sanitizer --tool memcheck python tests/memcheck.py [section ...]
 
@@ -103,6 +103,28 @@ def warp_specialized():
             check_forced_plans(q, k, causal, force, passes=("fwd",), variants={"dropout": dropout_p > 0})
             with force_plan(**force):
                 flash_attn_func(q, k, v, dropout_p=dropout_p, causal=causal)
+            calls += 1
+    return calls
+
+
+def warp_specialized_backward():
+    """Hopper backwards on the warp-specialized kernel (forced): more tiles of its persistent schedule than an H200
+    has SMs, causal pairs of key blocks, sequences that end inside a query block and a key block, strided views, GQA
+    walked per tile and in fp32 slices, in both dtypes. Returns the calls."""
+    calls = 0
+    for head_dim, dtype, causal, walk in itertools.product(
+        (40, 64, 128), (torch.bfloat16, torch.float16), (False, True), (False, True)
+    ):
+        if not flash_attn_cuda.kernel_available(head_dim, dtype, causal, backward=True):
+            continue
+        force = {"ws": True, "gqa_walk": walk, "short_queries": False}
+        for sq, sk in ((1, 700), (700, 900), (900, 301)):
+            q = torch.randn(3, sq, 12, head_dim, device="cuda", dtype=dtype, requires_grad=True)
+            kv = torch.randn(3, sk, 2, 4, head_dim, device="cuda", dtype=dtype, requires_grad=True)
+            check_forced_plans(q, kv[:, :, 0], causal, force)
+            with force_plan(**force):
+                out = flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], causal=causal)
+                out.backward(torch.randn_like(out))
             calls += 1
     return calls
 
@@ -423,6 +445,7 @@ SECTIONS = [
     varlen,
     split_kv,
     warp_specialized,
+    warp_specialized_backward,
     gqa_walk,
     key_blocks,
     short_queries,

@@ -219,6 +219,51 @@ def test_key_blocks_per_cta(b, sq, sk, h, hk, head_dim, causal, key_blocks):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [40, 64, 104, 128])
+@pytest.mark.parametrize(
+    "b, sq, sk, h, hk, walk",
+    [
+        (2, 113, 257, 4, 4, False),
+        (2, 257, 113, 6, 2, True),
+        (2, 300, 1000, 6, 2, False),
+        (3, 1023, 1023, 2, 1, True),
+        (1, 1, 700, 4, 4, False),
+        (40, 129, 64, 8, 8, False),
+    ],
+    ids=["mha-sq<sk", "gqa-walk-sq>sk", "gqa-slices", "mqa-walk-long", "one-query", "more-tiles-than-sms"],
+)
+def test_warp_specialized_backward(b, sq, sk, h, hk, walk, head_dim, causal, dtype):
+    # ws=1 runs the warp-specialized Hopper backward (head dims 64 and 128, dense plain calls): odd lengths both
+    # ways, causal pairs of key blocks in its persistent schedule, GQA walked per tile or summed from fp32 slices,
+    # one query row (the short-query tile turned off, which would take it), and more tiles than SMs.
+    require_fwd_bwd_kernels(head_dim, dtype, causal)
+    check_grads(
+        rand(b, sq, h, head_dim, dtype=dtype),
+        rand(b, sk, hk, head_dim, dtype=dtype),
+        rand(b, sk, hk, head_dim, dtype=dtype),
+        causal,
+        force={"ws": True, "gqa_walk": walk, "short_queries": False},
+    )
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_warp_specialized_backward_strided(causal):
+    # q, k, v and dout as views into packed buffers: the TMA descriptors take their strides.
+    require_fwd_bwd_kernels(128, torch.bfloat16, causal)
+    qkv = rand(2, 300, 3, 4, 128, dtype=torch.bfloat16)
+    dout = rand(2, 300, 2, 4, 128, dtype=torch.bfloat16)[:, :, 1]
+    check_grads(
+        qkv[:, :, 0],
+        qkv[:, :, 1],
+        qkv[:, :, 2],
+        causal,
+        force={"ws": True, "short_queries": False},
+        dout=dout,
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("sq", [1, 100])
 def test_short_queries_long_keys(sq, dtype):
     # Grids large enough that the heuristic walks several key blocks per backward CTA on Hopper (8 on an H200).

@@ -7,6 +7,8 @@ defines them for the host (its shared-memory formulas are static_asserted agains
 launchers).
 """
 
+import itertools
+
 import pytest
 import torch
 
@@ -893,6 +895,31 @@ def test_hopper_forward_warp_specialized_by_length(head_dim, seqlen, causal, war
     assert not plan("fwd", **args, override="ws=1;short_keys=1", **H200).warp_specialized
     assert not plan("fwd", **args, override="ws=0", **H200).warp_specialized
     assert not plan("fwd", **args, override="ws=1", **A100).warp_specialized
+
+
+@pytest.mark.parametrize("head_dim, block_m, smem", [(64, 128, 232448), (128, 64, 231424)], ids=["d64", "d128"])
+def test_hopper_backward_warp_specialized(head_dim, block_m, smem):
+    # tile_size.h: the warp-specialized backward runs the narrow kernel's tile, one key block per tile, with two
+    # Q/dO stages, K and V, two dS^T and two fp32 dQ tiles in shared memory; taken only where ws=1 forces it, and
+    # only for dense plain calls of head dims 64 and 128 on Hopper, not on the short-query tile.
+    dense = dict(batch=2, seqlen_q=2048, seqlen_k=2048, nheads=16, nheads_k=4, head_dim=head_dim)
+    assert not plan("bwd", **dense, **H200).warp_specialized
+    for causal, walk in itertools.product((False, True), (0, 1)):
+        p = plan("bwd", **dense, causal=causal, override=f"ws=1;gqa_walk={walk};key_blocks=3", **H200)
+        assert p.warp_specialized and (p.block_m, p.block_n, p.smem) == (block_m, 128, smem), p
+        assert p.key_blocks_per_cta == 1 and p.heads_per_cta == (4 if walk else 1), p
+    assert not plan("bwd", **dense, override="ws=0", **H200).warp_specialized
+    assert not plan("bwd", **dense, varlen=True, override="ws=1", **H200).warp_specialized
+    assert not plan("bwd", **dense, window_size=(256, 0), override="ws=1", **H200).warp_specialized
+    assert not plan("bwd", **dense, softcap=5.0, override="ws=1", **H200).warp_specialized
+    assert not plan("bwd", **dense, deterministic=True, override="ws=1", **H200).warp_specialized
+    assert not plan("bwd", **dense, override="ws=1", **A100).warp_specialized
+    assert not plan("bwd", **dense, override="ws=1;kernel=mma_sync", **H200).warp_specialized
+    short = dict(dense, seqlen_q=16)
+    assert plan("bwd", **short, override="ws=1", **H200).warp_specialized == (head_dim != 128)
+    assert plan("bwd", **short, override="ws=1;short_queries=0", **H200).warp_specialized
+    for other in (32, 96, 256):
+        assert not plan("bwd", **dict(dense, head_dim=other), override="ws=1", **H200).warp_specialized
 
 
 def test_hopper_forward_warp_specialized_needs_dense_plain_calls():

@@ -207,6 +207,18 @@ void plan_bwd(const Problem& p, const Target& t, const PlanOverride& o, Plan& pl
                                                                   plan.heads_per_cta * ceil_div(seqlen_q, plan.block_m),
                                                                   std::max(t.num_sms, 1));
     }
+    // The warp-specialized kernel (a producer warpgroup loading by TMA and adding dQ, the narrow kernel's
+    // warpgroups as consumers, persistent) serves the plain kernels' dense calls on the regular tile: its descriptors
+    // address (seqlen, head_dim, heads, batch) tensors, not varlen's packed rows. Taken only where forced (ws=1)
+    // until it is measured against the narrow kernel. It runs one key block per tile.
+    const bool ws_serves = wgmma && set.ws_tile.exists() && !plan.variants && !p.varlen && plan.gqa_pack == 1 &&
+                           !plan.short_query_tile;
+    plan.warp_specialized = ws_serves && choose(o.warp_specialized, false);
+    if (plan.warp_specialized) {
+        plan.key_blocks_per_cta = 1;
+        plan.smem_bytes = bwd_ws_smem_bytes(hd, set.ws_tile.block_m, set.ws_tile.block_n);
+        return;
+    }
     // A CTA that walks several key blocks launches with its second K/V buffer, and so does one that adds dQ through
     // shared memory in its place.
     plan.smem_bytes = kernel_smem_bytes(

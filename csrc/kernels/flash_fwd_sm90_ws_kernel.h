@@ -1,5 +1,5 @@
 // The warp-specialized Hopper forward (sm_90a) for dense batches with the plain kernels' masks (none, or causal).
-// It is persistent: one CTA per SM walks (query block, sequence, head) tiles in a fixed schedule (FwdWsSchedule),
+// It is persistent: one CTA per SM walks (query block, sequence, head) tiles in a fixed schedule (WsSchedule),
 // so that the loads of a tile's first blocks run under the previous tile's last GEMMs and its output store. Each
 // CTA splits its work by role instead of by loop phase:
 // - the producer: the first warp of warpgroup 0 issues TMA loads of each tile's Q, and of K and V block by block
@@ -31,6 +31,7 @@
 #include "kernels/softmax.h"
 #include "kernels/utils.h"
 #include "kernels/utils_sm90.h"
+#include "kernels/ws_schedule.h"
 
 namespace flash {
 
@@ -42,55 +43,6 @@ struct FwdWsBarriers {
     static constexpr int kTurn0 = 1;
     template <int kConsumerWarpgroups>
     static constexpr int kEpilogue0 = kTurn0 + kConsumerWarpgroups;
-};
-
-__forceinline__ __device__ void named_barrier_sync(int id, int threads) {
-    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
-__forceinline__ __device__ void named_barrier_arrive(int id, int threads) {
-    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
-
-// Stage and mbarrier phase of the i-th block through a ring of kStages buffers.
-template <int kStages>
-struct RingSlot {
-    int stage;
-    uint32_t phase;
-    __forceinline__ __device__ explicit RingSlot(int i) : stage(i % kStages), phase(uint32_t(i / kStages) & 1u) {}
-};
-
-// The persistent kernel's schedule: CTA c runs the units c, c + gridDim.x, ... in order. A unit is one query block
-// of a (sequence, head), or under a causal mask the pair of query blocks j and m_blocks - 1 - j (longest first),
-// whose key blocks sum to about the same count for every j: with equal units a fixed walk keeps the CTAs equally
-// busy, and needs no counter shared between CTAs. The units of one (sequence, head) are adjacent, so the CTAs
-// working at any one time share most of their K and V through L2.
-template <int kBlockM, bool kCausal>
-struct FwdWsSchedule {
-    struct Coord {  // of one tile
-        int m_block;
-        int batch;
-        int head;
-    };
-    int m_blocks;        // query blocks per (sequence, head)
-    int units_per_head;
-    int units;
-
-    __host__ __device__ FwdWsSchedule(int seqlen_q, int batch, int num_heads)
-        : m_blocks((seqlen_q + kBlockM - 1) / kBlockM),
-          units_per_head(kCausal ? (m_blocks + 1) / 2 : m_blocks),
-          units(units_per_head * batch * num_heads) {}
-
-    // 1 or 2: the middle query block of an odd count is a unit of its own.
-    __device__ int tiles_in(int unit) const {
-        const int j = unit % units_per_head;
-        return kCausal && 2 * j + 1 != m_blocks ? 2 : 1;
-    }
-    // The part-th tile of unit, part < tiles_in(unit).
-    __device__ Coord tile(int unit, int part, int batch) const {
-        const int j = unit % units_per_head;
-        const int sequence_head = unit / units_per_head;
-        return {kCausal && part == 0 ? m_blocks - 1 - j : j, sequence_head % batch, sequence_head / batch};
-    }
 };
 
 template <class Traits, bool kCausal, PlainMod kMod, bool kSink>
@@ -109,7 +61,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     constexpr int kStages = Traits::kStages;
     constexpr int kConsumerWarpgroups = Traits::kConsumerWarpgroups;
     const FwdParams& params = ws.base;
-    const FwdWsSchedule<kBlockM, kCausal> schedule(params.seqlen_q, params.batch, params.num_heads);
+    const WsSchedule<kBlockM, kCausal> schedule(params.seqlen_q, params.batch, params.num_heads);
 
     extern __shared__ __align__(1024) char smem_ws[];
     auto& storage = *reinterpret_cast<typename Traits::SharedStorage*>(smem_ws);
@@ -157,7 +109,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         for (int unit = int(blockIdx.x); unit < schedule.units; unit += int(gridDim.x)) {
             for (int part = 0; part < schedule.tiles_in(unit); ++part) {
                 const auto coord = schedule.tile(unit, part, params.batch);
-                const Tile tile(params, coord.m_block, coord.batch, coord.head);
+                const Tile tile(params, coord.block, coord.batch, coord.head);
                 Tensor gQ = local_tile(mQ(_, _, tile.head_idx, tile.batch_idx), Shape<Int<kBlockM>, Int<kHeadDim>>{},
                                        make_coord(tile.m_block, 0));  // (kBlockM, kHeadDim)
                 Tensor gK = local_tile(mK(_, _, tile.head_idx_k, tile.batch_idx), Shape<Int<kBlockN>, Int<kHeadDim>>{},
@@ -260,7 +212,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     for (int unit = int(blockIdx.x); unit < schedule.units; unit += int(gridDim.x)) {
         for (int part = 0; part < schedule.tiles_in(unit); ++part) {
             const auto coord = schedule.tile(unit, part, params.batch);
-            const Tile tile(params, coord.m_block, coord.batch, coord.head);
+            const Tile tile(params, coord.block, coord.batch, coord.head);
             const int n_block_end = tile.n_block_end();
             const int blocks = n_block_end - tile.n_block_begin();
             OnlineSoftmax<decltype(size<0>(acc_o_rc))::value> softmax(params.softmax_scale_log2);

@@ -9,7 +9,7 @@
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_types.h>
 
-#include "kernels/kernel_traits_fwd_sm90.h"  // the global-copy atoms both passes share
+#include "kernels/kernel_traits_fwd_sm90.h"  // the global-copy atoms and the TMA view both passes share
 
 namespace flash {
 
@@ -170,6 +170,75 @@ struct BwdSm90KernelTraits
                                                     kDqThroughSmem ? 2 * kSmemDqTileFloats * int(sizeof(float)) : 0);
     static constexpr int kSmemBytes = kSmemBytesOneKV + kSmemTailBytes;
     static_assert(kSmemBytes <= 227 * 1024);
+};
+
+// The warp-specialized Hopper backward (flash_bwd_sm90_ws_kernel.h) on the narrow kernel's tile, MMAs and layouts:
+// its two warpgroups become consumers that only compute, and a third, the producer warpgroup, loads (TMA for K, V,
+// Q and dO; cp.async for the LSE and D) and adds each step's dQ tile into dq_accum. Every buffer that the two sides
+// hand over has an mbarrier pair (full, empty), so the main loop has one named barrier a step, among the consumers
+// (dS^T complete).
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_>
+struct BwdSm90WsKernelTraits : BwdSm90KernelTraits<Element_, kHeadDim_, kBlockM_, kBlockN_> {
+    using Base = BwdSm90KernelTraits<Element_, kHeadDim_, kBlockM_, kBlockN_>;
+    using typename Base::Element;
+    static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kBlockM = kBlockM_;
+    static constexpr int kBlockN = kBlockN_;
+    static_assert(Base::kDqThroughSmem, "each step's dQ tile reaches dq_accum through shared memory");
+
+    // The consumers are the narrow kernel's threads: its MMAs, its dQ fragment order and its dQ conversion apply.
+    static constexpr int kConsumerThreads = Base::kNThreads;
+    static constexpr int kConsumerWarps = kConsumerThreads / 32;
+    static constexpr int kNThreads = kConsumerThreads + 128;
+    // setmaxnreg budgets, as in the warp-specialized forward (FwdSm90WsKernelTraits): the launch gives every thread
+    // kLaunchRegs, the producer warpgroup returns all but kProducerRegs, the consumers take kConsumerRegs each.
+    static constexpr int kLaunchRegs = 65536 / kNThreads / 8 * 8;
+    static constexpr int kProducerRegs = 24;
+    static constexpr int kConsumerRegs = 240;
+    static_assert(kProducerRegs + 2 * kConsumerRegs <= 3 * kLaunchRegs,
+                  "setmaxnreg only moves the registers the launch allocated");
+
+    static constexpr int kStagesQ = Base::kStagesQ;  // Q, dO, LSE and D: one step ahead
+    static constexpr int kQBytes = Base::kSmemQElems * int(sizeof(Element));
+    static constexpr int kKVBytes = Base::kSmemKVElems * int(sizeof(Element));
+    static_assert(kQBytes % 1024 == 0 && kKVBytes % 1024 == 0, "buffers start on swizzle-atom boundaries");
+
+    struct SharedStorage {
+        alignas(1024) Element q[kStagesQ][Base::kSmemQElems];
+        alignas(1024) Element d_o[kStagesQ][Base::kSmemQElems];
+        alignas(1024) Element k[Base::kSmemKVElems];  // the dK tile on its way out, after the tile's last step
+        alignas(1024) Element v[Base::kSmemKVElems];  // likewise dV
+        alignas(1024) Element dst[2][Base::kSmemScratchElems];  // dS^T, by step parity
+        alignas(1024) float dq[2][Base::kSmemDqTileFloats];  // a step's dQ in the dQ GEMM's fragment order, by parity
+        alignas(16) float lse[kStagesQ][kBlockM];
+        float dsum[kStagesQ][kBlockM];
+        // mbarriers: K and V landed (full) or may be refilled (empty); Q stage s with its dO, LSE and D; dQ tile t
+        // written by the consumers (full) or read by its bulk reduction (empty).
+        uint64_t kv_full;
+        uint64_t kv_empty;
+        uint64_t q_full[kStagesQ];
+        uint64_t q_empty[kStagesQ];
+        uint64_t dq_full[2];
+        uint64_t dq_empty[2];
+    };
+    static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+    static_assert(kSmemBytes <= 227 * 1024, "sm_90 gives a block at most 227 KiB of shared memory");
+
+    using TmaQ = typename TmaView<Element>::template Load<typename Base::SmemLayoutQ,
+                                                          Shape<Int<kBlockM>, Int<kHeadDim>>>;  // Q and dO
+    using TmaKV = typename TmaView<Element>::template Load<typename Base::SmemLayoutKV,
+                                                           Shape<Int<kBlockN>, Int<kHeadDim>>>;  // K and V
+};
+
+// The warp-specialized backward's one argument: the call's parameters and the TMA descriptors of q, dout, k and v,
+// encoded by the host per call.
+template <class Traits>
+struct BwdWsParams {
+    BwdParams base;
+    typename Traits::TmaQ tma_q;
+    typename Traits::TmaQ tma_do;
+    typename Traits::TmaKV tma_k;
+    typename Traits::TmaKV tma_v;
 };
 
 // Head dims 160 to 256 (flash_bwd_sm90_wide_kernel): the warpgroups split the keys of S = Q K^T and

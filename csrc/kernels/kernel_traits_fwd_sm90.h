@@ -98,6 +98,31 @@ struct FwdSm90KernelTraits : FwdSm90Operands<Element_, kHeadDim_, kBlockM_, kBlo
 
 namespace flash {
 
+// The global view that the warp-specialized kernels' TMA descriptors address: a (batch, seqlen, heads, head_dim)
+// tensor as (seqlen, head_dim, heads, batch), head dim contiguous, and the type of a TMA load of tiles of Tile
+// elements into SmemLayout from it.
+template <typename Element>
+struct TmaView {
+    using GmemLayout = Layout<Shape<int, int, int, int>, Stride<int64_t, _1, int64_t, int64_t>>;
+    // TMA takes every stride as a multiple of 16 bytes; the checks allow any stride on a dimension of size 1, whose
+    // only index is 0, so such a stride is replaced by one past the dimensions inside it.
+    static auto gmem_tensor(const void* ptr, int seqlen, int head_dim, int heads, int batch, int64_t row_stride,
+                            int64_t head_stride, int64_t batch_stride) {
+        auto stride_of = [](int size, int64_t stride, int64_t inner_extent) {
+            return size > 1 ? stride : (inner_extent + 7) / 8 * 8;
+        };
+        const int64_t rows = stride_of(seqlen, row_stride, head_dim);
+        const int64_t heads_s = stride_of(heads, head_stride, rows * seqlen);
+        const int64_t batches = stride_of(batch, batch_stride, heads_s * heads);
+        return make_tensor(
+            make_gmem_ptr(static_cast<const Element*>(ptr)),
+            GmemLayout(make_shape(seqlen, head_dim, heads, batch), make_stride(rows, _1{}, heads_s, batches)));
+    }
+    using GmemTensor = decltype(gmem_tensor(nullptr, 0, 0, 0, 0, 0, 0, 0));
+    template <class SmemLayout, class Tile>
+    using Load = decltype(make_tma_atom(SM90_TMA_LOAD{}, std::declval<GmemTensor>(), SmemLayout{}, Tile{}));
+};
+
 // The warp-specialized Hopper forward (flash_fwd_sm90_ws_kernel.h): one producer warpgroup whose first warp
 // issues the TMA loads, and kConsumerWarpgroups warpgroups of 64 query rows each that only compute. K and V
 // have kStages buffers each, filled and drained through mbarriers, so the producer runs ahead of the GEMMs
@@ -177,19 +202,8 @@ struct FwdSm90WsKernelTraits : FwdSm90Operands<Element_, kHeadDim_, kBlockM_, kB
     static constexpr int kSmemBytes = int(sizeof(SharedStorage));
     static_assert(kSmemBytes <= 227 * 1024, "sm_90 gives a block at most 227 KiB of shared memory");
 
-    // The TMA descriptors' global view of q, k and v: (seqlen, head_dim, heads, batch), head dim contiguous.
-    using GmemLayout = Layout<Shape<int, int, int, int>, Stride<int64_t, _1, int64_t, int64_t>>;
-    static auto gmem_tensor(const void* ptr, int seqlen, int head_dim, int heads, int batch, int64_t row_stride,
-                            int64_t head_stride, int64_t batch_stride) {
-        return make_tensor(make_gmem_ptr(static_cast<const Element*>(ptr)),
-                           GmemLayout(make_shape(seqlen, head_dim, heads, batch),
-                                      make_stride(row_stride, _1{}, head_stride, batch_stride)));
-    }
-    using GmemTensor = decltype(gmem_tensor(nullptr, 0, 0, 0, 0, 0, 0, 0));
-    using TmaQ = decltype(make_tma_atom(SM90_TMA_LOAD{}, std::declval<GmemTensor>(), SmemLayoutQ{},
-                                        Shape<Int<kBlockM_>, Int<kHeadDim>>{}));
-    using TmaKV = decltype(make_tma_atom(SM90_TMA_LOAD{}, std::declval<GmemTensor>(), SmemLayoutKV{},
-                                         Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+    using TmaQ = typename TmaView<Element>::template Load<SmemLayoutQ, Shape<Int<kBlockM_>, Int<kHeadDim>>>;
+    using TmaKV = typename TmaView<Element>::template Load<SmemLayoutKV, Shape<Int<kBlockN>, Int<kHeadDim>>>;
 
     // Output rows from shared to global memory: 16 B per thread access by one consumer warpgroup.
     static constexpr int kGmemThreadsPerRow = Base::kSmemRowElems / 8;

@@ -88,17 +88,10 @@ cudaError_t run_fwd_sm90_ws(const FwdParams& params, cudaStream_t stream) {
     static_assert(sizeof(Element) == kElementBytes);
     static_assert(Traits::kSmemBytes == fwd_ws_smem_bytes(kHeadDim, kTile.block_m, kTile.block_n, kTile.stages),
                   "the plans check a GPU's shared memory by the formula");
-    // TMA takes every stride as a multiple of 16 bytes; the checks allow any stride on a dimension of size 1, whose
-    // only index is 0, so such a stride is replaced by one past the dimensions inside it.
-    auto stride_of = [](int size, index_t stride, index_t inner_extent) {
-        return size > 1 ? stride : (inner_extent + 7) / 8 * 8;
-    };
     auto gmem = [&](const void* ptr, int seqlen, int heads, index_t row_stride, index_t head_stride,
                     index_t batch_stride) {
-        const index_t rows = stride_of(seqlen, row_stride, params.head_dim);
-        const index_t heads_s = stride_of(heads, head_stride, rows * seqlen);
-        const index_t batches = stride_of(params.batch, batch_stride, heads_s * heads);
-        return Traits::gmem_tensor(ptr, seqlen, params.head_dim, heads, params.batch, rows, heads_s, batches);
+        return TmaView<Element>::gmem_tensor(ptr, seqlen, params.head_dim, heads, params.batch, row_stride, head_stride,
+                                             batch_stride);
     };
     using TileQ = Shape<Int<Traits::kBlockM>, Int<kHeadDim>>;
     using TileKV = Shape<Int<Traits::kBlockN>, Int<kHeadDim>>;
@@ -117,7 +110,7 @@ cudaError_t run_fwd_sm90_ws(const FwdParams& params, cudaStream_t stream) {
                                                typename Traits::SmemLayoutKV{}, TileKV{})};
     // Persistent: one CTA per SM (a CTA takes all of an SM's registers: setmaxnreg hands them to its warpgroups),
     // or one per unit of the schedule where there are fewer.
-    const FwdWsSchedule<Traits::kBlockM, kCausal> schedule(params.seqlen_q, params.batch, params.num_heads);
+    const WsSchedule<Traits::kBlockM, kCausal> schedule(params.seqlen_q, params.batch, params.num_heads);
     if (schedule.units <= 0) { return cudaSuccess; }
     int device = 0;
     int sms = 0;

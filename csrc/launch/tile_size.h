@@ -64,9 +64,9 @@ struct TileSet {
     TileShape causal_tile;     // the causal kernel's tile, and the variants kernel's unless variants_tile exists
     TileShape short_tile;  // wgmma only, where it pays: the forward's short-key tile (FwdParams::short_key_tiles),
                            // the backward's short-query tile (BwdParams::short_query_tiles)
-    TileShape ws_tile =
-        {};  // wgmma forward only: the warp-specialized TMA kernel's tile (FwdParams::warp_specialized),
-                        // 64 query rows per consumer warpgroup; none where that kernel is not built
+    TileShape ws_tile = {};  // wgmma only: the warp-specialized TMA kernel's tile (FwdParams::warp_specialized),
+                             // 64 query rows (forward) or keys (backward) per consumer warpgroup; none where that
+                             // kernel is not built
     TileShape variants_tile = {};  // mma.sync forward only: the variants kernel's tile where it is not causal_tile
 
     constexpr bool exists() const { return head_dim > 0; }
@@ -77,7 +77,7 @@ struct TileSet {
 };
 
 // The warp-specialized wgmma forward's tile: block_m rows (64 per consumer warpgroup), block_n keys, two K and two V
-// buffers.
+// buffers; the backward's: block_m query rows a step, block_n keys (64 per consumer warpgroup), two Q/dO stages.
 constexpr TileShape ws_tile(int block_m, int block_n) { return {block_m, block_n, 0, 1, false, 2}; }
 
 // Query rows per step of the Hopper backward, and of its short-query tile.
@@ -132,7 +132,9 @@ constexpr int kBwdSm90ShortBlockM = 16;
 // a 16-row short-query tile, where a 64-row tile would compute mostly padding. Head dim 64 takes 128 query rows,
 // whose scores still fit the registers: a step's barriers, waits and loads serve twice the queries, 8% faster
 // than 64 rows on an H200. Its variants kernel too, although ptxas spills 204 bytes there (none on 64 rows):
-// 1-7% faster with a window, ALiBi or dropout, 2.5% slower with softcap (docs/design-notes.md).
+// 1-7% faster with a window, ALiBi or dropout, 2.5% slower with softcap (docs/design-notes.md). The
+// warp-specialized backward (ws_tile, head dims 64 and 128) runs the narrow kernel's tile; the plans take it only
+// where forced (plan_override ws=1) until it is measured against the narrow kernel.
 constexpr TileSet kTileSets[] = {
     // family, pass, head dim, budget, tile, causal tile, short tile, warp-specialized tile, variants tile
     {KernelFamily::kMmaSync, Pass::kFwd, 32, kSmem163KiB, {128, 128, 4}, {128, 128, 4}, {}, {}, {128, 64, 4}},
@@ -187,7 +189,7 @@ constexpr TileSet kTileSets[] = {
     {KernelFamily::kMmaSync, Pass::kBwd, 256, kSmem99KiB, {64, 32, 0, 1, true}, {64, 32, 0, 1, true}, {}},
 
     {KernelFamily::kWgmma, Pass::kBwd, 32, kSmem227KiB, {kBwdSm90BlockM, 128}, {kBwdSm90BlockM, 128}, {}},
-    {KernelFamily::kWgmma, Pass::kBwd, 64, kSmem227KiB, {128, 128}, {128, 128}, {}},
+    {KernelFamily::kWgmma, Pass::kBwd, 64, kSmem227KiB, {128, 128}, {128, 128}, {}, ws_tile(128, 128)},
     {KernelFamily::kWgmma, Pass::kBwd, 96, kSmem227KiB, {kBwdSm90BlockM, 128}, {kBwdSm90BlockM, 128}, {}},
     {KernelFamily::kWgmma,
      Pass::kBwd,
@@ -195,7 +197,8 @@ constexpr TileSet kTileSets[] = {
      kSmem227KiB,
      {kBwdSm90BlockM, 128},
      {kBwdSm90BlockM, 128},
-     {kBwdSm90ShortBlockM, 128}},
+     {kBwdSm90ShortBlockM, 128},
+     ws_tile(kBwdSm90BlockM, 128)},
     {KernelFamily::kWgmma, Pass::kBwd, 160, kSmem227KiB, {kBwdSm90BlockM, 64}, {kBwdSm90BlockM, 64}, {}},
     {KernelFamily::kWgmma, Pass::kBwd, 192, kSmem227KiB, {kBwdSm90BlockM, 64}, {kBwdSm90BlockM, 64}, {}},
     {KernelFamily::kWgmma, Pass::kBwd, 224, kSmem227KiB, {kBwdSm90BlockM, 64}, {kBwdSm90BlockM, 64}, {}},
@@ -319,6 +322,15 @@ constexpr int bwd_wgmma_smem_bytes(int head_dim, int block_m, int block_n, bool 
     return second_kv_buffer ? one_kv_rounded + tail : one_kv_rounded;
 }
 
+// The warp-specialized wgmma backward (BwdSm90WsKernelTraits::SharedStorage): two stages of Q and dO, K and V, two
+// dS^T tiles and two fp32 dQ tiles, each a multiple of 1 KiB, then the LSE and D of both stages and ten mbarriers,
+// the whole rounded up to 1 KiB (the storage's alignment).
+constexpr int bwd_ws_smem_bytes(int head_dim, int block_m, int block_n) {
+    const int tiles = (2 * 2 * block_m * head_dim + 2 * block_n * head_dim + 2 * block_n * block_m) * kElementBytes +
+                      2 * block_m * head_dim * 4;
+    return (tiles + 2 * 2 * block_m * 4 + 10 * 8 + 1023) / 1024 * 1024;
+}
+
 // The dynamic shared memory of a launch of `tile` from `set`. second_kv_buffer: a Hopper backward that walks
 // several key blocks per CTA (key_blocks_per_cta > 1).
 constexpr int kernel_smem_bytes(const TileSet& set, const TileShape& tile, bool second_kv_buffer) {
@@ -355,10 +367,14 @@ constexpr bool tile_table_is_complete() {
     for (const TileSet& set : kTileSets) {
         if (!compiles_smem_budget(set.family, set.smem_budget)) { return false; }
         if (set.short_tile.exists() && set.family != KernelFamily::kWgmma) { return false; }
-        if (set.ws_tile.exists() && !(set.family == KernelFamily::kWgmma && set.pass == Pass::kFwd &&
-                                      set.ws_tile.block_m % 64 == 0 && set.ws_tile.stages >= 2)) {
-            return false;
-        }
+        // The forward's warp-specialized tile: 64 query rows per consumer warpgroup; the backward's: the narrow
+        // kernel's tile (the consumers are its warpgroups).
+        const TileShape& ws = set.ws_tile;
+        const bool ws_fwd_ok = set.pass == Pass::kFwd && ws.block_m % 64 == 0 && ws.stages >= 2;
+        const bool ws_bwd_ok = set.pass == Pass::kBwd && bwd_sm90_dq_through_smem(set.head_dim, ws.block_m) &&
+                               ws.block_m == set.tile.block_m && ws.block_n == set.tile.block_n &&
+                               ws.block_n == set.causal_tile.block_n && ws.block_m == set.causal_tile.block_m;
+        if (ws.exists() && !(set.family == KernelFamily::kWgmma && (ws_fwd_ok || ws_bwd_ok))) { return false; }
         if (set.variants_tile.exists() && !(set.family == KernelFamily::kMmaSync && set.pass == Pass::kFwd)) {
             return false;
         }
@@ -395,9 +411,9 @@ constexpr bool tile_sets_fit_their_budgets() {
             }
         }
         const TileShape& ws = set.ws_tile;
-        if (ws.exists() && fwd_ws_smem_bytes(set.head_dim, ws.block_m, ws.block_n, ws.stages) > set.smem_budget) {
-            return false;
-        }
+        const int ws_bytes = set.pass == Pass::kFwd ? fwd_ws_smem_bytes(set.head_dim, ws.block_m, ws.block_n, ws.stages)
+                                                    : bwd_ws_smem_bytes(set.head_dim, ws.block_m, ws.block_n);
+        if (ws.exists() && ws_bytes > set.smem_budget) { return false; }
     }
     return true;
 }

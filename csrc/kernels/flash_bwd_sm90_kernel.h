@@ -417,6 +417,91 @@ struct BwdSm90Block {
     }
 };
 
+// The part of a narrow-kernel step before its dQ GEMM, which the warp-specialized backward's consumers share: issues
+// S^T = K Q^T and dP^T = V dO^T (tSrK, tSrV: the key block's K and V as their A operands; sQ, sdO: the step's Q and
+// dO, sQt, sdOt their transposed views), runs under_score_gemms() while they compute, then P^T from the LSE
+// (lse_stage: the step's query rows), dV += P^T dO, dS^T = P^T (dP^T - D) (dsum_stage) into shared memory (sdSt)
+// for the dQ GEMM, and dK += dS^T Q, scaled by the tile mask `mask` and the variants of score_mod for query head
+// `head`. It returns with the dV and dK GEMMs in flight, and P^T and dS^T in the registers they read, which the
+// caller fences once it has waited for them. Threads: the two warpgroups, loop_tidx of their 256.
+template <class Traits, bool kVariants, class Element, class Mask, class MmaSdP, class MmadKV, class SmemCopydSt,
+          class FragKV, class SmemQ, class SmemQt, class SmemdSt, class AccdKV, class UnderScoreGemms>
+__forceinline__ __device__ auto bwd_narrow_step_scores(const BwdParams& params, const ScoreMod<Element>& score_mod,
+                                                       const Mask& mask, int batch_idx, int head, MmaSdP& mma_sdp,
+                                                       MmadKV& mma_dkv, const SmemCopydSt& smem_tiled_copy_dst,
+                                                       FragKV& tSrK, FragKV& tSrV, const SmemQ& sQ, const SmemQ& sdO,
+                                                       const SmemQt& sQt, const SmemQt& sdOt, const float* lse_stage,
+                                                       const float* dsum_stage, const SmemdSt& sdSt, AccdKV& acc_dk,
+                                                       AccdKV& acc_dv, int loop_tidx,
+                                                       const UnderScoreGemms& under_score_gemms) {
+    constexpr int kBlockM = Traits::kBlockM;
+    constexpr int kBlockN = Traits::kBlockN;
+    Tensor cSt = make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{});  // (kBlockN, kBlockM)
+
+    // Both score GEMMs are in flight together; P^T is computed while dP^T finishes.
+    auto thr_mma_sdp = mma_sdp.get_thread_slice(loop_tidx);
+    Tensor acc_st = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});  // (MMA, MMA_N, MMA_M)
+    Tensor acc_dpt = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});  // (MMA, MMA_N, MMA_M)
+    Tensor tSrQ = thr_mma_sdp.make_fragment_B(thr_mma_sdp.partition_B(sQ));  // (MMA, MMA_M, MMA_K)
+    Tensor tSrdO = thr_mma_sdp.make_fragment_B(thr_mma_sdp.partition_B(sdO));  // (MMA, MMA_M, MMA_K)
+    warpgroup_gemm_issue</*kZeroInit=*/true>(mma_sdp, tSrK, tSrQ, acc_st);
+    warpgroup_gemm_issue</*kZeroInit=*/true>(mma_sdp, tSrV, tSrdO, acc_dpt);
+    under_score_gemms();
+
+    // (key row, query column) of each accumulator value.
+    Tensor tStcSt = thr_mma_sdp.partition_C(cSt);  // (MMA, MMA_N, MMA_M)
+    Tensor tStcSt_rc = make_tensor(tStcSt.data(), gmma_acc_rowcol_layout(tStcSt.layout()));  // (key rows, query cols)
+
+    // P^T = exp2(s * scale * log2(e) - lse * log2(e)). With softcap (and no dropout) dS^T in the same pass, after
+    // dP^T (compute_p_ds_softcap): that gives up the dP^T GEMM's overlap with the exp loop for one MUFU operation
+    // less per element than recovering tanh from P, and was faster.
+    Tensor st = gmma_as_rowcol(acc_st);  // (key rows, query cols)
+    Tensor dpt = gmma_as_rowcol(acc_dpt);  // (key rows, query cols)
+    const ScorePos pos{mask.m_block * kBlockM, mask.n_block * kBlockN, head};
+    auto lse_log2_of = [&](int col) { return lse_stage[col] * float(M_LOG2E); };
+    auto dsum_of = [&](int col) { return dsum_stage[col]; };
+    const Dropout step_dropout(params, batch_idx, head);
+    const bool fused_softcap = kVariants && score_mod.softcap() && !step_dropout.active();
+    if (fused_softcap) {
+        warpgroup_wait_for<0>(acc_dpt);
+        warpgroup_fence_operand(acc_st);  // S^T completed with that wait too: no read of it above it
+        compute_p_ds_softcap</*kQueryIsRow=*/false, HideP::kInExp>(st, dpt, tStcSt_rc, mask, score_mod, pos,
+                                                                   params.softmax_scale_log2, lse_log2_of, dsum_of);
+    } else {
+        warpgroup_wait_for<1>(acc_st);
+        compute_p</*kQueryIsRow=*/false, HideP::kInExp, kVariants>(st, tStcSt_rc, mask, score_mod, pos,
+                                                                   params.softmax_scale_log2, lse_log2_of);
+        if (kVariants && step_dropout.active()) {
+            step_dropout.template apply</*kQueryIsRow=*/false, /*kNegate=*/true>(st, tStcSt_rc, pos.q0, pos.k0);
+        }
+    }
+    Tensor rPt = convert_fragment_kept<Element>(acc_st, kVariants && step_dropout.active());
+    Tensor tKVrPt = make_tensor(rPt.data(), gmma_acc_as_a_operand_layout(rPt.layout()));  // (MMA, MMA_N, MMA_K)
+    auto thr_mma_dkv = mma_dkv.get_thread_slice(loop_tidx);
+    Tensor tKVrdOt = thr_mma_dkv.make_fragment_B(thr_mma_dkv.partition_B(sdOt));  // (MMA, MMA_D, MMA_K)
+    warpgroup_gemm_issue</*kZeroInit=*/false>(mma_dkv, tKVrPt, tKVrdOt, acc_dv);
+
+    // dS^T = P^T (dP^T - D), the gradient of the scaled scores.
+    warpgroup_wait_for<1>(acc_dpt);
+    if (!fused_softcap) {
+        compute_ds</*kQueryIsRow=*/false, kVariants>(dpt, st, tStcSt_rc, dsum_of, DsMods<Element>{score_mod, head}, pos,
+                                                     lse_log2_of);
+    }
+    Tensor rdSt = convert_fragment<Element>(acc_dpt);
+    Tensor tKVrdSt = make_tensor(rdSt.data(), gmma_acc_as_a_operand_layout(rdSt.layout()));  // (MMA, MMA_N, MMA_K)
+
+    // dS^T to shared memory for the dQ GEMM, whose rows (queries) span both warpgroups' keys.
+    auto smem_thr_copy_dst = smem_tiled_copy_dst.get_thread_slice(loop_tidx);
+    Tensor tdStrdSt = smem_thr_copy_dst.retile_S(rdSt);  // (CPY, CPY_N, CPY_M)
+    Tensor tdStsdSt = smem_thr_copy_dst.partition_D(sdSt);  // (CPY, CPY_N, CPY_M)
+    copy(smem_tiled_copy_dst, tdStrdSt, tdStsdSt);
+    cutlass::arch::fence_view_async_shared();
+
+    Tensor tKVrQt = thr_mma_dkv.make_fragment_B(thr_mma_dkv.partition_B(sQt));  // (MMA, MMA_D, MMA_K)
+    warpgroup_gemm_issue</*kZeroInit=*/false>(mma_dkv, tKVrdSt, tKVrQt, acc_dk);
+    return cute::make_tuple(rPt, rdSt);
+}
+
 // Per-thread partitions inside the main loops are made from opaque_int(tidx): their addresses are then
 // recomputed each step (a few integer ops) instead of being hoisted out of the loop, where, next to the dK
 // and dV accumulators, they would spill.
@@ -439,7 +524,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
     Tensor sdSt = blk.smem(blk.scratch_base, typename Traits::SmemLayoutdSt{});  // (kBlockN, kBlockM)
     Tensor sdS = blk.smem(blk.scratch_base, typename Traits::SmemLayoutdS{});  // (kBlockM, kBlockN)
-    Tensor cSt = make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{});  // (kBlockN, kBlockM)
 
     // S^T and dP^T, (kBlockN, kBlockM): A operands K and V are fixed per key block; B operands Q and dO
     // change per stage.
@@ -469,74 +553,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             const int stage = blk.begin_step(step, kv_in_flight);
             const int m_block = step.m_block;
 
-            // Both score GEMMs are in flight together; P^T is computed while dP^T finishes.
-            auto thr_mma_sdp = mma_sdp.get_thread_slice(loop_tidx);
-            Tensor acc_st = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});  // (MMA, MMA_N, MMA_M)
-            Tensor acc_dpt = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});  // (MMA, MMA_N, MMA_M)
-            Tensor tSrQ = thr_mma_sdp.make_fragment_B(thr_mma_sdp.partition_B(blk.sQ(stage)));  // (MMA, MMA_M, MMA_K)
-            Tensor tSrdO = thr_mma_sdp.make_fragment_B(thr_mma_sdp.partition_B(blk.sdO(stage)));  // (MMA, MMA_M, MMA_K)
-            warpgroup_gemm_issue</*kZeroInit=*/true>(mma_sdp, tSrK, tSrQ, acc_st);
-            warpgroup_gemm_issue</*kZeroInit=*/true>(mma_sdp, tSrV, tSrdO, acc_dpt);
-            blk.prefetch(params, step, loop_tidx);
-
-            // (key row, query column) of each accumulator value.
-            Tensor tStcSt = thr_mma_sdp.partition_C(cSt);  // (MMA, MMA_N, MMA_M)
-            Tensor tStcSt_rc = make_tensor(tStcSt.data(),
-                                           gmma_acc_rowcol_layout(tStcSt.layout()));  // (key rows, query cols)
             const TileMask<kBlockM, kBlockN, kCausal, kVariants> mask(blk.bounds, m_block, blk.n_block);
-            const float* lse_stage = blk.s_lse + stage * kBlockM;
-            const float* dsum_stage = blk.s_dsum + stage * kBlockM;
-
-            // P^T = exp2(s * scale * log2(e) - lse * log2(e)). With softcap (and no dropout) dS^T in the same
-            // pass, after dP^T (compute_p_ds_softcap): that gives up the dP^T GEMM's overlap with the exp loop
-            // for one MUFU operation less per element than recovering tanh from P, and was faster.
-            Tensor st = gmma_as_rowcol(acc_st);  // (key rows, query cols)
-            Tensor dpt = gmma_as_rowcol(acc_dpt);  // (key rows, query cols)
-            const ScorePos pos{m_block * kBlockM, blk.n_block * kBlockN, step.head};
-            auto lse_log2_of = [&](int col) { return lse_stage[col] * float(M_LOG2E); };
-            auto dsum_of = [&](int col) { return dsum_stage[col]; };
-            const Dropout step_dropout(params, blk.batch_idx, step.head);
-            const bool fused_softcap = kVariants && score_mod.softcap() && !step_dropout.active();
-            if (fused_softcap) {
-                warpgroup_wait_for<0>(acc_dpt);
-                warpgroup_fence_operand(acc_st);  // S^T completed with that wait too: no read of it above it
-                compute_p_ds_softcap</*kQueryIsRow=*/false, HideP::kInExp>(
-                    st, dpt, tStcSt_rc, mask, score_mod, pos, params.softmax_scale_log2, lse_log2_of, dsum_of);
-            } else {
-                warpgroup_wait_for<1>(acc_st);
-                compute_p</*kQueryIsRow=*/false, HideP::kInExp, kVariants>(st, tStcSt_rc, mask, score_mod, pos,
-                                                                           params.softmax_scale_log2, lse_log2_of);
-                if (kVariants && step_dropout.active()) {
-                    step_dropout.template apply</*kQueryIsRow=*/false, /*kNegate=*/true>(st, tStcSt_rc, pos.q0, pos.k0);
-                }
-            }
-            Tensor rPt = convert_fragment_kept<Element>(acc_st, kVariants && step_dropout.active());
-            Tensor tKVrPt = make_tensor(rPt.data(), gmma_acc_as_a_operand_layout(rPt.layout()));  // (MMA, MMA_N, MMA_K)
-            auto thr_mma_dkv = mma_dkv.get_thread_slice(loop_tidx);
-            Tensor tKVrdOt = thr_mma_dkv.make_fragment_B(
-                thr_mma_dkv.partition_B(blk.sdOt(stage)));  // (MMA, MMA_D, MMA_K)
-            warpgroup_gemm_issue</*kZeroInit=*/false>(mma_dkv, tKVrPt, tKVrdOt, acc_dv);
-
-            // dS^T = P^T (dP^T - D), the gradient of the scaled scores.
-            warpgroup_wait_for<1>(acc_dpt);
-            if (!fused_softcap) {
-                compute_ds</*kQueryIsRow=*/false, kVariants>(dpt, st, tStcSt_rc, dsum_of,
-                                                             DsMods<Element>{score_mod, step.head}, pos, lse_log2_of);
-            }
-            Tensor rdSt = convert_fragment<Element>(acc_dpt);
-            Tensor tKVrdSt = make_tensor(rdSt.data(),
-                                         gmma_acc_as_a_operand_layout(rdSt.layout()));  // (MMA, MMA_N, MMA_K)
-
-            // dS^T to shared memory for the dQ GEMM, whose rows (queries) span both warpgroups' keys.
-            auto smem_thr_copy_dst = smem_tiled_copy_dst.get_thread_slice(loop_tidx);
-            Tensor tdStrdSt = smem_thr_copy_dst.retile_S(rdSt);  // (CPY, CPY_N, CPY_M)
-            Tensor tdStsdSt = smem_thr_copy_dst.partition_D(sdSt);  // (CPY, CPY_N, CPY_M)
-            copy(smem_tiled_copy_dst, tdStrdSt, tdStsdSt);
-            cutlass::arch::fence_view_async_shared();
-
-            Tensor tKVrQt = thr_mma_dkv.make_fragment_B(
-                thr_mma_dkv.partition_B(blk.sQt(stage)));  // (MMA, MMA_D, MMA_K)
-            warpgroup_gemm_issue</*kZeroInit=*/false>(mma_dkv, tKVrdSt, tKVrQt, acc_dk);
+            auto [rPt, rdSt] = bwd_narrow_step_scores<Traits, kVariants>(
+                params, score_mod, mask, blk.batch_idx, step.head, mma_sdp, mma_dkv, smem_tiled_copy_dst, tSrK, tSrV,
+                blk.sQ(stage), blk.sdO(stage), blk.sQt(stage), blk.sdOt(stage), blk.s_lse + stage * kBlockM,
+                blk.s_dsum + stage * kBlockM, sdSt, acc_dk, acc_dv, loop_tidx,
+                [&] { blk.prefetch(params, step, loop_tidx); });
 
             __syncthreads();  // all of dS^T is in shared memory
             auto thr_mma_dq = mma_dq.get_thread_slice(loop_tidx);

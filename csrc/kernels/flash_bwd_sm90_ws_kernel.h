@@ -87,6 +87,19 @@ struct BwdWsTile {
     __forceinline__ __device__ int k_rows_left() const { return binfo.seqlen_k - n_block * kBlockN; }
 };
 
+// Block `block` of kRows rows of head `head` of sequence `batch`, from the (seqlen, head_dim, heads, batch) TMA view
+// mX into the shared-memory tile of SmemLayout at smem, its bytes counted on the mbarrier `full`.
+template <int kRows, int kHeadDim, class Tma, class View, class Element, class SmemLayout>
+__forceinline__ __device__ void tma_load_block(const Tma& tma, const View& mX, int head, int batch, int block,
+                                               Element* smem, SmemLayout layout, uint64_t& full) {
+    Tensor sX = make_tensor(make_smem_ptr(smem), layout);  // (kRows, kHeadDim)
+    Tensor gX = local_tile(mX(_, _, head, batch), Shape<Int<kRows>, Int<kHeadDim>>{},
+                           make_coord(block, 0));  // (kRows, kHeadDim)
+    auto [tXgX, tXsX] = tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sX),
+                                      group_modes<0, 2>(gX));  // (TMA), (TMA)
+    copy(tma.with(full), tXgX, tXsX);
+}
+
 template <class Traits, bool kCausal>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_bwd_sm90_ws_kernel(const __grid_constant__ BwdWsParams<Traits> ws) {
@@ -159,40 +172,23 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             for_each_tile([&](const Tile& tile) {
                 auto load_step = [&](const BwdStep& step) {
                     const QSlot slot(steps_done + step.number);
-                    Tensor sQ = make_tensor(make_smem_ptr(storage.q[slot.stage]),
-                                            typename Traits::SmemLayoutQ{});  // (kBlockM, kHeadDim)
-                    Tensor sdO = make_tensor(make_smem_ptr(storage.d_o[slot.stage]),
-                                             typename Traits::SmemLayoutQ{});  // (kBlockM, kHeadDim)
-                    Tensor gQ = local_tile(mQ(_, _, step.head, tile.batch_idx), Shape<Int<kBlockM>, Int<kHeadDim>>{},
-                                           make_coord(step.m_block, 0));  // (kBlockM, kHeadDim)
-                    Tensor gdO = local_tile(mdO(_, _, step.head, tile.batch_idx), Shape<Int<kBlockM>, Int<kHeadDim>>{},
-                                            make_coord(step.m_block, 0));  // (kBlockM, kHeadDim)
-                    auto [tQgQ, tQsQ] = tma_partition(ws.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ),
-                                                      group_modes<0, 2>(gQ));  // (TMA), (TMA)
-                    auto [tdOgdO, tdOsdO] = tma_partition(ws.tma_do, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdO),
-                                                          group_modes<0, 2>(gdO));  // (TMA), (TMA)
+                    uint64_t& full = storage.q_full[slot.stage];
                     Barrier::wait(&storage.q_empty[slot.stage], slot.phase ^ 1u);
-                    TxBarrier::arrive_and_expect_tx(&storage.q_full[slot.stage], 2 * Traits::kQBytes);
-                    copy(ws.tma_q.with(storage.q_full[slot.stage]), tQgQ, tQsQ);
-                    copy(ws.tma_do.with(storage.q_full[slot.stage]), tdOgdO, tdOsdO);
+                    TxBarrier::arrive_and_expect_tx(&full, 2 * Traits::kQBytes);
+                    tma_load_block<kBlockM, kHeadDim>(ws.tma_q, mQ, step.head, tile.batch_idx, step.m_block,
+                                                      storage.q[slot.stage], typename Traits::SmemLayoutQ{}, full);
+                    tma_load_block<kBlockM, kHeadDim>(ws.tma_do, mdO, step.head, tile.batch_idx, step.m_block,
+                                                      storage.d_o[slot.stage], typename Traits::SmemLayoutQ{}, full);
                 };
                 // The tile's first Q and dO before its K and V: those wait for the previous tile's dK/dV store to
                 // leave K's and V's buffers, and the first step's need not.
                 if (tile.steps > 0) { load_step(tile.first_step()); }
-                Tensor sK = make_tensor(make_smem_ptr(storage.k), typename Traits::SmemLayoutKV{});  // (kBlockN, d)
-                Tensor sV = make_tensor(make_smem_ptr(storage.v), typename Traits::SmemLayoutKV{});  // (kBlockN, d)
-                Tensor gK = local_tile(mK(_, _, tile.head_idx_k, tile.batch_idx), Shape<Int<kBlockN>, Int<kHeadDim>>{},
-                                       make_coord(tile.n_block, 0));  // (kBlockN, kHeadDim)
-                Tensor gV = local_tile(mV(_, _, tile.head_idx_k, tile.batch_idx), Shape<Int<kBlockN>, Int<kHeadDim>>{},
-                                       make_coord(tile.n_block, 0));  // (kBlockN, kHeadDim)
-                auto [tKgK, tKsK] = tma_partition(ws.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK),
-                                                  group_modes<0, 2>(gK));  // (TMA), (TMA)
-                auto [tVgV, tVsV] = tma_partition(ws.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV),
-                                                  group_modes<0, 2>(gV));  // (TMA), (TMA)
                 Barrier::wait(&storage.kv_empty, (uint32_t(tiles_done) & 1u) ^ 1u);
                 TxBarrier::arrive_and_expect_tx(&storage.kv_full, 2 * Traits::kKVBytes);
-                copy(ws.tma_k.with(storage.kv_full), tKgK, tKsK);
-                copy(ws.tma_v.with(storage.kv_full), tVgV, tVsV);
+                tma_load_block<kBlockN, kHeadDim>(ws.tma_k, mK, tile.head_idx_k, tile.batch_idx, tile.n_block,
+                                                  storage.k, typename Traits::SmemLayoutKV{}, storage.kv_full);
+                tma_load_block<kBlockN, kHeadDim>(ws.tma_v, mV, tile.head_idx_k, tile.batch_idx, tile.n_block,
+                                                  storage.v, typename Traits::SmemLayoutKV{}, storage.kv_full);
                 tile.for_each_step([&](const BwdStep& step) {
                     if (step.number > 0) { load_step(step); }
                 });
@@ -223,6 +219,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                 });
                 steps_done += tile.steps;
             });
+            cp_async_wait<0>();  // no copy lands in shared memory after the warp exits
         } else if (warp_idx == 2) {
             // Each step's dQ tile into dq_accum, whole: rows past seqlen_q hold exact zeros, and dq_accum pads each
             // sequence past its last query block. The tile's buffer is released once the reduction has read it.
@@ -256,7 +253,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     Tensor sK = make_tensor(make_smem_ptr(storage.k), typename Traits::SmemLayoutKV{});  // (kBlockN, kHeadDim)
     Tensor sV = make_tensor(make_smem_ptr(storage.v), typename Traits::SmemLayoutKV{});  // (kBlockN, kHeadDim)
     Tensor sKt = make_tensor(make_smem_ptr(storage.k), typename Traits::SmemLayoutKt{});  // (kHeadDim, kBlockN)
-    Tensor cSt = make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{});  // (kBlockN, kBlockM)
 
     // S^T and dP^T, (kBlockN, kBlockM): A operands K and V, fixed per tile; B operands Q and dO, per stage.
     typename Traits::TiledMmaSdP mma_sdp;
@@ -292,51 +288,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             Tensor sdS = make_tensor(make_smem_ptr(storage.dst[dq_slot.stage]),
                                      typename Traits::SmemLayoutdS{});  // (kBlockM, kBlockN)
 
-            // Both score GEMMs in flight together; P^T is computed while dP^T finishes.
             Barrier::wait(&storage.q_full[stage], slot.phase);
-            auto thr_mma_sdp = mma_sdp.get_thread_slice(loop_tidx);
-            Tensor acc_st = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});  // (MMA, MMA_N, MMA_M)
-            Tensor acc_dpt = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});  // (MMA, MMA_N, MMA_M)
-            Tensor tSrQ = thr_mma_sdp.make_fragment_B(thr_mma_sdp.partition_B(sQ));  // (MMA, MMA_M, MMA_K)
-            Tensor tSrdO = thr_mma_sdp.make_fragment_B(thr_mma_sdp.partition_B(sdO));  // (MMA, MMA_M, MMA_K)
-            warpgroup_gemm_issue</*kZeroInit=*/true>(mma_sdp, tSrK, tSrQ, acc_st);
-            warpgroup_gemm_issue</*kZeroInit=*/true>(mma_sdp, tSrV, tSrdO, acc_dpt);
-
-            // (key row, query column) of each accumulator value.
-            Tensor tStcSt = thr_mma_sdp.partition_C(cSt);  // (MMA, MMA_N, MMA_M)
-            Tensor tStcSt_rc = make_tensor(tStcSt.data(),
-                                           gmma_acc_rowcol_layout(tStcSt.layout()));  // (key rows, query cols)
             const TileMask<kBlockM, kBlockN, kCausal> mask(tile.bounds, step.m_block, tile.n_block);
-            const float* lse_stage = storage.lse[stage];
-            const float* dsum_stage = storage.dsum[stage];
-            auto lse_log2_of = [&](int col) { return lse_stage[col] * float(M_LOG2E); };
-            auto dsum_of = [&](int col) { return dsum_stage[col]; };
-            const ScorePos pos{step.m_block * kBlockM, tile.n_block * kBlockN, step.head};
-
-            // P^T = exp2(s * scale * log2(e) - lse * log2(e)), then dV += P^T dO.
-            Tensor st = gmma_as_rowcol(acc_st);  // (key rows, query cols)
-            Tensor dpt = gmma_as_rowcol(acc_dpt);  // (key rows, query cols)
-            warpgroup_wait_for<1>(acc_st);
-            compute_p</*kQueryIsRow=*/false, HideP::kInExp, /*kVariants=*/false>(
-                st, tStcSt_rc, mask, score_mod, pos, params.softmax_scale_log2, lse_log2_of);
-            Tensor rPt = convert_fragment<Element>(acc_st);
-            Tensor tKVrPt = make_tensor(rPt.data(), gmma_acc_as_a_operand_layout(rPt.layout()));  // (MMA, MMA_N, MMA_K)
-            auto thr_mma_dkv = mma_dkv.get_thread_slice(loop_tidx);
-            Tensor tKVrdOt = thr_mma_dkv.make_fragment_B(thr_mma_dkv.partition_B(sdOt));  // (MMA, MMA_D, MMA_K)
-            warpgroup_gemm_issue</*kZeroInit=*/false>(mma_dkv, tKVrPt, tKVrdOt, acc_dv);
-
-            // dS^T = P^T (dP^T - D), into shared memory for the dQ GEMM, then dK += dS^T Q.
-            warpgroup_wait_for<1>(acc_dpt);
-            compute_ds</*kQueryIsRow=*/false, /*kVariants=*/false>(
-                dpt, st, tStcSt_rc, dsum_of, DsMods<Element>{score_mod, step.head}, pos, lse_log2_of);
-            Tensor rdSt = convert_fragment<Element>(acc_dpt);
-            Tensor tKVrdSt = make_tensor(rdSt.data(),
-                                         gmma_acc_as_a_operand_layout(rdSt.layout()));  // (MMA, MMA_N, MMA_K)
-            auto smem_thr_copy_dst = smem_tiled_copy_dst.get_thread_slice(loop_tidx);
-            copy(smem_tiled_copy_dst, smem_thr_copy_dst.retile_S(rdSt), smem_thr_copy_dst.partition_D(sdSt));
-            cutlass::arch::fence_view_async_shared();
-            Tensor tKVrQt = thr_mma_dkv.make_fragment_B(thr_mma_dkv.partition_B(sQt));  // (MMA, MMA_D, MMA_K)
-            warpgroup_gemm_issue</*kZeroInit=*/false>(mma_dkv, tKVrdSt, tKVrQt, acc_dk);
+            auto [rPt, rdSt] = bwd_narrow_step_scores<typename Traits::Base, /*kVariants=*/false>(
+                params, score_mod, mask, tile.batch_idx, step.head, mma_sdp, mma_dkv, smem_tiled_copy_dst, tSrK, tSrV,
+                sQ, sdO, sQt, sdOt, storage.lse[stage], storage.dsum[stage], sdSt, acc_dk, acc_dv, loop_tidx, [] {});
 
             // dQ = dS K, whose rows (queries) span both warpgroups' keys. dS^T has two buffers by step parity: a
             // warpgroup that writes this step's passed the previous step's barrier, which the other warpgroup
@@ -413,6 +369,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             copy_to_gmem(gmem_tiled_copy, gmem_thr_copy.partition_S(sV), gmem_thr_copy.partition_D(gdV), tdKVcdKV,
                          tile.k_rows_left(), params.head_dim);
         }
+        // The next tile's K and V land through the async proxy where this one's dK/dV was staged.
+        cutlass::arch::fence_view_async_shared();
         __syncwarp();
         if (releases) { Barrier::arrive(&storage.kv_empty); }
     });

@@ -121,6 +121,16 @@ struct TmaView {
     using GmemTensor = decltype(gmem_tensor(nullptr, 0, 0, 0, 0, 0, 0, 0));
     template <class SmemLayout, class Tile>
     using Load = decltype(make_tma_atom(SM90_TMA_LOAD{}, std::declval<GmemTensor>(), SmemLayout{}, Tile{}));
+    // The TMA load of Tile-sized blocks into SmemLayout from the rows of one of a call's (batch, seqlen, heads,
+    // head_dim) tensors (the host encodes its descriptor).
+    template <class SmemLayout, class Tile>
+    static Load<SmemLayout, Tile> load(const FwdParams& params, const void* ptr, int seqlen, int heads,
+                                       int64_t row_stride, int64_t head_stride, int64_t batch_stride) {
+        return make_tma_atom(
+            SM90_TMA_LOAD{},
+            gmem_tensor(ptr, seqlen, params.head_dim, heads, params.batch, row_stride, head_stride, batch_stride),
+            SmemLayout{}, Tile{});
+    }
 };
 
 // The warp-specialized Hopper forward (flash_fwd_sm90_ws_kernel.h): one producer warpgroup whose first warp

@@ -62,6 +62,15 @@ enum class BwdSm90Kind { kNarrow, kWide };
 template <int kHeadDim>
 constexpr BwdSm90Kind kBwdSm90Kind = bwd_sm90_narrow(kHeadDim) ? BwdSm90Kind::kNarrow : BwdSm90Kind::kWide;
 
+// dq = softmax_scale * dq_accum, from dq_accum in the dQ GEMM's fragment order of Traits' kernel.
+template <class Traits>
+cudaError_t run_bwd_sm90_convert_dq(const BwdParams& params, cudaStream_t stream) {
+    const dim3 grid((params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, params.batch, params.num_heads);
+    constexpr int kSmemBytes = Traits::kSmemQElems * int(sizeof(typename Traits::Element));
+    return launch_kernel<&flash_bwd_sm90_convert_dq_kernel<Traits>, Traits::kNThreads, kSmemBytes>(grid, params,
+                                                                                                   stream);
+}
+
 // Launches kKernel of Traits, whose tile is kTile of the wgmma set.
 template <class Traits, auto kKernel, TileShape kTile>
 cudaError_t launch_bwd_sm90(const BwdParams& params, cudaStream_t stream) {
@@ -94,11 +103,7 @@ cudaError_t launch_bwd_sm90(const BwdParams& params, cudaStream_t stream) {
         return run_bwd_convert_dq(params, std::is_same_v<typename Traits::Element, cutlass::bfloat16_t>, stream);
     } else {
         // The others in the dQ GEMM's fragment order (dq_accum.h), which their own conversion reads back.
-        const dim3 convert_grid((params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, params.batch,
-                                params.num_heads);
-        constexpr int kConvertSmemBytes = Traits::kSmemQElems * int(sizeof(typename Traits::Element));
-        return launch_kernel<&flash_bwd_sm90_convert_dq_kernel<Traits>, Traits::kNThreads, kConvertSmemBytes>(
-            convert_grid, params, stream);
+        return run_bwd_sm90_convert_dq<Traits>(params, stream);
     }
 }
 
@@ -109,61 +114,35 @@ template <typename Element, int kHeadDim, bool kCausal>
 cudaError_t run_bwd_sm90_ws(const BwdParams& params, cudaStream_t stream) {
     constexpr TileShape kTile = kBwdTileSet<KernelFamily::kWgmma, kHeadDim>.ws_tile;
     using Traits = BwdSm90WsKernelTraits<Element, kHeadDim, kTile.block_m, kTile.block_n>;
-    using NarrowTraits = typename Traits::Base;
     static_assert(sizeof(Element) == kElementBytes);
     static_assert(Traits::kSmemBytes == bwd_ws_smem_bytes(kHeadDim, kTile.block_m, kTile.block_n),
                   "the plans check a GPU's shared memory by the formula");
-    if (params.key_blocks_per_cta != 1 || params.cu_seqlens_q != nullptr || params.gqa_pack != 1) {
+    if (params.key_blocks_per_cta != 1 || params.cu_seqlens_q != nullptr || params.cu_seqlens_k != nullptr ||
+        params.gqa_pack != 1) {
         return cudaErrorNotSupported;
     }
-    auto gmem = [&](const void* ptr, int seqlen, int heads, index_t row_stride, index_t head_stride,
-                    index_t batch_stride) {
-        return TmaView<Element>::gmem_tensor(ptr, seqlen, params.head_dim, heads, params.batch, row_stride, head_stride,
-                                             batch_stride);
-    };
     using TileQ = Shape<Int<Traits::kBlockM>, Int<kHeadDim>>;
     using TileKV = Shape<Int<Traits::kBlockN>, Int<kHeadDim>>;
     using SmemLayoutQ = typename Traits::SmemLayoutQ;
     using SmemLayoutKV = typename Traits::SmemLayoutKV;
+    using View = TmaView<Element>;
     const BwdWsParams<Traits> ws{
         params,
-        make_tma_atom(SM90_TMA_LOAD{},
-                      gmem(params.q_ptr, params.seqlen_q, params.num_heads, params.q_row_stride, params.q_head_stride,
-                           params.q_batch_stride),
-                      SmemLayoutQ{}, TileQ{}),
-        make_tma_atom(SM90_TMA_LOAD{},
-                      gmem(params.do_ptr, params.seqlen_q, params.num_heads, params.do_row_stride,
-                           params.do_head_stride, params.do_batch_stride),
-                      SmemLayoutQ{}, TileQ{}),
-        make_tma_atom(SM90_TMA_LOAD{},
-                      gmem(params.k_ptr, params.seqlen_k, params.num_heads_k, params.k_row_stride, params.k_head_stride,
-                           params.k_batch_stride),
-                      SmemLayoutKV{}, TileKV{}),
-        make_tma_atom(SM90_TMA_LOAD{},
-                      gmem(params.v_ptr, params.seqlen_k, params.num_heads_k, params.v_row_stride, params.v_head_stride,
-                           params.v_batch_stride),
-                      SmemLayoutKV{}, TileKV{})};
-    // Persistent: one CTA per SM, or one per unit of the schedule where there are fewer.
+        View::template load<SmemLayoutQ, TileQ>(params, params.q_ptr, params.seqlen_q, params.num_heads,
+                                                params.q_row_stride, params.q_head_stride, params.q_batch_stride),
+        View::template load<SmemLayoutQ, TileQ>(params, params.do_ptr, params.seqlen_q, params.num_heads,
+                                                params.do_row_stride, params.do_head_stride, params.do_batch_stride),
+        View::template load<SmemLayoutKV, TileKV>(params, params.k_ptr, params.seqlen_k, params.num_heads_k,
+                                                  params.k_row_stride, params.k_head_stride, params.k_batch_stride),
+        View::template load<SmemLayoutKV, TileKV>(params, params.v_ptr, params.seqlen_k, params.num_heads_k,
+                                                  params.v_row_stride, params.v_head_stride, params.v_batch_stride)};
     const WsSchedule<Traits::kBlockN, kCausal> schedule(params.seqlen_k, params.batch,
                                                         params.num_heads / params.heads_per_cta);
-    if (schedule.units > 0) {
-        int device = 0;
-        int sms = 0;
-        cudaError_t err = cudaGetDevice(&device);
-        if (err == cudaSuccess) { err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device); }
-        if (err != cudaSuccess) { return err; }
-        const dim3 grid(unsigned(std::min(schedule.units, std::max(sms, 1))));
-        // The CTAs find their sequences from the schedule: one launch whatever the batch (as run_fwd_sm90_ws).
-        BwdParams one_piece = params;
-        one_piece.batch = 1;
-        err = launch_kernel_with<&flash_bwd_sm90_ws_kernel<Traits, kCausal>, Traits::kNThreads, Traits::kSmemBytes>(
-            grid, one_piece, stream, Traits::kSmemBytes, [&](const BwdParams&) { return ws; });
-        if (err != cudaSuccess) { return err; }
-    }
-    const dim3 convert_grid((params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, params.batch, params.num_heads);
-    constexpr int kConvertSmemBytes = NarrowTraits::kSmemQElems * int(sizeof(Element));
-    return launch_kernel<&flash_bwd_sm90_convert_dq_kernel<NarrowTraits>, NarrowTraits::kNThreads, kConvertSmemBytes>(
-        convert_grid, params, stream);
+    const cudaError_t err =
+        launch_persistent<&flash_bwd_sm90_ws_kernel<Traits, kCausal>, Traits::kNThreads, Traits::kSmemBytes>(
+            schedule.units, params, stream, ws);
+    if (err != cudaSuccess) { return err; }
+    return run_bwd_sm90_convert_dq<typename Traits::Base>(params, stream);
 }
 
 // kVariants: as in run_fwd.

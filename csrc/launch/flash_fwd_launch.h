@@ -88,44 +88,24 @@ cudaError_t run_fwd_sm90_ws(const FwdParams& params, cudaStream_t stream) {
     static_assert(sizeof(Element) == kElementBytes);
     static_assert(Traits::kSmemBytes == fwd_ws_smem_bytes(kHeadDim, kTile.block_m, kTile.block_n, kTile.stages),
                   "the plans check a GPU's shared memory by the formula");
-    auto gmem = [&](const void* ptr, int seqlen, int heads, index_t row_stride, index_t head_stride,
-                    index_t batch_stride) {
-        return TmaView<Element>::gmem_tensor(ptr, seqlen, params.head_dim, heads, params.batch, row_stride, head_stride,
-                                             batch_stride);
-    };
     using TileQ = Shape<Int<Traits::kBlockM>, Int<kHeadDim>>;
     using TileKV = Shape<Int<Traits::kBlockN>, Int<kHeadDim>>;
-    const FwdWsParams<Traits> ws{params,
-                                 make_tma_atom(SM90_TMA_LOAD{},
-                                               gmem(params.q_ptr, params.seqlen_q, params.num_heads,
-                                                    params.q_row_stride, params.q_head_stride, params.q_batch_stride),
-                                               typename Traits::SmemLayoutQ{}, TileQ{}),
-                                 make_tma_atom(SM90_TMA_LOAD{},
-                                               gmem(params.k_ptr, params.seqlen_k, params.num_heads_k,
-                                                    params.k_row_stride, params.k_head_stride, params.k_batch_stride),
-                                               typename Traits::SmemLayoutKV{}, TileKV{}),
-                                 make_tma_atom(SM90_TMA_LOAD{},
-                                               gmem(params.v_ptr, params.seqlen_k, params.num_heads_k,
-                                                    params.v_row_stride, params.v_head_stride, params.v_batch_stride),
-                                               typename Traits::SmemLayoutKV{}, TileKV{})};
-    // Persistent: one CTA per SM (a CTA takes all of an SM's registers: setmaxnreg hands them to its warpgroups),
-    // or one per unit of the schedule where there are fewer.
+    using View = TmaView<Element>;
+    const FwdWsParams<Traits> ws{
+        params,
+        View::template load<typename Traits::SmemLayoutQ, TileQ>(params, params.q_ptr, params.seqlen_q,
+                                                                 params.num_heads, params.q_row_stride,
+                                                                 params.q_head_stride, params.q_batch_stride),
+        View::template load<typename Traits::SmemLayoutKV, TileKV>(params, params.k_ptr, params.seqlen_k,
+                                                                   params.num_heads_k, params.k_row_stride,
+                                                                   params.k_head_stride, params.k_batch_stride),
+        View::template load<typename Traits::SmemLayoutKV, TileKV>(params, params.v_ptr, params.seqlen_k,
+                                                                   params.num_heads_k, params.v_row_stride,
+                                                                   params.v_head_stride, params.v_batch_stride)};
+    // Persistent: a CTA takes all of an SM's registers (setmaxnreg hands them to its warpgroups).
     const WsSchedule<Traits::kBlockM, kCausal> schedule(params.seqlen_q, params.batch, params.num_heads);
-    if (schedule.units <= 0) { return cudaSuccess; }
-    int device = 0;
-    int sms = 0;
-    cudaError_t err = cudaGetDevice(&device);
-    if (err == cudaSuccess) { err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device); }
-    if (err != cudaSuccess) { return err; }
-    const dim3 grid(unsigned(std::min(schedule.units, std::max(sms, 1))));
-    // The CTAs find their sequences from the schedule, not from grid y, so the launch is one piece whatever the
-    // batch: launch_kernel_with, which splits launches by params.batch, gets a one-sequence copy of the params,
-    // and the kernel gets the call's own.
-    FwdParams one_piece = params;
-    one_piece.batch = 1;
-    return launch_kernel_with<&flash_fwd_sm90_ws_kernel<Traits, kCausal, kMod, kSink>, Traits::kNThreads,
-                              Traits::kSmemBytes>(grid, one_piece, stream, Traits::kSmemBytes,
-                                                  [&](const FwdParams&) { return ws; });
+    return launch_persistent<&flash_fwd_sm90_ws_kernel<Traits, kCausal, kMod, kSink>, Traits::kNThreads,
+                             Traits::kSmemBytes>(schedule.units, params, stream, ws);
 }
 
 // The plain kernel of the call's form (plain_mod_of: a plain plan with softcap or dropout set is a call whose one

@@ -345,7 +345,9 @@ def test_gqa_walk_only_on_hopper_gqa_nondeterministic():
 @pytest.mark.parametrize("key_blocks", [2, 3])
 def test_key_blocks_forced(head_dim, key_blocks):
     # Also more key blocks per CTA than the keys have (200 keys: 2 blocks of 128, 4 of 64).
+    # A forced walk runs the narrow kernel (the warp-specialized one runs one key block per tile).
     p = make("bwd", seqlen_q=300, seqlen_k=200, head_dim=head_dim, key_blocks=key_blocks)
+    assert not p.warp_specialized, p
     assert p.key_blocks_per_cta == (key_blocks if head_dim <= 128 else 1), p
     assert make("bwd", A100, head_dim=head_dim, key_blocks=key_blocks).key_blocks_per_cta == 1
     assert make("bwd", head_dim=head_dim, deterministic=True, key_blocks=key_blocks).key_blocks_per_cta == 1
@@ -383,7 +385,7 @@ def test_hopper_backward_tile(head_dim, block_m, block_n, smem):
     # tile_size.h: 64 query rows per step (128 at head dim 64), 128 keys per CTA up to head dim 128 and 64 above.
     # Up to head dim 128 a CTA adds dQ through shared memory: at head dim 64, two fp32 dQ tiles of 128 rows (64 KiB)
     # past the 130 KiB of the rest. Above, P and dS take shared memory instead, with one K/V buffer.
-    p = make("bwd", seqlen_q=1000, seqlen_k=1000, head_dim=head_dim)
+    p = make("bwd", seqlen_q=1000, seqlen_k=1000, head_dim=head_dim, ws=False)
     assert (p.block_m, p.block_n, p.smem) == (block_m, block_n, smem), p
 
 
@@ -682,8 +684,11 @@ def test_every_kernel_fits_its_arch(gpu, budget, head_dim, pass_, deterministic,
         ("fwd", A100, 4096, "", 65536),
         # The Hopper backward: Q, dO (two stages each), K, V, dS^T and LSE/D, 145 KiB, and past them its second
         # K/V buffer (2 x 32 KiB) with several key blocks per CTA, or in its place two fp32 dQ tiles (2 x 32 KiB).
-        ("bwd", H200, 4096, "key_blocks=1", 214016),
-        ("bwd", H200, 4096, "key_blocks=2", 214016),
+        ("bwd", H200, 4096, "ws=0;key_blocks=1", 214016),
+        ("bwd", H200, 4096, "ws=0;key_blocks=2", 214016),
+        # The warp-specialized backward: two stages of Q and of dO (64 x 128: 4 x 16 KiB), K and V (2 x 32 KiB),
+        # two dS^T tiles (2 x 16 KiB), two fp32 dQ tiles (2 x 32 KiB), then LSE, D and the mbarriers, to a whole KiB.
+        ("bwd", H200, 4096, "", 231424),
         # The 16-row short-query tile adds dQ from registers: no dQ tiles.
         ("bwd", H200, 4096, "key_blocks=1;short_queries=1", 87040),
         # mma.sync: K, V, P, dS (32 + 32 + 16 + 16 KiB) and two stages of Q, dO, LSE and D (2 x 32.5 KiB).
@@ -696,6 +701,7 @@ def test_every_kernel_fits_its_arch(gpu, budget, head_dim, pass_, deterministic,
         "a100-fwd",
         "h200-bwd",
         "h200-bwd-two-kv",
+        "h200-bwd-ws",
         "h200-bwd-short-queries",
         "a100-bwd",
     ],
@@ -900,10 +906,18 @@ def test_hopper_forward_warp_specialized_by_length(head_dim, seqlen, causal, war
 @pytest.mark.parametrize("head_dim, block_m, smem", [(64, 128, 232448), (128, 64, 231424)], ids=["d64", "d128"])
 def test_hopper_backward_warp_specialized(head_dim, block_m, smem):
     # tile_size.h: the warp-specialized backward runs the narrow kernel's tile, one key block per tile, with two
-    # Q/dO stages, K and V, two dS^T and two fp32 dQ tiles in shared memory; taken only where ws=1 forces it, and
-    # only for dense plain calls of head dims 64 and 128 on Hopper, not on the short-query tile.
+    # Q/dO stages, K and V, two dS^T and two fp32 dQ tiles in shared memory; for dense plain calls of head dims 64
+    # and 128 on Hopper, not on the short-query tile; by default from 4 query blocks, causal from 1024 keys (plan.cpp).
     dense = dict(batch=2, seqlen_q=2048, seqlen_k=2048, nheads=16, nheads_k=4, head_dim=head_dim)
-    assert not plan("bwd", **dense, **H200).warp_specialized
+    assert plan("bwd", **dense, **H200).warp_specialized
+    assert plan("bwd", **dense, causal=True, **H200).warp_specialized
+    short_keys = dict(dense, seqlen_q=512, seqlen_k=512)
+    assert plan("bwd", **short_keys, **H200).warp_specialized
+    assert not plan("bwd", **short_keys, causal=True, **H200).warp_specialized
+    assert plan("bwd", **short_keys, causal=True, override="ws=1", **H200).warp_specialized
+    few_queries = dict(dense, seqlen_q=4 * block_m - 1)
+    assert not plan("bwd", **few_queries, **H200).warp_specialized
+    assert plan("bwd", **dict(few_queries, seqlen_q=4 * block_m), **H200).warp_specialized
     for causal, walk in itertools.product((False, True), (0, 1)):
         p = plan("bwd", **dense, causal=causal, override=f"ws=1;gqa_walk={walk};key_blocks=3", **H200)
         assert p.warp_specialized and (p.block_m, p.block_n, p.smem) == (block_m, 128, smem), p

@@ -53,6 +53,17 @@ int choose_num_splits(int64_t ctas, int64_t seqlen_k, const TileShape& tile, int
 // staging'.)
 constexpr int kFwdWsMinKeys192RowsCausal = 1024;
 
+// ---- Backward: the Hopper warp-specialized kernel ----
+
+// Where the warp-specialized backward (head dims 64 and 128) beats the narrow kernel, which it replaces there. On the
+// anchor grid (H100, bf16, 512-16k keys) it was 1.13x the narrow kernel's speed (geomean), faster everywhere except
+// under a causal mask at 512 keys (0.96x at head dim 64, 0.90x at 128), where a tile's few steps do not cover its K/V
+// load and dK/dV store, which the narrow kernel overlaps across the key blocks a CTA walks. So: causal calls from
+// 1024 keys, and at least kBwdWsMinQueryBlocks query blocks per tile (short query sequences keep the key-block walk).
+// A forced key-block walk (plan_override key_blocks) is the narrow kernel's, unless ws=1 is forced too.
+constexpr int kBwdWsMinKeysCausal = 1024;
+constexpr int kBwdWsMinQueryBlocks = 4;
+
 // ---- Forward: the Hopper short-key tile ----
 
 // seqlen_k at or below which the forward runs the wgmma set's short-key tile where one exists and the
@@ -209,11 +220,12 @@ void plan_bwd(const Problem& p, const Target& t, const PlanOverride& o, Plan& pl
     }
     // The warp-specialized kernel (a producer warpgroup loading by TMA and adding dQ, the narrow kernel's
     // warpgroups as consumers, persistent) serves the plain kernels' dense calls on the regular tile: its descriptors
-    // address (seqlen, head_dim, heads, batch) tensors, not varlen's packed rows. Taken only where forced (ws=1)
-    // until it is measured against the narrow kernel. It runs one key block per tile.
+    // address (seqlen, head_dim, heads, batch) tensors, not varlen's packed rows. It runs one key block per tile.
     const bool ws_serves = wgmma && set.ws_tile.exists() && !plan.variants && !p.varlen && plan.gqa_pack == 1 &&
                            !plan.short_query_tile;
-    plan.warp_specialized = ws_serves && choose(o.warp_specialized, false);
+    const bool ws_pays = seqlen_q >= int64_t(kBwdWsMinQueryBlocks) * set.ws_tile.block_m &&
+                         (!plan.causal || p.seqlen_k >= kBwdWsMinKeysCausal);
+    plan.warp_specialized = ws_serves && choose(o.warp_specialized, ws_pays && o.key_blocks < 1);
     if (plan.warp_specialized) {
         plan.key_blocks_per_cta = 1;
         plan.smem_bytes = bwd_ws_smem_bytes(hd, set.ws_tile.block_m, set.ws_tile.block_n);

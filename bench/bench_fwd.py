@@ -25,9 +25,9 @@ IMPLS = ["ours", "flash", "cudnn", "efficient"]
 # otherwise runs the warpgroup-MMA ones (force_plan(kernel="mma_sync"), forward and backward); ours_mma99: the
 # mma.sync kernels' tile set for GPUs with 99 KiB of shared memory per block (sm_86, sm_89, sm_120), planned as
 # on such a GPU (force_plan(max_smem=101376)); ours_nows: on a Hopper GPU, the forward whose warps all load and
-# compute instead of the warp-specialized TMA kernel (force_plan(ws=False)); ours_ws: the warp-specialized kernels
-# of both passes wherever they can run, also where the plan would pick another (force_plan(ws=True,
-# short_keys=False)): the backward's is taken only where forced.
+# compute instead of the warp-specialized TMA kernel, and the backward on the narrow kernel (force_plan(ws=False));
+# ours_ws: the warp-specialized kernels of both passes wherever they can run, also where the plan would pick another
+# (force_plan(ws=True, short_keys=False)).
 OPTIONAL_IMPLS = ["ours_det", "ours_mma", "ours_mma99", "ours_nows", "ours_ws"]
 # fa4: FlashAttention-4's flash_attn_func (the flash-attn-4 package, flash_attn.cute), on the same (b, s, h, d)
 # tensors as ours; forward only.

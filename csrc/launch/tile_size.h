@@ -133,8 +133,8 @@ constexpr int kBwdSm90ShortBlockM = 16;
 // whose scores still fit the registers: a step's barriers, waits and loads serve twice the queries, 8% faster
 // than 64 rows on an H200. Its variants kernel too, although ptxas spills 204 bytes there (none on 64 rows):
 // 1-7% faster with a window, ALiBi or dropout, 2.5% slower with softcap (docs/design-notes.md). The
-// warp-specialized backward (ws_tile, head dims 64 and 128) runs the narrow kernel's tile; the plans take it only
-// where forced (plan_override ws=1) until it is measured against the narrow kernel.
+// warp-specialized backward (ws_tile, head dims 64 and 128) runs the narrow kernel's tile with that kernel's
+// warpgroups as its consumers.
 constexpr TileSet kTileSets[] = {
     // family, pass, head dim, budget, tile, causal tile, short tile, warp-specialized tile, variants tile
     {KernelFamily::kMmaSync, Pass::kFwd, 32, kSmem163KiB, {128, 128, 4}, {128, 128, 4}, {}, {}, {128, 64, 4}},

@@ -519,15 +519,10 @@ def check_forced_plans(
             assert p.heads_per_cta == (nheads // nheads_k if walk else 1), p
             assert p.dkv_fp32_slices == (grouped and not walk), p
         if "ws" in force:
-            # The warp-specialized backward: dense plain calls at head dims 64 and 128 (launch/tile_size.h: ws_tile),
-            # not on the short-query tile; one key block per tile.
+            # The warp-specialized backward: plain calls at head dims 64 and 128 (launch/tile_size.h: ws_tile), not on
+            # the short-query tile; one key block per tile.
             serves = (
-                hopper
-                and lens is None
-                and kernel_dim in (64, 128)
-                and not p.variants
-                and p.gqa_pack == 1
-                and not p.short_query_tile
+                hopper and kernel_dim in (64, 128) and not p.variants and p.gqa_pack == 1 and not p.short_query_tile
             )
             assert p.warp_specialized == bool(force["ws"] and serves), p
         elif "key_blocks" in force:

@@ -110,7 +110,7 @@ def warp_specialized():
 def warp_specialized_backward():
     """Hopper backwards on the warp-specialized kernel (forced): more tiles of its persistent schedule than an H200
     has SMs, causal pairs of key blocks, sequences that end inside a query block and a key block, strided views, GQA
-    walked per tile and in fp32 slices, in both dtypes. Returns the calls."""
+    walked per tile and in fp32 slices, variable-length batches, in both dtypes. Returns the calls."""
     calls = 0
     for head_dim, dtype, causal, walk in itertools.product(
         (40, 64, 128), (torch.bfloat16, torch.float16), (False, True), (False, True)
@@ -126,6 +126,15 @@ def warp_specialized_backward():
                 out = flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], causal=causal)
                 out.backward(torch.randn_like(out))
             calls += 1
+        # Variable lengths: tiles that hold the next sequence's rows, and the last sequence's rows past the tensor.
+        cu_q, cu_k = cu_seqlens()
+        q = torch.randn(sum(LENS_Q), 6, head_dim, device="cuda", dtype=dtype, requires_grad=True)
+        kv = torch.randn(sum(LENS_K), 2, 2, head_dim, device="cuda", dtype=dtype, requires_grad=True)
+        check_forced_plans(q, kv[:, 0], causal, force, lens=(LENS_Q, LENS_K))
+        with force_plan(**force):
+            out = flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_q, cu_k, max(LENS_Q), max(LENS_K), causal=causal)
+            out.backward(torch.randn_like(out))
+        calls += 1
     return calls
 
 

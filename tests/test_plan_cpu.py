@@ -906,8 +906,9 @@ def test_hopper_forward_warp_specialized_by_length(head_dim, seqlen, causal, war
 @pytest.mark.parametrize("head_dim, block_m, smem", [(64, 128, 232448), (128, 64, 231424)], ids=["d64", "d128"])
 def test_hopper_backward_warp_specialized(head_dim, block_m, smem):
     # tile_size.h: the warp-specialized backward runs the narrow kernel's tile, one key block per tile, with two
-    # Q/dO stages, K and V, two dS^T and two fp32 dQ tiles in shared memory; for dense plain calls of head dims 64
-    # and 128 on Hopper, not on the short-query tile; by default from 4 query blocks, causal from 1024 keys (plan.cpp).
+    # Q/dO stages, K and V, two dS^T and two fp32 dQ tiles in shared memory; for plain calls of head dims 64
+    # and 128 on Hopper, not on the short-query tile; by default for dense calls from 4 query blocks, causal from 1024
+    # keys (plan.cpp).
     dense = dict(batch=2, seqlen_q=2048, seqlen_k=2048, nheads=16, nheads_k=4, head_dim=head_dim)
     assert plan("bwd", **dense, **H200).warp_specialized
     assert plan("bwd", **dense, causal=True, **H200).warp_specialized
@@ -923,7 +924,9 @@ def test_hopper_backward_warp_specialized(head_dim, block_m, smem):
         assert p.warp_specialized and (p.block_m, p.block_n, p.smem) == (block_m, 128, smem), p
         assert p.key_blocks_per_cta == 1 and p.heads_per_cta == (4 if walk else 1), p
     assert not plan("bwd", **dense, override="ws=0", **H200).warp_specialized
-    assert not plan("bwd", **dense, varlen=True, override="ws=1", **H200).warp_specialized
+    # Variable-length batches where forced only.
+    assert not plan("bwd", **dense, varlen=True, **H200).warp_specialized
+    assert plan("bwd", **dense, varlen=True, override="ws=1", **H200).warp_specialized
     assert not plan("bwd", **dense, window_size=(256, 0), override="ws=1", **H200).warp_specialized
     assert not plan("bwd", **dense, softcap=5.0, override="ws=1", **H200).warp_specialized
     assert not plan("bwd", **dense, deterministic=True, override="ws=1", **H200).warp_specialized

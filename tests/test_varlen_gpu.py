@@ -99,6 +99,20 @@ def test_varlen_gqa_group_walk(head_dim, causal):
     check_varlen(LENS_Q, LENS_K, 6, 2, head_dim, torch.bfloat16, causal, force={"gqa_walk": True})
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("walk", [False, True], ids=["gqa-slices", "gqa-walk"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [40, 64, 128])
+def test_varlen_warp_specialized_backward(head_dim, causal, walk, dtype):
+    # The warp-specialized Hopper backward (forced; see test_bwd_gpu.py) over sequences that end inside query and key
+    # blocks, whose tiles then hold the next sequence's rows, and sequences without queries or keys; the short-query
+    # tile turned off, which would take the short ones.
+    require_fwd_bwd_kernels(head_dim, dtype, causal)
+    force = {"ws": True, "gqa_walk": walk, "short_queries": False}
+    check_varlen(LENS_Q, LENS_K, 6, 2, head_dim, dtype, causal, force=force)
+    check_varlen([700, 1, 513, 0], [300, 900, 513, 5], 4, 4, head_dim, dtype, causal, force=force)
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_varlen_key_blocks_per_cta(head_dim, causal):

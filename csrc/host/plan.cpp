@@ -219,11 +219,11 @@ void plan_bwd(const Problem& p, const Target& t, const PlanOverride& o, Plan& pl
                                                                   std::max(t.num_sms, 1));
     }
     // The warp-specialized kernel (a producer warpgroup loading by TMA and adding dQ, the narrow kernel's
-    // warpgroups as consumers, persistent) serves the plain kernels' dense calls on the regular tile: its descriptors
-    // address (seqlen, head_dim, heads, batch) tensors, not varlen's packed rows. It runs one key block per tile.
-    const bool ws_serves = wgmma && set.ws_tile.exists() && !plan.variants && !p.varlen && plan.gqa_pack == 1 &&
+    // warpgroups as consumers, persistent) serves the plain kernels' calls on the regular tile, one key block per
+    // tile. Variable-length batches only where forced (ws=1): not yet measured against the narrow kernel.
+    const bool ws_serves = wgmma && set.ws_tile.exists() && !plan.variants && plan.gqa_pack == 1 &&
                            !plan.short_query_tile;
-    const bool ws_pays = seqlen_q >= int64_t(kBwdWsMinQueryBlocks) * set.ws_tile.block_m &&
+    const bool ws_pays = !p.varlen && seqlen_q >= int64_t(kBwdWsMinQueryBlocks) * set.ws_tile.block_m &&
                          (!plan.causal || p.seqlen_k >= kBwdWsMinKeysCausal);
     plan.warp_specialized = ws_serves && choose(o.warp_specialized, ws_pays && o.key_blocks < 1);
     if (plan.warp_specialized) {

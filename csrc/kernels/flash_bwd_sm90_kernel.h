@@ -422,18 +422,18 @@ struct BwdSm90Block {
 // dO, sQt, sdOt their transposed views), runs under_score_gemms() while they compute, then P^T from the LSE
 // (lse_stage: the step's query rows), dV += P^T dO, dS^T = P^T (dP^T - D) (dsum_stage) into shared memory (sdSt)
 // for the dQ GEMM, and dK += dS^T Q, scaled by the tile mask `mask` and the variants of score_mod for query head
-// `head`. It returns with the dV and dK GEMMs in flight, and P^T and dS^T in the registers they read, which the
-// caller fences once it has waited for them. Threads: the two warpgroups, loop_tidx of their 256.
+// `head`. hide_queries_past_end: query rows past the sequence end hold another sequence's rows (see
+// TileMask::hide_queries_past_end; not in the variants' fused softcap form). It returns with the dV and dK GEMMs in
+// flight, and P^T and dS^T in the registers they read, which the caller fences once it has waited for them. Threads:
+// the two warpgroups, loop_tidx of their 256.
 template <class Traits, bool kVariants, class Element, class Mask, class MmaSdP, class MmadKV, class SmemCopydSt,
           class FragKV, class SmemQ, class SmemQt, class SmemdSt, class AccdKV, class UnderScoreGemms>
-__forceinline__ __device__ auto bwd_narrow_step_scores(const BwdParams& params, const ScoreMod<Element>& score_mod,
-                                                       const Mask& mask, int batch_idx, int head, MmaSdP& mma_sdp,
-                                                       MmadKV& mma_dkv, const SmemCopydSt& smem_tiled_copy_dst,
-                                                       FragKV& tSrK, FragKV& tSrV, const SmemQ& sQ, const SmemQ& sdO,
-                                                       const SmemQt& sQt, const SmemQt& sdOt, const float* lse_stage,
-                                                       const float* dsum_stage, const SmemdSt& sdSt, AccdKV& acc_dk,
-                                                       AccdKV& acc_dv, int loop_tidx,
-                                                       const UnderScoreGemms& under_score_gemms) {
+__forceinline__ __device__ auto bwd_narrow_step_scores(
+    const BwdParams& params, const ScoreMod<Element>& score_mod, const Mask& mask, int batch_idx, int head,
+    MmaSdP& mma_sdp, MmadKV& mma_dkv, const SmemCopydSt& smem_tiled_copy_dst, FragKV& tSrK, FragKV& tSrV,
+    const SmemQ& sQ, const SmemQ& sdO, const SmemQt& sQt, const SmemQt& sdOt, const float* lse_stage,
+    const float* dsum_stage, const SmemdSt& sdSt, AccdKV& acc_dk, AccdKV& acc_dv, int loop_tidx,
+    const UnderScoreGemms& under_score_gemms, bool hide_queries_past_end = false) {
     constexpr int kBlockM = Traits::kBlockM;
     constexpr int kBlockN = Traits::kBlockN;
     Tensor cSt = make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{});  // (kBlockN, kBlockM)
@@ -474,6 +474,7 @@ __forceinline__ __device__ auto bwd_narrow_step_scores(const BwdParams& params, 
         if (kVariants && step_dropout.active()) {
             step_dropout.template apply</*kQueryIsRow=*/false, /*kNegate=*/true>(st, tStcSt_rc, pos.q0, pos.k0);
         }
+        if (hide_queries_past_end) { mask.template hide_queries_past_end</*kQueryIsRow=*/false>(st, tStcSt_rc); }
     }
     Tensor rPt = convert_fragment_kept<Element>(acc_st, kVariants && step_dropout.active());
     Tensor tKVrPt = make_tensor(rPt.data(), gmma_acc_as_a_operand_layout(rPt.layout()));  // (MMA, MMA_N, MMA_K)

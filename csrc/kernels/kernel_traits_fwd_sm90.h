@@ -124,11 +124,11 @@ struct TmaView {
     // The TMA load of Tile-sized blocks into SmemLayout from the rows of one of a call's (batch, seqlen, heads,
     // head_dim) tensors (the host encodes its descriptor).
     template <class SmemLayout, class Tile>
-    static Load<SmemLayout, Tile> load(const FwdParams& params, const void* ptr, int seqlen, int heads,
+    static Load<SmemLayout, Tile> load(const FwdParams& params, const void* ptr, int seqlen, int heads, int batch,
                                        int64_t row_stride, int64_t head_stride, int64_t batch_stride) {
         return make_tma_atom(
             SM90_TMA_LOAD{},
-            gmem_tensor(ptr, seqlen, params.head_dim, heads, params.batch, row_stride, head_stride, batch_stride),
+            gmem_tensor(ptr, seqlen, params.head_dim, heads, batch, row_stride, head_stride, batch_stride),
             SmemLayout{}, Tile{});
     }
 };

@@ -105,6 +105,20 @@ struct TileMask {
     // and dQ = dS K then computes inf * 0 = NaN. p and coords: (rows, cols) views, walked in the same order.
     // Only the key block that holds the sequence end runs the loop, after the exp, so the exp loops keep their
     // registers (a key-end test inside them made the hdim 128 Hopper backward spill in its step loop).
+    // The same for query rows past the sequence end, for kernels whose tiles there hold another sequence's rows (the
+    // warp-specialized backward's TMA loads of variable-length batches): their probabilities become 0, and so does
+    // everything computed from them.
+    template <bool kQueryIsRow, class PTensor, class CoordTensor>
+    __forceinline__ __device__ void hide_queries_past_end(PTensor& p, const CoordTensor& coords) const {
+        static_assert(decltype(size(p))::value == decltype(size(coords))::value, "one coordinate per value");
+        const int query_end = bounds.seqlen_q - m_block * kBlockM;
+        if (query_end >= kBlockM) { return; }
+        CUTE_UNROLL
+        for (int i = 0; i < size(p); ++i) {
+            if ((kQueryIsRow ? get<0>(coords(i)) : get<1>(coords(i))) >= query_end) { p(i) = 0.f; }
+        }
+    }
+
     template <bool kQueryIsRow, class PTensor, class CoordTensor>
     __forceinline__ __device__ void hide_keys_past_end(PTensor& p, const CoordTensor& coords) const {
         static_assert(decltype(size(p))::value == decltype(size(coords))::value, "one coordinate per value");

@@ -107,8 +107,8 @@ cudaError_t launch_bwd_sm90(const BwdParams& params, cudaStream_t stream) {
     }
 }
 
-// The warp-specialized Hopper kernel of the wgmma set's ws_tile, for dense plain calls with one key block per CTA
-// (the plan checked), then the narrow kernel's dQ conversion: the consumers are that kernel's threads, so dq_accum is
+// The warp-specialized Hopper kernel of the wgmma set's ws_tile, for plain calls with one key block per CTA (the plan
+// checked), then the narrow kernel's dQ conversion: the consumers are that kernel's threads, so dq_accum is
 // in its fragment order. TMA descriptors of q, dout, k and v are encoded for each call.
 template <typename Element, int kHeadDim, bool kCausal>
 cudaError_t run_bwd_sm90_ws(const BwdParams& params, cudaStream_t stream) {
@@ -117,10 +117,12 @@ cudaError_t run_bwd_sm90_ws(const BwdParams& params, cudaStream_t stream) {
     static_assert(sizeof(Element) == kElementBytes);
     static_assert(Traits::kSmemBytes == bwd_ws_smem_bytes(kHeadDim, kTile.block_m, kTile.block_n),
                   "the plans check a GPU's shared memory by the formula");
-    if (params.key_blocks_per_cta != 1 || params.cu_seqlens_q != nullptr || params.cu_seqlens_k != nullptr ||
-        params.gqa_pack != 1) {
-        return cudaErrorNotSupported;
-    }
+    if (params.key_blocks_per_cta != 1 || params.gqa_pack != 1) { return cudaErrorNotSupported; }
+    // Variable-length batches: each view is one batch of all the sequences' rows (the kernel offsets each sequence).
+    const bool varlen = params.cu_seqlens_q != nullptr;
+    const int rows_q = varlen ? params.total_q : params.seqlen_q;
+    const int rows_k = varlen ? params.total_k : params.seqlen_k;
+    const int batches = varlen ? 1 : params.batch;
     using TileQ = Shape<Int<Traits::kBlockM>, Int<kHeadDim>>;
     using TileKV = Shape<Int<Traits::kBlockN>, Int<kHeadDim>>;
     using SmemLayoutQ = typename Traits::SmemLayoutQ;
@@ -128,19 +130,23 @@ cudaError_t run_bwd_sm90_ws(const BwdParams& params, cudaStream_t stream) {
     using View = TmaView<Element>;
     const BwdWsParams<Traits> ws{
         params,
-        View::template load<SmemLayoutQ, TileQ>(params, params.q_ptr, params.seqlen_q, params.num_heads,
+        View::template load<SmemLayoutQ, TileQ>(params, params.q_ptr, rows_q, params.num_heads, batches,
                                                 params.q_row_stride, params.q_head_stride, params.q_batch_stride),
-        View::template load<SmemLayoutQ, TileQ>(params, params.do_ptr, params.seqlen_q, params.num_heads,
+        View::template load<SmemLayoutQ, TileQ>(params, params.do_ptr, rows_q, params.num_heads, batches,
                                                 params.do_row_stride, params.do_head_stride, params.do_batch_stride),
-        View::template load<SmemLayoutKV, TileKV>(params, params.k_ptr, params.seqlen_k, params.num_heads_k,
+        View::template load<SmemLayoutKV, TileKV>(params, params.k_ptr, rows_k, params.num_heads_k, batches,
                                                   params.k_row_stride, params.k_head_stride, params.k_batch_stride),
-        View::template load<SmemLayoutKV, TileKV>(params, params.v_ptr, params.seqlen_k, params.num_heads_k,
+        View::template load<SmemLayoutKV, TileKV>(params, params.v_ptr, rows_k, params.num_heads_k, batches,
                                                   params.v_row_stride, params.v_head_stride, params.v_batch_stride)};
     const WsSchedule<Traits::kBlockN, kCausal> schedule(params.seqlen_k, params.batch,
                                                         params.num_heads / params.heads_per_cta);
-    const cudaError_t err =
-        launch_persistent<&flash_bwd_sm90_ws_kernel<Traits, kCausal>, Traits::kNThreads, Traits::kSmemBytes>(
-            schedule.units, params, stream, ws);
+    // The kernel's variable-length form for variable-length batches (kVarlen).
+    auto launch = [&](auto varlen_form) {
+        constexpr bool kVarlen = decltype(varlen_form)::value;
+        return launch_persistent<&flash_bwd_sm90_ws_kernel<Traits, kCausal, kVarlen>, Traits::kNThreads,
+                                 Traits::kSmemBytes>(schedule.units, params, stream, ws);
+    };
+    const cudaError_t err = varlen ? launch(std::true_type{}) : launch(std::false_type{});
     if (err != cudaSuccess) { return err; }
     return run_bwd_sm90_convert_dq<typename Traits::Base>(params, stream);
 }

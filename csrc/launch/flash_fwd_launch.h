@@ -91,17 +91,16 @@ cudaError_t run_fwd_sm90_ws(const FwdParams& params, cudaStream_t stream) {
     using TileQ = Shape<Int<Traits::kBlockM>, Int<kHeadDim>>;
     using TileKV = Shape<Int<Traits::kBlockN>, Int<kHeadDim>>;
     using View = TmaView<Element>;
-    const FwdWsParams<Traits> ws{
-        params,
-        View::template load<typename Traits::SmemLayoutQ, TileQ>(params, params.q_ptr, params.seqlen_q,
-                                                                 params.num_heads, params.q_row_stride,
-                                                                 params.q_head_stride, params.q_batch_stride),
-        View::template load<typename Traits::SmemLayoutKV, TileKV>(params, params.k_ptr, params.seqlen_k,
-                                                                   params.num_heads_k, params.k_row_stride,
-                                                                   params.k_head_stride, params.k_batch_stride),
-        View::template load<typename Traits::SmemLayoutKV, TileKV>(params, params.v_ptr, params.seqlen_k,
-                                                                   params.num_heads_k, params.v_row_stride,
-                                                                   params.v_head_stride, params.v_batch_stride)};
+    const FwdWsParams<Traits> ws{params,
+                                 View::template load<typename Traits::SmemLayoutQ, TileQ>(
+                                     params, params.q_ptr, params.seqlen_q, params.num_heads, params.batch,
+                                     params.q_row_stride, params.q_head_stride, params.q_batch_stride),
+                                 View::template load<typename Traits::SmemLayoutKV, TileKV>(
+                                     params, params.k_ptr, params.seqlen_k, params.num_heads_k, params.batch,
+                                     params.k_row_stride, params.k_head_stride, params.k_batch_stride),
+                                 View::template load<typename Traits::SmemLayoutKV, TileKV>(
+                                     params, params.v_ptr, params.seqlen_k, params.num_heads_k, params.batch,
+                                     params.v_row_stride, params.v_head_stride, params.v_batch_stride)};
     // Persistent: a CTA takes all of an SM's registers (setmaxnreg hands them to its warpgroups).
     const WsSchedule<Traits::kBlockM, kCausal> schedule(params.seqlen_q, params.batch, params.num_heads);
     return launch_persistent<&flash_fwd_sm90_ws_kernel<Traits, kCausal, kMod, kSink>, Traits::kNThreads,

@@ -351,15 +351,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         // read of them.
         const int etidx = opaque_int(ctidx);
         Tensor cdKV = make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{});  // (kBlockN, kHeadDim)
+        auto key_block_of = [&](auto view) {  // the tile's (kBlockN, kHeadDim) rows of a dK or dV view
+            return local_tile(view, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(tile.n_block, 0));
+        };
         if (params.dkv_fp32) {
             auto thr_mma = mma_dkv.get_thread_slice(etidx);
             Tensor tdKVcdKV = thr_mma.partition_C(cdKV);  // (MMA, MMA_N, MMA_D)
-            Tensor gdK = local_tile(tile.binfo.template dk_view<float>(params, tile.batch_idx, tile.dkv_head),
-                                    Shape<Int<kBlockN>, Int<kHeadDim>>{},
-                                    make_coord(tile.n_block, 0));  // (kBlockN, kHeadDim)
-            Tensor gdV = local_tile(tile.binfo.template dv_view<float>(params, tile.batch_idx, tile.dkv_head),
-                                    Shape<Int<kBlockN>, Int<kHeadDim>>{},
-                                    make_coord(tile.n_block, 0));  // (kBlockN, kHeadDim)
+            Tensor gdK = key_block_of(
+                tile.binfo.template dk_view<float>(params, tile.batch_idx, tile.dkv_head));  // (kBlockN, kHeadDim)
+            Tensor gdV = key_block_of(
+                tile.binfo.template dv_view<float>(params, tile.batch_idx, tile.dkv_head));  // (kBlockN, kHeadDim)
             store_acc<float>(acc_dk, tdKVcdKV, gdK, tile.k_rows_left(), params.head_dim, params.softmax_scale);
             store_acc<float>(acc_dv, tdKVcdKV, gdV, tile.k_rows_left(), params.head_dim, 1.f);
         } else {
@@ -376,12 +377,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             typename Traits::GmemTiledCopyStore gmem_tiled_copy;
             auto gmem_thr_copy = gmem_tiled_copy.get_thread_slice(etidx);
             Tensor tdKVcdKV = gmem_thr_copy.partition_D(cdKV);  // (CPY, CPY_N, CPY_D)
-            Tensor gdK = local_tile(tile.binfo.template dk_view<Element>(params, tile.batch_idx, tile.dkv_head),
-                                    Shape<Int<kBlockN>, Int<kHeadDim>>{},
-                                    make_coord(tile.n_block, 0));  // (kBlockN, kHeadDim)
-            Tensor gdV = local_tile(tile.binfo.template dv_view<Element>(params, tile.batch_idx, tile.dkv_head),
-                                    Shape<Int<kBlockN>, Int<kHeadDim>>{},
-                                    make_coord(tile.n_block, 0));  // (kBlockN, kHeadDim)
+            Tensor gdK = key_block_of(
+                tile.binfo.template dk_view<Element>(params, tile.batch_idx, tile.dkv_head));  // (kBlockN, kHeadDim)
+            Tensor gdV = key_block_of(
+                tile.binfo.template dv_view<Element>(params, tile.batch_idx, tile.dkv_head));  // (kBlockN, kHeadDim)
             copy_to_gmem(gmem_tiled_copy, gmem_thr_copy.partition_S(sK), gmem_thr_copy.partition_D(gdK), tdKVcdKV,
                          tile.k_rows_left(), params.head_dim);
             copy_to_gmem(gmem_tiled_copy, gmem_thr_copy.partition_S(sV), gmem_thr_copy.partition_D(gdV), tdKVcdKV,

@@ -18,8 +18,10 @@ by ``;``:
 - ``max_smem=bytes``: plan as on a GPU with at most this much shared memory per block, so that a larger GPU
   runs a smaller one's tile sets (``max_smem=101376``: the mma.sync kernels' 99 KiB set of sm_86, sm_89 and
   sm_120).
-- ``ws=0|1``: the Hopper forward's warp-specialized TMA kernel (dense calls of the plain kernels without key
-  splits, GQA packing or the short-key tile), else the kernel whose warps all load and compute.
+- ``ws=0|1``: the Hopper warp-specialized TMA kernels, else the kernels whose warps all load and compute: the
+  forward's (dense calls of the plain kernels without key splits, GQA packing or the short-key tile) and the
+  backward's (plain calls at head dims 64 and 128, not on the short-query tile). A deterministic backward at those
+  head dims on Hopper runs the warp-specialized kernel whatever is forced, or the mma.sync one.
 - ``gqa_pack=0|1``: 0 runs every query head on its own; 1 (the default) runs the query heads that share a
   key/value head as rows of one head where the kernels can (dense forwards with one query row).
 
@@ -59,7 +61,7 @@ class Plan:
     gqa_pack: int  # query heads packed as rows of their key/value head (1: none)
     num_splits: int  # forward: key splits (1: none)
     short_key_tile: bool  # forward: the Hopper short-key tile
-    warp_specialized: bool  # forward: the Hopper warp-specialized TMA kernel
+    warp_specialized: bool  # the Hopper warp-specialized TMA kernel (forward, or backward at head dims 64 and 128)
     short_query_tile: bool  # backward: the Hopper 16-row query tile
     heads_per_cta: int  # backward: query heads one CTA walks (GQA walk when > 1)
     key_blocks_per_cta: int  # backward: consecutive key blocks one CTA walks

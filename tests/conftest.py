@@ -452,6 +452,15 @@ def device_plan(
     )
 
 
+def variants_kernel(plain, deterministic):
+    """The kernel family that a call with attention variants runs, from ``plain``, the plan of the same call
+    without them: the same one, except that a deterministic backward on the Hopper warp-specialized kernel, which
+    has no variants, runs the mma.sync one."""
+    if deterministic and plain.pass_ == "bwd" and plain.warp_specialized:
+        return "mma_sync"
+    return plain.kernel
+
+
 def check_forced_plans(
     q, k, causal, force, *, deterministic=False, lens=None, max_seqlens=None, passes=("fwd", "bwd"), variants=None
 ):
@@ -484,7 +493,7 @@ def check_forced_plans(
         # Under a shared-memory limit below the Hopper kernels' 227 KiB (max_smem, or FLASH_ATTN2_MAX_SMEM for the
         # whole run), the mma.sync kernels run whatever the forced family.
         limits = [x for x in (force.get("max_smem"), MAX_SMEM) if x]
-        if "kernel" in force:
+        if "kernel" in force and not (deterministic and pass_ == "bwd"):
             hopper_fits = not limits or min(limits) >= SMEM_227KIB
             assert p.kernel == (force["kernel"] if hopper_fits else "mma_sync"), p
         if limits:
@@ -510,14 +519,21 @@ def check_forced_plans(
             elif not hopper:
                 assert not p.warp_specialized, p
             continue
-        if deterministic:
-            assert p.kernel == "mma_sync", p
         # A packed seqlen_q == 1 call has no GQA left.
         grouped = nheads != nheads_k and p.gqa_pack == 1
         if "gqa_walk" in force:
             walk = bool(force["gqa_walk"]) and hopper and grouped
             assert p.heads_per_cta == (nheads // nheads_k if walk else 1), p
             assert p.dkv_fp32_slices == (grouped and not walk), p
+        if deterministic:
+            # Deterministic mode runs the kernels whose key blocks add into dQ in a fixed order, whatever else is
+            # forced: the mma.sync backward, or on Hopper the warp-specialized one (plain calls at head dims 64 and
+            # 128) and the wide one (head dims 160 to 256).
+            if hopper:
+                assert p.warp_specialized == (kernel_dim <= 128), p
+                assert kernel_dim in (64, 128) or kernel_dim >= 160, p
+                assert p.key_blocks_per_cta == 1 and not p.short_query_tile and p.gqa_pack == 1, p
+            continue
         if "ws" in force:
             # The warp-specialized backward: plain calls at head dims 64 and 128 (launch/tile_size.h: ws_tile), not on
             # the short-query tile; one key block per tile.

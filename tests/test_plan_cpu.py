@@ -88,12 +88,61 @@ def test_wgmma_override_off_hopper(pass_):
         assert p.kernel == "mma_sync"
 
 
-def test_deterministic_backward_runs_mma_sync():
-    assert make("bwd", deterministic=True).kernel == "mma_sync"
-    assert make("bwd", deterministic=True, kernel="wgmma").kernel == "mma_sync"
-    assert make("bwd", deterministic=False).kernel == "wgmma"
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(1, 512), (100, 300), (512, 512), (8192, 8192), (300, 5000)])
+def test_deterministic_backward_on_hopper_runs_the_warp_specialized_kernel(seqlen_q, seqlen_k, head_dim, causal):
+    # Plain calls at head dims 64 and 128, at every length and whatever is forced: its key blocks add into dQ in a
+    # fixed order, the other Hopper kernels' do not.
+    for choices in ({}, {"ws": False}, {"key_blocks": 2}, {"short_queries": True}, {"kernel": "wgmma"}):
+        p = make(
+            "bwd", seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=head_dim, causal=causal, deterministic=True, **choices
+        )
+        assert p.kernel == "wgmma" and p.warp_specialized, (choices, p)
+        assert p.key_blocks_per_cta == 1 and not p.short_query_tile and p.gqa_pack == 1, (choices, p)
+    assert make("bwd", head_dim=head_dim, deterministic=True, kernel="mma_sync").kernel == "mma_sync"
+    # One query row with GQA: not packed, which that kernel does not do.
+    p = make("bwd", seqlen_q=1, nheads=32, nheads_k=4, head_dim=head_dim, causal=causal, deterministic=True)
+    assert p.warp_specialized and p.gqa_pack == 1, p
+
+
+VARIANT_FLAGS = ({"window_size": (64, 0)}, {"softcap": 30.0}, {"alibi": True}, {"dropout": True})
+
+
+@pytest.mark.parametrize("head_dim", [160, 192, 224, 256])
+def test_deterministic_backward_wide_head_dims_run_the_wide_kernel(head_dim):
+    # Its key blocks take turns too, variants included.
+    for causal in (False, True):
+        for variant in ({}, *VARIANT_FLAGS):
+            p = make("bwd", head_dim=head_dim, causal=causal, deterministic=True, **variant)
+            assert p.kernel == "wgmma" and not p.warp_specialized and p.key_blocks_per_cta == 1, (variant, p)
+    p = make("bwd", seqlen_q=1, nheads=32, nheads_k=4, head_dim=head_dim, deterministic=True)
+    assert p.kernel == "wgmma" and p.gqa_pack == 1, p
+
+
+def test_deterministic_backward_elsewhere_runs_mma_sync():
+    # Head dims 32 and 96 (the narrow kernel only), and the variants at head dims 64 and 128.
+    for head_dim in (32, 96):
+        assert make("bwd", head_dim=head_dim, deterministic=True).kernel == "mma_sync", head_dim
+        assert make("bwd", head_dim=head_dim, deterministic=True, kernel="wgmma").kernel == "mma_sync", head_dim
+    for head_dim in (64, 128):
+        for variant in VARIANT_FLAGS:
+            assert make("bwd", head_dim=head_dim, deterministic=True, causal=True, **variant).kernel == "mma_sync"
+            assert make("bwd", head_dim=head_dim, deterministic=False, causal=True, **variant).kernel == "wgmma"
+    assert make("bwd", A100, deterministic=True).kernel == "mma_sync"
     # Deterministic mode is a backward matter.
     assert make("fwd", deterministic=True).kernel == "wgmma"
+
+
+def test_deterministic_causal_backward_fits_the_key_block_pairs_in_one_round():
+    # Under a causal mask a key block waits for later ones of its (sequence, head): every pair of 128-key blocks
+    # needs an SM of its own at once.
+    for gpu, sms in ((H200, 132), ({"arch": 90, "num_sms": 78}, 78)):
+        fits = make("bwd", gpu, seqlen_k=2 * sms * 128, causal=True, deterministic=True)
+        assert fits.kernel == "wgmma" and fits.warp_specialized, fits
+        assert make("bwd", gpu, seqlen_k=2 * sms * 128 + 1, causal=True, deterministic=True).kernel == "mma_sync"
+        unmasked = make("bwd", gpu, seqlen_k=2 * sms * 128 + 1, deterministic=True)
+        assert unmasked.kernel == "wgmma" and unmasked.warp_specialized, unmasked
 
 
 # ---------------------------------------------------------------- one query row: causal dropped, GQA packed
@@ -287,6 +336,7 @@ def test_short_query_tile_forced():
     assert not make("bwd", seqlen_q=1000, head_dim=256, short_queries=True).short_query_tile
     assert not make("bwd", A100, seqlen_q=1000, short_queries=True).short_query_tile
     assert not make("bwd", seqlen_q=1000, deterministic=True, short_queries=True).short_query_tile
+    assert make("bwd", seqlen_q=1000, deterministic=True, short_queries=True).warp_specialized
     assert not make("bwd", seqlen_q=1000, kernel="mma_sync", short_queries=True).short_query_tile
 
 
@@ -322,17 +372,22 @@ def test_gqa_walk_forced(head_dim):
     assert p.heads_per_cta == 1 and p.dkv_fp32_slices, p
 
 
-def test_gqa_walk_only_on_hopper_gqa_nondeterministic():
+def test_gqa_walk_only_on_hopper_gqa():
     # MHA: nothing to walk, nothing to sum.
     p = make("bwd", **dict(GQA, nheads_k=8), seqlen_k=16384, gqa_walk=True)
     assert p.heads_per_cta == 1 and not p.dkv_fp32_slices, p
     # GQA without a walk: fp32 slices.
     for p in (
         make("bwd", A100, **GQA, seqlen_k=16384, gqa_walk=True),
-        make("bwd", **GQA, seqlen_k=16384, deterministic=True, gqa_walk=True),
+        make("bwd", **GQA, seqlen_k=16384, head_dim=96, deterministic=True, gqa_walk=True),
         make("bwd", **GQA, seqlen_k=16384, kernel="mma_sync", gqa_walk=True),
     ):
         assert p.kernel == "mma_sync" and p.heads_per_cta == 1 and p.dkv_fp32_slices, p
+    # Deterministic mode walks too (the warp-specialized kernel), or writes fp32 slices where forced not to.
+    p = make("bwd", **GQA, seqlen_k=16384, deterministic=True, gqa_walk=True)
+    assert p.warp_specialized and p.heads_per_cta == 4 and not p.dkv_fp32_slices, p
+    p = make("bwd", **GQA, seqlen_k=16384, deterministic=True, gqa_walk=False)
+    assert p.warp_specialized and p.heads_per_cta == 1 and p.dkv_fp32_slices, p
     # The forward has neither.
     p = make("fwd", **GQA, seqlen_k=16384, gqa_walk=True)
     assert p.heads_per_cta == 1 and not p.dkv_fp32_slices, p

@@ -112,15 +112,25 @@ constexpr KernelFamily kFamilyPreference[] = {KernelFamily::kWgmma, KernelFamily
 static_assert(sizeof(kFamilyPreference) / sizeof(kFamilyPreference[0]) == kNumKernelFamilies);
 
 // Whether `family` can run this pass of `p` on `t`: the GPU runs it, the build holds it, the process has not
-// turned it off, the pass allows it (deterministic mode runs the mma.sync backward, whose key blocks add into dQ
-// in a fixed order), and one of its tile sets fits the GPU's shared memory (on a GPU, or under a max_smem
-// override, below the wgmma set's 227 KiB, the mma.sync kernels run).
+// turned it off, one of its tile sets fits the GPU's shared memory (on a GPU, or under a max_smem override, below
+// the wgmma set's 227 KiB, the mma.sync kernels run), and in deterministic mode it has a backward kernel whose key
+// blocks add into dQ in a fixed order: the mma.sync one, or on Hopper the wide kernel (head dims 160 to 256) and
+// the warp-specialized one (head dims 64 and 128, plain calls; not packing GQA heads, plan_kernels). Under a causal
+// mask the latter's order has a key block wait for others of its (sequence, head), all of whose key-block pairs
+// must then fit one round of its persistent grid, one per SM (BwdWsTile::dq_turn).
 bool can_run(KernelFamily family, const Problem& p, const Target& t) {
-    const bool pass_allows = !(family == KernelFamily::kWgmma && p.pass == Pass::kBwd && p.deterministic);
     const int head_dim = kernel_head_dim_for(family, p.pass, kernel_head_dim(p.head_dim), t.max_smem);
-    const bool fits = set_fits(tile_set_for(family, p.pass, head_dim, t.max_smem), t.max_smem);
+    const TileSet set = tile_set_for(family, p.pass, head_dim, t.max_smem);
+    const bool fits = set_fits(set, t.max_smem);
+    bool orders_dq = true;
+    if (family == KernelFamily::kWgmma && p.pass == Pass::kBwd && p.deterministic && fits) {
+        const TileShape& ws = set.ws_tile;
+        const bool ws_orders = ws.exists() && !p.variants &&
+                               (!p.causal || ceil_div(ceil_div(p.seqlen_k, ws.block_n), 2) <= std::max(t.num_sms, 1));
+        orders_dq = !bwd_sm90_narrow(head_dim) || ws_orders;
+    }
     return family_runs_on(family, t.cc_major, t.cc_minor) && t.built(p.pass).has(family) && !t.disabled.has(family) &&
-           pass_allows && fits;
+           fits && orders_dq;
 }
 
 // The forced family where it can run, else the first of kFamilyPreference that can; mma.sync when none can
@@ -195,7 +205,9 @@ void plan_bwd(const Problem& p, const Target& t, const PlanOverride& o, Plan& pl
     const bool wgmma = plan.family == KernelFamily::kWgmma;
     const TileSet set = tile_set_for(plan.family, Pass::kBwd, hd, t.max_smem);
     plan.tile_budget = set.smem_budget;
-    plan.short_query_tile = set.short_tile.exists() && choose(o.short_queries, seqlen_q <= kBwdShortQueriesMax);
+    // Not in deterministic mode, which at this head dim on Hopper runs the warp-specialized kernel (can_run).
+    plan.short_query_tile = set.short_tile.exists() && !(wgmma && p.deterministic) &&
+                            choose(o.short_queries, seqlen_q <= kBwdShortQueriesMax);
     const TileShape tile = plan.short_query_tile ? set.short_tile : set.tile_for(plan.causal);
     plan.block_m = tile.block_m;
     plan.block_n = tile.block_n;
@@ -225,7 +237,9 @@ void plan_bwd(const Problem& p, const Target& t, const PlanOverride& o, Plan& pl
                            !plan.short_query_tile;
     const bool ws_pays = !p.varlen && seqlen_q >= int64_t(kBwdWsMinQueryBlocks) * set.ws_tile.block_m &&
                          (!plan.causal || p.seqlen_k >= kBwdWsMinKeysCausal);
-    plan.warp_specialized = ws_serves && choose(o.warp_specialized, ws_pays && o.key_blocks < 1);
+    // Deterministic mode runs it wherever the plan is Hopper's and the narrow kernel's would run (can_run).
+    const bool ws_orders_dq = wgmma && p.deterministic && bwd_sm90_narrow(hd);
+    plan.warp_specialized = ws_orders_dq || (ws_serves && choose(o.warp_specialized, ws_pays && o.key_blocks < 1));
     if (plan.warp_specialized) {
         plan.key_blocks_per_cta = 1;
         plan.smem_bytes = bwd_ws_smem_bytes(hd, set.ws_tile.block_m, set.ws_tile.block_n);
@@ -247,11 +261,13 @@ void plan_kernels(const Problem& p, const Target& t, int num_splits, const PlanO
     // the whole group, and the backward gets dK/dV per key/value head directly.
     // Not with ALiBi or dropout, which read each query head's own position. The forward's variants kernel packs
     // too (decoding from a KV cache, windows, softcap): it reads the one query's window as a range of keys
-    // (FwdTile::fold_window_into_keys).
+    // (FwdTile::fold_window_into_keys). Not in a deterministic backward on Hopper, where the warp-specialized kernel
+    // (can_run) does not pack.
     const bool packable = !plan.causal && !p.positional;
     const bool variants_packable = p.pass == Pass::kFwd && plan.variants && !p.head_positions;
     const bool pack = o.gqa_pack != 0 && !p.varlen && (packable || variants_packable) && p.seqlen_q == 1 &&
-                      p.nheads_k > 0 && p.nheads > p.nheads_k;
+                      p.nheads_k > 0 && p.nheads > p.nheads_k &&
+                      !(p.pass == Pass::kBwd && p.deterministic && plan.family == KernelFamily::kWgmma);
     plan.gqa_pack = pack ? p.nheads / p.nheads_k : 1;
     plan.kernel_head_dim = kernel_head_dim_for(plan.family, p.pass, kernel_head_dim(p.head_dim), t.max_smem);
     plan.num_splits = 1;

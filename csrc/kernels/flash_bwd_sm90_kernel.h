@@ -9,7 +9,8 @@
 // - flash_bwd_sm90_wide_kernel (head dims 160 to 256): dK and dV of 64 keys over the whole head dim
 //   do not fit one warpgroup's registers, so the warpgroups split the keys of S and dP, write P and dS to
 //   shared memory, and split the head dim of dV, dK and dQ.
-// Deterministic mode runs the mma.sync kernel.
+// In deterministic mode the wide kernel adds dQ in a fixed order (BwdSm90Block::dq_turn); the narrow one has no such
+// mode (the mma.sync kernel, or flash_bwd_sm90_ws_kernel.h, runs there).
 #pragma once
 
 #include <cmath>
@@ -21,6 +22,7 @@
 #include "kernels/block_info.h"
 #include "kernels/bwd_p_ds.h"
 #include "kernels/dq_accum.h"
+#include "kernels/dq_turns.h"
 #include "launch/flash_params.h"
 #include "kernels/global_ops.h"
 #include "kernels/kernel_traits_bwd_sm90.h"
@@ -84,7 +86,7 @@ struct BwdSm90Block {
     float* s_dq;            // two dQ tiles of Traits::kSmemDqTileFloats with Traits::kDqThroughSmem (add_dq)
 
     __forceinline__ __device__ BwdSm90Block(const BwdParams& params, char* smem_raw)
-        : n_block(blockIdx.x * (Traits::kStagesKV > 1 ? params.key_blocks_per_cta : 1)),
+        : n_block(first_key_block(params)),
           kv_stage(0),
           batch_idx(sequence_of_cta(params)),
           first_head(blockIdx.z * params.heads_per_cta),
@@ -107,6 +109,15 @@ struct BwdSm90Block {
         s_lse = reinterpret_cast<float*>(scratch_base + Traits::kSmemScratchElems);
         s_dsum = s_lse + Traits::kStagesQ * kBlockM;
         s_dq = reinterpret_cast<float*>(smem_raw + Traits::kSmemBytesOneKV);
+    }
+
+    // The CTA's first key block. In deterministic mode under a causal mask grid x runs over the key blocks from the
+    // last, the order of their turns (dq_turn).
+    __forceinline__ __device__ static int first_key_block(const BwdParams& params) {
+        if constexpr (Traits::kDqTurns && kCausal) {
+            if (params.deterministic) { return int(gridDim.x) - 1 - int(blockIdx.x); }
+        }
+        return blockIdx.x * (Traits::kStagesKV > 1 ? params.key_blocks_per_cta : 1);
     }
 
     // Steps of a key block whose first query block is first_m_block.
@@ -278,6 +289,39 @@ struct BwdSm90Block {
         }
     }
 
+    // Deterministic mode (Traits::kDqTurns; dq_turns.h): the key blocks that see a query block add into it from the
+    // first, or under a causal mask from the last, which reaches it first (a key block's first query block lies
+    // further down the later the block is). Either way grid x runs over them in that order (first_key_block), so each
+    // waits only for CTAs of lower index, dispatched no later. A key block passes a step's turn on at its next
+    // step, each thread having fenced its additions, which by then have long landed: no thread waits for additions
+    // it just issued, and a key block runs about a step behind its predecessor.
+    __forceinline__ __device__ int dq_turn(const BwdStep& step) const {
+        return kCausal ? bounds.n_block_end(step.m_block) - 1 - n_block : n_block;
+    }
+    __forceinline__ __device__ void pass_turn(const BwdParams& params, const BwdStep& step) const {
+        pass_dq_turn(dq_turn_flag<kBlockM>(params, batch_idx, step.head, step.m_block), dq_turn(step));
+    }
+    // Before a step's additions: the previous step's turn passes on and this one's comes.
+    __forceinline__ __device__ void begin_dq_turn(const BwdParams& params, const BwdStep& step, int thread) const {
+        __threadfence();
+        __syncthreads();
+        if (thread == 0) {
+            if (step.number > step_begin) { pass_turn(params, previous_step(step)); }
+            wait_dq_turn(dq_turn_flag<kBlockM>(params, batch_idx, step.head, step.m_block), dq_turn(step));
+        }
+        __syncthreads();
+    }
+    // After a key block's steps: the last one's turn passes on.
+    __forceinline__ __device__ void end_dq_turns(const BwdParams& params, int thread) const {
+        if constexpr (Traits::kDqTurns) {
+            if (params.deterministic && step_end > step_begin) {
+                __threadfence();
+                __syncthreads();
+                if (thread == 0) { pass_turn(params, last_step()); }
+            }
+        }
+    }
+
     // Whether add_dq writes dQ to shared memory for a bulk reduction (Traits::kDqThroughSmem): in a CTA of one key
     // block, where the two dQ tiles take the second K/V buffer's place.
     __forceinline__ __device__ static bool dq_through_smem(const BwdParams& params) {
@@ -355,6 +399,9 @@ struct BwdSm90Block {
             float* dst = &gdQ(0, 0) + thread * 4;  // the tile's floats, in fragment order
             Tensor tdQcdQ = thr_mma_dq.partition_C(
                 make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));  // (MMA, MMA_M, MMA_D)
+            if constexpr (Traits::kDqTurns) {
+                if (params.deterministic) { begin_dq_turn(params, step, thread); }
+            }
             CUTE_UNROLL
             for (int g = 0; g < size(acc_dq) / 4; ++g) {
                 red_add_dq_if(get<0>(tdQcdQ(4 * g)) < rows_left, dst + g * Traits::kNThreads * 4, acc_dq, g);
@@ -717,6 +764,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         warpgroup_fence_operand(acc_dv);
         warpgroup_fence_operand(acc_dk);
     }
+    blk.end_dq_turns(params, tidx);
     blk.store_dk_dv(params, mma_dkv, acc_dk, acc_dv, tidx);
 #endif
 }

@@ -23,6 +23,7 @@
 #include "kernels/block.h"
 #include "kernels/block_info.h"
 #include "kernels/bwd_p_ds.h"
+#include "kernels/dq_turns.h"
 #include "kernels/flash_bwd_sm90_kernel.h"  // BwdStep
 #include "kernels/global_ops.h"
 #include "kernels/kernel_traits_bwd_sm90.h"
@@ -85,6 +86,21 @@ struct BwdWsTile {
         for (BwdStep step = first_step(); step.number < steps; step = next_step(step)) { f(step); }
     }
     __forceinline__ __device__ int k_rows_left() const { return binfo.seqlen_k - n_block * kBlockN; }
+    // Deterministic mode (dq_turns.h): the position of this key block among those that see query block m_block in
+    // the order they add their dQ there, which follows the order they reach it in. Without a mask, from the first
+    // key block. Under a causal mask key blocks pair up (WsSchedule), and of a round's units the first blocks
+    // walked, [first_high, blocks), are the late ones, reaching a query block one after another from the last:
+    // they add first, from the last, and then the others from the first. A wait ends as long as every unit of
+    // the (sequence, head) runs in the same round (the launcher's grid keeps heads whole where it needs to), or
+    // each waits only for lower units (no mask).
+    __forceinline__ __device__ int dq_turn(int m_block, int first_high) const {
+        if constexpr (!kCausal) {
+            return n_block;
+        } else {
+            const int end = bounds.n_block_end(m_block);
+            return n_block >= first_high ? end - 1 - n_block : max(end - first_high, 0) + n_block;
+        }
+    }
     // False for a key block past its sequence's keys (variable-length grids are sized by the longest) or seen by no
     // query (a sequence without queries): every role skips it, and its dK and dV stay the zeros the host wrote.
     __forceinline__ __device__ bool has_work() const { return steps > 0 && k_rows_left() > 0; }
@@ -240,7 +256,20 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         } else if (warp_idx == 2) {
             // Each step's dQ tile into dq_accum, whole: rows past seqlen_q hold exact zeros, and dq_accum pads each
             // sequence past its last query block. The tile's buffer is released once the reduction has read it.
+            // In deterministic mode it waits for the step's turn (BwdWsTile::dq_turn) before the reduction, and
+            // passes the turn of the step before on first, that step's reduction having landed by then: the warp
+            // does not wait for the completion of a reduction it just issued, and a CTA's key block runs about a
+            // step behind its predecessor. A pass never waits for another CTA: only for this one's consumers.
             if (!cute::elect_one_sync()) { return; }
+            const int first_high = schedule.blocks / 2;
+            int* last_flag = nullptr;  // deterministic mode: the previous step's flag and turn, not yet passed on
+            int last_turn = 0;
+            auto pass_last_turn = [&] {
+                if (last_flag != nullptr) {
+                    bulk_wait<0>();
+                    pass_dq_turn(last_flag, last_turn);
+                }
+            };
             int steps_done = 0;
             for_each_tile([&](const Tile& tile) {
                 tile.for_each_step([&](const BwdStep& step) {
@@ -249,6 +278,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                                                             index_t(step.m_block) * kBlockM) *
                                                                kHeadDim;
                     Barrier::wait(&storage.dq_full[slot.stage], slot.phase);
+                    if (params.deterministic) {
+                        pass_last_turn();
+                        last_flag = dq_turn_flag<kBlockM>(params, tile.batch_idx, step.head, step.m_block);
+                        last_turn = tile.dq_turn(step.m_block, first_high);
+                        wait_dq_turn(last_flag, last_turn);
+                    }
                     bulk_reduce_add_f32(dq_tile, storage.dq[slot.stage],
                                         Traits::kSmemDqTileFloats * int(sizeof(float)));
                     bulk_commit();
@@ -257,6 +292,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                 });
                 steps_done += tile.steps;
             });
+            pass_last_turn();
             bulk_wait<0>();  // the CTA's last reductions complete before it exits
         }
         return;

@@ -65,6 +65,8 @@ struct BwdSm90BaseTraits {
     // (BwdSm90KernelTraits).
     static constexpr bool kDqThroughSmem = false;
     static constexpr int kSmemDqTileFloats = 0;
+    // Whether the kernel has a deterministic mode (BwdSm90Block::dq_turn): the wide kernel's.
+    static constexpr bool kDqTurns = false;
     // dq_accum's conversion (convert_dq_tile, for dQ GEMMs with query rows): one chunk of the whole head dim,
     // the dQ fragments into a Q-shaped tile with stmatrix.
     static constexpr int kDqChunk = kHeadDim;
@@ -289,6 +291,7 @@ struct BwdSm90WideKernelTraits : BwdSm90BaseTraits<Element_, kHeadDim_, 64, 64, 
     static constexpr int kSmemPElems = cosize_v<SmemLayoutP>;
     static constexpr int kSmemScratchElems = 2 * kSmemPElems;
     static constexpr int kStagesKV = 1;  // one key block per CTA: a second K/V buffer would not fit at head dim 256
+    static constexpr bool kDqTurns = true;
     static constexpr int kSmemBytesOneKV = Base::smem_bytes(kSmemScratchElems);
     static constexpr int kSmemBytes = kSmemBytesOneKV;
     static_assert(kSmemBytes <= 227 * 1024);

@@ -140,11 +140,17 @@ cudaError_t run_bwd_sm90_ws(const BwdParams& params, cudaStream_t stream) {
                                                   params.v_row_stride, params.v_head_stride, params.v_batch_stride)};
     const WsSchedule<Traits::kBlockN, kCausal> schedule(params.seqlen_k, params.batch,
                                                         params.num_heads / params.heads_per_cta);
+    // Deterministic mode: every round of the walk holds whole (sequence, head)s where a head's units fit the SMs.
+    // Under a causal mask the kernel's dQ order needs it (BwdWsTile::dq_turn), and the plan takes this kernel there
+    // only where they fit. Without one it is a preference: it keeps a head's key blocks on the same CTAs from round
+    // to round, so that the offsets between them that the order sets up in the first round hold in the later ones.
+    const int group = params.deterministic ? schedule.units_per_head : 1;
+    const bool group_optional = !kCausal;
     // The kernel's variable-length form for variable-length batches (kVarlen).
     auto launch = [&](auto varlen_form) {
         constexpr bool kVarlen = decltype(varlen_form)::value;
         return launch_persistent<&flash_bwd_sm90_ws_kernel<Traits, kCausal, kVarlen>, Traits::kNThreads,
-                                 Traits::kSmemBytes>(schedule.units, params, stream, ws);
+                                 Traits::kSmemBytes>(schedule.units, params, stream, ws, group, group_optional);
     };
     const cudaError_t err = varlen ? launch(std::true_type{}) : launch(std::false_type{});
     if (err != cudaSuccess) { return err; }
@@ -155,13 +161,15 @@ cudaError_t run_bwd_sm90_ws(const BwdParams& params, cudaStream_t stream) {
 template <typename Element, int kHeadDim, bool kCausal, bool kVariants>
 cudaError_t run_bwd(const BwdParams& params, cudaStream_t stream) {
 #if defined(FLASH_ATTN2_SM90A) && !defined(FLASH_BWD_TILE_M)
-    if (params.family == KernelFamily::kWgmma && !params.deterministic) {
+    if (params.family == KernelFamily::kWgmma) {
         constexpr TileSet kSet = kBwdTileSet<KernelFamily::kWgmma, kHeadDim>;
         static_assert(kSet.exists(), "every compiled head dim has a wgmma tile set");
         if constexpr (kSet.ws_tile.exists() && !kVariants) {
             if (params.warp_specialized) { return run_bwd_sm90_ws<Element, kHeadDim, kCausal>(params, stream); }
         }
         if constexpr (kBwdSm90Kind<kHeadDim> == BwdSm90Kind::kNarrow) {
+            // Deterministic mode at these head dims runs the warp-specialized kernel or the mma.sync one (the plan).
+            if (params.deterministic) { return cudaErrorNotSupported; }
             if constexpr (kSet.short_tile.exists()) {
                 if (params.short_query_tiles) {
                     constexpr TileShape kTile = kSet.short_tile;

@@ -124,8 +124,9 @@ static_assert(offsetof(FwdParams, warp_specialized) + 1 == offsetof(FwdParams, n
               "the one-byte choices fill the padding before num_splits, so no later field moves");
 
 // Query rows per block of the mma.sync backward kernels lie in [kBwdMinBlockM, kBwdMaxBlockM]: the host sizes
-// the deterministic-mode semaphores (mma.sync only) for the smallest and pads dq_accum for the largest, which
-// every backward's blocks, the Hopper ones' 16 and 64 rows included, divide.
+// the deterministic-mode semaphores (mma.sync, and the warp-specialized Hopper kernel's 64 and 128 rows) for the
+// smallest and pads dq_accum for the largest, which every backward's blocks, the Hopper ones' 16 and 64 rows
+// included, divide.
 constexpr int kBwdMinBlockM = 64;
 constexpr int kBwdMaxBlockM = 128;
 
@@ -152,6 +153,7 @@ struct BwdParams : FwdParams {
                              // it finishes the current one: 1, or more for the Hopper kernel of head
                              // dims <= 128 (bwd_sm90_walks_key_blocks)
     int* dq_semaphore_ptr;  // (batch, num_heads, ceil(seqlen_q / kBwdMinBlockM)) zeroed; deterministic only
+                            // (dq_turns.h for the Hopper kernel)
 
     index_t do_batch_stride;  // elements between consecutive batches of dout
     index_t do_row_stride;  // elements between consecutive tokens of dout

@@ -67,16 +67,23 @@ cudaError_t launch_kernel(dim3 grid, const Params& params, cudaStream_t stream, 
 // Launches the persistent kernel kKernel, whose argument is `arg`, for `units` units of work (none: no launch): one
 // CTA per SM of the current device, or one per unit where there are fewer. Its CTAs find their sequences from their
 // schedule, not from grid y, so the launch is one piece whatever the batch: launch_kernel_with, which splits launches
-// by params.batch, gets a one-sequence copy of the params.
+// by params.batch, gets a one-sequence copy of the params. With group > 1 (no more than the SMs) the grid is a
+// multiple of `group` CTAs, so that each round of a walk (units c, c + grid, ...) holds whole groups of units; a
+// group the kernel only prefers (group_optional) is dropped where it would leave more than an eighth of the SMs
+// idle.
 template <auto kKernel, int kThreads, int kSmemBytes, typename Params, typename Arg>
-cudaError_t launch_persistent(int units, const Params& params, cudaStream_t stream, const Arg& arg) {
+cudaError_t launch_persistent(int units, const Params& params, cudaStream_t stream, const Arg& arg, int group = 1,
+                              bool group_optional = false) {
     if (units <= 0) { return cudaSuccess; }
     int device = 0;
     int sms = 0;
     cudaError_t err = cudaGetDevice(&device);
     if (err == cudaSuccess) { err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device); }
     if (err != cudaSuccess) { return err; }
-    const dim3 grid(unsigned(std::min(units, std::max(sms, 1))));
+    sms = std::max(sms, 1);
+    const int grouped = group > 1 && group <= sms ? sms / group * group : sms;
+    const int ctas = group_optional && grouped * 8 < sms * 7 ? sms : grouped;
+    const dim3 grid(unsigned(std::min(units, ctas)));
     Params one_piece = params;
     one_piece.batch = 1;
     return launch_kernel_with<kKernel, kThreads, kSmemBytes>(grid, one_piece, stream, kSmemBytes,

@@ -39,7 +39,9 @@ def make(
     override=None,
     **choices,
 ) -> Plan:
-    """The plan on ``gpu`` (H200 unless told), the override given as a string or as override_string keywords."""
+    """The plan on ``gpu`` (H200 unless told), the override given as a string or as override_string keywords; the
+    variants (``window_size``, ``softcap``, ``alibi``, ``dropout``) as plan takes them."""
+    variants = {key: choices.pop(key) for key in ("window_size", "softcap", "alibi", "dropout") if key in choices}
     if override is None:
         override = override_string(**choices)
     p = plan(
@@ -55,6 +57,7 @@ def make(
         varlen=varlen,
         num_splits=num_splits,
         override=override,
+        **variants,
         **gpu,
     )
     assert isinstance(p, Plan) and p.pass_ == pass_, p
@@ -776,11 +779,13 @@ def test_mma_sync_backward_stages_by_budget():
     # Head dim 64's 128-row blocks: two stages, 162 KiB.
     p = plan("bwd", batch=2, seqlen_q=512, seqlen_k=512, nheads=8, nheads_k=8, head_dim=64, **A100)
     assert p.smem == 165888, p
-    # On Hopper (mma.sync forced, or deterministic mode) the mma.sync kernels take the A100's set: a 227 KiB set
-    # with two stages at head dim 256 (209 KiB) measured no faster there (docs/design-notes.md).
-    for override, deterministic in (("kernel=mma_sync", False), ("", True)):
-        p = make("bwd", head_dim=256, override=override, deterministic=deterministic)
-        assert p.kernel == "mma_sync" and p.tile_budget == SMEM_163KIB and p.smem == 147968, p
+    # On Hopper (mma.sync forced, or deterministic mode where the Hopper kernels have none) the mma.sync kernels
+    # take the A100's set: a 227 KiB set with two stages at head dim 256 (209 KiB) measured no faster there
+    # (docs/design-notes.md).
+    p = make("bwd", head_dim=256, kernel="mma_sync")
+    assert p.kernel == "mma_sync" and p.tile_budget == SMEM_163KIB and p.smem == 147968, p
+    p = make("bwd", head_dim=128, softcap=5.0, deterministic=True)
+    assert p.kernel == "mma_sync" and p.tile_budget == SMEM_163KIB, p
 
 
 SMALL_GPUS = {
@@ -984,7 +989,8 @@ def test_hopper_backward_warp_specialized(head_dim, block_m, smem):
     assert plan("bwd", **dense, varlen=True, override="ws=1", **H200).warp_specialized
     assert not plan("bwd", **dense, window_size=(256, 0), override="ws=1", **H200).warp_specialized
     assert not plan("bwd", **dense, softcap=5.0, override="ws=1", **H200).warp_specialized
-    assert not plan("bwd", **dense, deterministic=True, override="ws=1", **H200).warp_specialized
+    # Deterministic mode runs it whatever is forced (its dQ order; the narrow kernel has none).
+    assert plan("bwd", **dense, deterministic=True, override="ws=0", **H200).warp_specialized
     assert not plan("bwd", **dense, override="ws=1", **A100).warp_specialized
     assert not plan("bwd", **dense, override="ws=1;kernel=mma_sync", **H200).warp_specialized
     short = dict(dense, seqlen_q=16)

@@ -138,6 +138,37 @@ def warp_specialized_backward():
     return calls
 
 
+def deterministic_backward():
+    """Deterministic Hopper backwards (forced: kernel=wgmma): the warp-specialized kernel at head dims 40, 64 and 128
+    and the wide one from 160 to 256, dense (more key blocks than an H200 has SMs, causal pairs, sequences that end
+    inside a block, strided views, GQA walked and in fp32 slices, one query row) and variable-length. Returns the
+    calls."""
+    calls = 0
+    for head_dim, causal, walk in itertools.product((40, 64, 128, 160, 192, 224, 256), (False, True), (False, True)):
+        if not flash_attn_cuda.kernel_available(head_dim, torch.bfloat16, causal, backward=True):
+            continue
+        force = {"kernel": "wgmma", "gqa_walk": walk}
+        for sq, sk in ((1, 700), (700, 900), (900, 301)):
+            q = torch.randn(3, sq, 12, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            kv = torch.randn(3, sk, 2, 4, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            check_forced_plans(q, kv[:, :, 0], causal, force, deterministic=True)
+            with force_plan(**force):
+                out = flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], causal=causal, deterministic=True)
+                out.backward(torch.randn_like(out))
+            calls += 1
+        cu_q, cu_k = cu_seqlens()
+        q = torch.randn(sum(LENS_Q), 6, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        kv = torch.randn(sum(LENS_K), 2, 2, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        check_forced_plans(q, kv[:, 0], causal, force, deterministic=True, lens=(LENS_Q, LENS_K))
+        with force_plan(**force):
+            out = flash_attn_varlen_func(
+                q, kv[:, 0], kv[:, 1], cu_q, cu_k, max(LENS_Q), max(LENS_K), causal=causal, deterministic=True
+            )
+            out.backward(torch.randn_like(out))
+        calls += 1
+    return calls
+
+
 def gqa_walk():
     """GQA backwards with every CTA walking its whole group (forced; a Hopper-only path), dense and varlen;
     returns the calls."""
@@ -455,6 +486,7 @@ SECTIONS = [
     split_kv,
     warp_specialized,
     warp_specialized_backward,
+    deterministic_backward,
     gqa_walk,
     key_blocks,
     short_queries,

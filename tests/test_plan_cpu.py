@@ -91,21 +91,31 @@ def test_wgmma_override_off_hopper(pass_):
         assert p.kernel == "mma_sync"
 
 
+def test_deterministic_backward_runs_mma_sync_unless_hopper_is_forced():
+    # The Hopper kernels' deterministic mode runs only where forced (kernel=wgmma).
+    for head_dim in (32, 64, 96, 128, 256):
+        for causal in (False, True):
+            assert make("bwd", head_dim=head_dim, causal=causal, deterministic=True).kernel == "mma_sync"
+    assert make("bwd", A100, deterministic=True, kernel="wgmma").kernel == "mma_sync"
+    # Deterministic mode is a backward matter.
+    assert make("fwd", deterministic=True).kernel == "wgmma"
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("seqlen_q, seqlen_k", [(1, 512), (100, 300), (512, 512), (8192, 8192), (300, 5000)])
 def test_deterministic_backward_on_hopper_runs_the_warp_specialized_kernel(seqlen_q, seqlen_k, head_dim, causal):
-    # Plain calls at head dims 64 and 128, at every length and whatever is forced: its key blocks add into dQ in a
-    # fixed order, the other Hopper kernels' do not.
-    for choices in ({}, {"ws": False}, {"key_blocks": 2}, {"short_queries": True}, {"kernel": "wgmma"}):
-        p = make(
-            "bwd", seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=head_dim, causal=causal, deterministic=True, **choices
-        )
+    # Forced to Hopper, plain calls at head dims 64 and 128 run it at every length and whatever else is forced: its
+    # key blocks add into dQ in a fixed order, the narrow kernel's do not.
+    sizes = dict(seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=head_dim, causal=causal, deterministic=True)
+    for choices in ({}, {"ws": False}, {"key_blocks": 2}, {"short_queries": True}):
+        p = make("bwd", **sizes, kernel="wgmma", **choices)
         assert p.kernel == "wgmma" and p.warp_specialized, (choices, p)
         assert p.key_blocks_per_cta == 1 and not p.short_query_tile and p.gqa_pack == 1, (choices, p)
-    assert make("bwd", head_dim=head_dim, deterministic=True, kernel="mma_sync").kernel == "mma_sync"
     # One query row with GQA: not packed, which that kernel does not do.
-    p = make("bwd", seqlen_q=1, nheads=32, nheads_k=4, head_dim=head_dim, causal=causal, deterministic=True)
+    p = make(
+        "bwd", seqlen_q=1, nheads=32, nheads_k=4, head_dim=head_dim, causal=causal, deterministic=True, kernel="wgmma"
+    )
     assert p.warp_specialized and p.gqa_pack == 1, p
 
 
@@ -114,37 +124,36 @@ VARIANT_FLAGS = ({"window_size": (64, 0)}, {"softcap": 30.0}, {"alibi": True}, {
 
 @pytest.mark.parametrize("head_dim", [160, 192, 224, 256])
 def test_deterministic_backward_wide_head_dims_run_the_wide_kernel(head_dim):
-    # Its key blocks take turns too, variants included.
+    # Forced to Hopper: its key blocks take turns too, variants included.
     for causal in (False, True):
         for variant in ({}, *VARIANT_FLAGS):
-            p = make("bwd", head_dim=head_dim, causal=causal, deterministic=True, **variant)
+            p = make("bwd", head_dim=head_dim, causal=causal, deterministic=True, kernel="wgmma", **variant)
             assert p.kernel == "wgmma" and not p.warp_specialized and p.key_blocks_per_cta == 1, (variant, p)
-    p = make("bwd", seqlen_q=1, nheads=32, nheads_k=4, head_dim=head_dim, deterministic=True)
+    p = make("bwd", seqlen_q=1, nheads=32, nheads_k=4, head_dim=head_dim, deterministic=True, kernel="wgmma")
     assert p.kernel == "wgmma" and p.gqa_pack == 1, p
 
 
 def test_deterministic_backward_elsewhere_runs_mma_sync():
-    # Head dims 32 and 96 (the narrow kernel only), and the variants at head dims 64 and 128.
+    # Forced to Hopper: head dims 32 and 96 (the narrow kernel only), and the variants at head dims 64 and 128,
+    # still run the mma.sync kernel.
     for head_dim in (32, 96):
-        assert make("bwd", head_dim=head_dim, deterministic=True).kernel == "mma_sync", head_dim
         assert make("bwd", head_dim=head_dim, deterministic=True, kernel="wgmma").kernel == "mma_sync", head_dim
     for head_dim in (64, 128):
         for variant in VARIANT_FLAGS:
-            assert make("bwd", head_dim=head_dim, deterministic=True, causal=True, **variant).kernel == "mma_sync"
-            assert make("bwd", head_dim=head_dim, deterministic=False, causal=True, **variant).kernel == "wgmma"
-    assert make("bwd", A100, deterministic=True).kernel == "mma_sync"
-    # Deterministic mode is a backward matter.
-    assert make("fwd", deterministic=True).kernel == "wgmma"
+            p = make("bwd", head_dim=head_dim, deterministic=True, causal=True, kernel="wgmma", **variant)
+            assert p.kernel == "mma_sync", (variant, p)
+            assert make("bwd", head_dim=head_dim, causal=True, **variant).kernel == "wgmma", variant
 
 
 def test_deterministic_causal_backward_fits_the_key_block_pairs_in_one_round():
     # Under a causal mask a key block waits for later ones of its (sequence, head): every pair of 128-key blocks
     # needs an SM of its own at once.
     for gpu, sms in ((H200, 132), ({"arch": 90, "num_sms": 78}, 78)):
-        fits = make("bwd", gpu, seqlen_k=2 * sms * 128, causal=True, deterministic=True)
+        det = dict(deterministic=True, kernel="wgmma")
+        fits = make("bwd", gpu, seqlen_k=2 * sms * 128, causal=True, **det)
         assert fits.kernel == "wgmma" and fits.warp_specialized, fits
-        assert make("bwd", gpu, seqlen_k=2 * sms * 128 + 1, causal=True, deterministic=True).kernel == "mma_sync"
-        unmasked = make("bwd", gpu, seqlen_k=2 * sms * 128 + 1, deterministic=True)
+        assert make("bwd", gpu, seqlen_k=2 * sms * 128 + 1, causal=True, **det).kernel == "mma_sync"
+        unmasked = make("bwd", gpu, seqlen_k=2 * sms * 128 + 1, **det)
         assert unmasked.kernel == "wgmma" and unmasked.warp_specialized, unmasked
 
 
@@ -339,7 +348,7 @@ def test_short_query_tile_forced():
     assert not make("bwd", seqlen_q=1000, head_dim=256, short_queries=True).short_query_tile
     assert not make("bwd", A100, seqlen_q=1000, short_queries=True).short_query_tile
     assert not make("bwd", seqlen_q=1000, deterministic=True, short_queries=True).short_query_tile
-    assert make("bwd", seqlen_q=1000, deterministic=True, short_queries=True).warp_specialized
+    assert make("bwd", seqlen_q=1000, deterministic=True, short_queries=True, kernel="wgmma").warp_specialized
     assert not make("bwd", seqlen_q=1000, kernel="mma_sync", short_queries=True).short_query_tile
 
 
@@ -387,9 +396,9 @@ def test_gqa_walk_only_on_hopper_gqa():
     ):
         assert p.kernel == "mma_sync" and p.heads_per_cta == 1 and p.dkv_fp32_slices, p
     # Deterministic mode walks too (the warp-specialized kernel), or writes fp32 slices where forced not to.
-    p = make("bwd", **GQA, seqlen_k=16384, deterministic=True, gqa_walk=True)
+    p = make("bwd", **GQA, seqlen_k=16384, deterministic=True, kernel="wgmma", gqa_walk=True)
     assert p.warp_specialized and p.heads_per_cta == 4 and not p.dkv_fp32_slices, p
-    p = make("bwd", **GQA, seqlen_k=16384, deterministic=True, gqa_walk=False)
+    p = make("bwd", **GQA, seqlen_k=16384, deterministic=True, kernel="wgmma", gqa_walk=False)
     assert p.warp_specialized and p.heads_per_cta == 1 and p.dkv_fp32_slices, p
     # The forward has neither.
     p = make("fwd", **GQA, seqlen_k=16384, gqa_walk=True)
@@ -990,7 +999,7 @@ def test_hopper_backward_warp_specialized(head_dim, block_m, smem):
     assert not plan("bwd", **dense, window_size=(256, 0), override="ws=1", **H200).warp_specialized
     assert not plan("bwd", **dense, softcap=5.0, override="ws=1", **H200).warp_specialized
     # Deterministic mode runs it whatever is forced (its dQ order; the narrow kernel has none).
-    assert plan("bwd", **dense, deterministic=True, override="ws=0", **H200).warp_specialized
+    assert plan("bwd", **dense, deterministic=True, override="ws=0;kernel=wgmma", **H200).warp_specialized
     assert not plan("bwd", **dense, override="ws=1", **A100).warp_specialized
     assert not plan("bwd", **dense, override="ws=1;kernel=mma_sync", **H200).warp_specialized
     short = dict(dense, seqlen_q=16)

@@ -107,65 +107,53 @@ def warp_specialized():
     return calls
 
 
+def hopper_backward_calls(head_dim, dtype, causal, force, deterministic=False):
+    """One head dim's backwards under force_plan(**force), the warp-specialized and deterministic sections' shapes:
+    more tiles than an H200 has SMs, causal pairs of key blocks, sequences that end inside a query block and a key
+    block, strided views, GQA, then a variable-length batch whose tiles hold the next sequence's rows and whose last
+    sequence's rows run past the tensor. Returns the calls."""
+    calls = 0
+    for sq, sk in ((1, 700), (700, 900), (900, 301)):
+        q = torch.randn(3, sq, 12, head_dim, device="cuda", dtype=dtype, requires_grad=True)
+        kv = torch.randn(3, sk, 2, 4, head_dim, device="cuda", dtype=dtype, requires_grad=True)
+        check_forced_plans(q, kv[:, :, 0], causal, force, deterministic=deterministic)
+        with force_plan(**force):
+            out = flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], causal=causal, deterministic=deterministic)
+            out.backward(torch.randn_like(out))
+        calls += 1
+    cu_q, cu_k = cu_seqlens()
+    q = torch.randn(sum(LENS_Q), 6, head_dim, device="cuda", dtype=dtype, requires_grad=True)
+    kv = torch.randn(sum(LENS_K), 2, 2, head_dim, device="cuda", dtype=dtype, requires_grad=True)
+    check_forced_plans(q, kv[:, 0], causal, force, deterministic=deterministic, lens=(LENS_Q, LENS_K))
+    with force_plan(**force):
+        out = flash_attn_varlen_func(
+            q, kv[:, 0], kv[:, 1], cu_q, cu_k, max(LENS_Q), max(LENS_K), causal=causal, deterministic=deterministic
+        )
+        out.backward(torch.randn_like(out))
+    return calls + 1
+
+
 def warp_specialized_backward():
-    """Hopper backwards on the warp-specialized kernel (forced): more tiles of its persistent schedule than an H200
-    has SMs, causal pairs of key blocks, sequences that end inside a query block and a key block, strided views, GQA
-    walked per tile and in fp32 slices, variable-length batches, in both dtypes. Returns the calls."""
+    """Hopper backwards on the warp-specialized kernel (forced), GQA walked per tile and in fp32 slices, in both
+    dtypes (hopper_backward_calls). Returns the calls."""
     calls = 0
     for head_dim, dtype, causal, walk in itertools.product(
         (40, 64, 128), (torch.bfloat16, torch.float16), (False, True), (False, True)
     ):
-        if not flash_attn_cuda.kernel_available(head_dim, dtype, causal, backward=True):
-            continue
-        force = {"ws": True, "gqa_walk": walk, "short_queries": False}
-        for sq, sk in ((1, 700), (700, 900), (900, 301)):
-            q = torch.randn(3, sq, 12, head_dim, device="cuda", dtype=dtype, requires_grad=True)
-            kv = torch.randn(3, sk, 2, 4, head_dim, device="cuda", dtype=dtype, requires_grad=True)
-            check_forced_plans(q, kv[:, :, 0], causal, force)
-            with force_plan(**force):
-                out = flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], causal=causal)
-                out.backward(torch.randn_like(out))
-            calls += 1
-        # Variable lengths: tiles that hold the next sequence's rows, and the last sequence's rows past the tensor.
-        cu_q, cu_k = cu_seqlens()
-        q = torch.randn(sum(LENS_Q), 6, head_dim, device="cuda", dtype=dtype, requires_grad=True)
-        kv = torch.randn(sum(LENS_K), 2, 2, head_dim, device="cuda", dtype=dtype, requires_grad=True)
-        check_forced_plans(q, kv[:, 0], causal, force, lens=(LENS_Q, LENS_K))
-        with force_plan(**force):
-            out = flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_q, cu_k, max(LENS_Q), max(LENS_K), causal=causal)
-            out.backward(torch.randn_like(out))
-        calls += 1
+        if flash_attn_cuda.kernel_available(head_dim, dtype, causal, backward=True):
+            force = {"ws": True, "gqa_walk": walk, "short_queries": False}
+            calls += hopper_backward_calls(head_dim, dtype, causal, force)
     return calls
 
 
 def deterministic_backward():
     """Deterministic Hopper backwards (forced: kernel=wgmma): the warp-specialized kernel at head dims 40, 64 and 128
-    and the wide one from 160 to 256, dense (more key blocks than an H200 has SMs, causal pairs, sequences that end
-    inside a block, strided views, GQA walked and in fp32 slices, one query row) and variable-length. Returns the
-    calls."""
+    and the wide one from 160 to 256, GQA walked and in fp32 slices (hopper_backward_calls). Returns the calls."""
     calls = 0
     for head_dim, causal, walk in itertools.product((40, 64, 128, 160, 192, 224, 256), (False, True), (False, True)):
-        if not flash_attn_cuda.kernel_available(head_dim, torch.bfloat16, causal, backward=True):
-            continue
-        force = {"kernel": "wgmma", "gqa_walk": walk}
-        for sq, sk in ((1, 700), (700, 900), (900, 301)):
-            q = torch.randn(3, sq, 12, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-            kv = torch.randn(3, sk, 2, 4, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-            check_forced_plans(q, kv[:, :, 0], causal, force, deterministic=True)
-            with force_plan(**force):
-                out = flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], causal=causal, deterministic=True)
-                out.backward(torch.randn_like(out))
-            calls += 1
-        cu_q, cu_k = cu_seqlens()
-        q = torch.randn(sum(LENS_Q), 6, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        kv = torch.randn(sum(LENS_K), 2, 2, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        check_forced_plans(q, kv[:, 0], causal, force, deterministic=True, lens=(LENS_Q, LENS_K))
-        with force_plan(**force):
-            out = flash_attn_varlen_func(
-                q, kv[:, 0], kv[:, 1], cu_q, cu_k, max(LENS_Q), max(LENS_K), causal=causal, deterministic=True
-            )
-            out.backward(torch.randn_like(out))
-        calls += 1
+        if flash_attn_cuda.kernel_available(head_dim, torch.bfloat16, causal, backward=True):
+            force = {"kernel": "wgmma", "gqa_walk": walk}
+            calls += hopper_backward_calls(head_dim, torch.bfloat16, causal, force, deterministic=True)
     return calls
 
 

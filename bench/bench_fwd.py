@@ -21,8 +21,8 @@ sys.path.append(os.path.dirname(HERE))  # repo root, last: an installed flash_at
 import common  # noqa: E402
 
 IMPLS = ["ours", "flash", "cudnn", "efficient"]
-# ours_det: deterministic=True (its backward differs); ours_det_wgmma: the same on a Hopper GPU's own kernels where
-# they have a deterministic mode, which runs only where forced (force_plan(kernel="wgmma"));
+# ours_det: deterministic=True (its backward differs); ours_det_mma: the same on the mma.sync kernels, which a Hopper
+# GPU runs in this mode only where its own have no fixed dQ order (force_plan(kernel="mma_sync"));
 # ours_mma: the mma.sync kernels on a Hopper GPU, which
 # otherwise runs the warpgroup-MMA ones (force_plan(kernel="mma_sync"), forward and backward); ours_mma99: the
 # mma.sync kernels' tile set for GPUs with 99 KiB of shared memory per block (sm_86, sm_89, sm_120), planned as
@@ -30,7 +30,7 @@ IMPLS = ["ours", "flash", "cudnn", "efficient"]
 # compute instead of the warp-specialized TMA kernel, and the backward on the narrow kernel (force_plan(ws=False));
 # ours_ws: the warp-specialized kernels of both passes wherever they can run, also where the plan would pick another
 # (force_plan(ws=True, short_keys=False)).
-OPTIONAL_IMPLS = ["ours_det", "ours_det_wgmma", "ours_mma", "ours_mma99", "ours_nows", "ours_ws"]
+OPTIONAL_IMPLS = ["ours_det", "ours_det_mma", "ours_mma", "ours_mma99", "ours_nows", "ours_ws"]
 # fa4: FlashAttention-4's flash_attn_func (the flash-attn-4 package, flash_attn.cute), on the same (b, s, h, d)
 # tensors as ours; its backward through autograd, as ours.
 OTHER_IMPLS = ["fa4"]
@@ -135,7 +135,7 @@ def make_runners(lib, lib_err, q, k, v, qt, kt, vt, causal, impls):
     for name in impls:
         if name in ("ours", *OPTIONAL_IMPLS):
             hdim, dtype = q.shape[-1], q.dtype
-            det = name in ("ours_det", "ours_det_wgmma")
+            det = name in ("ours_det", "ours_det_mma")
             if lib is None:
                 runners[name] = lib_err
             elif hasattr(lib, "kernel_available") and not lib.kernel_available(hdim, dtype, causal):
@@ -143,7 +143,7 @@ def make_runners(lib, lib_err, q, k, v, qt, kt, vt, causal, impls):
             else:
                 ctx = {
                     "ours_mma": forced_plan(kernel="mma_sync"),
-                    "ours_det_wgmma": forced_plan(kernel="wgmma"),
+                    "ours_det_mma": forced_plan(kernel="mma_sync"),
                     "ours_mma99": forced_plan(kernel="mma_sync", max_smem=SMEM_99KIB),
                     "ours_nows": forced_plan(ws=False),
                     "ours_ws": forced_plan(ws=True, short_keys=False),

@@ -147,12 +147,12 @@ def warp_specialized_backward():
 
 
 def deterministic_backward():
-    """Deterministic Hopper backwards (forced: kernel=wgmma): the warp-specialized kernel at head dims 40, 64 and 128
-    and the wide one from 160 to 256, GQA walked and in fp32 slices (hopper_backward_calls). Returns the calls."""
+    """Deterministic Hopper backwards: the warp-specialized kernel at head dims 40, 64 and 128 and the wide one from
+    160 to 256, GQA walked and in fp32 slices (hopper_backward_calls). Returns the calls."""
     calls = 0
     for head_dim, causal, walk in itertools.product((40, 64, 128, 160, 192, 224, 256), (False, True), (False, True)):
         if flash_attn_cuda.kernel_available(head_dim, torch.bfloat16, causal, backward=True):
-            force = {"kernel": "wgmma", "gqa_walk": walk}
+            force = {"gqa_walk": walk}
             calls += hopper_backward_calls(head_dim, torch.bfloat16, causal, force, deterministic=True)
     return calls
 

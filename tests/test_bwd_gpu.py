@@ -413,14 +413,14 @@ def check_bitwise_reproducible(q, k, v, causal, force=None, runs=3):
 
 
 # The mma.sync kernel adds each query block's dQ within the dV GEMM at head dims 64 and 128, after the next block's
-# load at 224, and one half each way at 256 (flash_bwd_kernel.h); forced to Hopper (kernel=wgmma) head dims 64
-# and 128 run the warp-specialized kernel (walking GQA groups or writing fp32 slices) and 224 and 256 the wide
-# one. Each orders its turns in deterministic mode differently.
+# load at 224, and one half each way at 256 (flash_bwd_kernel.h); on Hopper, by default, head dims 64 and 128 run
+# the warp-specialized kernel (walking GQA groups or writing fp32 slices) and 224 and 256 the wide one. Each orders
+# its turns in deterministic mode differently.
 @pytest.mark.parametrize("head_dim", [64, 128, 224, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("sq, sk", [(1023, 1023), (300, 1023), (1023, 700)])
 @pytest.mark.parametrize("walk", [False, True], ids=["gqa-slices", "gqa-walk"])
-@pytest.mark.parametrize("kernel", ["default", "wgmma"])
+@pytest.mark.parametrize("kernel", ["default", "mma_sync"])
 def test_deterministic_is_bitwise_reproducible(kernel, walk, sq, sk, causal, head_dim):
     require_fwd_bwd_kernels(head_dim, torch.bfloat16, causal)
     q = rand(2, sq, 8, head_dim, dtype=torch.bfloat16)
@@ -432,12 +432,12 @@ def test_deterministic_is_bitwise_reproducible(kernel, walk, sq, sk, causal, hea
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_deterministic_warp_specialized_over_rounds(head_dim, causal):
-    # The warp-specialized kernel's persistent grid in deterministic mode (forced to Hopper): many rounds of
-    # (sequence, head)s, each round holding whole ones, and a length that ends inside a key block.
+    # The warp-specialized kernel's persistent grid in deterministic mode (Hopper): many rounds of (sequence,
+    # head)s, each round holding whole ones, and a length that ends inside a key block.
     require_fwd_bwd_kernels(head_dim, torch.bfloat16, causal)
     q = rand(3, 2000, 24, head_dim, dtype=torch.bfloat16)
     k, v = (rand(3, 2000, 24, head_dim, dtype=torch.bfloat16) for _ in range(2))
-    check_bitwise_reproducible(q, k, v, causal, force={"kernel": "wgmma"}, runs=2)
+    check_bitwise_reproducible(q, k, v, causal, runs=2)
 
 
 @pytest.mark.parametrize("transposed", [False, True], ids=["contiguous", "bhsd-transposed"])

@@ -484,8 +484,9 @@ def test_large_magnitude_dropout_varlen(causal, backward):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_large_magnitude_deterministic(head_dim, causal):
-    # The deterministic backward runs the mma.sync kernels, whose CTAs add into dQ in a fixed order (semaphores per
-    # sequence, head and query block): dense calls with GQA, then every short length packed into one varlen batch.
+    # The deterministic backward's CTAs add into dQ in a fixed order (the mma.sync kernels' semaphores per sequence,
+    # head and query block, or on Hopper the warp-specialized kernel's turns): dense calls with GQA, then every
+    # short length packed into one varlen batch.
     require_fwd_bwd_kernels(head_dim, torch.float16, causal)
     for sq, sk in LENGTHS:
         check_dense(2, sq, sk, 6, 2, head_dim, torch.float16, causal, deterministic=True)

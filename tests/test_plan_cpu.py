@@ -91,11 +91,18 @@ def test_wgmma_override_off_hopper(pass_):
         assert p.kernel == "mma_sync"
 
 
-def test_deterministic_backward_runs_mma_sync_unless_hopper_is_forced():
-    # The Hopper kernels' deterministic mode runs only where forced (kernel=wgmma).
-    for head_dim in (32, 64, 96, 128, 256):
+def test_deterministic_backward_on_hopper_runs_the_hopper_kernels_by_default():
+    # Head dims 64 and 128 run the warp-specialized kernel, 160 to 256 the wide one, as a forced kernel=wgmma does;
+    # 32 and 96 (the narrow kernel only, which has no fixed dQ order) and other GPUs run the mma.sync kernel.
+    for head_dim in (32, 64, 96, 128, 160, 256):
         for causal in (False, True):
-            assert make("bwd", head_dim=head_dim, causal=causal, deterministic=True).kernel == "mma_sync"
+            default = make("bwd", head_dim=head_dim, causal=causal, deterministic=True)
+            assert default == make("bwd", head_dim=head_dim, causal=causal, deterministic=True, kernel="wgmma")
+            assert default.kernel == ("mma_sync" if head_dim in (32, 96) else "wgmma"), default
+            assert default.warp_specialized is (head_dim in (64, 128)), default
+            forced = make("bwd", head_dim=head_dim, causal=causal, deterministic=True, kernel="mma_sync")
+            assert forced.kernel == "mma_sync", forced
+    assert make("bwd", A100, deterministic=True).kernel == "mma_sync"
     assert make("bwd", A100, deterministic=True, kernel="wgmma").kernel == "mma_sync"
     # Deterministic mode is a backward matter.
     assert make("fwd", deterministic=True).kernel == "wgmma"

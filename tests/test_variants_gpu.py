@@ -679,27 +679,25 @@ def test_noncontiguous_dout(layout, via, name, pair, shape):
 @pytest.mark.parametrize("dropout_p", [0.0, 0.2], ids=["window", "window-dropout"])
 def test_deterministic_backward_is_bitwise(dropout_p, head_dim):
     """deterministic=True: three runs (same seed) give bitwise-identical outputs and gradients, and they are
-    right; the lengths are long enough for the default mode's dq atomics to land in varying orders. Forced to
-    Hopper (kernel=wgmma), head dim 128 still runs the mma.sync backward, 256 the wide kernel."""
+    right; the lengths are long enough for the default mode's dq atomics to land in varying orders. On Hopper,
+    head dim 128 runs the mma.sync backward (the warp-specialized kernel has no variants), 256 the wide kernel."""
     require_kernels(head_dim, torch.bfloat16)
     variant = V(window=(256, 64), softcap=20.0, alibi="heads", dropout_p=dropout_p)
     q, k, v = make_inputs(2, 300, 1023, 8, 2, head_dim, torch.bfloat16)
     slopes = alibi_slopes("heads", 2, 8)
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     dout = torch.randn_like(q)
-    force = {"kernel": "wgmma"}
     runs = []
-    with force_plan(**force):
-        for _ in range(3):
-            torch.manual_seed(7)
-            out = flash_attn_func(*leaves, deterministic=True, **func_variant_kwargs(variant, slopes))
-            runs.append((out, *torch.autograd.grad(out, leaves, dout)))
+    for _ in range(3):
+        torch.manual_seed(7)
+        out = flash_attn_func(*leaves, deterministic=True, **func_variant_kwargs(variant, slopes))
+        runs.append((out, *torch.autograd.grad(out, leaves, dout)))
     for other in runs[1:]:
         for name, a, b in zip(("out", "dq", "dk", "dv"), runs[0], other):
             assert torch.equal(a, b), name
-    run_dense(q, k, v, variant, slopes=slopes, force=force, deterministic=True, via="func", seed=7)
+    run_dense(q, k, v, variant, slopes=slopes, deterministic=True, via="func", seed=7)
     if dropout_p:
-        run_dense(q, k, v, variant, slopes=slopes, force=force, deterministic=True, via="op")
+        run_dense(q, k, v, variant, slopes=slopes, deterministic=True, via="op")
 
 
 # ---------------------------------------------------------------- varlen

@@ -139,9 +139,6 @@ KernelFamily choose_family(const Problem& p, const Target& t, const PlanOverride
     if (o.family >= 0 && can_run(static_cast<KernelFamily>(o.family), p, t)) {
         return static_cast<KernelFamily>(o.family);
     }
-    // A deterministic backward runs the Hopper kernels' dQ order (can_run) only where forced (kernel=wgmma): it has
-    // not run on a GPU yet, so the default stays the mma.sync backward.
-    if (p.pass == Pass::kBwd && p.deterministic) { return KernelFamily::kMmaSync; }
     for (KernelFamily family : kFamilyPreference) {
         if (can_run(family, p, t)) { return family; }
     }

@@ -29,8 +29,18 @@ IMPLS = ["ours", "flash", "cudnn", "efficient"]
 # on such a GPU (force_plan(max_smem=101376)); ours_nows: on a Hopper GPU, the forward whose warps all load and
 # compute instead of the warp-specialized TMA kernel, and the backward on the narrow kernel (force_plan(ws=False));
 # ours_ws: the warp-specialized kernels of both passes wherever they can run, also where the plan would pick another
-# (force_plan(ws=True, short_keys=False)).
-OPTIONAL_IMPLS = ["ours_det", "ours_det_mma", "ours_mma", "ours_mma99", "ours_nows", "ours_ws"]
+# (force_plan(ws=True, short_keys=False)); ours_stagger: the Hopper wide backward's staggered walk wherever it can run
+# (force_plan(stagger=True)); ours_det_nostagger: deterministic=True without it (force_plan(stagger=False)).
+OPTIONAL_IMPLS = [
+    "ours_det",
+    "ours_det_mma",
+    "ours_det_nostagger",
+    "ours_mma",
+    "ours_mma99",
+    "ours_nows",
+    "ours_ws",
+    "ours_stagger",
+]
 # fa4: FlashAttention-4's flash_attn_func (the flash-attn-4 package, flash_attn.cute), on the same (b, s, h, d)
 # tensors as ours; its backward through autograd, as ours.
 OTHER_IMPLS = ["fa4"]
@@ -135,7 +145,7 @@ def make_runners(lib, lib_err, q, k, v, qt, kt, vt, causal, impls):
     for name in impls:
         if name in ("ours", *OPTIONAL_IMPLS):
             hdim, dtype = q.shape[-1], q.dtype
-            det = name in ("ours_det", "ours_det_mma")
+            det = name in ("ours_det", "ours_det_mma", "ours_det_nostagger")
             if lib is None:
                 runners[name] = lib_err
             elif hasattr(lib, "kernel_available") and not lib.kernel_available(hdim, dtype, causal):
@@ -147,6 +157,8 @@ def make_runners(lib, lib_err, q, k, v, qt, kt, vt, causal, impls):
                     "ours_mma99": forced_plan(kernel="mma_sync", max_smem=SMEM_99KIB),
                     "ours_nows": forced_plan(ws=False),
                     "ours_ws": forced_plan(ws=True, short_keys=False),
+                    "ours_stagger": forced_plan(stagger=True),
+                    "ours_det_nostagger": forced_plan(stagger=False),
                 }.get(name, contextlib.nullcontext)
                 runners[name] = (
                     ctx

@@ -24,6 +24,10 @@ by ``;``:
   head dims on Hopper runs the warp-specialized kernel whatever is forced, or the mma.sync one.
 - ``gqa_pack=0|1``: 0 runs every query head on its own; 1 (the default) runs the query heads that share a
   key/value head as rows of one head where the kernels can (dense forwards with one query row).
+- ``stagger=0|1``: in the Hopper backward at head dims above 128 without a mask or variants, key block n starts
+  its walk over the query blocks at query block n (modulo their number), so that a head's key blocks add into
+  different query blocks' dQ at once; in deterministic mode only where a sequence's key blocks all fit the SMs
+  at once.
 
 A key left out keeps the heuristic's choice. ``force_plan`` sets both for the public functions
 (``flash_attn_func`` and the others) called inside it, forward and backward. Two environment variables, read
@@ -44,7 +48,17 @@ from . import _ops  # noqa: F401  (loads torch.ops.flash_attn2)
 # ContextVar's get().
 _forced = (0, "")
 
-_OVERRIDE_KEYS = ("kernel", "gqa_walk", "key_blocks", "short_keys", "short_queries", "max_smem", "ws", "gqa_pack")
+_OVERRIDE_KEYS = (
+    "kernel",
+    "gqa_walk",
+    "key_blocks",
+    "short_keys",
+    "short_queries",
+    "max_smem",
+    "ws",
+    "gqa_pack",
+    "stagger",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +80,7 @@ class Plan:
     heads_per_cta: int  # backward: query heads one CTA walks (GQA walk when > 1)
     key_blocks_per_cta: int  # backward: consecutive key blocks one CTA walks
     dkv_fp32_slices: bool  # backward: per-query-head fp32 dK/dV slices summed afterwards (GQA without a walk)
+    staggered: bool  # backward: the Hopper wide kernel's key blocks start at their own query blocks (stagger)
     smem: int  # bytes of dynamic shared memory per block that the kernel is launched with
     tile_budget: int  # bytes per block the tile set that runs is made for: 166912 or 101376 (mma.sync), 232448
 
@@ -79,6 +94,7 @@ def override_string(
     max_smem: int | None = None,
     ws: bool | None = None,
     gqa_pack: bool | None = None,
+    stagger: bool | None = None,
 ) -> str:
     """The ``plan_override`` op argument for these choices (None: the heuristic decides)."""
     values = {
@@ -90,6 +106,7 @@ def override_string(
         "max_smem": max_smem,
         "ws": ws,
         "gqa_pack": gqa_pack,
+        "stagger": stagger,
     }
     parts = []
     for key in _OVERRIDE_KEYS:

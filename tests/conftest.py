@@ -469,7 +469,8 @@ def check_forced_plans(
     (another head dim, a GPU without the Hopper kernels, deterministic mode, varlen). Returns {pass: plan}, or
     {} for a call with nothing to compute (no query or no key: no kernel runs)."""
     force = dict(force)
-    if 0 in (*_sizes(q, k, lens, max_seqlens), q.shape[-2], k.shape[-2]):
+    sizes = _sizes(q, k, lens, max_seqlens)
+    if 0 in (*sizes, q.shape[-2], k.shape[-2]):
         return {}
     num_splits = force.pop("num_splits", 0)
     nheads, nheads_k = q.shape[-2], k.shape[-2]
@@ -519,6 +520,14 @@ def check_forced_plans(
             elif not hopper:
                 assert not p.warp_specialized, p
             continue
+        if "stagger" in force:
+            # The wide kernel's plain non-causal form (head dims above 128); in deterministic mode only where every
+            # key block of a sequence fits the SMs at once.
+            staggers = hopper and kernel_dim > 128 and not p.causal and not p.variants
+            if deterministic:
+                sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+                staggers = staggers and math.ceil(sizes[2] / p.block_n) <= sms
+            assert p.staggered == bool(force["stagger"] and staggers), p
         # A packed seqlen_q == 1 call has no GQA left.
         grouped = nheads != nheads_k and p.gqa_pack == 1
         if "gqa_walk" in force:

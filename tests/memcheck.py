@@ -157,6 +157,16 @@ def deterministic_backward():
     return calls
 
 
+def staggered_backward():
+    """Hopper backwards on the wide kernel's staggered walk (forced: stagger=1; deterministic mode runs it by
+    default), both dtypes, GQA walked and in fp32 slices (hopper_backward_calls). Returns the calls."""
+    calls = 0
+    for head_dim, dtype, walk in itertools.product((160, 192, 224, 256), (torch.bfloat16, torch.float16), (0, 1)):
+        if flash_attn_cuda.kernel_available(head_dim, dtype, False, backward=True):
+            calls += hopper_backward_calls(head_dim, dtype, False, {"stagger": True, "gqa_walk": bool(walk)})
+    return calls
+
+
 def gqa_walk():
     """GQA backwards with every CTA walking its whole group (forced; a Hopper-only path), dense and varlen;
     returns the calls."""
@@ -475,6 +485,7 @@ SECTIONS = [
     warp_specialized,
     warp_specialized_backward,
     deterministic_backward,
+    staggered_backward,
     gqa_walk,
     key_blocks,
     short_queries,

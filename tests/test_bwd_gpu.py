@@ -429,6 +429,24 @@ def test_deterministic_is_bitwise_reproducible(kernel, walk, sq, sk, causal, hea
     check_bitwise_reproducible(q, k, v, causal, force=force)
 
 
+# The wide kernel's staggered walk, key block n from query block n (by default in deterministic mode without a mask,
+# forced in the default mode): more query blocks than key blocks and fewer (where deterministic mode walks
+# unstaggered), a single query block, GQA walked and in fp32 slices.
+@pytest.mark.parametrize("head_dim", [224, 256])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("sq, sk", [(1023, 1023), (1023, 700), (300, 1023), (61, 3000)])
+def test_staggered_wide_backward(sq, sk, deterministic, head_dim):
+    require_fwd_bwd_kernels(head_dim, torch.bfloat16, False)
+    q = rand(2, sq, 8, head_dim, dtype=torch.bfloat16)
+    k, v = (rand(2, sk, 2, head_dim, dtype=torch.bfloat16) for _ in range(2))
+    for walk in (False, True):
+        force = {"stagger": True, "gqa_walk": walk}
+        if deterministic:
+            check_bitwise_reproducible(q, k, v, False, force=force, runs=2)
+        else:
+            check_grads(q, k, v, False, force=force)
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_deterministic_warp_specialized_over_rounds(head_dim, causal):

@@ -1,5 +1,6 @@
 """A model that trains with attention sinks, through our kernels: a small gpt-oss (HF transformers' GptOss, whose
-layers alternate a 128-key sliding window and full causal attention, with a learnable sink per head), its
+layers alternate a 128-key sliding window and full causal attention, with a learnable sink per head; its
+attention's shapes, GQA 64:8 at head dim 64, with a smaller hidden size, two layers and four experts), its
 attention routed to flash_attn_func through transformers' AttentionInterface. Each token's loss and the gradients
 of the sinks and of the attention projections meet the correctness rule against the model's own eager attention in
 float32 (the reference) and in bfloat16 (the low-precision baseline), the same weights in all three. With the
@@ -54,8 +55,8 @@ def make_model(dtype, implementation):
         hidden_size=256,
         intermediate_size=256,
         head_dim=64,
-        num_attention_heads=8,
-        num_key_value_heads=2,
+        num_attention_heads=64,  # gpt-oss's attention: 64 query heads on 8 key/value heads of 64
+        num_key_value_heads=8,
         sliding_window=128,
         layer_types=["sliding_attention", "full_attention"],
         max_position_embeddings=131072,  # yarn's factor 32 over its 4096 original positions

@@ -164,6 +164,36 @@ def test_deterministic_causal_backward_fits_the_key_block_pairs_in_one_round():
         assert unmasked.kernel == "wgmma" and unmasked.warp_specialized, unmasked
 
 
+@pytest.mark.parametrize("head_dim", [160, 192, 224, 256])
+def test_staggered_wide_backward(head_dim):
+    # The wide kernel without a mask or variants staggers its key blocks in deterministic mode, where every key
+    # block of a sequence fits the SMs at once; elsewhere only where forced, and never under a mask.
+    det = make("bwd", seqlen_k=8192, head_dim=head_dim, deterministic=True)
+    assert det.kernel == "wgmma" and not det.warp_specialized and det.staggered, det
+    for gpu, sms in ((H200, 132), ({"arch": 90, "num_sms": 78}, 78)):
+        fits = make("bwd", gpu, seqlen_k=sms * det.block_n, head_dim=head_dim, deterministic=True)
+        assert fits.staggered, fits
+        assert not make("bwd", gpu, seqlen_k=sms * det.block_n + 1, head_dim=head_dim, deterministic=True).staggered
+        forced = make("bwd", gpu, seqlen_k=sms * det.block_n + 1, head_dim=head_dim, deterministic=True, stagger=True)
+        assert not forced.staggered, forced
+    assert not make("bwd", seqlen_k=8192, head_dim=head_dim).staggered
+    assert make("bwd", seqlen_k=65536, head_dim=head_dim, stagger=True).staggered
+    assert not make("bwd", seqlen_k=8192, head_dim=head_dim, deterministic=True, stagger=False).staggered
+    for unstaggered in (
+        make("bwd", seqlen_k=8192, head_dim=head_dim, deterministic=True, causal=True, stagger=True),
+        make("bwd", seqlen_k=8192, head_dim=head_dim, deterministic=True, kernel="mma_sync", stagger=True),
+        make("bwd", A100, seqlen_k=8192, head_dim=head_dim, deterministic=True, stagger=True),
+        make("fwd", seqlen_k=8192, head_dim=head_dim, stagger=True),
+        *(make("bwd", seqlen_k=8192, head_dim=head_dim, deterministic=True, stagger=True, **v) for v in VARIANT_FLAGS),
+        make("bwd", seqlen_k=8192, head_dim=head_dim, window_size=(512, 512), stagger=True),
+    ):
+        assert not unstaggered.staggered, unstaggered
+    # The narrow and warp-specialized kernels keep their walk.
+    for narrow_head_dim in (64, 96, 128):
+        assert not make("bwd", head_dim=narrow_head_dim, deterministic=True, stagger=True).staggered
+        assert not make("bwd", head_dim=narrow_head_dim, stagger=True).staggered
+
+
 # ---------------------------------------------------------------- one query row: causal dropped, GQA packed
 
 
@@ -552,6 +582,7 @@ def test_override_string():
     assert override_string(kernel="mma_sync") == "kernel=mma_sync"
     text = override_string(kernel="mma_sync", gqa_walk=True, key_blocks=2, short_keys=False, short_queries=True)
     assert text == "kernel=mma_sync;gqa_walk=1;key_blocks=2;short_keys=0;short_queries=1"
+    assert override_string(gqa_pack=False, stagger=True) == "gqa_pack=0;stagger=1"
     # The op takes what override_string writes, and every choice in it reaches the plan.
     p = make("bwd", seqlen_q=1000, seqlen_k=300, nheads=8, nheads_k=2, override=text.replace("kernel=mma_sync;", ""))
     assert p.kernel == "wgmma" and p.heads_per_cta == 4 and p.key_blocks_per_cta == 2 and p.short_query_tile, p

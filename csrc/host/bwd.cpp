@@ -126,6 +126,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> bwd_impl(const Tensor& dout, const Te
     params.heads_per_cta = plan.heads_per_cta;
     params.key_blocks_per_cta = plan.key_blocks_per_cta;
     params.short_query_tiles = plan.short_query_tile;
+    params.stagger = plan.staggered;
     params.dq_semaphore_ptr = deterministic ? static_cast<int*>(dq_semaphore->data_ptr()) : nullptr;
     params.dq_accum_seqlen = static_cast<int>(dq_accum_seqlen);
     params.dq_accum_head_dim = kernel_head_dim;

@@ -245,6 +245,14 @@ void plan_bwd(const Problem& p, const Target& t, const PlanOverride& o, Plan& pl
         plan.smem_bytes = bwd_ws_smem_bytes(hd, set.ws_tile.block_m, set.ws_tile.block_n);
         return;
     }
+    // The wide kernel without a mask: every key block walks every query block, and with a stagger key block n
+    // starts at query block n mod (query blocks), so that at any moment a head's key blocks add into different
+    // query blocks' dQ rows. In deterministic mode those additions take turns in the order the staggered blocks
+    // reach a query block (BwdSm90Block::dq_turn), in which a key block waits for the next one: a head's key
+    // blocks must all be resident at once, one CTA per SM at least.
+    const bool wide_unmasked = wgmma && !bwd_sm90_narrow(hd) && !plan.causal && !plan.variants;
+    const bool stagger_fits = !p.deterministic || ceil_div(p.seqlen_k, plan.block_n) <= std::max(t.num_sms, 1);
+    plan.staggered = wide_unmasked && stagger_fits && choose(o.stagger, p.deterministic);
     // A CTA that walks several key blocks launches with its second K/V buffer, and so does one that adds dQ through
     // shared memory in its place.
     plan.smem_bytes = kernel_smem_bytes(
@@ -273,6 +281,7 @@ void plan_kernels(const Problem& p, const Target& t, int num_splits, const PlanO
     plan.num_splits = 1;
     plan.heads_per_cta = 1;
     plan.key_blocks_per_cta = 1;
+    plan.staggered = false;
     if (p.pass == Pass::kFwd) {
         plan_fwd(p, t, num_splits, o, plan);
     } else {
@@ -359,6 +368,8 @@ std::string parse_plan_override(std::string_view text, PlanOverride& out) {
             if (!parse_int(value, 0, 1, out.warp_specialized)) { return where + ": ws must be 0 or 1"; }
         } else if (key == "gqa_pack") {
             if (!parse_int(value, 0, 1, out.gqa_pack)) { return where + ": gqa_pack must be 0 or 1"; }
+        } else if (key == "stagger") {
+            if (!parse_int(value, 0, 1, out.stagger)) { return where + ": stagger must be 0 or 1"; }
         } else if (key == "max_smem") {
             if (!parse_int(value, 1, kMaxForcedSmem, out.max_smem)) {
                 return where + ": max_smem must be bytes of shared memory per block, an integer in [1, " +
@@ -371,7 +382,7 @@ std::string parse_plan_override(std::string_view text, PlanOverride& out) {
         } else {
             return where +
                    ": unknown key (kernel, gqa_walk, key_blocks, short_keys, short_queries, max_smem, ws, "
-                   "gqa_pack)";
+                   "gqa_pack, stagger)";
         }
     }
     return "";
@@ -421,7 +432,8 @@ std::string to_string(const Plan& plan) {
             field("short_key_tile", plan.short_key_tile) + field("warp_specialized", plan.warp_specialized) +
             field("short_query_tile", plan.short_query_tile) + field("heads_per_cta", plan.heads_per_cta) +
             field("key_blocks_per_cta", plan.key_blocks_per_cta) + field("dkv_fp32_slices", plan.dkv_fp32_slices) +
-            field("smem", plan.smem_bytes) + field("tile_budget", plan.tile_budget);
+            field("staggered", plan.staggered) + field("smem", plan.smem_bytes) +
+            field("tile_budget", plan.tile_budget);
     text.pop_back();
     return text;
 }

@@ -103,6 +103,7 @@ struct PlanOverride {
     int max_smem = -1;  // max_smem=bytes: plan as if the GPU offered at most this much shared memory per block
     int warp_specialized = -1;  // ws=0|1
     int gqa_pack = -1;  // gqa_pack=0|1: 0 never packs GQA heads as query rows; 1 packs where the kernels can
+    int stagger = -1;  // stagger=0|1: Plan::staggered, where it can run
 };
 
 struct Plan {
@@ -122,6 +123,8 @@ struct Plan {
     int heads_per_cta;  // backward: query heads one CTA walks (> 1: a whole GQA group, dK/dV summed in registers)
     int key_blocks_per_cta;  // backward: consecutive key blocks one CTA walks
     bool dkv_fp32_slices;  // backward: GQA without a walk, one fp32 dK/dV slice per query head, summed afterwards
+    bool staggered;  // backward: the wide Hopper kernel's key blocks start their walk over the query blocks each
+                     // at its own offset (BwdParams::stagger)
     int smem_bytes;  // dynamic shared memory per block of the kernel that runs, as launched (tile_size.h)
     int tile_budget;  // the shared-memory budget of the tile set that runs (tile_size.h): mma.sync 163 KiB or
                       // 99 KiB, wgmma 227 KiB
@@ -135,8 +138,8 @@ constexpr int kMaxForcedKeyBlocks = 128;
 constexpr int kMaxForcedSmem = 1 << 20;
 
 // Parses plan_override ("key=value" pairs separated by ';', keys kernel, gqa_walk, key_blocks, short_keys,
-// short_queries, max_smem, ws, gqa_pack). Returns an error message naming plan_override, or "" when `text` is well
-// formed.
+// short_queries, max_smem, ws, gqa_pack, stagger). Returns an error message naming plan_override, or "" when `text` is
+// well formed.
 std::string parse_plan_override(std::string_view text, PlanOverride& out);
 
 // The plan of `problem` on `target`. num_splits: the forward's op argument (0: the heuristic decides;

@@ -57,6 +57,10 @@ struct BwdSm90Block {
     static constexpr int kHeadDim = Traits::kHeadDim;
     static constexpr int kQElems = Traits::kSmemQElems;
     static_assert(Traits::kNThreads >= 2 * kBlockM, "one thread per LSE and per D value of a query block");
+    // Whether key blocks may start their walks at their own query blocks (BwdParams::stagger): the wide kernel's
+    // plain non-causal form, where every key block walks the same query blocks. The narrow kernel walks from its
+    // first query block, with the code it was measured with.
+    static constexpr bool kStaggers = Traits::kDqTurns && !kCausal && !kVariants;
 
     int n_block;       // the current key block
     int n_block_stop;  // one past the CTA's last key block
@@ -71,6 +75,10 @@ struct BwdSm90Block {
     int m_block_begin;       // the first query block with a row that sees a key of the current block
     int m_block_begin_next;  // the same for the next key block (its first step loads during the current's last)
     int m_block_end;         // one past the last (below the query blocks' end only under a window's left edge)
+    // With a stagger (kStaggers, BwdParams::stagger) the key block walks its query blocks from m_block_first to
+    // m_block_end - 1, then from m_block_begin, per query head; else m_block_first is m_block_begin.
+    int m_block_first;
+    bool staggered;
     // Steps [step_begin, step_end) are the current key block's (query head, query block) pairs, heads outer,
     // query blocks inner. A key block has no steps when no query sees it (seqlen_q 0, or a window's edges);
     // a CTA then walks one key block only (the plan keeps key_blocks_per_cta 1 for windows), since a step-less
@@ -100,6 +108,15 @@ struct BwdSm90Block {
         m_block_end = bounds.m_block_end(n_block);
         m_block_begin = kVariants ? min(bounds.m_block_begin(n_block), m_block_end) : bounds.m_block_begin(n_block);
         m_block_begin_next = bounds.m_block_begin(n_block + 1);
+        m_block_first = m_block_begin;
+        staggered = false;
+        if constexpr (kStaggers) {
+            // In deterministic mode only while no key block passes a query block that has not reached it, which
+            // the turn order (dq_turn) assumes: at most as many key blocks as query blocks in this sequence.
+            const int m_blocks = m_block_end - m_block_begin;
+            staggered = params.stagger && m_blocks > 0 && (!params.deterministic || bounds.n_blocks() <= m_blocks);
+            if (staggered) { m_block_first = m_block_begin + n_block % m_blocks; }
+        }
         step_begin = 0;
         step_end = steps_of(m_block_begin);
         q_base = reinterpret_cast<Element*>(smem_raw);
@@ -145,18 +162,25 @@ struct BwdSm90Block {
         return true;
     }
     // Steps advance by a compare and a select: a division and a remainder per step cost the backward 2-4%.
-    __forceinline__ __device__ BwdStep first_step() const { return {step_begin, first_head, m_block_begin}; }
+    __forceinline__ __device__ BwdStep first_step() const {
+        return {step_begin, first_head, kStaggers ? m_block_first : m_block_begin};
+    }
     __forceinline__ __device__ BwdStep next_step(const BwdStep& step) const {
         const bool wrap = step.m_block + 1 == m_block_end;
-        return {step.number + 1, step.head + int(wrap), wrap ? m_block_begin : step.m_block + 1};
+        const int m_block = wrap ? m_block_begin : step.m_block + 1;
+        if constexpr (kStaggers) { return {step.number + 1, step.head + int(m_block == m_block_first), m_block}; }
+        return {step.number + 1, step.head + int(wrap), m_block};
     }
     // The step before `step` of the same key block.
     __forceinline__ __device__ BwdStep previous_step(const BwdStep& step) const {
         const bool wrap = step.m_block == m_block_begin;
-        return {step.number - 1, step.head - int(wrap), wrap ? m_block_end - 1 : step.m_block - 1};
+        const int m_block = wrap ? m_block_end - 1 : step.m_block - 1;
+        if constexpr (kStaggers) { return {step.number - 1, step.head - int(step.m_block == m_block_first), m_block}; }
+        return {step.number - 1, step.head - int(wrap), m_block};
     }
     __forceinline__ __device__ BwdStep last_step() const {
-        return {step_end - 1, first_head + heads_per_cta - 1, m_block_end - 1};
+        const int after_last = kStaggers && m_block_first != m_block_begin ? m_block_first : m_block_end;
+        return {step_end - 1, first_head + heads_per_cta - 1, after_last - 1};
     }
 
     template <class Layout>
@@ -294,9 +318,24 @@ struct BwdSm90Block {
     // further down the later the block is). Either way grid x runs over them in that order (first_key_block), so each
     // waits only for CTAs of lower index, dispatched no later. A key block passes a step's turn on at its next
     // step, each thread having fenced its additions, which by then have long landed: no thread waits for additions
-    // it just issued, and a key block runs about a step behind its predecessor.
+    // it just issued. Without a mask a key block then runs a step behind its predecessor, and where CTAs start
+    // together (several heads' key blocks in one wave) the later ones wait for the earlier ones' steps.
+    // Staggered instead (no mask, no more key blocks than query blocks in the sequence), key block n reaches query
+    // block m at its step (m - n) mod (query blocks), and the turns follow that order of arrival: key block m (or
+    // the last, if there are fewer) down to 0, then the last down to m + 1. A key block waits only for the next one,
+    // which reached the query block a step before it; that one has a higher CTA index, so the plan staggers only
+    // where every key block of a sequence is resident at once (Plan::staggered).
     __forceinline__ __device__ int dq_turn(const BwdStep& step) const {
-        return kCausal ? bounds.n_block_end(step.m_block) - 1 - n_block : n_block;
+        if constexpr (kCausal) {
+            return bounds.n_block_end(step.m_block) - 1 - n_block;
+        } else {
+            if (staggered) {
+                const int m = step.m_block - m_block_begin;
+                const int n_blocks = bounds.n_blocks();
+                return n_block <= m ? min(m, n_blocks - 1) - n_block : n_blocks + m - n_block;
+            }
+            return n_block;
+        }
     }
     __forceinline__ __device__ void pass_turn(const BwdParams& params, const BwdStep& step) const {
         pass_dq_turn(dq_turn_flag<kBlockM>(params, batch_idx, step.head, step.m_block), dq_turn(step));

@@ -152,6 +152,9 @@ struct BwdParams : FwdParams {
     int key_blocks_per_cta;  // consecutive key blocks one CTA walks, the next one's K and V loading while
                              // it finishes the current one: 1, or more for the Hopper kernel of head
                              // dims <= 128 (bwd_sm90_walks_key_blocks)
+    bool stagger;  // the wide Hopper kernel without a mask: key block n starts its walk at query block n mod
+                   // (query blocks); in deterministic mode only where every key block of a sequence fits
+                   // (Plan::staggered, BwdSm90Block::dq_turn)
     int* dq_semaphore_ptr;  // (batch, num_heads, ceil(seqlen_q / kBwdMinBlockM)) zeroed; deterministic only
                             // (dq_turns.h for the Hopper kernel)
 

@@ -26,8 +26,9 @@ by ``;``:
   key/value head as rows of one head where the kernels can (dense forwards with one query row).
 - ``stagger=0|1``: in the Hopper backward at head dims above 128 without a mask or variants, key block n starts
   its walk over the query blocks at query block n (modulo their number), so that a head's key blocks add into
-  different query blocks' dQ at once; in deterministic mode only where a sequence's key blocks all fit the SMs
-  at once.
+  different query blocks' dQ at once. The default in deterministic mode, where its key blocks then do not wait
+  for each other's turns, and only there where a sequence's key blocks all fit the SMs at once; the default mode
+  measured slower with it.
 
 A key left out keeps the heuristic's choice. ``force_plan`` sets both for the public functions
 (``flash_attn_func`` and the others) called inside it, forward and backward. Two environment variables, read

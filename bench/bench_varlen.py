@@ -3,6 +3,7 @@ FLASH_ATTENTION backend (and our dense kernel) on the same batch padded to its l
 TFLOP/s count useful work only: sum over sequences of the FA2 FLOPs of that sequence.
 
     python bench/bench_varlen.py                      # bf16, hdim 128, 16 heads, causal and not
+    python bench/bench_varlen.py --impls ours_varlen,ours_varlen_ws,flash_padded   # also the forced Hopper kernel
     python bench/bench_varlen.py --plot bench/results/h200/varlen_nvidia-h200.json     # redraw a run's PNG
 """
 
@@ -34,6 +35,13 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--rep", type=int, default=30)
     p.add_argument("--rounds", type=int, default=3, help="turns each implementation takes per mask (median)")
+    p.add_argument(
+        "--impls",
+        type=lambda s: s.split(","),
+        default=list(IMPLS),
+        help=f"from {','.join(IMPLS + OPTIONAL_IMPLS)}; ours_varlen_ws: the packed batch with the Hopper "
+        "warp-specialized kernels wherever they can run (force_plan(ws=True)), forward and backward",
+    )
     p.add_argument("--out-dir", default=None, help="default bench/results/<gpu>/, e.g. bench/results/h200/")
     return p.parse_args(argv)
 
@@ -41,16 +49,22 @@ def parse_args(argv=None):
 def main(argv=None):
     a = parse_args(argv)
     a.out_dir = common.out_dir(a.out_dir)
+    unknown = sorted(set(a.impls) - set(IMPLS + OPTIONAL_IMPLS))
+    if unknown:
+        raise SystemExit(f"--impls: unknown {unknown}")
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import flash_attn_cuda
+    from flash_attn_cuda.plan import force_plan
 
     rng = random.Random(a.seed)
     lens = [rng.randint(a.min_len, a.max_len) for _ in range(a.batch)]
     total, max_len, h, d = sum(lens), max(lens), a.heads, a.hdim
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     meta = common.stamp()
-    meta.update(lengths=lens, heads=h, hdim=d, dtype="bf16", warmup=a.warmup, rep=max(a.rep, 20), rounds=a.rounds)
+    meta.update(
+        lengths=lens, heads=h, hdim=d, dtype="bf16", warmup=a.warmup, rep=max(a.rep, 20), rounds=a.rounds, impls=a.impls
+    )
     print(f"[varlen] {meta['gpu']} commit {meta['commit']}: {a.batch} sequences, {total} tokens, longest {max_len}")
 
     rows = []
@@ -65,12 +79,15 @@ def main(argv=None):
         # SDPA's own copy of the padded batch, as the transposed views of (b, s, h, d) tensors that models give it
         # (common.sdpa_view); its dout likewise, in its output's layout.
         padded_t = [common.sdpa_view(t) for t in padded]
+
+        def varlen(**choices):
+            # The choices reach the ops as arguments, so the backward runs under them too.
+            with force_plan(**choices):
+                return flash_attn_cuda.flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, causal=causal)
+
         runners = {
-            "ours_varlen": (
-                lambda: flash_attn_cuda.flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, causal=causal),
-                (q, k, v),
-                torch.randn_like,
-            ),
+            "ours_varlen": (varlen, (q, k, v), torch.randn_like),
+            "ours_varlen_ws": (lambda: varlen(ws=True), (q, k, v), torch.randn_like),
             "ours_padded": (lambda: flash_attn_cuda.flash_attn_func(*padded, causal=causal), padded, torch.randn_like),
             "flash_padded": (
                 lambda: F.scaled_dot_product_attention(*padded_t, is_causal=causal),
@@ -78,6 +95,7 @@ def main(argv=None):
                 common.sdpa_grad,
             ),
         }
+        runners = {name: runners[name] for name in a.impls}
         row = {"causal": causal, "useful_flops_fwd": useful, "ms": {}, "tflops": {}, "errors": {}}
         with warnings.catch_warnings(), sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
             warnings.simplefilter("ignore")
@@ -117,17 +135,17 @@ def main(argv=None):
         f"take turns (round r starts with the r-th), each round the median of {max(a.rep, 20)} timed calls after "
         f"{a.warmup} warm-up calls.",
         "",
-        "| mask | pass | ours_varlen | ours_padded | flash_padded | ours_varlen / flash_padded |",
-        "|---|---|---|---|---|---|",
+        f"| mask | pass | {' | '.join(a.impls)} | ours_varlen / flash_padded |",
+        "|---|---|" + "---|" * (len(a.impls) + 1),
     ]
     for row in rows:
         t = row["tflops"]
         for pass_ in ("fwd", "bwd"):
-            ours, flash = t["ours_varlen"][pass_], t["flash_padded"][pass_]
+            ours, flash = (t.get(n, {}).get(pass_) for n in ("ours_varlen", "flash_padded"))
             ratio = ours / flash if ours and flash else None
             lines.append(
                 f"| {'causal' if row['causal'] else 'non-causal'} | {pass_} | "
-                + " | ".join(common.fmt_num(t[n][pass_]) for n in IMPLS)
+                + " | ".join(common.fmt_num(t[n][pass_]) for n in a.impls)
                 + f" | {common.fmt_num(ratio, '{:.2f}')} |"
             )
     errs = [f"- {'causal' if r['causal'] else 'non-causal'} {n}: {e}" for r in rows for n, e in r["errors"].items()]
@@ -135,7 +153,7 @@ def main(argv=None):
         lines += ["", "## Failures (recorded as n/a)", "", *errs]
     with open(base + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
-    print("\n".join(lines[lines.index("|---|---|---|---|---|---|") - 1 :]))  # the table, and any failures
+    print("\n".join(lines[next(i for i, x in enumerate(lines) if x.startswith("| mask")) :]))  # table, failures
     try:
         plot(base + ".png", meta, rows)
         print(f"[varlen] wrote {base}.json, .md, .png")
@@ -145,6 +163,7 @@ def main(argv=None):
 
 
 IMPLS = ("ours_varlen", "ours_padded", "flash_padded")
+OPTIONAL_IMPLS = ("ours_varlen_ws",)
 
 
 def plot(path, meta, rows):
@@ -155,11 +174,12 @@ def plot(path, meta, rows):
     import matplotlib.pyplot as plt
 
     groups = [(row, pass_) for row in rows for pass_ in ("fwd", "bwd")]
+    impls = meta.get("impls", IMPLS)
     fig, ax = plt.subplots(figsize=(8, 4))
-    width = 0.8 / len(IMPLS)
-    for i, name in enumerate(IMPLS):
+    width = 0.8 / len(impls)
+    for i, name in enumerate(impls):
         ys = [row["tflops"][name][pass_] or 0.0 for row, pass_ in groups]
-        ax.bar([g + (i - 1) * width for g in range(len(groups))], ys, width, label=name)
+        ax.bar([g + (i - (len(impls) - 1) / 2) * width for g in range(len(groups))], ys, width, label=name)
     ax.set_xticks(
         range(len(groups)), [f"{'causal' if row['causal'] else 'non-causal'} {pass_}" for row, pass_ in groups]
     )

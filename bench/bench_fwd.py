@@ -28,9 +28,10 @@ IMPLS = ["ours", "flash", "cudnn", "efficient"]
 # mma.sync kernels' tile set for GPUs with 99 KiB of shared memory per block (sm_86, sm_89, sm_120), planned as
 # on such a GPU (force_plan(max_smem=101376)); ours_nows: on a Hopper GPU, the forward whose warps all load and
 # compute instead of the warp-specialized TMA kernel, and the backward on the narrow kernel (force_plan(ws=False));
-# ours_ws: the warp-specialized kernels of both passes wherever they can run, also where the plan would pick another
-# (force_plan(ws=True, short_keys=False)); ours_stagger: the Hopper wide backward's staggered walk wherever it can run
-# (force_plan(stagger=True)); ours_det_nostagger: deterministic=True without it (force_plan(stagger=False)).
+# ours_ws: the warp-specialized kernels of both passes wherever they can run, also where the plan would pick another,
+# on their main tiles (force_plan(ws=True, short_keys=False): no short-key tile of either Hopper forward);
+# ours_stagger: the Hopper wide backward's staggered walk wherever it can run (force_plan(stagger=True));
+# ours_det_nostagger: deterministic=True without it (force_plan(stagger=False)).
 OPTIONAL_IMPLS = [
     "ours_det",
     "ours_det_mma",

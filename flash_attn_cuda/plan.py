@@ -13,7 +13,8 @@ by ``;``:
 - ``kernel=mma_sync`` or ``kernel=wgmma``: the kernel family (wgmma only on sm_90 with an sm_90a build);
 - ``gqa_walk=0|1``: whether a Hopper GQA/MQA backward CTA walks every query head of its key/value head;
 - ``key_blocks=n``: key blocks per Hopper backward CTA (head dims up to 128);
-- ``short_keys=0|1``: the Hopper forward's short-key tile (head dim 128);
+- ``short_keys=0|1``: the Hopper forward's short-key tile: the warp-specialized kernel's under a causal mask at head
+  dim 64, else the other kernel's (head dim 128);
 - ``short_queries=0|1``: the Hopper backward's 16-row query tile (head dim 128);
 - ``max_smem=bytes``: plan as on a GPU with at most this much shared memory per block, so that a larger GPU
   runs a smaller one's tile sets (``max_smem=101376``: the mma.sync kernels' 99 KiB set of sm_86, sm_89 and
@@ -75,7 +76,7 @@ class Plan:
     variants: bool  # the variants kernel (window, softcap, ALiBi, dropout)
     gqa_pack: int  # query heads packed as rows of their key/value head (1: none)
     num_splits: int  # forward: key splits (1: none)
-    short_key_tile: bool  # forward: the Hopper short-key tile
+    short_key_tile: bool  # forward: a Hopper short-key tile (the warp-specialized kernel's where that runs)
     warp_specialized: bool  # the Hopper warp-specialized TMA kernel (forward, or backward at head dims 64 and 128)
     short_query_tile: bool  # backward: the Hopper 16-row query tile
     heads_per_cta: int  # backward: query heads one CTA walks (GQA walk when > 1)

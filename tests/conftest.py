@@ -503,10 +503,16 @@ def check_forced_plans(
         if pass_ == "fwd":
             if num_splits:
                 assert p.num_splits == (num_splits if lens is None else 1), p
+            # The short-key tiles (launch/tile_size.h): the other Hopper kernel's at head dim 128, and under a causal
+            # mask at head dim 64 the warp-specialized kernel's own (ws_short_tile, up to 2048 keys by default).
+            own_short = kernel_dim == 64 and p.causal
             if "short_keys" in force:
-                assert p.short_key_tile == bool(force["short_keys"] and hopper and kernel_dim == 128), p
+                expected = force["short_keys"] and hopper and (kernel_dim == 128 or (own_short and p.warp_specialized))
+                assert p.short_key_tile == bool(expected), p
             if "ws" in force:
-                ws_rows = 192 if kernel_dim <= 64 else 128  # every head dim has one (launch/tile_size.h: ws_tile)
+                short = force.get("short_keys")
+                ws_short = own_short and (sizes[2] <= 2048 if short is None else bool(short))
+                ws_rows = 128 if kernel_dim > 64 or ws_short else 192  # every head dim has one (ws_tile)
                 serves = (
                     hopper
                     and lens is None
@@ -514,7 +520,7 @@ def check_forced_plans(
                     and not p.variants
                     and p.num_splits == 1
                     and p.gqa_pack == 1
-                    and not p.short_key_tile
+                    and (not short or own_short)
                 )
                 assert p.warp_specialized == bool(force["ws"] and serves), p
             elif not hopper:
@@ -582,12 +588,14 @@ def varlen_attention_ref(
     alibi_slopes=None,
     dropout_p=0.0,
     dropout_masks=None,
+    learnable_sink=None,
 ):
     """varlen_attention with the variant arguments of attention_ref: each sequence on its own, packed again.
 
     alibi_slopes: (nheads,) for every sequence, or (num_sequences, nheads), row b for sequence b.
     dropout_masks: None, or one bool keep mask (nheads, len_q, len_k) per sequence
-    (flash_attn_cuda.dropout.varlen_keep_mask). Returns out (total_q, nheads, d) and lse (nheads, total_q).
+    (flash_attn_cuda.dropout.varlen_keep_mask). learnable_sink: None, or the (nheads,) sink logits that every
+    sequence shares. Returns out (total_q, nheads, d_v) and lse (nheads, total_q).
     """
     outs, lses = [], []
     bounds = zip(
@@ -610,6 +618,7 @@ def varlen_attention_ref(
             alibi_slopes=slopes,
             dropout_p=dropout_p,
             dropout_mask=mask,
+            learnable_sink=learnable_sink,
         )
         outs.append(out[0])
         lses.append(lse[0])

@@ -545,9 +545,41 @@ def test_short_key_tile_split_kv(splits, causal):
 )
 def test_warp_specialized_forward(b, sq, sk, h, hk, layout, d, ws, dtype, causal):
     require_kernel(d, dtype, causal)
-    # With ws, the short-key tile is forced off too: head dim 128 would take it at these key lengths.
+    # With ws, the short-key tiles are forced off too: head dim 128 would take the other kernel's at these key
+    # lengths, and head dim 64 under a causal mask the warp-specialized kernel's own (the test below).
     force = {"ws": True, "short_keys": False} if ws else {"ws": False}
     run_and_check(*make_qkv(b, sq, sk, h, hk, d, dtype, layout), causal, force=force)
+
+
+# The warp-specialized kernel's short-key tile (head dim 64, causal: 128 rows on two consumer warpgroups, where the
+# kernel's tile has 192 on three), forced at every length on the shapes above.
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize(
+    "b, sq, sk, h, hk, layout",
+    [
+        (2, 257, 1000, 4, 4, "contiguous"),
+        (1, 1000, 257, 6, 2, "heads_major"),
+        (3, 191, 191, 3, 1, "guard_bands"),
+        (1, 2049, 2049, 1, 1, "packed"),
+        (2, 200, 5, 4, 4, "contiguous"),
+        (4, 1300, 1500, 16, 4, "contiguous"),
+        (3, 1500, 300, 12, 12, "seq_major"),
+        (2, 65, 3000, 2, 2, "seq_major"),
+    ],
+    ids=[
+        "sq257-sk1000",
+        "sq1000-sk257-gqa",
+        "sq191-mqa",
+        "one-head",
+        "sq200-sk5",
+        "many-tiles-gqa",
+        "many-tiles-sq1500-sk300",
+        "sq65-sk3000",
+    ],
+)
+def test_warp_specialized_forward_short_key_tile(b, sq, sk, h, hk, layout, dtype):
+    require_kernel(64, dtype, True)
+    run_and_check(*make_qkv(b, sq, sk, h, hk, 64, dtype, layout), True, force={"ws": True, "short_keys": True})
 
 
 # ---------------------------------------------------------------- split-KV and seqlen_q == 1 GQA packing

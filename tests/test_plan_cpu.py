@@ -344,8 +344,10 @@ def test_short_key_tile_forced(causal):
     assert not make("fwd", seqlen_k=64, causal=causal, short_keys=False).short_key_tile
     assert make("fwd", seqlen_q=64, seqlen_k=64, causal=causal).short_key_tile
     assert not make("fwd", seqlen_k=64, causal=causal).short_key_tile  # the warp-specialized kernel's
-    # Only head dim 128 has the tile; mma.sync has none.
-    assert not make("fwd", seqlen_k=64, head_dim=64, causal=causal, short_keys=True).short_key_tile
+    # Only head dim 128 has the tile, and under a causal mask the warp-specialized kernel at head dim 64 (its own
+    # short-key tile); mma.sync has none.
+    p = make("fwd", seqlen_k=64, head_dim=64, causal=causal, short_keys=True)
+    assert p.short_key_tile is causal and p.warp_specialized is causal, p
     assert not make("fwd", seqlen_k=64, head_dim=256, causal=causal, short_keys=True).short_key_tile
     assert not make("fwd", A100, seqlen_k=64, causal=causal, short_keys=True).short_key_tile
     p = make("fwd", seqlen_k=64, causal=causal, short_keys=True, kernel="mma_sync")
@@ -974,10 +976,12 @@ def test_plan_op_problem_rules(gpu, variant, variants, causal_one_row, causal_lo
 @pytest.mark.parametrize(
     "head_dim, seqlen, causal, warp_specialized",
     [
-        # Head dims 32 and 64 (192-row tiles) at every length non-causal, and past 1024 keys causal.
+        # Head dims 32 and 64 (192-row tiles) at every length non-causal; causal, head dim 32 past 1024 keys, and
+        # head dim 64 at every length (its short-key tile up to 2048 keys).
         (64, 512, False, True),
         (64, 2048, False, True),
-        (64, 1024, True, False),
+        (64, 512, True, True),
+        (64, 1024, True, True),
         (64, 1025, True, True),
         (64, 2048, True, True),
         (64, 4096, True, True),
@@ -1000,14 +1004,46 @@ def test_hopper_forward_warp_specialized_by_length(head_dim, seqlen, causal, war
     args = dict(batch=2, seqlen_q=seqlen, seqlen_k=seqlen, nheads=16, nheads_k=16, head_dim=head_dim, causal=causal)
     p = plan("fwd", **args, **H200)
     assert p.warp_specialized == warp_specialized, p
+    ws_short = head_dim == 64 and causal and seqlen <= 2048  # plan.cpp: kFwdWsShortKeysMaxCausal
     if warp_specialized:
-        assert p.num_splits == 1 and not p.short_key_tile and p.block_m == (192 if head_dim <= 64 else 128), p
-    # ws=1 forces it at every length, ws=0 never, and neither does a forced short-key tile; the mma.sync family
-    # never has it.
+        assert p.num_splits == 1 and p.short_key_tile is ws_short, p
+        assert p.block_m == (192 if head_dim <= 64 and not ws_short else 128), p
+    # ws=1 forces it at every length, ws=0 never, and neither does a forced short-key tile, except the kernel's own
+    # (head dim 64, causal); the mma.sync family never has it.
     assert plan("fwd", **args, override="ws=1", **H200).warp_specialized
-    assert not plan("fwd", **args, override="ws=1;short_keys=1", **H200).warp_specialized
+    forced_short = plan("fwd", **args, override="ws=1;short_keys=1", **H200)
+    assert forced_short.warp_specialized is (head_dim == 64 and causal), forced_short
     assert not plan("fwd", **args, override="ws=0", **H200).warp_specialized
     assert not plan("fwd", **args, override="ws=1", **A100).warp_specialized
+
+
+@pytest.mark.parametrize("seqlen_k", [64, 512, 2048, 2049, 16384])
+def test_hopper_forward_warp_specialized_short_key_tile(seqlen_k):
+    # tile_size.h: at head dim 64 the warp-specialized forward has a short-key tile for causal calls, 128 x 128 on two
+    # consumer warpgroups, taken up to 2048 keys (plan.cpp); 192 x 128 on three beyond, and without a mask.
+    # Enough query blocks to fill the SMs, so that no call splits its keys (which this kernel does not do).
+    args = dict(batch=8, seqlen_q=512, seqlen_k=seqlen_k, nheads=16, nheads_k=16, head_dim=64)
+    short = seqlen_k <= 2048
+    p = plan("fwd", **args, causal=True, **H200)
+    assert p.warp_specialized and p.short_key_tile is short, p
+    assert (p.block_m, p.block_n) == ((128, 128) if short else (192, 128)), p
+    if short:  # Q, two stages of K and V, and the output's own buffer, of 128 x 64 and 128 x 64 tiles; barriers
+        assert p.smem == (128 * 64 + 2 * 2 * 128 * 64 + 128 * 64) * 2 + 1024, p
+    full = plan("fwd", **args, **H200)
+    assert full.warp_specialized and not full.short_key_tile and full.block_m == 192, full
+    # short_keys=1 forces it at any length; short_keys=0 keeps the 192-row tile, which up to 1024 keys leaves the
+    # call to the other Hopper kernel unless ws=1 forces it.
+    forced = plan("fwd", **args, causal=True, override="short_keys=1", **H200)
+    assert forced.warp_specialized and forced.short_key_tile and forced.block_m == 128, forced
+    off = plan("fwd", **args, causal=True, override="short_keys=0", **H200)
+    assert not off.short_key_tile and off.warp_specialized is (seqlen_k > 1024), off
+    both = plan("fwd", **args, causal=True, override="short_keys=0;ws=1", **H200)
+    assert both.warp_specialized and not both.short_key_tile and both.block_m == 192, both
+    # Head dim 32 has no such tile; calls the kernel does not serve (variants) keep the other kernel.
+    d32 = plan("fwd", **{**args, "head_dim": 32}, causal=True, **H200)
+    assert not d32.short_key_tile and d32.block_m == (192 if d32.warp_specialized else 128), d32
+    window = plan("fwd", **args, causal=True, window_size=(256, 0), **H200)
+    assert not window.warp_specialized and not window.short_key_tile, window
 
 
 @pytest.mark.parametrize("head_dim, block_m, smem", [(64, 128, 232448), (128, 64, 231424)], ids=["d64", "d128"])

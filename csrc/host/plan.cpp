@@ -44,14 +44,20 @@ int choose_num_splits(int64_t ctas, int64_t seqlen_k, const TileShape& tile, int
 
 // ---- Forward: the Hopper warp-specialized kernel ----
 
-// seqlen_k at or below which head dims 32 and 64, whose warp-specialized tile has 192 rows and three consumer
-// warpgroups, keep the other Hopper kernel under a causal mask, where a 192-row block on the diagonal computes the
-// most scores it drops. At head dim 64, causal (H100, bf16), the warp-specialized kernel was 26% slower at 512
-// keys, even at 1024 and 15% faster at 2048, 34% faster at 4096; non-causal it was faster at every length
-// (H200), so non-causal calls take it at every length. The other head dims' tiles have 128 rows, and at head dims
-// 128 and 256 it was faster at every length measured. (docs/design-notes.md, 'P's conversion and the output's
+// seqlen_k at or below which a causal call whose warp-specialized tile has 192 rows and three consumer warpgroups
+// (head dim 32; head dim 64 where its short-key tile is forced off) keeps the other Hopper kernel, since a 192-row
+// block on the diagonal computes the most scores it drops. At head dim 64, causal (H100, bf16), the warp-specialized
+// kernel was 26% slower at 512 keys, even at 1024 and 15% faster at 2048, 34% faster at 4096; non-causal it was faster
+// at every length (H200), so non-causal calls take it at every length. The other head dims' tiles have 128 rows, and at
+// head dims 128 and 256 it was faster at every length measured. (docs/design-notes.md, 'P's conversion and the output's
 // staging'.)
 constexpr int kFwdWsMinKeys192RowsCausal = 1024;
+
+// seqlen_k at or below which a causal call on the warp-specialized kernel takes its short-key tile where the set has
+// one (head dim 64: 128 rows on two consumer warpgroups instead of 192 on three). On an H100 (bf16, causal, 16k
+// tokens) it was 47% faster than the 192-row tile at 512 keys, 11% at 1k and 6% at 2k, and 6% slower at 4k, 12% at
+// 8k and 16k (docs/design-notes.md, 'A short-key tile for the warp-specialized forward').
+constexpr int kFwdWsShortKeysMaxCausal = 2048;
 
 // ---- Backward: the Hopper warp-specialized kernel ----
 
@@ -162,10 +168,14 @@ void plan_fwd(const Problem& p, const Target& t, int forced_splits, const PlanOv
     // heads, batch) tensors, not varlen's packed rows. Its consumer warpgroups all run every key block, so it also
     // needs queries for the last of them: shorter query sequences (decoding) keep the other kernel, whose
     // warpgroups without rows skip their MMAs. It is persistent, so a tile's loads run under the previous tile's
-    // work, which is what the short-key tile's two CTAs per SM are for: where it runs, that tile does not.
-    const TileShape& ws = set.ws_tile;
+    // work, which is what the other kernel's short-key tile (two CTAs per SM) is for: where it runs, that tile does
+    // not. Under a causal mask over short key sequences it runs its own short-key tile where the set has one, which
+    // short_keys=1 forces and short_keys=0 keeps off; elsewhere short_keys=1 means the other kernel's short-key tile.
+    const bool has_ws_short = set.ws_short_tile.exists() && plan.causal;
+    const bool ws_short = has_ws_short && choose(o.short_keys, p.seqlen_k <= kFwdWsShortKeysMaxCausal);
+    const TileShape ws = ws_short ? set.ws_short_tile : set.ws_tile;
     const bool ws_serves = !plan.variants && !p.varlen && plan.gqa_pack == 1 && ws.exists() &&
-                           seqlen_q > ws.block_m - 64 && o.short_keys != 1;
+                           seqlen_q > ws.block_m - 64 && (o.short_keys != 1 || has_ws_short);
     const bool ws_pays = ws.block_m < 192 || !plan.causal || p.seqlen_k > kFwdWsMinKeys192RowsCausal;
     // Key splits for a tile: split-KV runs on dense batches only, and without dropout. The launch grid's x is
     // query blocks (at least 64 rows each) times splits.
@@ -185,6 +195,7 @@ void plan_fwd(const Problem& p, const Target& t, int forced_splits, const PlanOv
                                                                 p.seqlen_k <= (plan.causal ? kFwdShortKeysMaxCausal
                                                                                            : kFwdShortKeysMax)));
     if (plan.warp_specialized) {
+        plan.short_key_tile = ws_short;
         plan.block_m = ws.block_m;
         plan.block_n = ws.block_n;
         plan.smem_bytes = fwd_ws_smem_bytes(plan.kernel_head_dim, ws.block_m, ws.block_n, ws.stages);

@@ -117,7 +117,7 @@ struct Plan {
     int block_m;  // query rows per block (per step, backward)
     int block_n;  // keys per block
     int num_splits;  // forward: key splits (1: none)
-    bool short_key_tile;  // forward: the wgmma tile set's short-key tile
+    bool short_key_tile;  // forward: the wgmma tile set's short-key tile, or the warp-specialized kernel's
     bool warp_specialized;  // forward: the wgmma tile set's warp-specialized TMA kernel (its ws_tile)
     bool short_query_tile;  // backward: the wgmma tile set's 16-row query tile
     int heads_per_cta;  // backward: query heads one CTA walks (> 1: a whole GQA group, dK/dV summed in registers)

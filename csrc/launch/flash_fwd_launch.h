@@ -78,12 +78,11 @@ cudaError_t run_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
         grid, params, stream);
 }
 
-// The warp-specialized Hopper kernel of the wgmma set's ws_tile, for dense batches of a plain kernel without key
-// splits or GQA packing (the plan checked), in its kMod form, and with kSink for calls with a learnable sink. TMA
-// descriptors of q, k and v are encoded for each call: they hold the pointers and strides.
-template <typename Element, int kHeadDim, bool kCausal, PlainMod kMod, bool kSink>
+// The warp-specialized Hopper kernel on kTile (the wgmma set's ws_tile or ws_short_tile), for dense batches of a
+// plain kernel without key splits or GQA packing (the plan checked), in its kMod form, and with kSink for calls with
+// a learnable sink. TMA descriptors of q, k and v are encoded for each call: they hold the pointers and strides.
+template <typename Element, int kHeadDim, bool kCausal, PlainMod kMod, bool kSink, TileShape kTile>
 cudaError_t run_fwd_sm90_ws(const FwdParams& params, cudaStream_t stream) {
-    constexpr TileShape kTile = kFwdTileSet<KernelFamily::kWgmma, kHeadDim>.ws_tile;
     using Traits = FwdSm90WsKernelTraits<Element, kHeadDim, kTile.block_m, kTile.block_n, kTile.stages>;
     static_assert(sizeof(Element) == kElementBytes);
     static_assert(Traits::kSmemBytes == fwd_ws_smem_bytes(kHeadDim, kTile.block_m, kTile.block_n, kTile.stages),
@@ -130,9 +129,22 @@ cudaError_t run_fwd(const FwdParams& params, cudaStream_t stream) {
             if (params.warp_specialized) {
                 return run_plain_mod(params, [&](auto mod) {
                     constexpr PlainMod kMod = decltype(mod)::value;
+                    // Named here rather than through kSet, which the lambda would capture.
+                    constexpr TileSet kWsSet = kFwdTileSet<KernelFamily::kWgmma, kHeadDim>;
+                    // The short-key tile serves causal calls only (make_plan), so only the causal files hold it.
+                    if constexpr (kCausal && kWsSet.ws_short_tile.exists()) {
+                        if (params.short_key_tiles) {
+                            return params.learnable_sink_ptr != nullptr
+                                       ? run_fwd_sm90_ws<Element, kHeadDim, kCausal, kMod, true, kWsSet.ws_short_tile>(
+                                             params, stream)
+                                       : run_fwd_sm90_ws<Element, kHeadDim, kCausal, kMod, false, kWsSet.ws_short_tile>(
+                                             params, stream);
+                        }
+                    }
                     return params.learnable_sink_ptr != nullptr
-                               ? run_fwd_sm90_ws<Element, kHeadDim, kCausal, kMod, true>(params, stream)
-                               : run_fwd_sm90_ws<Element, kHeadDim, kCausal, kMod, false>(params, stream);
+                               ? run_fwd_sm90_ws<Element, kHeadDim, kCausal, kMod, true, kWsSet.ws_tile>(params, stream)
+                               : run_fwd_sm90_ws<Element, kHeadDim, kCausal, kMod, false, kWsSet.ws_tile>(params,
+                                                                                                          stream);
                 });
             }
         }

@@ -94,8 +94,8 @@ struct FwdParams {
     int num_pages;
 
     KernelFamily family;  // the plan's kernel family, which the launchers run (Plan::family)
-    bool short_key_tiles;  // with the wgmma family: the forward runs the tile set's short-key tile (the plan checked
-                           // it exists)
+    bool short_key_tiles;  // with the wgmma family: the forward runs the tile set's short-key tile, or with
+                           // warp_specialized that kernel's (ws_short_tile; the plan checked it exists)
     MmaSyncTileSet mma_sync_tile_set;  // with the mma.sync family: the tile set the launchers run (Plan::tile_budget;
                                        // one byte, in the padding before num_splits)
     bool warp_specialized;  // with the wgmma family: the forward runs the warp-specialized TMA kernel of the tile

@@ -68,6 +68,8 @@ struct TileSet {
                              // 64 query rows (forward) or keys (backward) per consumer warpgroup; none where that
                              // kernel is not built
     TileShape variants_tile = {};  // mma.sync forward only: the variants kernel's tile where it is not causal_tile
+    TileShape ws_short_tile = {};  // wgmma forward only: the warp-specialized kernel's tile for causal calls over
+                                   // short key sequences (FwdParams::short_key_tiles with warp_specialized)
 
     constexpr bool exists() const { return head_dim > 0; }
     constexpr TileShape tile_for(bool causal, bool variants = false) const {
@@ -108,8 +110,11 @@ constexpr int kBwdSm90ShortBlockM = 16;
 // registers, or three of 160 at head dims 32 and 64 (192 rows), where the accumulators leave room; two stages of K
 // and V in wgmma N shapes that CuTe offers without its extended-shapes header. Head dim 128's 128-key blocks beat
 // 192-key ones at 1k keys and trailed them by 1-4% from 2k (docs/design-notes.md). Head dim 64 on 128 x 128 (two
-// warpgroups) was about as fast as 192 x 128 up to 1k keys, and 6-11% slower from 4k non-causal (design notes);
-// the other widths are untuned.
+// warpgroups) was about as fast as 192 x 128 up to 1k keys, and 6-11% slower from 4k non-causal (design notes).
+// Under a causal mask it has a short-key tile of its own (ws_short_tile): 128 x 128 on two consumer warpgroups,
+// which computes fewer masked scores on the diagonal than the 192-row tile and splits a tile's few key blocks
+// among fewer warpgroups of unequal work. Against the 192-row tile (H100, docs/design-notes.md): 47% faster at 512
+// keys, 6-11% at 1k and 2k, 6-12% slower from 4k. The other widths are untuned.
 //
 // mma.sync backward (block_m, block_n): dK and dV of block_n keys stay in registers, so wide heads take fewer
 // keys per CTA. At head dim 64 the registers leave room for 128-row query blocks, which halve the steps (and
@@ -156,7 +161,16 @@ constexpr TileSet kTileSets[] = {
     {KernelFamily::kMmaSync, Pass::kFwd, 256, kSmem99KiB, {64, 64, 4}, {64, 64, 4}, {}},
 
     {KernelFamily::kWgmma, Pass::kFwd, 32, kSmem227KiB, {128, 64, 0, 2}, {128, 64, 0, 2}, {}, ws_tile(192, 128)},
-    {KernelFamily::kWgmma, Pass::kFwd, 64, kSmem227KiB, {128, 64, 0, 2}, {128, 64, 0, 2}, {}, ws_tile(192, 128)},
+    {KernelFamily::kWgmma,
+     Pass::kFwd,
+     64,
+     kSmem227KiB,
+     {128, 64, 0, 2},
+     {128, 64, 0, 2},
+     {},
+     ws_tile(192, 128),
+     {},
+     ws_tile(128, 128)},
     {KernelFamily::kWgmma, Pass::kFwd, 96, kSmem227KiB, {128, 128, 0, 1}, {128, 128, 0, 1}, {}, ws_tile(128, 128)},
     {KernelFamily::kWgmma,
      Pass::kFwd,
@@ -370,7 +384,12 @@ constexpr bool tile_table_is_complete() {
         // The forward's warp-specialized tile: 64 query rows per consumer warpgroup; the backward's: the narrow
         // kernel's tile (the consumers are its warpgroups).
         const TileShape& ws = set.ws_tile;
+        const TileShape& wc = set.ws_short_tile;
         const bool ws_fwd_ok = set.pass == Pass::kFwd && ws.block_m % 64 == 0 && ws.stages >= 2;
+        if (wc.exists() && !(set.family == KernelFamily::kWgmma && set.pass == Pass::kFwd && ws.exists() &&
+                             wc.block_m % 64 == 0 && wc.stages >= 2)) {
+            return false;
+        }
         const bool ws_bwd_ok = set.pass == Pass::kBwd && bwd_sm90_dq_through_smem(set.head_dim, ws.block_m) &&
                                ws.block_m == set.tile.block_m && ws.block_n == set.tile.block_n &&
                                ws.block_n == set.causal_tile.block_n && ws.block_m == set.causal_tile.block_m;
@@ -414,6 +433,10 @@ constexpr bool tile_sets_fit_their_budgets() {
         const int ws_bytes = set.pass == Pass::kFwd ? fwd_ws_smem_bytes(set.head_dim, ws.block_m, ws.block_n, ws.stages)
                                                     : bwd_ws_smem_bytes(set.head_dim, ws.block_m, ws.block_n);
         if (ws.exists() && ws_bytes > set.smem_budget) { return false; }
+        const TileShape& wc = set.ws_short_tile;
+        if (wc.exists() && fwd_ws_smem_bytes(set.head_dim, wc.block_m, wc.block_n, wc.stages) > set.smem_budget) {
+            return false;
+        }
     }
     return true;
 }

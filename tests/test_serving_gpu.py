@@ -1,7 +1,8 @@
 """The serving-engine arguments on a CUDA device, with the real kernels: seqused_q / seqused_k on
 flash_attn_varlen_func (forward and backward), paged keys whose lengths seqused_k gives, out= and lse_out=,
 flash_attn_with_kvcache decoding under scheduler_metadata (get_scheduler_metadata), pack_gqa and num_splits, a
-decoding step with both captured in a CUDA graph, torch.compile of a seqused call, and flash_attn_combine on partial
+decoding step with both captured in a CUDA graph, torch.compile of a seqused call, torch.library.opcheck of the ops
+with the arguments that these calls give them (recorded from the public calls), and flash_attn_combine on partial
 results of our own kernels.
 
 Every correctness check runs its call with the outputs carved from NaN-poisoned memory (conftest.poison_allocator)
@@ -37,6 +38,7 @@ from conftest import (
 from test_kvcache_gpu import Case, appended_mask, bits, build, call_kwargs, check_call, check_plan
 from test_kvcache_gpu import require_kernels as require_cache_kernels
 from test_variants_gpu import Variant, check_variant_plans, kernel_force, reference_with_grads
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import flash_attn_cuda
 from flash_attn_cuda import (
@@ -45,6 +47,7 @@ from flash_attn_cuda import (
     flash_attn_varlen_func,
     flash_attn_with_kvcache,
     get_scheduler_metadata,
+    serving,
 )
 from flash_attn_cuda.plan import force_plan, override_string, plan
 from flash_attn_cuda.reference import attention_ref
@@ -690,6 +693,183 @@ def test_compiled_seqused_matches_eager(variant):
         out, lse, dq, dk, dv = comp
         assert bool((out[unused_q] == 0).all() and torch.isposinf(lse[:, unused_q]).all())
         assert bool((dq[unused_q] == 0).all() and (dk[unused_k] == 0).all() and (dv[unused_k] == 0).all())
+
+
+# ---------------------------------------------------------------- opcheck
+
+
+class OpCalls(TorchDispatchMode):
+    """Records the calls of this library's ops (torch.ops.flash_attn2.*) made inside it, backward passes included,
+    as (op, args, kwargs): the arguments exactly as the public functions and the autograd of the ops build them,
+    seen below autograd. The ops run as they would without it."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "flash_attn2":
+            self.calls.append((func, args, kwargs))
+        return func(*args, **kwargs)
+
+
+def named(func, args, kwargs):
+    """A recorded op call's arguments by name. The dispatcher leaves out the arguments that equal their defaults,
+    so those are filled in from the schema."""
+    schema = func._schema.arguments
+    values = {a.name: a.default_value for a in schema if a.has_default_value()}
+    values.update(zip((a.name for a in schema), args))
+    values.update(kwargs)
+    return values
+
+
+def recorded(calls, ops, out, lse_out):
+    """The recorded calls, checked to be of ``ops`` (overloads, in order), none of them given the out= or lse_out=
+    tensors of the public call: those are copies made after the ops, so there is no op argument to check for
+    them."""
+    assert [func for func, _, _ in calls] == ops, calls
+    for func, args, kwargs in calls:
+        assert not any(value is out or value is lse_out for value in named(func, args, kwargs).values()), func
+    return calls
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_seqused_opcheck(causal):
+    """torch.library.opcheck (schema, autograd registration, fake tensor, AOT dispatch with dynamic shapes) of
+    varlen_fwd and varlen_bwd with the arguments that a forward and backward pass of flash_attn_varlen_func gives
+    them under seqused_q and seqused_k: cu_seqlens of PARTS_PER_SEQUENCE * batch + 1 entries, those of
+    serving.used_sequences, in both. The forward is checked with q, k and v requiring grad, so that opcheck also
+    runs its autograd."""
+    require(64, torch.bfloat16, causal)
+    # Sequences cut inside; one without queries, whose used keys no query sees; one whose used queries see no key;
+    # seqused_q past a sequence's end (clamped). Rows of LSE +inf and keys without gradient thus reach opcheck's
+    # comparisons.
+    lens_q, lens_k = [5, 0, 70, 33], [9, 4, 70, 40]
+    used_q, used_k = int32([3, 0, 64, 40]), int32([9, 2, 0, 17])
+    q, k, v = (
+        rand(sum(n), 4, 64, dtype=torch.bfloat16, device=DEVICE).requires_grad_() for n in (lens_q, lens_k, lens_k)
+    )
+    cu_q, cu_k = cu_seqlens(lens_q, DEVICE), cu_seqlens(lens_k, DEVICE)
+    out = torch.empty_like(q)
+    lse_out = torch.empty(4, sum(lens_q), dtype=torch.float32, device=DEVICE)
+    with OpCalls() as seen:
+        result, _, _ = flash_attn_varlen_func(
+            q,
+            k,
+            v,
+            cu_q,
+            cu_k,
+            70,
+            70,
+            causal=causal,
+            return_attn_probs=True,
+            seqused_q=used_q,
+            seqused_k=used_k,
+            out=out,
+            lse_out=lse_out,
+        )
+        torch.autograd.grad(result, (q, k, v), torch.randn_like(q))
+    assert result is out
+    fwd_op, bwd_op = torch.ops.flash_attn2.varlen_fwd.default, torch.ops.flash_attn2.varlen_bwd.default
+    (fwd, fwd_args, fwd_kwargs), (bwd, bwd_args, bwd_kwargs) = recorded(seen.calls, [fwd_op, bwd_op], out, lse_out)
+    parts = serving.PARTS_PER_SEQUENCE * len(lens_q) + 1
+    expected = serving.used_sequences(q, cu_q, cu_k, used_q, used_k)
+    for func, args, kwargs in seen.calls:
+        given = named(func, args, kwargs)
+        for name, cu in zip(("cu_seqlens_q", "cu_seqlens_k"), expected):
+            assert given[name].shape == (parts,) and torch.equal(given[name], cu), (func, name)
+    # q, k and v as leaves that require grad; the others as the call gave them.
+    names = [a.name for a in fwd._schema.arguments]
+    fwd_args = tuple(a.detach().requires_grad_() if names[i] in ("q", "k", "v") else a for i, a in enumerate(fwd_args))
+    torch.library.opcheck(fwd, fwd_args, fwd_kwargs)
+    # The backward op has no autograd of its own: its tensors (saved ones among them) are given detached.
+    bwd_args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in bwd_args)
+    torch.library.opcheck(bwd, bwd_args, bwd_kwargs)
+
+
+@pytest.mark.parametrize("cu_seqlens_k", ["none", "given"])
+def test_paged_seqused_k_opcheck(cu_seqlens_k):
+    """opcheck of varlen_fwd_paged with the arguments that flash_attn_varlen_func gives it for paged keys cut by
+    seqused_k: cu_seqlens_k is serving.paged_lengths's cumulative sum of seqused_k (clamped to cu_seqlens_k's
+    lengths where the call gives it). The inputs do not require grad: the op has no backward (the node its autograd
+    records raises once a backward reaches it, which opcheck's gradient comparison would do)."""
+    dtype = torch.bfloat16
+    require_cache_kernels(64, dtype)
+    lens_k = None if cu_seqlens_k == "none" else PAGED_LENS_K
+    batch, page_size = len(PAGED_LENS_Q), 16
+    max_pages = -(-max(PAGED_USED_K) // page_size)
+    num_pages = batch * max_pages + 3
+    block_table = torch.randperm(num_pages, device=DEVICE)[: batch * max_pages].view(batch, max_pages)
+    block_table = block_table.to(torch.int32)
+    k_cache, v_cache = (rand(num_pages, page_size, 2, 64, dtype=dtype, device=DEVICE) for _ in range(2))
+    q = rand(sum(PAGED_LENS_Q), 6, 64, dtype=dtype, device=DEVICE)
+    cu_q = cu_seqlens(PAGED_LENS_Q, DEVICE)
+    cu_k = None if lens_k is None else cu_seqlens(lens_k, DEVICE)
+    used_k = int32(PAGED_USED_K)
+    # Without cu_seqlens_k, max_seqlen_k bounds the lengths by the capacity (as run_paged passes it).
+    max_k = max_pages * page_size if lens_k is None else max(min(u, n) for u, n in zip(PAGED_USED_K, lens_k))
+    out = torch.empty_like(q)
+    lse_out = torch.empty(6, sum(PAGED_LENS_Q), dtype=torch.float32, device=DEVICE)
+    with OpCalls() as seen:
+        flash_attn_varlen_func(
+            q,
+            k_cache,
+            v_cache,
+            cu_q,
+            cu_k,
+            max(PAGED_LENS_Q),
+            max_k,
+            causal=True,
+            block_table=block_table,
+            seqused_k=used_k,
+            out=out,
+            lse_out=lse_out,
+        )
+    ((func, args, kwargs),) = recorded(seen.calls, [torch.ops.flash_attn2.varlen_fwd_paged.default], out, lse_out)
+    given = named(func, args, kwargs)
+    assert torch.equal(given["cu_seqlens_k"], serving.paged_lengths(q, cu_q, cu_k, used_k))
+    assert torch.equal(given["cu_seqlens_q"], cu_q) and torch.equal(given["block_table"], block_table)
+    torch.library.opcheck(func, args, kwargs)
+
+
+@pytest.mark.parametrize(
+    "layout, pack_gqa, num_splits",
+    [("dense", None, 0), ("paged", False, 3)],
+    ids=["dense-packed-auto-splits", "paged-unpacked-3-splits"],
+)
+def test_decode_scheduler_metadata_opcheck(layout, pack_gqa, num_splits):
+    """opcheck of fwd_kvcache with the arguments that flash_attn_with_kvcache gives it under scheduler_metadata:
+    the metadata's key splits as num_splits and its plan_override, which pins the kernel, the tiles and whether
+    the query heads of a key/value head run as one (gqa_pack=1, or gqa_pack=0 from pack_gqa=False). One row is
+    appended per sequence: opcheck runs the op several times, each appending the same rows at the same
+    positions, since cache_seqlens does not move."""
+    dtype = torch.bfloat16
+    require_cache_kernels(128, dtype)
+    call = build(decode_case(2, layout, 1), dtype, poison_rows=False)
+    metadata = decode_metadata(call, pack_gqa=pack_gqa, num_splits=num_splits)
+    packed = pack_gqa is None
+    assert metadata.plan.gqa_pack == (call.case.nheads // call.case.nheads_k if packed else 1), metadata.plan
+    assert f"gqa_pack={int(packed)}" in metadata.plan_override.split(";"), metadata.plan_override
+    assert num_splits == 0 or metadata.num_splits == num_splits, metadata
+    out = torch.empty_like(call.q)
+    case = call.case
+    lse_out = torch.empty(case.batch, case.nheads, case.seqlen_q, dtype=torch.float32, device=DEVICE)
+    with OpCalls() as seen:
+        flash_attn_with_kvcache(
+            call.q,
+            call.k_cache,
+            call.v_cache,
+            **call_kwargs(call),
+            scheduler_metadata=metadata,
+            out=out,
+            lse_out=lse_out,
+        )
+    ((func, args, kwargs),) = recorded(seen.calls, [torch.ops.flash_attn2.fwd_kvcache.default], out, lse_out)
+    given = named(func, args, kwargs)
+    assert given["num_splits"] == metadata.num_splits, given["num_splits"]
+    assert given["plan_override"] == metadata.plan_override, given["plan_override"]
+    torch.library.opcheck(func, args, kwargs)
 
 
 # ---------------------------------------------------------------- flash_attn_combine

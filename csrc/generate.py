@@ -30,9 +30,15 @@ NAME_FORMAT = "{pass_}_hdim{head_dim}_{dtype}_{mask}"
 # Backward head dims whose Hopper GEMMs have an N that CuTe's wgmma selectors offer only with its extended
 # shapes (a warpgroup's slice of dQ is 48 columns at 96; of dQ, dK and dV 80 and 112 at 160 and 224). Without
 # them the selectors split such a GEMM into N = 16 instructions, each re-reading its A tile from shared memory
-# (docs/design-notes.md, 'Extended wgmma N shapes'). The shapes come in a large header that adds about 45 s to a
-# file's compile, so only these files include it.
-EXTENDED_MMA_SHAPES = {("bwd", 96), ("bwd", 160), ("bwd", 224)}
+# (docs/design-notes.md, 'Extended wgmma N shapes'). The forward at head dim 256: the warp-specialized kernel's
+# 80-key blocks (its S GEMM's N), in the files that hold it (not the variants ones). The shapes come in a large
+# header that adds about 45 s to a file's compile, so only these files include it: (pass, head dim, masks).
+EXTENDED_MMA_SHAPES = {
+    ("bwd", 96, ("noncausal", "causal", "variants")),
+    ("bwd", 160, ("noncausal", "causal", "variants")),
+    ("bwd", 224, ("noncausal", "causal", "variants")),
+    ("fwd", 256, ("noncausal", "causal")),
+}
 
 CSRC = Path(__file__).resolve().parent
 OUT_DIR = CSRC / "generated" / "instantiations"
@@ -331,7 +337,7 @@ def outputs() -> dict:
         name = kernel_name(pass_, head_dim, dtype, mask)
         files[OUT_DIR / f"{name}.cu"] = INSTANTIATION.format(
             defines="#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED\n"
-            if (pass_, head_dim) in EXTENDED_MMA_SHAPES
+            if any((pass_, head_dim) == (p, d) and mask in masks for p, d, masks in EXTENDED_MMA_SHAPES)
             else "",
             pass_=pass_,
             element=DTYPES[dtype],

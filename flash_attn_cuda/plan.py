@@ -34,7 +34,9 @@ by ``;``:
 A key left out keeps the heuristic's choice. ``force_plan`` sets both for the public functions
 (``flash_attn_func`` and the others) called inside it, forward and backward. Two environment variables, read
 once per process, make whole test runs take another path: ``FLASH_ATTN2_DISABLE_WGMMA=1`` (the mma.sync kernels
-on Hopper) and ``FLASH_ATTN2_MAX_SMEM=bytes`` (``max_smem`` for every call).
+on Hopper) and ``FLASH_ATTN2_MAX_SMEM=bytes`` (``max_smem`` for every call; the kernels also launch with each SM's
+shared memory cut to what such a GPU's SM holds, that many bytes plus 1 KiB, so that as many blocks share an SM as
+there, where a per-call ``max_smem`` leaves the GPU's own).
 """
 
 import contextlib

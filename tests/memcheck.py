@@ -91,14 +91,14 @@ def warp_specialized():
     """Hopper forwards on the warp-specialized kernel (forced, also where the plans would pick another) with more
     units of its persistent schedule than an H200 has SMs, so that CTAs run several tiles, query rows that see no
     key among them (seqlen_q > seqlen_k, causal), and sequences that end inside a tile; without dropout and in its
-    dropout form; at head dim 64 under a causal mask on both of its tiles (the short-key one too). Returns the
-    calls."""
+    dropout form; at head dims 64 and 256 under a causal mask on both of its tiles (the short-key one too). Returns
+    the calls."""
     calls = 0
     for head_dim, causal in itertools.product(KERNEL_HEAD_DIMS, (False, True)):
         if not flash_attn_cuda.kernel_available(head_dim, torch.bfloat16, causal):
             continue
         forces = [{"ws": True, "short_keys": False}]
-        if head_dim == 64 and causal:
+        if head_dim in (64, 256) and causal:
             forces.append({"ws": True, "short_keys": True})
         for force, (sq, sk), dropout_p in itertools.product(forces, ((700, 900), (900, 301)), (0.0, 0.2)):
             q = torch.randn(3, sq, 24, head_dim, device="cuda", dtype=torch.bfloat16)

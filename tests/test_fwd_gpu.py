@@ -457,6 +457,77 @@ def test_missing_kernel_error(pass_):
     assert f"was built without the kernel {name};" in result.stdout, result.stdout
 
 
+_SMALLER_GPU_SCRIPT = """
+import sys
+
+import torch
+
+import flash_attn_cuda
+from flash_attn_cuda.plan import plan
+
+path, head_dims = sys.argv[1], [int(d) for d in sys.argv[2].split(",")]
+sys.path.insert(0, sys.argv[3])  # the tests' folder
+from conftest import poison_allocator
+
+torch.manual_seed(0)
+results = []
+for d in head_dims:
+    for causal in (False, True):
+        dtype = next(t for t in (torch.bfloat16, torch.float16) if flash_attn_cuda.kernel_available(d, t, causal))
+        q, k, v = (torch.randn(2, 333, 4, d, dtype=dtype, device="cuda") for _ in range(3))
+        poison_allocator("cuda")
+        out, lse, _ = flash_attn_cuda.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+        p = plan("fwd", batch=2, seqlen_q=333, seqlen_k=333, nheads=4, head_dim=d, causal=causal, dtype=dtype)
+        results.append((q, k, v, causal, out, lse, p.kernel))
+torch.save([tuple(t.cpu() if isinstance(t, torch.Tensor) else t for t in r) for r in results], path)
+"""
+
+
+@pytest.mark.parametrize("max_smem", [166912, 101376], ids=["a100", "99kib"])
+def test_smaller_gpu_emulation(max_smem, tmp_path):
+    # FLASH_ATTN2_MAX_SMEM (read once per process, hence the fresh process) plans every call as on a GPU with that
+    # much shared memory per block, and sets every kernel's shared-memory carveout to that GPU's share per SM, so
+    # that as many CTAs share an SM as there. Every built head dim's forward, causal and not, runs the mma.sync
+    # tiles of that GPU and meets the correctness rule.
+    import subprocess
+    import sys
+
+    head_dims = [
+        d
+        for d in KERNEL_HEAD_DIMS
+        if all(any(flash_attn_cuda.kernel_available(d, t, c) for t in DTYPES) for c in (False, True))
+    ]
+    if not head_dims:
+        pytest.skip("no head dim with both its causal and non-causal kernels compiled")
+    env = {**os.environ, "FLASH_ATTN2_MAX_SMEM": str(max_smem)}
+    path = tmp_path / "results.pt"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _SMALLER_GPU_SCRIPT,
+            str(path),
+            ",".join(map(str, head_dims)),
+            os.path.dirname(__file__),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(flash_attn_cuda.__file__))),
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    results = torch.load(path)
+    assert len(results) == 2 * len(head_dims)
+    for q, k, v, causal, out, lse, kernel in results:
+        assert kernel == "mma_sync", (q.shape, causal, kernel)
+        q, k, v = (t.cuda() for t in (q, k, v))
+        ref_out, ref_lse = attention_ref(q, k, v, None, causal)
+        lowp_out, lowp_lse = attention_ref(q, k, v, None, causal, upcast=False)
+        check_close("out", out.cuda(), ref_out, lowp_out)
+        check_close("lse", lse.cuda(), ref_lse, lowp_lse)
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_opcheck(causal):
     # Schema and fake-tensor checks with inputs that need no grad, other head dims than test_bwd_gpu.py's
@@ -540,14 +611,15 @@ def ws_forward_shapes(*ids):
 def test_warp_specialized_forward(b, sq, sk, h, hk, layout, d, ws, dtype, causal):
     require_kernel(d, dtype, causal)
     # With ws, the short-key tiles are forced off too: head dim 128 would take the other kernel's at these key
-    # lengths, and head dim 64 under a causal mask the warp-specialized kernel's own (the test below).
+    # lengths, and head dims 64 and 256 under a causal mask the warp-specialized kernel's own (the test below).
     force = {"ws": True, "short_keys": False} if ws else {"ws": False}
     run_and_check(*make_qkv(b, sq, sk, h, hk, d, dtype, layout), causal, force=force)
 
 
-# The warp-specialized kernel's short-key tile (head dim 64, causal: 128 rows on two consumer warpgroups, where the
-# kernel's tile has 192 on three), forced at every length on most of the shapes above, and on 65 queries, one row
-# in its second warpgroup.
+# The warp-specialized kernel's short-key tile under a causal mask (head dim 64: 128 rows on two consumer warpgroups,
+# where the kernel's tile has 192 on three; head dim 256: 64-key blocks, where it has 80), forced at every length on
+# most of the shapes above, and on 65 queries, one row in its second warpgroup.
+@pytest.mark.parametrize("d", [64, 256])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize(
     "b, sq, sk, h, hk, layout",
@@ -556,9 +628,9 @@ def test_warp_specialized_forward(b, sq, sk, h, hk, layout, d, ws, dtype, causal
         pytest.param(2, 65, 3000, 2, 2, "seq_major", id="sq65-sk3000"),
     ],
 )
-def test_warp_specialized_forward_short_key_tile(b, sq, sk, h, hk, layout, dtype):
-    require_kernel(64, dtype, True)
-    run_and_check(*make_qkv(b, sq, sk, h, hk, 64, dtype, layout), True, force={"ws": True, "short_keys": True})
+def test_warp_specialized_forward_short_key_tile(b, sq, sk, h, hk, layout, dtype, d):
+    require_kernel(d, dtype, True)
+    run_and_check(*make_qkv(b, sq, sk, h, hk, d, dtype, layout), True, force={"ws": True, "short_keys": True})
 
 
 # ---------------------------------------------------------------- split-KV and seqlen_q == 1 GQA packing

@@ -344,11 +344,12 @@ def test_short_key_tile_forced(causal):
     assert not make("fwd", seqlen_k=64, causal=causal, short_keys=False).short_key_tile
     assert make("fwd", seqlen_q=64, seqlen_k=64, causal=causal).short_key_tile
     assert not make("fwd", seqlen_k=64, causal=causal).short_key_tile  # the warp-specialized kernel's
-    # Only head dim 128 has the tile, and under a causal mask the warp-specialized kernel at head dim 64 (its own
-    # short-key tile); mma.sync has none.
-    p = make("fwd", seqlen_k=64, head_dim=64, causal=causal, short_keys=True)
-    assert p.short_key_tile is causal and p.warp_specialized is causal, p
-    assert not make("fwd", seqlen_k=64, head_dim=256, causal=causal, short_keys=True).short_key_tile
+    # Only head dim 128 has the tile, and under a causal mask the warp-specialized kernel at head dims 64 and 256
+    # (its own short-key tile); mma.sync has none.
+    for head_dim in (64, 256):
+        p = make("fwd", seqlen_k=64, head_dim=head_dim, causal=causal, short_keys=True)
+        assert p.short_key_tile is causal and p.warp_specialized is causal, p
+    assert not make("fwd", seqlen_k=64, head_dim=192, causal=causal, short_keys=True).short_key_tile
     assert not make("fwd", A100, seqlen_k=64, causal=causal, short_keys=True).short_key_tile
     p = make("fwd", seqlen_k=64, causal=causal, short_keys=True, kernel="mma_sync")
     assert p.kernel == "mma_sync" and not p.short_key_tile, p
@@ -894,6 +895,34 @@ def test_99kib_tiles(pass_, head_dim, causal, tile, smem):
     assert (p.block_m, p.block_n, p.smem) == (*tile, smem), p
 
 
+@pytest.mark.parametrize("variants", [{}, {"window_size": (512, 0)}], ids=["plain", "variants"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_mma_sync_forward_head_dim_256_by_ctas_per_sm(causal, variants):
+    # tile_size.h: an A100's SM holds 164 KiB, so the 96 KiB of a 64 x 64 tile on four warps leave it one CTA of
+    # four warps; its set takes 128 x 64 on eight warps (128 KiB) instead, one CTA of eight. The 99 KiB GPUs'
+    # SMs hold one CTA of either, and keep the smaller tile. A Hopper SM (228 KiB) holds two of the smaller tile
+    # and one of the larger: the plan runs the 99 KiB set's there (plan.cpp, fwd_tile_set), also under a
+    # max_smem whose SM holds two of them, and not under one whose SM holds one.
+    sizes = {"batch": 2, "seqlen_q": 4096, "seqlen_k": 4096, "nheads": 8, "nheads_k": 8, "head_dim": 256}
+    args = {"causal": causal, **sizes, **variants}
+    for gpu, max_smem, tile, budget in [
+        (A100, None, (128, 64, 131072), SMEM_163KIB),
+        (A100, SMEM_99KIB, (64, 64, 98304), SMEM_99KIB),
+        (H200, None, (64, 64, 98304), SMEM_99KIB),
+        (H200, 200 * 1024, (64, 64, 98304), SMEM_99KIB),
+        (H200, SMEM_163KIB, (128, 64, 131072), SMEM_163KIB),
+    ]:
+        p = plan("fwd", **args, max_smem=max_smem, override="kernel=mma_sync", **gpu)
+        assert (p.kernel, p.block_m, p.block_n, p.smem, p.tile_budget) == ("mma_sync", *tile, budget), (gpu, p)
+
+
+def test_hopper_forward_head_dim_256_warp_specialized_tile():
+    # tile_size.h: 80-key blocks, whose two stages of K and V (160 KiB) fill the 227 KiB beside Q with the
+    # output staged in Q's buffer.
+    p = make("fwd", seqlen_q=8192, seqlen_k=8192, head_dim=256)
+    assert (p.warp_specialized, p.block_m, p.block_n, p.smem) == (True, 128, 80, 230400), p
+
+
 def test_max_smem_selects_the_tile_set():
     # On an H200, max_smem below the Hopper kernels' 227 KiB runs the mma.sync kernels, with the set of the
     # largest budget within it.
@@ -1004,15 +1033,16 @@ def test_hopper_forward_warp_specialized_by_length(head_dim, seqlen, causal, war
     args = dict(batch=2, seqlen_q=seqlen, seqlen_k=seqlen, nheads=16, nheads_k=16, head_dim=head_dim, causal=causal)
     p = plan("fwd", **args, **H200)
     assert p.warp_specialized == warp_specialized, p
-    ws_short = head_dim == 64 and causal and seqlen <= 2048  # plan.cpp: kFwdWsShortKeysMaxCausal
+    # plan.cpp: fwd_ws_short_keys_max_causal
+    ws_short = causal and (head_dim == 64 and seqlen <= 2048 or head_dim == 256 and seqlen <= 1024)
     if warp_specialized:
         assert p.num_splits == 1 and p.short_key_tile is ws_short, p
         assert p.block_m == (192 if head_dim <= 64 and not ws_short else 128), p
     # ws=1 forces it at every length, ws=0 never, and neither does a forced short-key tile, except the kernel's own
-    # (head dim 64, causal); the mma.sync family never has it.
+    # (head dims 64 and 256, causal); the mma.sync family never has it.
     assert plan("fwd", **args, override="ws=1", **H200).warp_specialized
     forced_short = plan("fwd", **args, override="ws=1;short_keys=1", **H200)
-    assert forced_short.warp_specialized is (head_dim == 64 and causal), forced_short
+    assert forced_short.warp_specialized is (head_dim in (64, 256) and causal), forced_short
     assert not plan("fwd", **args, override="ws=0", **H200).warp_specialized
     assert not plan("fwd", **args, override="ws=1", **A100).warp_specialized
 
@@ -1039,6 +1069,11 @@ def test_hopper_forward_warp_specialized_short_key_tile(seqlen_k):
     assert not off.short_key_tile and off.warp_specialized is (seqlen_k > 1024), off
     both = plan("fwd", **args, causal=True, override="short_keys=0;ws=1", **H200)
     assert both.warp_specialized and not both.short_key_tile and both.block_m == 192, both
+    # Head dim 256's, 64-key blocks instead of 80, up to 1024 keys.
+    for keys, tile in ((1024, (128, 64)), (1025, (128, 80))):
+        d256 = plan("fwd", **{**args, "head_dim": 256, "seqlen_k": keys}, causal=True, **H200)
+        assert d256.warp_specialized and d256.short_key_tile is (keys <= 1024), d256
+        assert (d256.block_m, d256.block_n) == tile, d256
     # Head dim 32 has no such tile; calls the kernel does not serve (variants) keep the other kernel.
     d32 = plan("fwd", **{**args, "head_dim": 32}, causal=True, **H200)
     assert not d32.short_key_tile and d32.block_m == (192 if d32.warp_specialized else 128), d32

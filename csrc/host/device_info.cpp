@@ -2,16 +2,20 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 #include <string>
 
+#include "launch/smem_emulation.h"
+
 namespace flash {
 
 int device_attribute(cudaDeviceAttr attr, int device) {
     constexpr cudaDeviceAttr kCachedAttrs[] = {cudaDevAttrComputeCapabilityMajor, cudaDevAttrComputeCapabilityMinor,
-                                               cudaDevAttrMultiProcessorCount, cudaDevAttrMaxSharedMemoryPerBlockOptin};
+                                               cudaDevAttrMultiProcessorCount, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                                               cudaDevAttrMaxSharedMemoryPerMultiprocessor};
     constexpr int kNumAttrs = sizeof(kCachedAttrs) / sizeof(kCachedAttrs[0]);
     constexpr int kMaxCachedDevices = 64;
     static std::atomic<int> cache[kNumAttrs][kMaxCachedDevices];  // value + 1; 0: not queried yet
@@ -57,20 +61,29 @@ int max_smem_limit() {
 
 }  // namespace
 
+bool smem_per_sm_emulated() { return max_smem_limit() > 0; }
+
+int emulated_smem_carveout(int device) {
+    if (!smem_per_sm_emulated()) { return -1; }
+    const int emulated_per_sm = max_smem_limit() + kSmemReservedPerBlock;
+    const int per_sm = device_attribute(cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
+    if (per_sm <= 0 || emulated_per_sm >= per_sm) { return -1; }
+    return static_cast<int>(int64_t(100) * emulated_per_sm / per_sm);
+}
+
 Target target_of(int device, bool noncausal_built) {
     Target target{};
     target.cc_major = device_attribute(cudaDevAttrComputeCapabilityMajor, device);
     target.cc_minor = device_attribute(cudaDevAttrComputeCapabilityMinor, device);
     target.num_sms = std::max(device_attribute(cudaDevAttrMultiProcessorCount, device), 1);
     target.max_smem = device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    target.smem_per_sm = device_attribute(cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
     if (max_smem_limit() == 0) {
         throw std::invalid_argument(
             "FLASH_ATTN2_MAX_SMEM must be bytes of shared memory per block, an integer in [1, " +
             std::to_string(kMaxForcedSmem) + "], got '" + std::getenv("FLASH_ATTN2_MAX_SMEM") + "'");
     }
-    if (max_smem_limit() > 0) {
-        target.max_smem = target.max_smem > 0 ? std::min(target.max_smem, max_smem_limit()) : max_smem_limit();
-    }
+    if (max_smem_limit() > 0) { limit_smem(target, max_smem_limit()); }
     target.fwd_built = built_families(Pass::kFwd);
     target.bwd_built = built_families(Pass::kBwd);
     target.disabled = disabled_families();

@@ -54,10 +54,12 @@ int choose_num_splits(int64_t ctas, int64_t seqlen_k, const TileShape& tile, int
 constexpr int kFwdWsMinKeys192RowsCausal = 1024;
 
 // seqlen_k at or below which a causal call on the warp-specialized kernel takes its short-key tile where the set has
-// one (head dim 64: 128 rows on two consumer warpgroups instead of 192 on three). On an H100 (bf16, causal, 16k
+// one. Head dim 64: 128 rows on two consumer warpgroups instead of 192 on three; on an H100 (bf16, causal, 16k
 // tokens) it was 47% faster than the 192-row tile at 512 keys, 11% at 1k and 6% at 2k, and 6% slower at 4k, 12% at
-// 8k and 16k (docs/design-notes.md, 'A short-key tile for the warp-specialized forward').
-constexpr int kFwdWsShortKeysMaxCausal = 2048;
+// 8k and 16k (docs/design-notes.md, 'A short-key tile for the warp-specialized forward'). Head dim 256: 64-key blocks
+// instead of 80, which on the same GPU were 6% and 2.5% faster at 512 and 1k keys, 2.6% slower at 2k and 3-7% from
+// 4k (design notes, 'Head dim 256's warp-specialized forward on 80-key blocks').
+constexpr int fwd_ws_short_keys_max_causal(int head_dim) { return head_dim <= 64 ? 2048 : 1024; }
 
 // ---- Backward: the Hopper warp-specialized kernel ----
 
@@ -151,10 +153,33 @@ KernelFamily choose_family(const Problem& p, const Target& t, const PlanOverride
     return KernelFamily::kMmaSync;
 }
 
+// CTAs of `smem` bytes each that one of the target's SMs holds, by shared memory alone; 0 where unknown.
+int ctas_per_sm_by_smem(const Target& t, int smem) {
+    return t.smem_per_sm > 0 ? t.smem_per_sm / (smem + kSmemReservedPerBlock) : 0;
+}
+
+// The forward's tile set: the one of the GPU's budget per block (tile_set_for), except that an SM holding two CTAs
+// of the mma.sync 99 KiB set's tile for the call and only one of the 163 KiB set's runs the former. That is head
+// dim 256 on Hopper's 228 KiB SMs: two CTAs of 64 x 64 on four warps (96 KiB each), against one of 128 x 64 on
+// eight (128 KiB), the tile that an A100's 164 KiB SM, which holds one of either, runs best (tile_size.h). Measured
+// on an H100 with the mma.sync kernels forced: the 64 x 64 tile 1.04x the other's speed (geomean over the anchor
+// grid's head-dim-256 cells), 1.14x at 512 keys causal; under the A100's 164 KiB (FLASH_ATTN2_MAX_SMEM) the other
+// way round, 0.89x (docs/design-notes.md, 'Head dim 256 on an A100's SM').
+TileSet fwd_tile_set(const Plan& plan, const Target& t) {
+    const TileSet set = tile_set_for(plan.family, Pass::kFwd, plan.kernel_head_dim, t.max_smem);
+    if (plan.family != KernelFamily::kMmaSync || set.smem_budget != kSmem163KiB) { return set; }
+    const TileSet small = tile_set(KernelFamily::kMmaSync, Pass::kFwd, plan.kernel_head_dim, kSmem99KiB);
+    if (!small.exists()) { return set; }
+    const int ctas = ctas_per_sm_by_smem(t, kernel_smem_bytes(set, set.tile_for(plan.causal, plan.variants), false));
+    const int small_ctas = ctas_per_sm_by_smem(
+        t, kernel_smem_bytes(small, small.tile_for(plan.causal, plan.variants), false));
+    return ctas == 1 && small_ctas >= 2 ? small : set;
+}
+
 void plan_fwd(const Problem& p, const Target& t, int forced_splits, const PlanOverride& o, Plan& plan) {
     const int64_t seqlen_q = p.seqlen_q * plan.gqa_pack;  // the kernel's sizes, after packing
     const int64_t nheads = p.nheads / plan.gqa_pack;
-    const TileSet set = tile_set_for(plan.family, Pass::kFwd, plan.kernel_head_dim, t.max_smem);
+    const TileSet set = fwd_tile_set(plan, t);
     plan.tile_budget = set.smem_budget;
     // Decoding from a paged cache also takes the short-key tile. Each key row finds its page (FwdTile::copy_paged),
     // which costs far more instructions per key than a dense load; with the queries in one 64-row warpgroup, the
@@ -172,7 +197,8 @@ void plan_fwd(const Problem& p, const Target& t, int forced_splits, const PlanOv
     // not. Under a causal mask over short key sequences it runs its own short-key tile where the set has one, which
     // short_keys=1 forces and short_keys=0 keeps off; elsewhere short_keys=1 means the other kernel's short-key tile.
     const bool has_ws_short = set.ws_short_tile.exists() && plan.causal;
-    const bool ws_short = has_ws_short && choose(o.short_keys, p.seqlen_k <= kFwdWsShortKeysMaxCausal);
+    const bool ws_short = has_ws_short &&
+                          choose(o.short_keys, p.seqlen_k <= fwd_ws_short_keys_max_causal(plan.kernel_head_dim));
     const TileShape ws = ws_short ? set.ws_short_tile : set.ws_tile;
     const bool ws_serves = !plan.variants && !p.varlen && plan.gqa_pack == 1 && ws.exists() &&
                            seqlen_q > ws.block_m - 64 && (o.short_keys != 1 || has_ws_short);
@@ -403,7 +429,7 @@ Plan make_plan(const Problem& p, const Target& target, int num_splits, const Pla
     // max_smem=bytes plans for a GPU with at most that much shared memory per block, so that a larger GPU runs
     // the tile sets of a smaller one (the 99 KiB set on an sm_80 or sm_90 GPU, in tests).
     Target t = target;
-    if (o.max_smem > 0) { t.max_smem = t.max_smem > 0 ? std::min(t.max_smem, o.max_smem) : o.max_smem; }
+    if (o.max_smem > 0) { limit_smem(t, o.max_smem); }
     Plan plan{};
     plan.pass = p.pass;
     plan.family = choose_family(p, t, o);

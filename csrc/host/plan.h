@@ -5,6 +5,7 @@
 // forced path is the one a call takes. The launchers obey the plan; they choose nothing themselves.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -84,6 +85,8 @@ struct Target {
     int num_sms;
     int max_smem;  // bytes of dynamic shared memory one block may opt in to
                    // (cudaDevAttrMaxSharedMemoryPerBlockOptin); <= 0: unknown
+    int smem_per_sm;  // bytes of shared memory an SM holds for all its blocks
+                      // (cudaDevAttrMaxSharedMemoryPerMultiprocessor); <= 0: unknown
     FamilySet fwd_built;  // the families whose forward kernels the build holds (wgmma: sm_90a code, and not a
                           // tile-tuning build)
     FamilySet bwd_built;  // likewise the backward kernels
@@ -136,6 +139,18 @@ constexpr int kMaxForcedSplits = 128;
 constexpr int kMaxForcedKeyBlocks = 128;
 // Largest max_smem a plan_override may give (bytes), above any GPU's.
 constexpr int kMaxForcedSmem = 1 << 20;
+
+// The shared memory the driver keeps per resident block: an SM whose blocks may opt in to N bytes holds N + 1 KiB
+// for all of them (A100: 163 and 164 KiB; sm_86, sm_89, sm_120: 99 and 100; Hopper: 227 and 228).
+constexpr int kSmemReservedPerBlock = 1024;
+
+// Limits `target` to a GPU whose blocks opt in to at most max_smem bytes (> 0), and whose SMs then hold at most
+// max_smem + kSmemReservedPerBlock: the plans of a smaller GPU, on a larger one.
+inline void limit_smem(Target& target, int max_smem) {
+    target.max_smem = target.max_smem > 0 ? std::min(target.max_smem, max_smem) : max_smem;
+    const int per_sm = max_smem + kSmemReservedPerBlock;
+    target.smem_per_sm = target.smem_per_sm > 0 ? std::min(target.smem_per_sm, per_sm) : per_sm;
+}
 
 // Parses plan_override ("key=value" pairs separated by ';', keys kernel, gqa_walk, key_blocks, short_keys,
 // short_queries, max_smem, ws, gqa_pack, stagger). Returns an error message naming plan_override, or "" when `text` is

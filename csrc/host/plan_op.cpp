@@ -27,7 +27,11 @@ Target current_target(const PlanArgs& a, Pass pass) {
     const bool noncausal_built = pass == Pass::kFwd ? find_fwd_launcher(noncausal) != nullptr
                                                     : find_bwd_launcher(noncausal) != nullptr;
     Target target = target_of(torch::stable::accelerator::getCurrentDeviceIndex(), noncausal_built);
-    if (a.max_smem > 0) { target.max_smem = static_cast<int>(a.max_smem); }
+    if (a.max_smem > 0) {
+        // The call's budget replaces the device's per block (above it too); an SM holds no more than that GPU's.
+        target.max_smem = 0;
+        limit_smem(target, static_cast<int>(a.max_smem));
+    }
     return target;
 }
 
@@ -46,6 +50,7 @@ Target named_target(const PlanArgs& a) {
     FLASH_CHECK_ARG(target.max_smem > 0, "max_smem: arch ", num(a.arch),
                     " has no documented shared memory per block here (80, 86, 87, 89, 90, 100, 103, 120, 121 do); "
                     "pass max_smem, in bytes");
+    target.smem_per_sm = target.max_smem + kSmemReservedPerBlock;
     target.fwd_built = FamilySet::all();
     target.bwd_built = FamilySet::all();
     target.disabled = FamilySet{};

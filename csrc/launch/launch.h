@@ -7,6 +7,8 @@
 #include <atomic>
 #include <cstdint>
 
+#include "launch/smem_emulation.h"
+
 namespace flash {
 
 constexpr int kMaxGridY = 65535;
@@ -35,22 +37,30 @@ cudaError_t launch_in_batch_chunks(dim3 grid, const Params& params, LaunchOne la
 // most kSmemBytes, the most any launch of it takes) of dynamic shared memory and returns the launch status.
 // Above 48 KB the kernel must be opted in to kSmemBytes first. The opt-in holds per device (its primary
 // context) once made, so it is made on a device's first launch only: decoding-sized calls are host-bound, and
-// each driver call counts. The kernel is a template argument so that each kernel keeps its own record.
+// each driver call counts. The emulated carveout (smem_emulation.h) is set the same way, on every kernel. The
+// kernel is a template argument so that each kernel keeps its own record.
 // kernel_arg(chunk_params) makes the kernel's argument from a chunk's params, for kernels that take more than the
 // params (launch_kernel passes them as they are).
 template <auto kKernel, int kThreads, int kSmemBytes, typename Params, typename KernelArg>
 cudaError_t launch_kernel_with(dim3 grid, const Params& params, cudaStream_t stream, int smem_bytes,
                                KernelArg kernel_arg) {
-    if constexpr (kSmemBytes > 48 * 1024) {
-        static std::atomic<uint64_t> opted_in_devices{0};  // bit d: done on device d (devices 0-63)
+    if (kSmemBytes > 48 * 1024 || smem_per_sm_emulated()) {
+        static std::atomic<uint64_t> prepared_devices{0};  // bit d: done on device d (devices 0-63)
         int device = 0;
         cudaError_t err = cudaGetDevice(&device);
         if (err != cudaSuccess) { return err; }
         const uint64_t bit = device < 64 ? uint64_t(1) << device : 0;
-        if (bit == 0 || (opted_in_devices.load(std::memory_order_relaxed) & bit) == 0) {
-            err = cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-            if (err != cudaSuccess) { return err; }
-            opted_in_devices.fetch_or(bit, std::memory_order_relaxed);
+        if (bit == 0 || (prepared_devices.load(std::memory_order_relaxed) & bit) == 0) {
+            if constexpr (kSmemBytes > 48 * 1024) {
+                err = cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+                if (err != cudaSuccess) { return err; }
+            }
+            const int carveout = emulated_smem_carveout(device);
+            if (carveout >= 0) {
+                err = cudaFuncSetAttribute(kKernel, cudaFuncAttributePreferredSharedMemoryCarveout, carveout);
+                if (err != cudaSuccess) { return err; }
+            }
+            prepared_devices.fetch_or(bit, std::memory_order_relaxed);
         }
     }
     return launch_in_batch_chunks(grid, params, [&](dim3 chunk_grid, const Params& chunk_params) {

@@ -91,11 +91,14 @@ constexpr int kBwdSm90ShortBlockM = 16;
 // 256. Up to head dim 128, 128-row tiles on four warps (32 query rows a warp) beat eight warps of 16 rows even
 // with a few bytes of spills: each K/V fragment read from shared memory feeds twice the MMAs. That holds for
 // causal head dim 128 too, 4-17% faster than 64 x 128 (docs/design-notes.md). Above 128 the accumulators leave no
-// registers for 32 rows a warp, and 64x64 tiles on four warps win. Head dims 32 and 64 take 128-key blocks, as
-// FlashAttention-2 does: half the softmax steps and barriers per key block, 5% (head dim 64) and 8.5% (32) faster
-// than 64-key blocks over the anchor grid's lengths on an H200, although ptxas spills up to 100 bytes (design
-// notes). Their variants kernel keeps 64-key blocks (variants_tile): with 128 its window, softcap, ALiBi and
-// dropout code spilled 216 bytes.
+// registers for 32 rows a warp, and 16 rows a warp win: 64 x 64 on four warps (two CTAs per SM on the H200, where
+// it was measured), except at head dim 256, where those 96 KiB leave an A100's 164 KiB SM one CTA of four warps:
+// the 163 KiB set (the A100's) takes FlashAttention-2's tile for it, 128 x 64 on eight warps (128 KiB), one CTA of
+// eight warps an SM; the 99 KiB GPUs' SMs hold one CTA of either, and keep 64 x 64. Head dims 32 and 64 take
+// 128-key blocks, as FlashAttention-2 does: half the softmax steps and barriers per key block, 5% (head dim 64)
+// and 8.5% (32) faster than 64-key blocks over the anchor grid's lengths on an H200, although ptxas spills up to
+// 100 bytes (design notes). Their variants kernel keeps 64-key blocks (variants_tile): with 128 its window,
+// softcap, ALiBi and dropout code spilled 216 bytes.
 //
 // wgmma forward (block_m, block_n, -, CTAs per SM), warpgroups of 64 query rows. Head dims 32 and 64 fit two
 // CTAs per SM in registers (at most 128 per thread), so one CTA's softmax and loads overlap the other's MMAs.
@@ -108,13 +111,16 @@ constexpr int kBwdSm90ShortBlockM = 16;
 //
 // The warp-specialized wgmma forward's tiles (ws_tile): 64 query rows per consumer warpgroup, two warpgroups of 240
 // registers, or three of 160 at head dims 32 and 64 (192 rows), where the accumulators leave room; two stages of K
-// and V in wgmma N shapes that CuTe offers without its extended-shapes header. Head dim 128's 128-key blocks beat
-// 192-key ones at 1k keys and trailed them by 1-4% from 2k (docs/design-notes.md). Head dim 64 on 128 x 128 (two
-// warpgroups) was about as fast as 192 x 128 up to 1k keys, and 6-11% slower from 4k non-causal (design notes).
+// and V in wgmma N shapes that CuTe offers without its extended-shapes header. Head dim 256 takes 80-key blocks,
+// FlashAttention-3's choice there: two stages of them and Q fill the 227 KiB (the output stages in Q's buffer).
+// Head dim 128's 128-key blocks beat 192-key ones at 1k keys and trailed them by 1-4% from 2k (design notes). Head
+// dim 64 on 128 x 128 (two warpgroups) was about as fast as 192 x 128 up to 1k keys, and 6-11% slower from 4k
+// non-causal (design notes).
 // Under a causal mask it has a short-key tile of its own (ws_short_tile): 128 x 128 on two consumer warpgroups,
 // which computes fewer masked scores on the diagonal than the 192-row tile and splits a tile's few key blocks
 // among fewer warpgroups of unequal work. Against the 192-row tile (H100, docs/design-notes.md): 47% faster at 512
-// keys, 6-11% at 1k and 2k, 6-12% slower from 4k. The other widths are untuned.
+// keys, 6-11% at 1k and 2k, 6-12% slower from 4k. Head dim 256's is its 64-key blocks, faster than 80 at 512 and
+// 1k keys under a causal mask (the diagonal's masked scores, design notes). The other widths are untuned.
 //
 // mma.sync backward (block_m, block_n): dK and dV of block_n keys stay in registers, so wide heads take fewer
 // keys per CTA. At head dim 64 the registers leave room for 128-row query blocks, which halve the steps (and
@@ -149,7 +155,7 @@ constexpr TileSet kTileSets[] = {
     {KernelFamily::kMmaSync, Pass::kFwd, 160, kSmem163KiB, {64, 64, 4}, {64, 64, 4}, {}},
     {KernelFamily::kMmaSync, Pass::kFwd, 192, kSmem163KiB, {64, 64, 4}, {64, 64, 4}, {}},
     {KernelFamily::kMmaSync, Pass::kFwd, 224, kSmem163KiB, {64, 64, 4}, {64, 64, 4}, {}},
-    {KernelFamily::kMmaSync, Pass::kFwd, 256, kSmem163KiB, {64, 64, 4}, {64, 64, 4}, {}},
+    {KernelFamily::kMmaSync, Pass::kFwd, 256, kSmem163KiB, {128, 64, 8}, {128, 64, 8}, {}},
 
     {KernelFamily::kMmaSync, Pass::kFwd, 32, kSmem99KiB, {128, 128, 4}, {128, 128, 4}, {}, {}, {128, 64, 4}},
     {KernelFamily::kMmaSync, Pass::kFwd, 64, kSmem99KiB, {128, 128, 4}, {128, 128, 4}, {}, {}, {128, 64, 4}},
@@ -183,7 +189,16 @@ constexpr TileSet kTileSets[] = {
     {KernelFamily::kWgmma, Pass::kFwd, 160, kSmem227KiB, {128, 64, 0, 1}, {128, 64, 0, 1}, {}, ws_tile(128, 96)},
     {KernelFamily::kWgmma, Pass::kFwd, 192, kSmem227KiB, {128, 64, 0, 1}, {128, 64, 0, 1}, {}, ws_tile(128, 96)},
     {KernelFamily::kWgmma, Pass::kFwd, 224, kSmem227KiB, {128, 64, 0, 1}, {128, 64, 0, 1}, {}, ws_tile(128, 64)},
-    {KernelFamily::kWgmma, Pass::kFwd, 256, kSmem227KiB, {128, 64, 0, 1}, {128, 64, 0, 1}, {}, ws_tile(128, 64)},
+    {KernelFamily::kWgmma,
+     Pass::kFwd,
+     256,
+     kSmem227KiB,
+     {128, 64, 0, 1},
+     {128, 64, 0, 1},
+     {},
+     ws_tile(128, 80),
+     {},
+     ws_tile(128, 64)},
 
     {KernelFamily::kMmaSync, Pass::kBwd, 32, kSmem163KiB, {64, 128}, {64, 128}, {}},
     {KernelFamily::kMmaSync, Pass::kBwd, 64, kSmem163KiB, {128, 128}, {128, 128}, {}},

@@ -470,6 +470,7 @@ sys.path.insert(0, sys.argv[3])  # the tests' folder
 from conftest import poison_allocator
 
 torch.manual_seed(0)
+sizes = {"batch": 2, "seqlen_q": 333, "seqlen_k": 333, "nheads": 4, "nheads_k": 4}
 results = []
 for d in head_dims:
     for causal in (False, True):
@@ -477,7 +478,7 @@ for d in head_dims:
         q, k, v = (torch.randn(2, 333, 4, d, dtype=dtype, device="cuda") for _ in range(3))
         poison_allocator("cuda")
         out, lse, _ = flash_attn_cuda.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
-        p = plan("fwd", batch=2, seqlen_q=333, seqlen_k=333, nheads=4, head_dim=d, causal=causal, dtype=dtype)
+        p = plan("fwd", **sizes, head_dim=d, causal=causal, dtype=dtype)
         results.append((q, k, v, causal, out, lse, p.kernel))
 torch.save([tuple(t.cpu() if isinstance(t, torch.Tensor) else t for t in r) for r in results], path)
 """

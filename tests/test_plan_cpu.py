@@ -555,6 +555,22 @@ def test_softcap_or_dropout_alone_runs_a_plain_forward(gpu, causal, mod):
             assert (p.kernel, p.variants, p.causal, p.warp_specialized) == ("wgmma", True, True, False), p
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlen_k", [1024, 4096])
+def test_dropout_at_head_dim_256_on_hopper(seqlen_k, causal):
+    # Dropout's draws need key blocks at multiples of 32 keys (tile_size.h, dropout_fits_key_blocks): the
+    # warp-specialized forward's 80-key tile at head dim 256 has none, so its dropout calls run the 64-key
+    # short-key tile (causal, up to 1024 keys), else the variants kernel; ws=1 cannot force the 80-key tile.
+    sizes = {"batch": 2, "seqlen_q": 2048, "seqlen_k": seqlen_k, "nheads": 8, "nheads_k": 8, "head_dim": 256}
+    short = causal and seqlen_k <= 1024
+    for override in ("", "ws=1"):
+        p = plan("fwd", **sizes, causal=causal, dropout=True, override=override, **H200)
+        assert p.warp_specialized is short and p.variants is not short, p
+        if short:
+            assert (p.block_m, p.block_n) == (128, 64), p
+    assert plan("fwd", **sizes, causal=causal, override="ws=1", **H200).warp_specialized
+
+
 # ---------------------------------------------------------------- plan_override
 
 

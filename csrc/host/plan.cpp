@@ -200,8 +200,11 @@ void plan_fwd(const Problem& p, const Target& t, int forced_splits, const PlanOv
     const bool ws_short = has_ws_short &&
                           choose(o.short_keys, p.seqlen_k <= fwd_ws_short_keys_max_causal(plan.kernel_head_dim));
     const TileShape ws = ws_short ? set.ws_short_tile : set.ws_tile;
+    // Its dropout form needs key blocks at multiples of 32 keys (dropout_fits_key_blocks): at head dim 256 the
+    // 64-key short-key tile has them, the 80-key tile not, and dropout calls on that one take the other kernel.
     const bool ws_serves = !plan.variants && !p.varlen && plan.gqa_pack == 1 && ws.exists() &&
-                           seqlen_q > ws.block_m - 64 && (o.short_keys != 1 || has_ws_short);
+                           seqlen_q > ws.block_m - 64 && (o.short_keys != 1 || has_ws_short) &&
+                           (!p.dropout || dropout_fits_key_blocks(ws.block_n));
     const bool ws_pays = ws.block_m < 192 || !plan.causal || p.seqlen_k > kFwdWsMinKeys192RowsCausal;
     // Key splits for a tile: split-KV runs on dense batches only, and without dropout. The launch grid's x is
     // query blocks (at least 64 rows each) times splits.

@@ -23,6 +23,7 @@
 #include <cutlass/arch/reg_reconfig.h>
 
 #include "launch/flash_params.h"
+#include "launch/tile_size.h"  // dropout_fits_key_blocks
 #include "kernels/dropout.h"
 #include "kernels/fwd_tile.h"
 #include "kernels/kernel_traits_fwd_sm90.h"
@@ -51,6 +52,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr bool kSoftcap = kMod == PlainMod::kSoftcap;
     constexpr bool kDropout = kMod == PlainMod::kDropout;
+    static_assert(!kDropout || dropout_fits_key_blocks(Traits::kBlockN), "dropout's draws need 32-key-aligned blocks");
     using Element = typename Traits::Element;
     using Barrier = cutlass::arch::ClusterBarrier;
     using TxBarrier = cutlass::arch::ClusterTransactionBarrier;

@@ -131,6 +131,8 @@ cudaError_t run_fwd(const FwdParams& params, cudaStream_t stream) {
                     constexpr PlainMod kMod = decltype(mod)::value;
                     // Named here rather than through kSet, which the lambda would capture.
                     constexpr TileSet kWsSet = kFwdTileSet<KernelFamily::kWgmma, kHeadDim>;
+                    constexpr bool kTileDrops = kMod != PlainMod::kDropout ||
+                                                dropout_fits_key_blocks(kWsSet.ws_tile.block_n);
                     // The short-key tile serves causal calls only (make_plan), so only the causal files hold it.
                     if constexpr (kCausal && kWsSet.ws_short_tile.exists()) {
                         if (params.short_key_tiles) {
@@ -141,10 +143,15 @@ cudaError_t run_fwd(const FwdParams& params, cudaStream_t stream) {
                                              params, stream);
                         }
                     }
-                    return params.learnable_sink_ptr != nullptr
-                               ? run_fwd_sm90_ws<Element, kHeadDim, kCausal, kMod, true, kWsSet.ws_tile>(params, stream)
-                               : run_fwd_sm90_ws<Element, kHeadDim, kCausal, kMod, false, kWsSet.ws_tile>(params,
-                                                                                                          stream);
+                    if constexpr (!kTileDrops) {
+                        return cudaErrorInvalidConfiguration;  // the plans never send dropout to this tile
+                    } else {
+                        return params.learnable_sink_ptr != nullptr
+                                   ? run_fwd_sm90_ws<Element, kHeadDim, kCausal, kMod, true, kWsSet.ws_tile>(params,
+                                                                                                             stream)
+                                   : run_fwd_sm90_ws<Element, kHeadDim, kCausal, kMod, false, kWsSet.ws_tile>(params,
+                                                                                                              stream);
+                    }
                 });
             }
         }

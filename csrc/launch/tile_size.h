@@ -78,6 +78,11 @@ struct TileSet {
     }
 };
 
+// Whether a kernel whose key blocks have block_n keys can drop probabilities: dropout's draws (dropout.h) take each
+// key block to start at a multiple of 32 keys. Head dim 256's warp-specialized forward on 80-key blocks cannot; its
+// dropout calls take its 64-key short-key tile or another kernel (plan.cpp).
+constexpr bool dropout_fits_key_blocks(int block_n) { return block_n % 32 == 0; }
+
 // The warp-specialized wgmma forward's tile: block_m rows (64 per consumer warpgroup), block_n keys, two K and two V
 // buffers; the backward's: block_m query rows a step, block_n keys (64 per consumer warpgroup), two Q/dO stages.
 constexpr TileShape ws_tile(int block_m, int block_n) { return {block_m, block_n, 0, 1, false, 2}; }

@@ -505,15 +505,17 @@ def check_forced_plans(
                 assert p.num_splits == (num_splits if lens is None else 1), p
             # The short-key tiles (launch/tile_size.h): the other Hopper kernel's at head dim 128, and under a causal
             # mask at head dims 64 and 256 the warp-specialized kernel's own (ws_short_tile, by default up to 2048
-            # and 1024 keys: plan.cpp, fwd_ws_short_keys_max_causal).
-            own_short = kernel_dim in (64, 256) and p.causal
+            # and 1024 keys: plan.cpp, fwd_ws_short_keys_max_causal), which at head dim 256 also takes every
+            # dropout call (the 80-key tile cannot drop).
+            dropout_short = kernel_dim == 256 and bool((variants or {}).get("dropout"))
+            own_short = kernel_dim in (64, 256) and p.causal or dropout_short
             own_short_keys = 2048 if kernel_dim == 64 else 1024
             if "short_keys" in force:
                 expected = force["short_keys"] and hopper and (kernel_dim == 128 or (own_short and p.warp_specialized))
                 assert p.short_key_tile == bool(expected), p
             if "ws" in force:
                 short = force.get("short_keys")
-                ws_short = own_short and (sizes[2] <= own_short_keys if short is None else bool(short))
+                ws_short = own_short and (dropout_short or sizes[2] <= own_short_keys if short is None else bool(short))
                 ws_rows = 128 if kernel_dim > 64 or ws_short else 192  # every head dim has one (ws_tile)
                 serves = (
                     hopper
@@ -523,6 +525,7 @@ def check_forced_plans(
                     and p.num_splits == 1
                     and p.gqa_pack == 1
                     and (not short or own_short)
+                    and (ws_short or not dropout_short)
                 )
                 assert p.warp_specialized == bool(force["ws"] and serves), p
             elif not hopper:

@@ -560,15 +560,16 @@ def test_softcap_or_dropout_alone_runs_a_plain_forward(gpu, causal, mod):
 def test_dropout_at_head_dim_256_on_hopper(seqlen_k, causal):
     # Dropout's draws need key blocks at multiples of 32 keys (tile_size.h, dropout_fits_key_blocks): the
     # warp-specialized forward's 80-key tile at head dim 256 has none, so its dropout calls run the 64-key
-    # short-key tile (causal, up to 1024 keys), else the variants kernel; ws=1 cannot force the 80-key tile.
+    # short-key tile at every length and mask; short_keys=0 leaves them to the variants kernel.
     sizes = {"batch": 2, "seqlen_q": 2048, "seqlen_k": seqlen_k, "nheads": 8, "nheads_k": 8, "head_dim": 256}
-    short = causal and seqlen_k <= 1024
-    for override in ("", "ws=1"):
+    for override in ("", "ws=1", "short_keys=1"):
         p = plan("fwd", **sizes, causal=causal, dropout=True, override=override, **H200)
-        assert p.warp_specialized is short and p.variants is not short, p
-        if short:
-            assert (p.block_m, p.block_n) == (128, 64), p
-    assert plan("fwd", **sizes, causal=causal, override="ws=1", **H200).warp_specialized
+        assert p.warp_specialized and p.short_key_tile and not p.variants, p
+        assert (p.block_m, p.block_n) == (128, 64), p
+    off = plan("fwd", **sizes, causal=causal, dropout=True, override="short_keys=0", **H200)
+    assert not off.warp_specialized and off.variants, off
+    plain = plan("fwd", **sizes, causal=causal, **H200)
+    assert plain.warp_specialized and plain.block_n == (64 if causal and seqlen_k <= 1024 else 80), plain
 
 
 # ---------------------------------------------------------------- plan_override

@@ -196,12 +196,15 @@ void plan_fwd(const Problem& p, const Target& t, int forced_splits, const PlanOv
     // work, which is what the other kernel's short-key tile (two CTAs per SM) is for: where it runs, that tile does
     // not. Under a causal mask over short key sequences it runs its own short-key tile where the set has one, which
     // short_keys=1 forces and short_keys=0 keeps off; elsewhere short_keys=1 means the other kernel's short-key tile.
-    const bool has_ws_short = set.ws_short_tile.exists() && plan.causal;
+    // Its dropout form needs key blocks at multiples of 32 keys (dropout_fits_key_blocks): where the kernel's tile
+    // has other blocks (head dim 256's 80 keys), dropout calls run its short-key tile (64 keys) at every length and
+    // mask, unless short_keys=0 keeps that off, which leaves them to the other kernel.
+    const bool dropout_short = p.dropout && !dropout_fits_key_blocks(set.ws_tile.block_n);
+    const bool has_ws_short = set.ws_short_tile.exists() && (plan.causal || dropout_short);
     const bool ws_short = has_ws_short &&
-                          choose(o.short_keys, p.seqlen_k <= fwd_ws_short_keys_max_causal(plan.kernel_head_dim));
+                          choose(o.short_keys,
+                                 dropout_short || p.seqlen_k <= fwd_ws_short_keys_max_causal(plan.kernel_head_dim));
     const TileShape ws = ws_short ? set.ws_short_tile : set.ws_tile;
-    // Its dropout form needs key blocks at multiples of 32 keys (dropout_fits_key_blocks): at head dim 256 the
-    // 64-key short-key tile has them, the 80-key tile not, and dropout calls on that one take the other kernel.
     const bool ws_serves = !plan.variants && !p.varlen && plan.gqa_pack == 1 && ws.exists() &&
                            seqlen_q > ws.block_m - 64 && (o.short_keys != 1 || has_ws_short) &&
                            (!p.dropout || dropout_fits_key_blocks(ws.block_n));

@@ -133,8 +133,9 @@ cudaError_t run_fwd(const FwdParams& params, cudaStream_t stream) {
                     constexpr TileSet kWsSet = kFwdTileSet<KernelFamily::kWgmma, kHeadDim>;
                     constexpr bool kTileDrops = kMod != PlainMod::kDropout ||
                                                 dropout_fits_key_blocks(kWsSet.ws_tile.block_n);
-                    // The short-key tile serves causal calls only (make_plan), so only the causal files hold it.
-                    if constexpr (kCausal && kWsSet.ws_short_tile.exists()) {
+                    // The short-key tile serves causal calls, and dropout calls where the tile's key blocks cannot
+                    // take dropout (make_plan): only the causal files hold it, and then that dropout form.
+                    if constexpr (kWsSet.ws_short_tile.exists() && (kCausal || !kTileDrops)) {
                         if (params.short_key_tiles) {
                             return params.learnable_sink_ptr != nullptr
                                        ? run_fwd_sm90_ws<Element, kHeadDim, kCausal, kMod, true, kWsSet.ws_short_tile>(
@@ -144,7 +145,7 @@ cudaError_t run_fwd(const FwdParams& params, cudaStream_t stream) {
                         }
                     }
                     if constexpr (!kTileDrops) {
-                        return cudaErrorInvalidConfiguration;  // the plans never send dropout to this tile
+                        return cudaErrorInvalidConfiguration;  // the plans send dropout to the short-key tile
                     } else {
                         return params.learnable_sink_ptr != nullptr
                                    ? run_fwd_sm90_ws<Element, kHeadDim, kCausal, kMod, true, kWsSet.ws_tile>(params,

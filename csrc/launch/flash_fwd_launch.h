@@ -134,7 +134,7 @@ cudaError_t run_fwd(const FwdParams& params, cudaStream_t stream) {
                     constexpr bool kTileDrops = kMod != PlainMod::kDropout ||
                                                 dropout_fits_key_blocks(kWsSet.ws_tile.block_n);
                     // The short-key tile serves causal calls, and dropout calls where the tile's key blocks cannot
-                    // take dropout (make_plan): only the causal files hold it, and then that dropout form.
+                    // take dropout (make_plan): the causal files hold it, the others only its dropout form then.
                     if constexpr (kWsSet.ws_short_tile.exists() && (kCausal || !kTileDrops)) {
                         if (params.short_key_tiles) {
                             return params.learnable_sink_ptr != nullptr

@@ -574,6 +574,21 @@ def test_dropout_alone_warp_specialized_head_dims(head_dim, causal):
         assert fwd.warp_specialized, fwd
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_dropout_warp_specialized_tiles_without_keys(head_dim):
+    # The warp-specialized forward's dropout form over tiles with no key block: under a causal mask with 700 query
+    # rows over 130 keys (bottom-right aligned) the first query blocks see no key at all, and their rows give 0.
+    # 24 heads give more tiles than a GPU has SMs, so a persistent CTA runs such tiles between others, whose
+    # buffer rings (and draws) must carry on past them.
+    require_kernels(head_dim, torch.bfloat16)
+    variant = dataclasses.replace(PLAIN_MODS["dropout"], causal=True)
+    q, k, v = make_inputs(2, 700, 130, 24, 8, head_dim, torch.bfloat16)
+    fwd = run_dense(q, k, v, variant)["plans"]["fwd"]
+    assert not fwd.variants, fwd
+    if fwd.kernel == "wgmma":
+        assert fwd.warp_specialized, fwd
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_window_split_kv_with_empty_splits(causal):
     """A narrow window over 4097 keys split 7 ways: most splits see no key of some rows, or of any row."""

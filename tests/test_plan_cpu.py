@@ -914,20 +914,22 @@ def test_99kib_tiles(pass_, head_dim, causal, tile, smem):
 
 @pytest.mark.parametrize("variants", [{}, {"window_size": (512, 0)}], ids=["plain", "variants"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_mma_sync_forward_head_dim_256_by_ctas_per_sm(causal, variants):
-    # tile_size.h: an A100's SM holds 164 KiB, so the 96 KiB of a 64 x 64 tile on four warps leave it one CTA of
-    # four warps; its set takes 128 x 64 on eight warps (128 KiB) instead, one CTA of eight. The 99 KiB GPUs'
-    # SMs hold one CTA of either, and keep the smaller tile. A Hopper SM (228 KiB) holds two of the smaller tile
-    # and one of the larger: the plan runs the 99 KiB set's there (plan.cpp, fwd_tile_set), also under a
-    # max_smem whose SM holds two of them, and not under one whose SM holds one.
-    sizes = {"batch": 2, "seqlen_q": 4096, "seqlen_k": 4096, "nheads": 8, "nheads_k": 8, "head_dim": 256}
+@pytest.mark.parametrize("head_dim, large, small", [(224, 114688, 86016), (256, 131072, 98304)])
+def test_mma_sync_forward_wide_head_dims_by_ctas_per_sm(head_dim, large, small, causal, variants):
+    # tile_size.h: an A100's SM holds 164 KiB, so the 84 or 96 KiB of a 64 x 64 tile on four warps leave it one CTA
+    # of four warps; its set takes 128 x 64 on eight warps (112 or 128 KiB) instead, one CTA of eight. The 99 KiB
+    # GPUs' SMs hold one CTA of either, and keep the smaller tile. A Hopper SM (228 KiB) holds two of the smaller
+    # tile and one of the larger (by registers at head dim 224, where two would fit its shared memory): the plan
+    # runs the 99 KiB set's there (plan.cpp, fwd_tile_set), also under a max_smem whose SM holds two of them, and
+    # not under one whose SM holds one.
+    sizes = {"batch": 2, "seqlen_q": 4096, "seqlen_k": 4096, "nheads": 8, "nheads_k": 8, "head_dim": head_dim}
     args = {"causal": causal, **sizes, **variants}
     for gpu, max_smem, tile, budget in [
-        (A100, None, (128, 64, 131072), SMEM_163KIB),
-        (A100, SMEM_99KIB, (64, 64, 98304), SMEM_99KIB),
-        (H200, None, (64, 64, 98304), SMEM_99KIB),
-        (H200, 200 * 1024, (64, 64, 98304), SMEM_99KIB),
-        (H200, SMEM_163KIB, (128, 64, 131072), SMEM_163KIB),
+        (A100, None, (128, 64, large), SMEM_163KIB),
+        (A100, SMEM_99KIB, (64, 64, small), SMEM_99KIB),
+        (H200, None, (64, 64, small), SMEM_99KIB),
+        (H200, 200 * 1024, (64, 64, small), SMEM_99KIB),
+        (H200, SMEM_163KIB, (128, 64, large), SMEM_163KIB),
     ]:
         p = plan("fwd", **args, max_smem=max_smem, override="kernel=mma_sync", **gpu)
         assert (p.kernel, p.block_m, p.block_n, p.smem, p.tile_budget) == ("mma_sync", *tile, budget), (gpu, p)

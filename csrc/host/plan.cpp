@@ -153,26 +153,32 @@ KernelFamily choose_family(const Problem& p, const Target& t, const PlanOverride
     return KernelFamily::kMmaSync;
 }
 
-// CTAs of `smem` bytes each that one of the target's SMs holds, by shared memory alone; 0 where unknown.
-int ctas_per_sm_by_smem(const Target& t, int smem) {
-    return t.smem_per_sm > 0 ? t.smem_per_sm / (smem + kSmemReservedPerBlock) : 0;
+// CTAs of the mma.sync forward's `tile` (of `set`) that one of the target's SMs holds, by shared memory and by
+// registers; 0 where the SM's shared memory is unknown. The kernels' launch bounds let ptxas take up to 255 registers
+// a thread (the wide head dims' tiles do), so a CTA is counted at 256 a thread of its 64K: eight warps hold an SM's
+// registers alone.
+int mma_sync_fwd_ctas_per_sm(const Target& t, const TileSet& set, const TileShape& tile) {
+    if (t.smem_per_sm <= 0) { return 0; }
+    constexpr int kRegistersPerSm = 65536;
+    constexpr int kRegistersPerThread = 256;
+    const int by_smem = t.smem_per_sm / (kernel_smem_bytes(set, tile, false) + kSmemReservedPerBlock);
+    return tile.warps > 0 ? std::min(by_smem, kRegistersPerSm / (tile.warps * 32 * kRegistersPerThread)) : by_smem;
 }
 
 // The forward's tile set: the one of the GPU's budget per block (tile_set_for), except that an SM holding two CTAs
 // of the mma.sync 99 KiB set's tile for the call and only one of the 163 KiB set's runs the former. That is head
-// dim 256 on Hopper's 228 KiB SMs: two CTAs of 64 x 64 on four warps (96 KiB each), against one of 128 x 64 on
-// eight (128 KiB), the tile that an A100's 164 KiB SM, which holds one of either, runs best (tile_size.h). Measured
-// on an H100 with the mma.sync kernels forced: the 64 x 64 tile 1.04x the other's speed (geomean over the anchor
-// grid's head-dim-256 cells), 1.14x at 512 keys causal; under the A100's 164 KiB (FLASH_ATTN2_MAX_SMEM) the other
-// way round, 0.89x (docs/design-notes.md, 'Head dim 256 on an A100's SM').
+// dims 224 and 256 on Hopper's 228 KiB SMs: two CTAs of 64 x 64 on four warps (84 and 96 KiB each), against one of
+// 128 x 64 on eight (by registers), the tile that an A100's 164 KiB SM, which holds one of either, runs best
+// (tile_size.h). Measured at 256 on an H100 with the mma.sync kernels forced: the 64 x 64 tile 1.04x the other's
+// speed (geomean over the anchor grid's head-dim-256 cells), 1.14x at 512 keys causal; under the A100's 164 KiB
+// (FLASH_ATTN2_MAX_SMEM) the other way round, 0.89x (docs/design-notes.md, 'Head dim 256 on an A100's SM').
 TileSet fwd_tile_set(const Plan& plan, const Target& t) {
     const TileSet set = tile_set_for(plan.family, Pass::kFwd, plan.kernel_head_dim, t.max_smem);
     if (plan.family != KernelFamily::kMmaSync || set.smem_budget != kSmem163KiB) { return set; }
     const TileSet small = tile_set(KernelFamily::kMmaSync, Pass::kFwd, plan.kernel_head_dim, kSmem99KiB);
     if (!small.exists()) { return set; }
-    const int ctas = ctas_per_sm_by_smem(t, kernel_smem_bytes(set, set.tile_for(plan.causal, plan.variants), false));
-    const int small_ctas = ctas_per_sm_by_smem(
-        t, kernel_smem_bytes(small, small.tile_for(plan.causal, plan.variants), false));
+    const int ctas = mma_sync_fwd_ctas_per_sm(t, set, set.tile_for(plan.causal, plan.variants));
+    const int small_ctas = mma_sync_fwd_ctas_per_sm(t, small, small.tile_for(plan.causal, plan.variants));
     return ctas == 1 && small_ctas >= 2 ? small : set;
 }
 

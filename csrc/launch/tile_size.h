@@ -97,9 +97,10 @@ constexpr int kBwdSm90ShortBlockM = 16;
 // with a few bytes of spills: each K/V fragment read from shared memory feeds twice the MMAs. That holds for
 // causal head dim 128 too, 4-17% faster than 64 x 128 (docs/design-notes.md). Above 128 the accumulators leave no
 // registers for 32 rows a warp, and 16 rows a warp win: 64 x 64 on four warps (two CTAs per SM on the H200, where
-// it was measured), except at head dim 256, where those 96 KiB leave an A100's 164 KiB SM one CTA of four warps:
-// the 163 KiB set (the A100's) takes FlashAttention-2's tile for it, 128 x 64 on eight warps (128 KiB), one CTA of
-// eight warps an SM; the 99 KiB GPUs' SMs hold one CTA of either, and keep 64 x 64. Head dims 32 and 64 take
+// it was measured), except at head dims 224 and 256, where those 84 and 96 KiB leave an A100's 164 KiB SM one CTA
+// of four warps: the 163 KiB set (the A100's) takes FlashAttention-2's tile for them, 128 x 64 on eight warps (112
+// and 128 KiB), one CTA of eight warps an SM (measured at 256; 224 follows it); the 99 KiB GPUs' SMs hold one CTA of
+// either, and keep 64 x 64. Head dims 32 and 64 take
 // 128-key blocks, as FlashAttention-2 does: half the softmax steps and barriers per key block, 5% (head dim 64)
 // and 8.5% (32) faster than 64-key blocks over the anchor grid's lengths on an H200, although ptxas spills up to
 // 100 bytes (design notes). Their variants kernel keeps 64-key blocks (variants_tile): with 128 its window,
@@ -159,7 +160,7 @@ constexpr TileSet kTileSets[] = {
     {KernelFamily::kMmaSync, Pass::kFwd, 128, kSmem163KiB, {128, 64, 4}, {128, 64, 4}, {}},
     {KernelFamily::kMmaSync, Pass::kFwd, 160, kSmem163KiB, {64, 64, 4}, {64, 64, 4}, {}},
     {KernelFamily::kMmaSync, Pass::kFwd, 192, kSmem163KiB, {64, 64, 4}, {64, 64, 4}, {}},
-    {KernelFamily::kMmaSync, Pass::kFwd, 224, kSmem163KiB, {64, 64, 4}, {64, 64, 4}, {}},
+    {KernelFamily::kMmaSync, Pass::kFwd, 224, kSmem163KiB, {128, 64, 8}, {128, 64, 8}, {}},
     {KernelFamily::kMmaSync, Pass::kFwd, 256, kSmem163KiB, {128, 64, 8}, {128, 64, 8}, {}},
 
     {KernelFamily::kMmaSync, Pass::kFwd, 32, kSmem99KiB, {128, 128, 4}, {128, 128, 4}, {}, {}, {128, 64, 4}},

@@ -3,6 +3,7 @@ EFFICIENT_ATTENTION backends, in one run, on the anchor shapes (batch*seqlen tok
 
     python bench/mma_peak.py && python bench/bench_fwd.py            # full anchor grid, bf16
     python bench/bench_fwd.py --quick --hdims 128                     # a few shapes
+    python bench/bench_fwd.py --hdims 192 --hdim-v 128 --impls ours,ours_padv,cudnn   # V's own head dim (MLA)
 """
 
 import argparse
@@ -31,7 +32,8 @@ IMPLS = ["ours", "flash", "cudnn", "efficient"]
 # ours_ws: the warp-specialized kernels of both passes wherever they can run, also where the plan would pick another,
 # on their main tiles (force_plan(ws=True, short_keys=False): no short-key tile of either Hopper forward);
 # ours_stagger: the Hopper wide backward's staggered walk wherever it can run (force_plan(stagger=True));
-# ours_det_nostagger: deterministic=True without it (force_plan(stagger=False)).
+# ours_det_nostagger: deterministic=True without it (force_plan(stagger=False)). ours_padv: with --hdim-v, V
+# zero-padded to Q's head dim by the caller and the output cut back, as a call without V's own head dim would run.
 OPTIONAL_IMPLS = [
     "ours_det",
     "ours_det_mma",
@@ -41,6 +43,7 @@ OPTIONAL_IMPLS = [
     "ours_nows",
     "ours_ws",
     "ours_stagger",
+    "ours_padv",
 ]
 # fa4: FlashAttention-4's flash_attn_func (the flash-attn-4 package, flash_attn.cute), on the same (b, s, h, d)
 # tensors as ours; its backward through autograd, as ours.
@@ -62,6 +65,7 @@ def parse_args(argv=None):
         help="time the forward, the backward alone, or both",
     )
     p.add_argument("--hdims", type=ints, default=[64, 128, 256])
+    p.add_argument("--hdim-v", type=int, default=None, help="V's head dim, where it differs from Q's and K's (--hdims)")
     p.add_argument("--seqlens", type=ints, default=None, help="default 512,1024,...,16384 (--quick: 2048,8192,16384)")
     p.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     p.add_argument("--impls", type=lambda s: s.split(","), default=IMPLS)
@@ -161,16 +165,18 @@ def make_runners(lib, lib_err, q, k, v, qt, kt, vt, causal, impls):
                     "ours_stagger": forced_plan(stagger=True),
                     "ours_det_nostagger": forced_plan(stagger=False),
                 }.get(name, contextlib.nullcontext)
-                runners[name] = (
-                    ctx
-                    if isinstance(ctx, str)
-                    else (
-                        ctx,
-                        lambda det=det: lib.flash_attn_func(q, k, v, causal=causal, deterministic=det),
-                        (q, k, v),
-                        False,
-                    )
-                )
+                if name == "ours_padv":
+
+                    def fn(d_v=v.shape[-1]):
+                        padded = F.pad(v, (0, hdim - d_v))
+                        return lib.flash_attn_func(q, k, padded, causal=causal)[..., :d_v]
+
+                else:
+
+                    def fn(det=det):
+                        return lib.flash_attn_func(q, k, v, causal=causal, deterministic=det)
+
+                runners[name] = ctx if isinstance(ctx, str) else (ctx, fn, (q, k, v), False)
         elif name == "fa4":
             runners[name] = fa4_runner(q, k, v, causal)
         else:
@@ -245,7 +251,9 @@ def new_row(args, hdim, causal, seqlen, err=None):
         "batch": batch,
         "seqlen": seqlen,
         "nheads": nheads,
-        "flops": common.attn_flops(batch, nheads, seqlen, seqlen, hdim, causal, args.pass_),
+        "flops": common.attn_flops(
+            batch, nheads, seqlen, seqlen, hdim, causal, args.pass_, getattr(args, "hdim_v", None)
+        ),
         "ms": {k: None for k in args.impls},
         "warnings": [],
         "errors": {k: err.splitlines()[0][:300] for k in args.impls} if err else {},
@@ -260,8 +268,8 @@ def bench_shape(lib, lib_err, dtype_name, hdim, causal, seqlen, args):
     # transposed views of (b, s, h, d) tensors, the layout models give it (common.sdpa_view).
     grad = args.pass_ != "fwd"
     q, k, v = (
-        torch.randn(batch, seqlen, nheads, hdim, device="cuda", dtype=dtype, generator=gen).requires_grad_(grad)
-        for _ in range(3)
+        torch.randn(batch, seqlen, nheads, d, device="cuda", dtype=dtype, generator=gen).requires_grad_(grad)
+        for d in (hdim, hdim, args.hdim_v or hdim)
     )
     qt, kt, vt = (common.sdpa_view(x) for x in (q, k, v))
     row = new_row(args, hdim, causal, seqlen)
@@ -309,7 +317,13 @@ def grid_meta(args, what, inputs):
     meta["method"] = (
         f"{args.dtype}, batch x seqlen = {args.tokens} tokens, hidden {args.hidden} "
         f"(nheads = {args.hidden} / hdim). TFLOP/s by the FA2 convention: 4*b*h*s^2*d, halved when "
-        f"causal, x2.5 for the backward, x3.5 for forward + backward. After an untimed warm-up round, "
+        f"causal, x2.5 for the backward, x3.5 for forward + backward"
+        + (
+            f"; V's head dim {args.hdim_v}, 2*b*h*s^2*(hdim + {args.hdim_v}) for 4*b*h*s^2*d"
+            if getattr(args, "hdim_v", None)
+            else ""
+        )
+        + ". After an untimed warm-up round, "
         f"each cell: the median over {args.rounds} rounds in which the implementations take turns "
         f"(round r starts with the r-th), each round the median of {max(args.rep, 20)} timed calls "
         f"(CUDA events) after {args.warmup} warm-up calls. " + inputs
@@ -368,7 +382,11 @@ def main(argv=None):
     rows = grid_rows(
         args, peak, lambda hdim, causal, seqlen: bench_shape(lib, lib_err, args.dtype, hdim, causal, seqlen, args)
     )
-    name = f"{args.pass_}_{meta['gpu_slug']}" + ("" if args.dtype == "bf16" else f"_{args.dtype}")
+    name = (
+        f"{args.pass_}_{meta['gpu_slug']}"
+        + (f"_hdim{args.hdims[0]}v{args.hdim_v}" if args.hdim_v else "")
+        + ("" if args.dtype == "bf16" else f"_{args.dtype}")
+    )
     print()
     print(common.write_reports(args.out_dir, name, meta, rows, args.impls, peak))
 

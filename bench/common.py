@@ -23,10 +23,12 @@ REF = "ours"
 # ----------------------------------------------------------------------------------------------- FLOPs
 
 
-def attn_flops(batch, nheads, seqlen_q, seqlen_k, head_dim, causal, mode="fwd"):
+def attn_flops(batch, nheads, seqlen_q, seqlen_k, head_dim, causal, mode="fwd", head_dim_v=None):
     """FLOPs by the FlashAttention-2 paper's convention: forward 4*b*h*sq*sk*d (two matmuls), halved when
-    causal; backward 2.5x forward; fwd_bwd 3.5x forward."""
-    f = 4.0 * batch * nheads * seqlen_q * seqlen_k * head_dim
+    causal; backward 2.5x forward; fwd_bwd 3.5x forward. With V's own head dim (head_dim_v), 2*b*h*sq*sk*(d + d_v)
+    for the forward."""
+    d_v = head_dim if head_dim_v is None else head_dim_v
+    f = 2.0 * batch * nheads * seqlen_q * seqlen_k * (head_dim + d_v)
     if causal:
         f /= 2
     return f * {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}[mode]

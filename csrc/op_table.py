@@ -66,7 +66,8 @@ class Ret:
     # How the fake implementation makes it: "like:<arg>" (the argument's shape, contiguous) or "lse:<arg>" (the
     # float32 log-sum-exp of a query tensor: (batch, nheads, seqlen_q) of a 4-D one, (nheads, total_q) of a 3-D one)
     # or "like_or_empty:<arg>" (the optional argument's shape, or an empty fp32 (0,) when it is absent: the gradient
-    # of an optional argument, which a schema cannot return as None).
+    # of an optional argument, which a schema cannot return as None) or "attn_out:<q>,<v>" (q's shape with v's last
+    # dim: an attention output).
     fake: str = ""
 
 
@@ -120,6 +121,8 @@ DOUT, OUT, LSE = Arg("dout", "Tensor"), Arg("out", "Tensor"), Arg("softmax_lse",
 CU_SEQLENS = (Arg("cu_seqlens_q", "Tensor"), Arg("cu_seqlens_k", "Tensor"))
 MAX_SEQLENS = (Arg("max_seqlen_q", "int"), Arg("max_seqlen_k", "int"))
 FWD_RETURNS = (Ret("out", "Tensor", "like:q"), Ret("softmax_lse", "Tensor", "lse:q"))
+# fwd and varlen_fwd: v may be narrower than q, and out has v's head dim.
+FWD_V_RETURNS = (Ret("out", "Tensor", "attn_out:q,v"), Ret("softmax_lse", "Tensor", "lse:q"))
 BWD_RETURNS = (
     Ret("dq", "Tensor", "like:q"),
     Ret("dk", "Tensor", "like:k"),
@@ -131,7 +134,7 @@ OPS = (
     Op(
         name="fwd",
         args=(Q, K, V, SCALE, CAUSAL, DETERMINISTIC, NUM_SPLITS, PLAN_OVERRIDE, *variants()),
-        returns=FWD_RETURNS,
+        returns=FWD_V_RETURNS,
         backward="bwd",
         doc="Attention over (batch, seqlen, nheads, head_dim) q, k, v.",
     ),
@@ -145,7 +148,7 @@ OPS = (
     Op(
         name="varlen_fwd",
         args=(Q, K, V, *CU_SEQLENS, *MAX_SEQLENS, SCALE, CAUSAL, DETERMINISTIC, PLAN_OVERRIDE, *variants()),
-        returns=FWD_RETURNS,
+        returns=FWD_V_RETURNS,
         backward="varlen_bwd",
         doc="Attention over a variable-length batch: (total, nheads, head_dim) q, k, v and cumulative lengths.",
     ),
@@ -195,6 +198,7 @@ OPS = (
             Arg("kvcache", "bool", "False"),
             Arg("paged", "bool", "False"),
             Arg("max_smem", "int", "-1"),
+            Arg("head_dim_v", "int", "-1"),
         ),
         returns=(Ret("", "str"),),
         dispatch="composite",

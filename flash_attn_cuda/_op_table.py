@@ -6,7 +6,7 @@ backward op of a forward op ("" if none), and "tensor" or "composite" dispatch."
 OPS = {
     'fwd': {
         "args": ('q', 'k', 'v', 'softmax_scale', 'causal', 'deterministic', 'num_splits', 'plan_override', 'window_left', 'window_right', 'softcap', 'alibi_slopes', 'dropout_p', 'rng_state', 'learnable_sink'),
-        "returns": (('out', 'like:q'), ('softmax_lse', 'lse:q')),
+        "returns": (('out', 'attn_out:q,v'), ('softmax_lse', 'lse:q')),
         "backward": 'bwd',
         "dispatch": 'tensor',
     },
@@ -18,7 +18,7 @@ OPS = {
     },
     'varlen_fwd': {
         "args": ('q', 'k', 'v', 'cu_seqlens_q', 'cu_seqlens_k', 'max_seqlen_q', 'max_seqlen_k', 'softmax_scale', 'causal', 'deterministic', 'plan_override', 'window_left', 'window_right', 'softcap', 'alibi_slopes', 'dropout_p', 'rng_state', 'learnable_sink'),
-        "returns": (('out', 'like:q'), ('softmax_lse', 'lse:q')),
+        "returns": (('out', 'attn_out:q,v'), ('softmax_lse', 'lse:q')),
         "backward": 'varlen_bwd',
         "dispatch": 'tensor',
     },
@@ -29,7 +29,7 @@ OPS = {
         "dispatch": 'tensor',
     },
     'plan': {
-        "args": ('pass_name', 'batch', 'seqlen_q', 'seqlen_k', 'nheads', 'nheads_k', 'head_dim', 'causal', 'deterministic', 'varlen', 'num_splits', 'plan_override', 'arch', 'num_sms', 'is_bf16', 'window_left', 'window_right', 'alibi', 'dropout', 'softcap', 'kvcache', 'paged', 'max_smem'),
+        "args": ('pass_name', 'batch', 'seqlen_q', 'seqlen_k', 'nheads', 'nheads_k', 'head_dim', 'causal', 'deterministic', 'varlen', 'num_splits', 'plan_override', 'arch', 'num_sms', 'is_bf16', 'window_left', 'window_right', 'alibi', 'dropout', 'softcap', 'kvcache', 'paged', 'max_smem', 'head_dim_v'),
         "returns": (('', ''),),
         "backward": '',
         "dispatch": 'composite',

@@ -44,8 +44,13 @@ def _fake_output(rule: str, args: dict) -> torch.Tensor:
     """One output of a fake implementation, by its rule in the op table: "like:<arg>" is the argument's shape,
     contiguous (the ops return contiguous outputs whatever the strides of their inputs); "lse:<arg>" is the float32
     log-sum-exp of a query tensor, (batch, nheads, seqlen_q) of a 4-D one and (nheads, total_q) of a 3-D one;
-    "like_or_empty:<arg>" is an optional argument's shape, or (0,) float32 when the call left it out."""
+    "like_or_empty:<arg>" is an optional argument's shape, or (0,) float32 when the call left it out;
+    "attn_out:<q>,<v>" is q's shape with v's head dim (the last), an attention output."""
     kind, name = rule.split(":")
+    if kind == "attn_out":
+        q_name, v_name = name.split(",")
+        q, v = args[q_name], args[v_name]
+        return q.new_empty((*q.shape[:-1], v.shape[-1]))
     x = args.get(name)
     if kind == "like":
         return x.new_empty(x.shape)

@@ -111,11 +111,12 @@ def _kernel_ready(x: torch.Tensor, head_dim: int, compiling: bool) -> torch.Tens
 
 
 def _common_head_dim(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, names: tuple[str, str]) -> tuple[int, int, int]:
-    """(head dim of q and k, head dim of v, the width the kernels run): k must have q's head dim, v may have its
-    own (DeepSeek's 192 and 128, say), each at most 256. The kernels take one head dim, so the narrower side is
+    """(head dim of q and k, head dim of v, the width q and k run at): k must have q's head dim, v may have its
+    own (DeepSeek's 192 and 128, say), each at most 256. Most kernels take one head dim, so a narrower side is
     zero-padded to the wider one's (_widen): zero columns of q and k add nothing to the scores, and zero columns
     of v give output columns that are cut off. Exact, at the cost of the padded copies and the padded columns'
-    work. names: how k and v are called in messages."""
+    work. A narrower v is left to the ops where they take one (_prepare), which run it on a kernel of its own
+    where one exists. names: how k and v are called in messages."""
     head_dim, head_dim_v = q.shape[-1], v.shape[-1]
     if k.shape[-1] != head_dim:
         raise ValueError(f"{names[0]} must have the head_dim of q ({head_dim}), got {k.shape[-1]}")
@@ -166,10 +167,13 @@ def _prepare(
         # (-q) k^T * |scale| equals q k^T * scale; the kernel needs a non-negative scale.
         q, softmax_scale = -q, -softmax_scale
     compiling = torch.compiler.is_compiling()
+    # A V narrower than Q and K keeps its own head dim (rounded up to a multiple of 8): the ops run it on a kernel
+    # of its own where one exists (DeepSeek's 192 and 128), and pad it to Q's head dim themselves otherwise.
+    width_v = width if head_dim_v >= head_dim else -(-head_dim_v // _ALIGN_ELEMS) * _ALIGN_ELEMS
     return (
         _ready_at(q, width, compiling),
         _ready_at(k, width, compiling),
-        _ready_at(v, width, compiling),
+        _ready_at(v, width_v, compiling),
         float(softmax_scale),
         head_dim_v,
         compiling,
@@ -226,8 +230,9 @@ def flash_attn_func(
 
     head_dim may be any size up to 256; sizes that are not a multiple of 8 are zero-padded internally. v may have a
     head dim of its own, head_dim_v, also up to 256 (DeepSeek's 192 for q and k, 128 for v): out and dv then have
-    head_dim_v. Such a call runs at the wider of the two head dims, the narrower tensors zero-padded into copies
-    (exact; the padded columns cost their share of the work).
+    head_dim_v. A forward with q and k of head dim 161-192 and v of at most 128 runs on a kernel of its own on
+    Hopper (without softcap or dropout); every other such call runs at the wider of the two head dims, the narrower
+    tensors zero-padded into copies (exact; the padded columns cost their share of the work).
 
     Returns:
         out (batch, seqlen_q, nheads, head_dim_v), or (out, softmax_lse, S_dmask) with return_attn_probs, where

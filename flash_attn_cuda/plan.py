@@ -87,6 +87,7 @@ class Plan:
     staggered: bool  # backward: the Hopper wide kernel's key blocks start at their own query blocks (stagger)
     smem: int  # bytes of dynamic shared memory per block that the kernel is launched with
     tile_budget: int  # bytes per block the tile set that runs is made for: 166912 or 101376 (mma.sync), 232448
+    narrow_v: bool  # forward: a V narrower than Q and K runs unpadded on a kernel of its own (else V is padded)
 
 
 def override_string(
@@ -175,6 +176,7 @@ def plan(
     kvcache: bool = False,
     paged: bool = False,
     max_smem: int | None = None,
+    head_dim_v: int | None = None,
 ) -> Plan:
     """The plan of one pass ("fwd" or "bwd") of a call with these sizes.
 
@@ -196,6 +198,11 @@ def plan(
     166912 for sm_80 and sm_87, 99 KiB = 101376 for sm_86, sm_89, sm_120 and sm_121, 227 KiB = 232448 for sm_90,
     sm_100 and sm_103; another arch needs it given), else the current device's. The plan is returned even when
     its ``smem`` exceeds ``max_smem``: a call of these sizes would then be refused before its launch.
+
+    ``head_dim_v``: V's head dim where it is narrower than ``head_dim`` (a multiple of 8; None: ``head_dim``). Such
+    a forward runs on a kernel of its own where one exists (``narrow_v``: Q/K head dim 192 with V's at most 128 on
+    Hopper's warp-specialized kernel, without softcap or dropout), and otherwise with V zero-padded to ``head_dim``,
+    as does the backward.
     """
     text = torch.ops.flash_attn2.plan(
         pass_,
@@ -221,5 +228,6 @@ def plan(
         bool(kvcache),
         bool(paged),
         -1 if max_smem is None else int(max_smem),
+        -1 if head_dim_v is None else int(head_dim_v),
     )
     return _parse(text)

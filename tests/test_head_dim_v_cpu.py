@@ -1,5 +1,6 @@
-"""CPU tests of V with a head dim of its own (d_v != d_qk): the public functions run the ops at the wider head dim,
-zero-padding the narrower side, and give out and dv V's head dim, dq and dk Q's. Meta tensors run the ops' fake
+"""CPU tests of V with a head dim of its own (d_v != d_qk): the public functions give out and dv V's head dim, dq and
+dk Q's; a narrower Q and K are zero-padded to V's, a narrower V goes to the ops at its own head dim (which run it
+on a kernel of its own or pad it themselves). Meta tensors run the ops' fake
 implementations and autograd; the values are checked on the GPU (test_head_dim_v_gpu.py)."""
 
 import pytest
@@ -33,17 +34,21 @@ def test_varlen_shapes_and_gradients():
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
 
 
-def test_ops_get_one_head_dim(monkeypatch):
-    # The op sees q, k and v at the wider head dim, the narrower ones zero-padded.
+def test_ops_get_v_at_its_own_head_dim(monkeypatch):
+    # The op sees a narrower v at its own head dim (rounded up to a multiple of 8; the op pads it further where no
+    # kernel of its own runs it), and a narrower q and k zero-padded to v's.
     seen = {}
 
     def record(q, k, v, *args):
         seen["dims"] = (q.shape[-1], k.shape[-1], v.shape[-1])
-        return q.new_empty(*q.shape), q.new_empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32)
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])
+        return out, q.new_empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32)
 
     monkeypatch.setattr(interface._ops, "fwd", record)
     out = flash_attn_func(meta(1, 3, 2, 192), meta(1, 5, 2, 192), meta(1, 5, 2, 128))
-    assert seen["dims"] == (192, 192, 192) and out.shape[-1] == 128
+    assert seen["dims"] == (192, 192, 128) and out.shape[-1] == 128
+    out = flash_attn_func(meta(1, 3, 2, 192), meta(1, 5, 2, 192), meta(1, 5, 2, 100))
+    assert seen["dims"] == (192, 192, 104) and out.shape[-1] == 100
     out = flash_attn_func(meta(1, 3, 2, 64), meta(1, 5, 2, 64), meta(1, 5, 2, 100))
     assert seen["dims"] == (104, 104, 104) and out.shape[-1] == 100
 

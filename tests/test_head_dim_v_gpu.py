@@ -1,10 +1,11 @@
 """GPU tests of V with a head dim of its own (d_v != d_qk, DeepSeek's multi-head latent attention: 192 and 128).
 
-The public functions run such calls at one head dim, the wider of the two, with the narrower side zero-padded
-(interface._common_head_dim): out and dv have V's head dim, dq and dk Q's. Checked against the float32 reference
-with the correctness rule (tests/conftest.py), forward and backward, on both kernel families: dense and varlen, GQA,
-causal both ways, dropout, deterministic mode, and flash_attn_with_kvcache appending k and v of their own head dims
-to dense and paged caches.
+Such calls run at one head dim, the wider of the two, with the narrower side zero-padded (interface._common_head_dim,
+and the ops for a narrower V), except a Hopper forward of Q/K head dim 161-192 with a V of at most 128, which runs a
+kernel of its own (test_narrow_v_kernel): out and dv have V's head dim, dq and dk Q's. Checked against the float32
+reference with the correctness rule (tests/conftest.py), forward and backward, on both kernel families: dense and
+varlen, GQA, causal both ways, dropout, deterministic mode, and flash_attn_with_kvcache appending k and v of their own
+head dims to dense and paged caches.
 """
 
 import pytest
@@ -23,7 +24,7 @@ from test_variants_gpu import draw_rng_state, forced_family, require_kernels
 
 from flash_attn_cuda import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from flash_attn_cuda.dropout import keep_mask
-from flash_attn_cuda.plan import force_plan
+from flash_attn_cuda.plan import force_plan, plan
 from flash_attn_cuda.reference import attention_ref, kvcache_ref
 
 pytestmark = [pytest.mark.gpu, requires_gpu, pytest.mark.usefixtures("seeded_exact_reference")]
@@ -105,6 +106,36 @@ def test_dense(d_qk, d_v, kernel, dtype, causal):
 
         def attend(q, k, v, upcast, dropped=True):
             return attention_ref(q, k, v, None, causal, upcast=upcast)
+
+        check(attend, q, k, v, dout, ours, sq * (h // hk))
+
+
+@pytest.mark.parametrize("sink", [False, True], ids=["plain", "sink"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d_qk, d_v", [(192, 128), (176, 96)])
+def test_narrow_v_kernel(d_qk, d_v, dtype, causal, sink):
+    # The narrow-V kernel (Q/K kernel head dim 192, V's 128; a V of 96 columns loads zero-filled to 128): several key
+    # and query blocks with ragged ends both ways, GQA, with and without a learnable sink; the backward runs with V
+    # padded.
+    require_kernels(192, dtype)
+    b, h, hk = 2, 6, 2
+    for sq, sk in ((1000, 1000), (257, 777), (777, 257)):
+        sizes = dict(batch=b, seqlen_q=sq, seqlen_k=sk, nheads=h, nheads_k=hk, head_dim=192, causal=causal)
+        if not plan("fwd", **sizes, head_dim_v=d_v, dtype=dtype).narrow_v:
+            pytest.skip("no narrow-V kernel runs on this GPU or build")
+        q = rand(b, sq, h, d_qk, dtype=dtype)
+        k = rand(b, sk, hk, d_qk, dtype=dtype)
+        v = rand(b, sk, hk, d_v, dtype=dtype)
+        learnable_sink = rand(h, dtype=torch.float32) if sink else None
+        dout = rand(b, sq, h, d_v, dtype=dtype)
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        poison_allocator(q.device)
+        out, lse, _ = flash_attn_func(*leaves, causal=causal, return_attn_probs=True, learnable_sink=learnable_sink)
+        ours = (out, lse, *torch.autograd.grad(out, leaves, dout))
+
+        def attend(q, k, v, upcast, dropped=True, learnable_sink=learnable_sink):
+            return attention_ref(q, k, v, None, causal, upcast=upcast, learnable_sink=learnable_sink)
 
         check(attend, q, k, v, dout, ours, sq * (h // hk))
 
@@ -216,3 +247,20 @@ def test_mismatched_head_dims_are_refused():
     seqlens = torch.zeros(1, dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="head dims of k_cache and v_cache"):
         flash_attn_with_kvcache(q[:, :1], k_cache, v_cache, k=q[:, :1, :2], v=q[:, :1, :2], cache_seqlens=seqlens)
+
+
+@pytest.mark.parametrize("kernel", ["wgmma", "mma_sync"])
+def test_opcheck_narrower_v(kernel):
+    # The ops take a V narrower than Q and K: the forward's output has V's head dim whether a kernel of its own runs
+    # it (Hopper, 192 and 128) or the op pads V, and the backward's dv too (the fake implementations say as much).
+    force = family(kernel, 192, 128, torch.bfloat16)
+    q, k = (rand(2, 130, 4, 192, dtype=torch.bfloat16).requires_grad_() for _ in range(2))
+    v = rand(2, 130, 4, 128, dtype=torch.bfloat16).requires_grad_()
+    with force_plan(**force):
+        torch.library.opcheck(torch.ops.flash_attn2.fwd.default, (q, k, v, 0.125, True))
+        out, lse = torch.ops.flash_attn2.fwd(q.detach(), k.detach(), v.detach(), 0.125, True)
+        assert out.shape == (2, 130, 4, 128) and out.is_contiguous()
+        dout = torch.randn_like(out)
+        torch.library.opcheck(
+            torch.ops.flash_attn2.bwd.default, (dout, q.detach(), k.detach(), v.detach(), out, lse, 0.125, True, False)
+        )

@@ -1148,3 +1148,71 @@ def test_hopper_forward_warp_specialized_needs_dense_plain_calls():
     assert not plan("fwd", **short, **H200).warp_specialized
     assert not plan("fwd", **short, override="ws=1", **H200).warp_specialized
     assert not plan("fwd", **dense, num_splits=2, **H200).warp_specialized
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim, head_dim_v", [(192, 128), (192, 96), (168, 128), (176, 64)])
+def test_narrow_v_forward(head_dim, head_dim_v, causal):
+    # tile_size.h: Q/K head dims of kernel head dim 192 with a V of at most 128 columns run the warp-specialized
+    # forward's narrow-V kernel on Hopper, 128 x 128 on two stages (209 KiB, the output staged in Q's buffer).
+    args = dict(batch=2, seqlen_q=2048, seqlen_k=2048, nheads=16, nheads_k=16, head_dim=head_dim, causal=causal)
+    p = plan("fwd", **args, head_dim_v=head_dim_v, **H200)
+    assert p.narrow_v and p.warp_specialized and p.kernel == "wgmma", p
+    assert (p.kernel_head_dim, p.block_m, p.block_n, p.smem, p.num_splits) == (192, 128, 128, 214016, 1), p
+    # The same sizes with V as wide as Q and K keep the head dim's own tile.
+    uniform = plan("fwd", **args, **H200)
+    assert not uniform.narrow_v and (uniform.block_m, uniform.block_n) == (128, 96), uniform
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "v_too_wide",
+        "kernel_without_one",
+        "softcap",
+        "dropout",
+        "window",
+        "varlen",
+        "mma_sync",
+        "a100",
+        "ws_off",
+        "short_queries",
+        "backward",
+    ],
+)
+def test_narrow_v_elsewhere_pads_v(case):
+    # Every call the narrow-V kernel does not serve runs with V zero-padded to Q's head dim (narrow_v false): its
+    # variants and the backward have no narrow-V form, and the other kernels none at all.
+    args = dict(batch=2, seqlen_q=2048, seqlen_k=2048, nheads=16, nheads_k=16, head_dim=192, head_dim_v=128)
+    pass_, extra = "fwd", dict(H200)
+    if case == "v_too_wide":
+        args["head_dim_v"] = 136
+    elif case == "kernel_without_one":
+        args.update(head_dim=128, head_dim_v=64)
+    elif case == "softcap":
+        extra["softcap"] = 30.0
+    elif case == "dropout":
+        extra["dropout"] = True
+    elif case == "window":
+        extra["window_size"] = (256, 0)
+    elif case == "varlen":
+        extra["varlen"] = True
+    elif case == "mma_sync":
+        extra["override"] = "kernel=mma_sync"
+    elif case == "a100":
+        extra = dict(A100)
+    elif case == "ws_off":
+        extra["override"] = "ws=0"
+    elif case == "short_queries":
+        args["seqlen_q"] = 64
+    else:
+        pass_ = "bwd"
+    p = plan(pass_, **args, **extra)
+    assert not p.narrow_v, p
+
+
+def test_narrow_v_plan_argument_checked():
+    args = dict(batch=1, seqlen_q=8, seqlen_k=8, nheads=1, nheads_k=1, head_dim=128, **H200)
+    for bad in (0, 136, 100):
+        with pytest.raises(ValueError, match="head_dim_v must be -1"):
+            plan("fwd", **args, head_dim_v=bad)

@@ -105,6 +105,7 @@ struct PlanArgs {
     bool kvcache;
     bool paged;
     int64_t max_smem;
+    int64_t head_dim_v;
 };
 std::string plan_op(const PlanArgs& args);
 

@@ -18,7 +18,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> bwd_impl(const Tensor& dout, const Te
                                                     const Variants& variants) {
     check_qkv(q, k, v);
     if (varlen != nullptr) { check_varlen(*varlen, q, k.size(1), "total_k"); }
-    check_bwd_inputs(dout, q, out, softmax_lse, lse_shape(q, varlen));
+    check_bwd_inputs(dout, q, v, out, softmax_lse, lse_shape(q, varlen));
     check_scale(softmax_scale);
     check_variants(variants, q, varlen != nullptr ? varlen->batch() : q.size(0));
     const PlanOverride override = override_of(plan_override);
@@ -26,7 +26,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> bwd_impl(const Tensor& dout, const Te
     check_same_device(dout, "dout", q);
     check_same_device(out, "out", q);
     FLASH_CHECK_ARG(same_device(softmax_lse, q), "softmax_lse must be on the device of q");
-    const Problem problem = problem_of(Pass::kBwd, q, k, causal, deterministic, varlen, variants);
+    const Problem problem = problem_of(Pass::kBwd, q, k, v, causal, deterministic, varlen, variants);
     const Plan plan = plan_call(problem, q, 0, override, find_bwd_launcher);
     const BwdLauncher launcher = require_bwd_launcher(q, plan);
 
@@ -61,6 +61,18 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> bwd_impl(const Tensor& dout, const Te
     const bool nothing_to_do = q.numel() == 0 || k.numel() == 0 ||
                                (varlen != nullptr && (batch == 0 || seqlen_q == 0 || varlen->max_seqlen_k == 0));
     if (nothing_to_do) { return {gradient(q, true), gradient(k, true), gradient(v, true), sink_gradient(true)}; }
+    // A V narrower than Q and K: the backward runs at Q's head dim, with v, out and dout zero-padded to it (v's and
+    // out's added columns are zero, so dout's add nothing to dP = dO V^T or D = rowsum(dO * O)), and dv is cut back
+    // to v's columns.
+    const int64_t head_dim_v = v.size(3);
+    const bool pad_v = head_dim_v < head_dim;
+    auto widen = [&](const Tensor& t) {
+        return pad_v ? torch::stable::pad(t, {int64_t(0), head_dim - head_dim_v}) : t;
+    };
+    auto v_columns = [&](Tensor dv) {
+        return pad_v ? torch::stable::contiguous(torch::stable::narrow(dv, dv.dim() - 1, 0, head_dim_v)) : dv;
+    };
+    const Tensor v_in = widen(v), out_in = widen(out), dout_in = widen(dout);
     const Tensor lse = softmax_lse.is_contiguous() ? softmax_lse : torch::stable::contiguous(softmax_lse);
     // D = rowsum(dO * O), laid out like the LSE.
     const Tensor dsum = empty_like_contiguous(lse);
@@ -101,9 +113,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> bwd_impl(const Tensor& dout, const Te
 
     BwdParams params{};
     const LseView lse_k = pack_gqa_lse(lse_view(lse), group);
-    set_fwd_params(params, q_k, view4(k), view4(v), pack_gqa(view4(out), group), lse_k, softmax_scale, varlen, plan);
+    set_fwd_params(params, q_k, view4(k), view4(v_in), pack_gqa(view4(out_in), group), lse_k, softmax_scale, varlen,
+                   plan);
     set_variant_params(params, variants, causal);
-    const View4 dout_k = pack_gqa(view4(dout), group);
+    const View4 dout_k = pack_gqa(view4(dout_in), group);
     params.do_ptr = dout_k.ptr;
     params.do_batch_stride = varlen != nullptr ? 0 : dout_k.stride[0];
     params.do_row_stride = dout_k.stride[1];
@@ -142,7 +155,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> bwd_impl(const Tensor& dout, const Te
     const std::vector<int64_t> rows_dims = varlen != nullptr ? std::vector<int64_t>{1} : std::vector<int64_t>{0, 2};
     const Tensor dsink = variants.sink() ? torch::stable::sum(*sink_grad_rows, rows_dims, false, ScalarType::Float)
                                          : sink_gradient(false);
-    if (!plan.dkv_fp32_slices) { return {dq, dk_heads, dv_heads, dsink}; }
+    if (!plan.dkv_fp32_slices) { return {dq, dk_heads, v_columns(dv_heads), dsink}; }
     const int64_t heads_per_kv = nheads / nheads_k;
     auto sum_group = [&](const Tensor& heads) {
         const Tensor grouped = varlen != nullptr
@@ -151,7 +164,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> bwd_impl(const Tensor& dout, const Te
         const Tensor summed = torch::stable::sum(grouped, std::vector<int64_t>{-2}, false, ScalarType::Float);
         return torch::stable::to(summed, dtype);
     };
-    return {dq, sum_group(dk_heads), sum_group(dv_heads), dsink};
+    return {dq, sum_group(dk_heads), v_columns(sum_group(dv_heads)), dsink};
 }
 
 }  // namespace

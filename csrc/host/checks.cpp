@@ -61,12 +61,14 @@ void check_qkv(const Tensor& q, const Tensor& k, const Tensor& v) {
                     num(v.size(2)));
     FLASH_CHECK_ARG(k.size(3) == head_dim, "k must have the same head_dim as q (", num(head_dim), "), got ",
                     num(k.size(3)));
-    FLASH_CHECK_ARG(v.size(3) == head_dim, "v must have the same head_dim as q (", num(head_dim), "), got ",
-                    num(v.size(3)));
     const bool head_dim_ok = head_dim > 0 && head_dim <= kMaxHeadDim && head_dim % 8 == 0;
     FLASH_CHECK_ARG(head_dim_ok,
                     "head_dim must be a multiple of 8 in [8, 256] (flash_attn_func pads other sizes), got ",
                     num(head_dim));
+    // V may be narrower than Q and K (DeepSeek's 192 and 128); a wider one is the caller's to pad Q and K for.
+    FLASH_CHECK_ARG(v.size(3) > 0 && v.size(3) <= head_dim && v.size(3) % 8 == 0,
+                    "v's head_dim must be a multiple of 8 in [8, head_dim of q = ", num(head_dim),
+                    "] (flash_attn_func pads other sizes), got ", num(v.size(3)));
     const bool heads_ok = nheads_k > 0 && nheads % nheads_k == 0;
     FLASH_CHECK_ARG(heads_ok, "nheads (", num(nheads), ") must be a multiple of nheads_k (", num(nheads_k), ")");
     FLASH_CHECK_ARG(batch <= INT32_MAX, "batch must be at most ", num(INT32_MAX), ", got ", num(batch));
@@ -293,12 +295,15 @@ void check_num_splits(int64_t num_splits) {
                     num(kMaxForcedSplits), "] (0: chosen per call), got ", num(num_splits));
 }
 
-void check_bwd_inputs(const Tensor& dout, const Tensor& q, const Tensor& out, const Tensor& lse,
+void check_bwd_inputs(const Tensor& dout, const Tensor& q, const Tensor& v, const Tensor& out, const Tensor& lse,
                       const std::vector<int64_t>& lse_shape) {
-    FLASH_CHECK_ARG(same_sizes(dout.sizes(), q.sizes()), "dout must have the shape of q ", shape_str(q.sizes()),
-                    ", got ", shape_str(dout.sizes()));
-    FLASH_CHECK_ARG(same_sizes(out.sizes(), q.sizes()), "out must have the shape of q ", shape_str(q.sizes()), ", got ",
-                    shape_str(out.sizes()));
+    // out and dout: q's shape with v's head dim.
+    std::vector<int64_t> out_shape(q.sizes().begin(), q.sizes().end());
+    out_shape.back() = v.size(v.dim() - 1);
+    FLASH_CHECK_ARG(same_sizes(dout.sizes(), out_shape), "dout must have the shape of out ",
+                    shape_str(out_shape.data(), out_shape.size()), ", got ", shape_str(dout.sizes()));
+    FLASH_CHECK_ARG(same_sizes(out.sizes(), out_shape), "out must have q's shape with v's head_dim ",
+                    shape_str(out_shape.data(), out_shape.size()), ", got ", shape_str(out.sizes()));
     FLASH_CHECK_ARG(dout.scalar_type() == q.scalar_type(), "dout must have the dtype of q (", q.scalar_type(),
                     "), got ", dout.scalar_type());
     FLASH_CHECK_ARG(out.scalar_type() == q.scalar_type(), "out must have the dtype of q (", q.scalar_type(), "), got ",

@@ -32,8 +32,8 @@ void check_varlen(const Varlen& varlen, const Tensor& q, int64_t max_keys, const
 void check_varlen_rank(const Tensor& t, const char* name, const char* shape);
 void check_scale(double softmax_scale);
 void check_num_splits(int64_t num_splits);
-// dout and out must match q's shape and dtype; lse is the forward's fp32 output of lse_shape.
-void check_bwd_inputs(const Tensor& dout, const Tensor& q, const Tensor& out, const Tensor& lse,
+// dout and out must have q's shape with v's head dim, and q's dtype; lse is the forward's fp32 output of lse_shape.
+void check_bwd_inputs(const Tensor& dout, const Tensor& q, const Tensor& v, const Tensor& out, const Tensor& lse,
                       const std::vector<int64_t>& lse_shape);
 // q is on a CUDA device of compute capability 8.0 or newer, with k and v; all start 16-byte aligned.
 void check_device(const Tensor& q, const Tensor& k, const Tensor& v);

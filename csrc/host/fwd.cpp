@@ -119,7 +119,7 @@ std::tuple<Tensor, Tensor> fwd_impl(const Tensor& q, const Tensor& k, const Tens
     check_num_splits(num_splits);
     const PlanOverride override = override_of(plan_override);
     check_device(q, k, v);
-    const Problem problem = problem_of(Pass::kFwd, q, k, causal, false, varlen, variants, cache);
+    const Problem problem = problem_of(Pass::kFwd, q, k, v, causal, false, varlen, variants, cache);
     const Plan plan = plan_call(problem, q, static_cast<int>(num_splits), override, find_fwd_launcher);
     const FwdLauncher launcher = require_fwd_launcher(q, plan);
 
@@ -127,18 +127,27 @@ std::tuple<Tensor, Tensor> fwd_impl(const Tensor& q, const Tensor& k, const Tens
     const DeviceGuard device_guard(device);
     const cudaStream_t stream = current_stream(device);
     const Tensor q_in = cache != nullptr ? prepare_kvcache(*cache, q, k, v, variants, causal, stream) : q;
-    Tensor out = empty_operand_like(q, varlen != nullptr);
+    // A V narrower than Q and K that no narrow-V kernel runs (Plan::narrow_v) runs at Q's head dim, zero-padded:
+    // its zero columns give the output zero columns, which are cut off before it is returned.
+    const int64_t head_dim_v = v.size(3);
+    const bool pad_v = head_dim_v < q.size(3) && !plan.narrow_v;
+    const Tensor v_in = pad_v ? torch::stable::pad(v, {int64_t(0), q.size(3) - head_dim_v}) : v;
+    Tensor out = empty_operand(q.size(0), q.size(1), q.size(2), v_in.size(3), q.scalar_type(), device,
+                               varlen != nullptr);
+    auto v_columns = [&](Tensor& o) {
+        return pad_v ? torch::stable::contiguous(torch::stable::narrow(o, o.dim() - 1, 0, head_dim_v)) : o;
+    };
     const std::vector<int64_t> lse_sizes = lse_shape(q, varlen);
     Tensor lse = empty_cuda(lse_sizes.data(), static_cast<int>(lse_sizes.size()), ScalarType::Float, device);
-    if (out.numel() == 0) { return {out, lse}; }
+    if (out.numel() == 0) { return {v_columns(out), lse}; }
     if (varlen != nullptr && (varlen->batch() == 0 || varlen->max_seqlen_q == 0)) {
         // No query row belongs to a sequence: nothing to compute, and no grid to launch.
         zero_async(out, stream);
-        return {out, torch::stable::fill_(lse, INFINITY)};
+        return {v_columns(out), torch::stable::fill_(lse, INFINITY)};
     }
 
     FwdParams params{};
-    set_fwd_params(params, pack_gqa(view4(q_in), plan.gqa_pack), view4(k), view4(v),
+    set_fwd_params(params, pack_gqa(view4(q_in), plan.gqa_pack), view4(k), view4(v_in),
                    pack_gqa(view4(out), plan.gqa_pack), pack_gqa_lse(lse_view(lse), plan.gqa_pack), softmax_scale,
                    varlen, plan);
     if (cache != nullptr) { set_cache_params(params, *cache, k, v, varlen != nullptr); }
@@ -157,7 +166,7 @@ std::tuple<Tensor, Tensor> fwd_impl(const Tensor& q, const Tensor& k, const Tens
         err = run_fwd_combine(params, q.scalar_type() == ScalarType::BFloat16, stream);
     }
     check_launch(err, "flash_attn2::fwd", device);
-    return {out, lse};
+    return {v_columns(out), lse};
 }
 
 }  // namespace

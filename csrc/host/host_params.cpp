@@ -26,8 +26,8 @@ LseView lse_view(const Tensor& lse) {
     return {static_cast<float*>(lse.data_ptr()), lse.dim() == 3 ? lse.stride(0) : 0, lse.stride(lse.dim() - 2)};
 }
 
-Problem problem_of(Pass pass, const Tensor& q, const Tensor& k, bool causal, bool deterministic, const Varlen* varlen,
-                   const Variants& variants, const KVCache* cache) {
+Problem problem_of(Pass pass, const Tensor& q, const Tensor& k, const Tensor& v, bool causal, bool deterministic,
+                   const Varlen* varlen, const Variants& variants, const KVCache* cache) {
     // A cache's keys per sequence are known on the device only: plan for a full cache.
     const int64_t dense_seqlen_k = cache != nullptr ? cache->capacity(k) : k.size(1);
     const ProblemSizes sizes{varlen != nullptr ? varlen->batch() : q.size(0),
@@ -35,7 +35,8 @@ Problem problem_of(Pass pass, const Tensor& q, const Tensor& k, bool causal, boo
                              varlen != nullptr ? varlen->max_seqlen_k : dense_seqlen_k,
                              q.size(2),
                              k.size(2),
-                             q.size(3)};
+                             q.size(3),
+                             v.size(3)};
     VariantFlags flags;
     flags.window_left = variants.window_left;
     flags.window_right = variants.window_right;
@@ -106,6 +107,7 @@ void set_fwd_params(FwdParams& params, const View4& q, const View4& k, const Vie
     params.num_heads = static_cast<int>(q.size[2]);
     params.num_heads_k = static_cast<int>(k.size[2]);
     params.head_dim = static_cast<int>(q.size[3]);
+    params.head_dim_v = static_cast<int>(v.size[3]);
     params.lse_batch_stride = lse.batch_stride;
     params.lse_head_stride = lse.head_stride;
     if (varlen != nullptr) {

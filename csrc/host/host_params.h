@@ -33,12 +33,12 @@ struct LseView {
 // lse: (batch, nheads, seqlen_q) or varlen's (nheads, total_q), contiguous.
 LseView lse_view(const Tensor& lse);
 
-// The Problem of a call (plan.h's problem_of, which holds the rules) from its tensors. q, k: 4-D (varlen:
+// The Problem of a call (plan.h's problem_of, which holds the rules) from its tensors. q, k, v: 4-D (varlen:
 // (1, total, heads, head_dim) views), checked; variants checked. cache: a KV-cache call, whose k is the cache:
 // the plan is made for a full cache (a sequence's keys are known on the device only, and the kernels split what
 // is there), with the variants kernel, which reads the cache's lengths.
-Problem problem_of(Pass pass, const Tensor& q, const Tensor& k, bool causal, bool deterministic, const Varlen* varlen,
-                   const Variants& variants, const KVCache* cache = nullptr);
+Problem problem_of(Pass pass, const Tensor& q, const Tensor& k, const Tensor& v, bool causal, bool deterministic,
+                   const Varlen* varlen, const Variants& variants, const KVCache* cache = nullptr);
 
 // Parses and checks plan_override (errors name it).
 PlanOverride override_of(const std::string& plan_override);

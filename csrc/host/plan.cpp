@@ -233,10 +233,18 @@ void plan_fwd(const Problem& p, const Target& t, int forced_splits, const PlanOv
                                                                 p.seqlen_k <= (plan.causal ? kFwdShortKeysMaxCausal
                                                                                            : kFwdShortKeysMax)));
     if (plan.warp_specialized) {
+        // A V narrower than Q and K: the head dim's narrow-V kernel where one holds it, for calls with no variant
+        // (it has no softcap or dropout form) on the regular tile, whose keys it does not split either.
+        const NarrowVShape narrow = narrow_v_shape(plan.kernel_head_dim);
+        plan.narrow_v = p.head_dim_v < p.head_dim && narrow.exists() && p.head_dim_v <= narrow.head_dim_v &&
+                        !ws_short && p.plain_mod == PlainMod::kNone && splits_for(narrow.ws_tile) == 1;
+        const TileShape run = plan.narrow_v ? narrow.ws_tile : ws;
         plan.short_key_tile = ws_short;
-        plan.block_m = ws.block_m;
-        plan.block_n = ws.block_n;
-        plan.smem_bytes = fwd_ws_smem_bytes(plan.kernel_head_dim, ws.block_m, ws.block_n, ws.stages);
+        plan.block_m = run.block_m;
+        plan.block_n = run.block_n;
+        plan.smem_bytes = fwd_ws_smem_bytes(plan.kernel_head_dim,
+                                            plan.narrow_v ? narrow.head_dim_v : plan.kernel_head_dim, run.block_m,
+                                            run.block_n, run.stages);
         plan.num_splits = 1;
         return;
     }
@@ -331,6 +339,7 @@ void plan_kernels(const Problem& p, const Target& t, int num_splits, const PlanO
     plan.heads_per_cta = 1;
     plan.key_blocks_per_cta = 1;
     plan.staggered = false;
+    plan.narrow_v = false;
     if (p.pass == Pass::kFwd) {
         plan_fwd(p, t, num_splits, o, plan);
     } else {
@@ -370,6 +379,7 @@ Problem problem_of(Pass pass, const ProblemSizes& sizes, bool causal, bool deter
     problem.nheads = sizes.nheads;
     problem.nheads_k = sizes.nheads_k;
     problem.head_dim = sizes.head_dim;
+    problem.head_dim_v = sizes.head_dim_v > 0 ? sizes.head_dim_v : sizes.head_dim;
     // A masked kernel: causal, or a window bounded on either side.
     problem.causal = causal || v.window_left >= 0 || v.window_right >= 0;
     problem.deterministic = deterministic;
@@ -482,7 +492,7 @@ std::string to_string(const Plan& plan) {
             field("short_query_tile", plan.short_query_tile) + field("heads_per_cta", plan.heads_per_cta) +
             field("key_blocks_per_cta", plan.key_blocks_per_cta) + field("dkv_fp32_slices", plan.dkv_fp32_slices) +
             field("staggered", plan.staggered) + field("smem", plan.smem_bytes) +
-            field("tile_budget", plan.tile_budget);
+            field("tile_budget", plan.tile_budget) + field("narrow_v", plan.narrow_v);
     text.pop_back();
     return text;
 }

@@ -24,6 +24,8 @@ struct Problem {
     int64_t nheads;
     int64_t nheads_k;
     int64_t head_dim;  // a multiple of 8, at most 256
+    int64_t head_dim_v;  // V's: head_dim, or a narrower multiple of 8 (a call that the host pads unless the plan
+                         // runs it on a narrow-V kernel, Plan::narrow_v)
     bool causal;         // a masked kernel: causal, or a sliding window bounded on either side
     bool deterministic;  // backward only
     bool varlen;
@@ -47,6 +49,7 @@ struct ProblemSizes {
     int64_t nheads;
     int64_t nheads_k;
     int64_t head_dim;
+    int64_t head_dim_v = 0;  // V's where narrower than head_dim; 0: head_dim
 };
 
 // The attention variants of a call as the plans see them: flags and the window, no tensors (flash-attn 2.x
@@ -131,6 +134,8 @@ struct Plan {
     int smem_bytes;  // dynamic shared memory per block of the kernel that runs, as launched (tile_size.h)
     int tile_budget;  // the shared-memory budget of the tile set that runs (tile_size.h): mma.sync 163 KiB or
                       // 99 KiB, wgmma 227 KiB
+    bool narrow_v;  // forward: a V narrower than Q and K runs unpadded on the head dim's narrow-V kernel
+                    // (narrow_v_shape, FwdParams::head_dim_v); otherwise the host pads such a V to Q's head dim
 };
 
 // Largest num_splits a call may force (run_fwd_combine merges at most 128 partials).

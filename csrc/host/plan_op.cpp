@@ -68,6 +68,9 @@ std::string plan_op(const PlanArgs& a) {
                     ") must be a positive multiple of nheads_k (", num(a.nheads_k), ")");
     FLASH_CHECK_ARG(a.head_dim > 0 && a.head_dim <= 256 && a.head_dim % 8 == 0,
                     "head_dim must be a multiple of 8 in [8, 256], got ", num(a.head_dim));
+    FLASH_CHECK_ARG(a.head_dim_v == -1 || (a.head_dim_v > 0 && a.head_dim_v <= a.head_dim && a.head_dim_v % 8 == 0),
+                    "head_dim_v must be -1 (head_dim) or a multiple of 8 in [8, head_dim = ", num(a.head_dim),
+                    "], got ", num(a.head_dim_v));
     check_num_splits(a.num_splits);
     PlanOverride override;
     const std::string error = parse_plan_override(a.plan_override, override);
@@ -80,7 +83,13 @@ std::string plan_op(const PlanArgs& a) {
                     num(a.max_smem));
 
     const Pass pass = a.pass_name == "fwd" ? Pass::kFwd : Pass::kBwd;
-    const ProblemSizes sizes{a.batch, a.seqlen_q, a.seqlen_k, a.nheads, a.nheads_k, a.head_dim};
+    const ProblemSizes sizes{a.batch,
+                             a.seqlen_q,
+                             a.seqlen_k,
+                             a.nheads,
+                             a.nheads_k,
+                             a.head_dim,
+                             a.head_dim_v > 0 ? a.head_dim_v : a.head_dim};
     VariantFlags flags;
     flags.window_left = a.window_left;
     flags.window_right = a.window_right;

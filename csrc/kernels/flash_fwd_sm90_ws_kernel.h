@@ -60,6 +60,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     constexpr int kBlockM = Traits::kBlockM;
     constexpr int kBlockN = Traits::kBlockN;
     constexpr int kHeadDim = Traits::kHeadDim;
+    constexpr int kHeadDimV = Traits::kHeadDimV;
     constexpr int kStages = Traits::kStages;
     constexpr int kConsumerWarpgroups = Traits::kConsumerWarpgroups;
     const FwdParams& params = ws.base;
@@ -69,11 +70,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     auto& storage = *reinterpret_cast<typename Traits::SharedStorage*>(smem_ws);
     Tensor sQ = make_tensor(make_smem_ptr(storage.q), typename Traits::SmemLayoutQ{});         // (kBlockM, kHeadDim)
     Tensor sK = make_tensor(make_smem_ptr(storage.k),
-                            typename Traits::SmemLayoutKVStages{});  // (kBlockN, kHeadDim, kStages)
+                            typename Traits::SmemLayoutKStages{});  // (kBlockN, kHeadDim, kStages)
     Tensor sV = make_tensor(make_smem_ptr(storage.v),
-                            typename Traits::SmemLayoutKVStages{});  // (kBlockN, kHeadDim, kStages)
+                            typename Traits::SmemLayoutVStages{});  // (kBlockN, kHeadDimV, kStages)
     Tensor sVt = make_tensor(make_smem_ptr(storage.v),
-                             typename Traits::SmemLayoutVtStages{});  // (kHeadDim, kBlockN, kStages)
+                             typename Traits::SmemLayoutVtStages{});  // (kHeadDimV, kBlockN, kStages)
 
     const int warp_idx = __shfl_sync(0xffffffffu, int(threadIdx.x) / 32, 0);  // uniform, so role branches are too
     const int warpgroup = warp_idx / 4;
@@ -104,8 +105,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             make_shape(params.seqlen_q, params.head_dim, params.num_heads, params.batch));  // (seqlen_q, d, h, b)
         Tensor mK = ws.tma_k.get_tma_tensor(
             make_shape(params.seqlen_k, params.head_dim, params.num_heads_k, params.batch));  // (seqlen_k, d, h_k, b)
-        Tensor mV = ws.tma_v.get_tma_tensor(
-            make_shape(params.seqlen_k, params.head_dim, params.num_heads_k, params.batch));  // (seqlen_k, d, h_k, b)
+        Tensor mV = ws.tma_v.get_tma_tensor(make_shape(params.seqlen_k, params.head_dim_v, params.num_heads_k,
+                                                       params.batch));  // (seqlen_k, d_v, h_k, b)
         int tiles_done = 0;  // Q buffers filled
         int kv_blocks = 0;  // K (and V) blocks loaded
         for (int unit = int(blockIdx.x); unit < schedule.units; unit += int(gridDim.x)) {
@@ -116,8 +117,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                                        make_coord(tile.m_block, 0));  // (kBlockM, kHeadDim)
                 Tensor gK = local_tile(mK(_, _, tile.head_idx_k, tile.batch_idx), Shape<Int<kBlockN>, Int<kHeadDim>>{},
                                        make_coord(_, 0));  // (kBlockN, kHeadDim, n)
-                Tensor gV = local_tile(mV(_, _, tile.head_idx_k, tile.batch_idx), Shape<Int<kBlockN>, Int<kHeadDim>>{},
-                                       make_coord(_, 0));  // (kBlockN, kHeadDim, n)
+                Tensor gV = local_tile(mV(_, _, tile.head_idx_k, tile.batch_idx), Shape<Int<kBlockN>, Int<kHeadDimV>>{},
+                                       make_coord(_, 0));  // (kBlockN, kHeadDimV, n)
                 auto [tQgQ, tQsQ] = tma_partition(ws.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ),
                                                   group_modes<0, 2>(gQ));  // (TMA), (TMA)
                 auto [tKgK, tKsK] = tma_partition(ws.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK),
@@ -128,24 +129,28 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                 // The i-th block visited is n_block_end - 1 - i; a buffer is refilled once every consumer warp
                 // released it (parity ^ 1: the first round finds every buffer free).
                 const int n_block_end = tile.n_block_end();
-                auto load = [&](auto& tma, auto& tXgX, auto& tXsX, uint64_t* full, uint64_t* empty, int i) {
+                auto load = [&](auto& tma, auto& tXgX, auto& tXsX, uint64_t* full, uint64_t* empty, int bytes, int i) {
                     const RingSlot<kStages> slot(kv_blocks + i);
                     Barrier::wait(&empty[slot.stage], slot.phase ^ 1u);
-                    TxBarrier::arrive_and_expect_tx(&full[slot.stage], Traits::kKVStageBytes);
+                    TxBarrier::arrive_and_expect_tx(&full[slot.stage], bytes);
                     copy(tma.with(full[slot.stage]), tXgX(_, n_block_end - 1 - i), tXsX(_, slot.stage));
                 };
                 const int blocks = n_block_end - tile.n_block_begin();
                 // The first K block before Q: where the output stages in Q's buffer, Q waits for the previous
                 // tile's store, and K need not.
-                if (blocks > 0) { load(ws.tma_k, tKgK, tKsK, storage.k_full, storage.k_empty, 0); }
+                if (blocks > 0) {
+                    load(ws.tma_k, tKgK, tKsK, storage.k_full, storage.k_empty, Traits::kKStageBytes, 0);
+                }
                 // Q has one buffer, refilled once every consumer warp released the previous tile's.
                 Barrier::wait(&storage.q_empty, (uint32_t(tiles_done) & 1u) ^ 1u);
                 TxBarrier::arrive_and_expect_tx(&storage.q_full, Traits::kQBytes);
                 copy(ws.tma_q.with(storage.q_full), tQgQ, tQsQ);
                 ++tiles_done;
                 for (int i = 0; i < blocks; ++i) {
-                    if (i + 1 < blocks) { load(ws.tma_k, tKgK, tKsK, storage.k_full, storage.k_empty, i + 1); }
-                    load(ws.tma_v, tVgV, tVsV, storage.v_full, storage.v_empty, i);
+                    if (i + 1 < blocks) {
+                        load(ws.tma_k, tKgK, tKsK, storage.k_full, storage.k_empty, Traits::kKStageBytes, i + 1);
+                    }
+                    load(ws.tma_v, tVgV, tVsV, storage.v_full, storage.v_empty, Traits::kVStageBytes, i);
                 }
                 kv_blocks += max(blocks, 0);
             }
@@ -167,7 +172,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     Tensor tSrQ = thr_mma_s.make_fragment_A(thr_mma_s.partition_A(sQ));  // (MMA, MMA_M, MMA_K)
     Tensor tSrK = thr_mma_s.make_fragment_B(thr_mma_s.partition_B(sK));  // (MMA, MMA_N, MMA_K, kStages)
     Tensor tOrVt = thr_mma_o.make_fragment_B(thr_mma_o.partition_B(sVt));  // (MMA, MMA_N, MMA_K, kStages)
-    Tensor acc_o = partition_fragment_C(mma_o, Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (MMA, MMA_M, MMA_N)
+    Tensor acc_o = partition_fragment_C(mma_o, Shape<Int<kBlockM>, Int<kHeadDimV>>{});  // (MMA, MMA_M, MMA_N)
     Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA, MMA_M, MMA_N)
     Tensor rP = make_tensor<Element>(acc_s.layout());  // (MMA, MMA_M, MMA_N)
     Tensor tOrP = make_tensor(rP.data(), gmma_acc_as_a_operand_layout(rP.layout()));  // (MMA, MMA_M, MMA_K)
@@ -175,8 +180,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     Tensor tScS = thr_mma_s.partition_C(cS);  // (MMA, MMA_M, MMA_N)
     Tensor tScS_rc = make_tensor(tScS.data(), gmma_acc_rowcol_layout(tScS.layout()));  // (rows, cols)
     Tensor scores = gmma_as_rowcol(acc_s);  // (rows, kBlockN cols)
-    Tensor acc_o_rc = gmma_as_rowcol(acc_o);  // (rows, kHeadDim cols)
-    Tensor cO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (kBlockM, kHeadDim)
+    Tensor acc_o_rc = gmma_as_rowcol(acc_o);  // (rows, kHeadDimV cols)
+    Tensor cO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDimV>>{});  // (kBlockM, kHeadDimV)
 
     // The turn ring: a warpgroup issues its GEMMs after the previous one in the ring has issued its own. The last
     // warpgroup opens the first turn. Every warpgroup takes the same number of turns per tile, so the ring runs on
@@ -310,7 +315,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             const int o_offset = opaque_int(0);
             const int etidx = opaque_int(ctidx);
             Tensor sO = make_tensor(make_smem_ptr(Traits::o_smem(storage) + o_offset),
-                                    typename Traits::SmemLayoutO{});  // (kBlockM, kHeadDim)
+                                    typename Traits::SmemLayoutO{});  // (kBlockM, kHeadDimV)
             Tensor tOcO = mma_o.get_thread_slice(etidx).partition_C(cO);  // (MMA, MMA_M, MMA_N), acc_o's positions
             Tensor tOcO_rc = make_tensor(tOcO.data(), gmma_acc_rowcol_layout(tOcO.layout()));  // (rows, cols)
             if constexpr (Traits::kSeparateO) {

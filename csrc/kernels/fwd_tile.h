@@ -254,8 +254,8 @@ struct FwdTile {
         }
     }
 
-    // Copies the (kBlockM, kHeadDim) output tile sO to this block's rows of out with 16 B stores, leaving
-    // out rows past the sequence end and columns past head_dim.
+    // Copies the (kBlockM, kHeadDim) output tile sO (kHeadDim: V's) to this block's rows of out with 16 B stores,
+    // leaving out rows past the sequence end and columns past head_dim_v.
     template <class GmemTiledCopyO, class SmemTensor>
     __forceinline__ __device__ void store_o(const FwdParams& params, const SmemTensor& sO, int tidx) const {
         store_o_rows<GmemTiledCopyO, kBlockM>(params, sO, 0, tidx);
@@ -275,7 +275,7 @@ struct FwdTile {
         GmemTiledCopyO gmem_tiled_copy_O;
         auto gmem_thr_copy_O = gmem_tiled_copy_O.get_thread_slice(tidx);
         copy_to_gmem(gmem_tiled_copy_O, gmem_thr_copy_O.partition_S(sO_rows), gmem_thr_copy_O.partition_D(gO),
-                     gmem_thr_copy_O.partition_D(cO), q_rows_left() - part * kRows, params.head_dim);
+                     gmem_thr_copy_O.partition_D(cO), q_rows_left() - part * kRows, params.head_dim_v);
     }
 };
 

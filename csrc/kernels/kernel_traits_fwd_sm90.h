@@ -21,18 +21,22 @@ using namespace cute;
 
 // What both Hopper forward kernels compute with: warpgroups of 64 query rows (kBlockM / 64 of them) whose
 // GEMMs read K and V, and Q for S, straight from shared memory by descriptor, and those buffers' swizzled layouts.
-template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_>
+// kHeadDimV: V's and the output's head dim, kHeadDim's unless V is narrower than Q and K (the warp-specialized
+// kernel's (192, 128), DeepSeek's MLA shape).
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kHeadDimV_ = kHeadDim_>
 struct FwdSm90Operands {
     using Element = Element_;
     using ElementAccum = float;
 
     static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kHeadDimV = kHeadDimV_;
     static constexpr int kBlockM = kBlockM_;
     static constexpr int kBlockN = kBlockN_;
     static constexpr int kNWarpgroups = kBlockM / 64;  // the warpgroups that compute
 
     static_assert(kBlockM % 64 == 0, "a warpgroup MMA covers 64 query rows");
-    static_assert(kHeadDim % 32 == 0, "shared-memory rows of whole 64 B or 128 B swizzle atoms");
+    static_assert(kHeadDim % 32 == 0 && kHeadDimV % 32 == 0, "shared-memory rows of whole 64 B or 128 B swizzle atoms");
+    static_assert(kHeadDimV <= kHeadDim, "a V wider than Q and K runs at its own head dim, Q and K zero-padded");
 
     using WarpgroupLayout = Layout<Shape<Int<kNWarpgroups>, _1, _1>>;
     // S = Q K^T: both operands in shared memory, head dim contiguous (K-major).
@@ -41,7 +45,7 @@ struct FwdSm90Operands {
         WarpgroupLayout{}));
     // O += P V: P from registers, V^T read from V's buffer, where the head dim (O's N) is contiguous.
     using TiledMmaO = decltype(make_tiled_mma(
-        SM90::GMMA::rs_op_selector<Element, Element, ElementAccum, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>,
+        SM90::GMMA::rs_op_selector<Element, Element, ElementAccum, Shape<Int<kBlockM>, Int<kHeadDimV>, Int<kBlockN>>,
                                    GMMA::Major::K, GMMA::Major::MN>(),
         WarpgroupLayout{}));
 
@@ -52,6 +56,11 @@ struct FwdSm90Operands {
         std::conditional_t<kSmemRowElems == 64, GMMA::Layout_K_SW128_Atom<Element>, GMMA::Layout_K_SW64_Atom<Element>>;
     using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
     using SmemLayoutKV = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));  // one block
+    // V's and the output's rows, the same way at their own head dim.
+    static constexpr int kSmemRowElemsV = kHeadDimV % 64 == 0 ? 64 : 32;
+    using SmemAtomV =
+        std::conditional_t<kSmemRowElemsV == 64, GMMA::Layout_K_SW128_Atom<Element>, GMMA::Layout_K_SW64_Atom<Element>>;
+    using SmemLayoutV = decltype(tile_to_shape(SmemAtomV{}, Shape<Int<kBlockN>, Int<kHeadDimV>>{}));  // one block
 };
 
 // One CTA holds kBlockM / 64 warpgroups; each owns 64 query rows end to end (split-Q at warpgroup
@@ -122,14 +131,13 @@ struct TmaView {
     template <class SmemLayout, class Tile>
     using Load = decltype(make_tma_atom(SM90_TMA_LOAD{}, std::declval<GmemTensor>(), SmemLayout{}, Tile{}));
     // The TMA load of Tile-sized blocks into SmemLayout from the rows of one of a call's (batch, seqlen, heads,
-    // head_dim) tensors (the host encodes its descriptor).
+    // head_dim) tensors (the host encodes its descriptor). Columns past head_dim load as zeros.
     template <class SmemLayout, class Tile>
-    static Load<SmemLayout, Tile> load(const FwdParams& params, const void* ptr, int seqlen, int heads, int batch,
+    static Load<SmemLayout, Tile> load(const void* ptr, int seqlen, int head_dim, int heads, int batch,
                                        int64_t row_stride, int64_t head_stride, int64_t batch_stride) {
-        return make_tma_atom(
-            SM90_TMA_LOAD{},
-            gmem_tensor(ptr, seqlen, params.head_dim, heads, batch, row_stride, head_stride, batch_stride),
-            SmemLayout{}, Tile{});
+        return make_tma_atom(SM90_TMA_LOAD{},
+                             gmem_tensor(ptr, seqlen, head_dim, heads, batch, row_stride, head_stride, batch_stride),
+                             SmemLayout{}, Tile{});
     }
 };
 
@@ -137,14 +145,17 @@ struct TmaView {
 // issues the TMA loads, and kConsumerWarpgroups warpgroups of 64 query rows each that only compute. K and V
 // have kStages buffers each, filled and drained through mbarriers, so the producer runs ahead of the GEMMs
 // without any CTA-wide barrier in the main loop.
-template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_>
-struct FwdSm90WsKernelTraits : FwdSm90Operands<Element_, kHeadDim_, kBlockM_, kBlockN_> {
-    using Base = FwdSm90Operands<Element_, kHeadDim_, kBlockM_, kBlockN_>;
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, int kHeadDimV_ = kHeadDim_>
+struct FwdSm90WsKernelTraits : FwdSm90Operands<Element_, kHeadDim_, kBlockM_, kBlockN_, kHeadDimV_> {
+    using Base = FwdSm90Operands<Element_, kHeadDim_, kBlockM_, kBlockN_, kHeadDimV_>;
     using Element = Element_;
     using SmemAtom = typename Base::SmemAtom;
+    using SmemAtomV = typename Base::SmemAtomV;
     using SmemLayoutQ = typename Base::SmemLayoutQ;
     using SmemLayoutKV = typename Base::SmemLayoutKV;
+    using SmemLayoutV = typename Base::SmemLayoutV;
     static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kHeadDimV = kHeadDimV_;
     static constexpr int kBlockN = kBlockN_;
 
     static constexpr int kStages = kStages_;
@@ -166,20 +177,26 @@ struct FwdSm90WsKernelTraits : FwdSm90Operands<Element_, kHeadDim_, kBlockM_, kB
     static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "P V's k-steps are 16 keys; wgmma N is at most 256");
     static_assert((kBlockN / 8) % 2 == 0, "P feeds P V in pairs of 8-column groups");
 
-    using SmemLayoutKVStages = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
-    // V viewed as (kHeadDim, kBlockN, stage), the B operand of O += P V.
-    using SmemLayoutVtStages = decltype(composition(SmemLayoutKVStages{},
-                                                    make_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{},
-                                                                Stride<Int<kBlockN>, _1, Int<kBlockN * kHeadDim>>{})));
-    using SmemLayoutO = SmemLayoutQ;  // each consumer warpgroup stages its output rows in its own rows of sO
+    using SmemLayoutKStages = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
+    using SmemLayoutVStages = decltype(tile_to_shape(SmemAtomV{}, Shape<Int<kBlockN>, Int<kHeadDimV>, Int<kStages>>{}));
+    // V viewed as (kHeadDimV, kBlockN, stage), the B operand of O += P V.
+    using SmemLayoutVtStages = decltype(composition(SmemLayoutVStages{},
+                                                    make_layout(Shape<Int<kHeadDimV>, Int<kBlockN>, Int<kStages>>{},
+                                                                Stride<Int<kBlockN>, _1, Int<kBlockN * kHeadDimV>>{})));
+    // Each consumer warpgroup stages its output rows in its own rows of sO; V's swizzle, at V's head dim.
+    using SmemLayoutO = decltype(tile_to_shape(SmemAtomV{}, Shape<Int<kBlockM_>, Int<kHeadDimV>>{}));
 
     static constexpr int kQBytes = cosize_v<SmemLayoutQ> * int(sizeof(Element));
-    static constexpr int kKVStageBytes = cosize_v<SmemLayoutKV> * int(sizeof(Element));
-    static_assert(kQBytes % 1024 == 0 && kKVStageBytes % 1024 == 0, "buffers start on swizzle-atom boundaries");
+    static constexpr int kOBytes = cosize_v<SmemLayoutO> * int(sizeof(Element));
+    static constexpr int kKStageBytes = cosize_v<SmemLayoutKV> * int(sizeof(Element));
+    static constexpr int kVStageBytes = cosize_v<SmemLayoutV> * int(sizeof(Element));
+    static_assert(kQBytes % 1024 == 0 && kKStageBytes % 1024 == 0 && kVStageBytes % 1024 == 0,
+                  "buffers start on swizzle-atom boundaries");
+    static_assert(kOBytes <= kQBytes, "the output may stage in Q's buffer");
     // The output tile gets a buffer of its own where that fits: Q's buffer is then free once a tile's last S GEMM
     // has read it, and the next tile's Q loads while this tile's output is stored. Otherwise (head dims 192 and 256)
     // the output stages in Q's buffer, which the next Q may fill only after the store.
-    static constexpr bool kSeparateO = 2 * kQBytes + 2 * kStages * kKVStageBytes + 1024 <= 227 * 1024;
+    static constexpr bool kSeparateO = kQBytes + kOBytes + kStages * (kKStageBytes + kVStageBytes) + 1024 <= 227 * 1024;
 
     template <bool kWithO, int kDummy = 0>
     struct OBuffer {
@@ -190,8 +207,8 @@ struct FwdSm90WsKernelTraits : FwdSm90Operands<Element_, kHeadDim_, kBlockM_, kB
 
     struct SharedStorage {
         alignas(1024) Element q[cosize_v<SmemLayoutQ>];
-        alignas(1024) Element k[cosize_v<SmemLayoutKVStages>];
-        alignas(1024) Element v[cosize_v<SmemLayoutKVStages>];
+        alignas(1024) Element k[cosize_v<SmemLayoutKStages>];
+        alignas(1024) Element v[cosize_v<SmemLayoutVStages>];
         OBuffer<kSeparateO> o_buffer;
         // mbarriers: Q landed (full) or its buffer may be refilled (empty); K/V stage s landed or was read.
         alignas(16) uint64_t q_full;
@@ -213,10 +230,11 @@ struct FwdSm90WsKernelTraits : FwdSm90Operands<Element_, kHeadDim_, kBlockM_, kB
     static_assert(kSmemBytes <= 227 * 1024, "sm_90 gives a block at most 227 KiB of shared memory");
 
     using TmaQ = typename TmaView<Element>::template Load<SmemLayoutQ, Shape<Int<kBlockM_>, Int<kHeadDim>>>;
-    using TmaKV = typename TmaView<Element>::template Load<SmemLayoutKV, Shape<Int<kBlockN>, Int<kHeadDim>>>;
+    using TmaK = typename TmaView<Element>::template Load<SmemLayoutKV, Shape<Int<kBlockN>, Int<kHeadDim>>>;
+    using TmaV = typename TmaView<Element>::template Load<SmemLayoutV, Shape<Int<kBlockN>, Int<kHeadDimV>>>;
 
     // Output rows from shared to global memory: 16 B per thread access by one consumer warpgroup.
-    static constexpr int kGmemThreadsPerRow = Base::kSmemRowElems / 8;
+    static constexpr int kGmemThreadsPerRow = Base::kSmemRowElemsV / 8;
     using GmemTiledCopyO = decltype(make_tiled_copy(
         Copy_Atom<UniversalCopy<uint128_t>, Element>{},
         Layout<Shape<Int<128 / kGmemThreadsPerRow>, Int<kGmemThreadsPerRow>>, Stride<Int<kGmemThreadsPerRow>, _1>>{},
@@ -229,8 +247,8 @@ template <class Traits>
 struct FwdWsParams {
     FwdParams base;
     typename Traits::TmaQ tma_q;
-    typename Traits::TmaKV tma_k;
-    typename Traits::TmaKV tma_v;
+    typename Traits::TmaK tma_k;
+    typename Traits::TmaV tma_v;
 };
 
 }  // namespace flash

@@ -130,13 +130,13 @@ cudaError_t run_bwd_sm90_ws(const BwdParams& params, cudaStream_t stream) {
     using View = TmaView<Element>;
     const BwdWsParams<Traits> ws{
         params,
-        View::template load<SmemLayoutQ, TileQ>(params, params.q_ptr, rows_q, params.num_heads, batches,
+        View::template load<SmemLayoutQ, TileQ>(params.q_ptr, rows_q, params.head_dim, params.num_heads, batches,
                                                 params.q_row_stride, params.q_head_stride, params.q_batch_stride),
-        View::template load<SmemLayoutQ, TileQ>(params, params.do_ptr, rows_q, params.num_heads, batches,
+        View::template load<SmemLayoutQ, TileQ>(params.do_ptr, rows_q, params.head_dim, params.num_heads, batches,
                                                 params.do_row_stride, params.do_head_stride, params.do_batch_stride),
-        View::template load<SmemLayoutKV, TileKV>(params, params.k_ptr, rows_k, params.num_heads_k, batches,
+        View::template load<SmemLayoutKV, TileKV>(params.k_ptr, rows_k, params.head_dim, params.num_heads_k, batches,
                                                   params.k_row_stride, params.k_head_stride, params.k_batch_stride),
-        View::template load<SmemLayoutKV, TileKV>(params, params.v_ptr, rows_k, params.num_heads_k, batches,
+        View::template load<SmemLayoutKV, TileKV>(params.v_ptr, rows_k, params.head_dim, params.num_heads_k, batches,
                                                   params.v_row_stride, params.v_head_stride, params.v_batch_stride)};
     const WsSchedule<Traits::kBlockN, kCausal> schedule(params.seqlen_k, params.batch,
                                                         params.num_heads / params.heads_per_cta);

@@ -78,28 +78,33 @@ cudaError_t run_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
         grid, params, stream);
 }
 
-// The warp-specialized Hopper kernel on kTile (the wgmma set's ws_tile or ws_short_tile), for dense batches of a
-// plain kernel without key splits or GQA packing (the plan checked), in its kMod form, and with kSink for calls with
-// a learnable sink. TMA descriptors of q, k and v are encoded for each call: they hold the pointers and strides.
-template <typename Element, int kHeadDim, bool kCausal, PlainMod kMod, bool kSink, TileShape kTile>
+// The warp-specialized Hopper kernel on kTile (the wgmma set's ws_tile or ws_short_tile, or a narrow-V shape's
+// ws_tile with kHeadDimV), for dense batches of a plain kernel without key splits or GQA packing (the plan
+// checked), in its kMod form, and with kSink for calls with a learnable sink. TMA descriptors of q, k and v are
+// encoded for each call: they hold the pointers and strides.
+template <typename Element, int kHeadDim, bool kCausal, PlainMod kMod, bool kSink, TileShape kTile,
+          int kHeadDimV = kHeadDim>
 cudaError_t run_fwd_sm90_ws(const FwdParams& params, cudaStream_t stream) {
-    using Traits = FwdSm90WsKernelTraits<Element, kHeadDim, kTile.block_m, kTile.block_n, kTile.stages>;
+    using Traits = FwdSm90WsKernelTraits<Element, kHeadDim, kTile.block_m, kTile.block_n, kTile.stages, kHeadDimV>;
     static_assert(sizeof(Element) == kElementBytes);
-    static_assert(Traits::kSmemBytes == fwd_ws_smem_bytes(kHeadDim, kTile.block_m, kTile.block_n, kTile.stages),
+    static_assert(Traits::kSmemBytes ==
+                      fwd_ws_smem_bytes(kHeadDim, kHeadDimV, kTile.block_m, kTile.block_n, kTile.stages),
                   "the plans check a GPU's shared memory by the formula");
     using TileQ = Shape<Int<Traits::kBlockM>, Int<kHeadDim>>;
-    using TileKV = Shape<Int<Traits::kBlockN>, Int<kHeadDim>>;
+    using TileK = Shape<Int<Traits::kBlockN>, Int<kHeadDim>>;
+    using TileV = Shape<Int<Traits::kBlockN>, Int<kHeadDimV>>;
     using View = TmaView<Element>;
-    const FwdWsParams<Traits> ws{params,
-                                 View::template load<typename Traits::SmemLayoutQ, TileQ>(
-                                     params, params.q_ptr, params.seqlen_q, params.num_heads, params.batch,
-                                     params.q_row_stride, params.q_head_stride, params.q_batch_stride),
-                                 View::template load<typename Traits::SmemLayoutKV, TileKV>(
-                                     params, params.k_ptr, params.seqlen_k, params.num_heads_k, params.batch,
-                                     params.k_row_stride, params.k_head_stride, params.k_batch_stride),
-                                 View::template load<typename Traits::SmemLayoutKV, TileKV>(
-                                     params, params.v_ptr, params.seqlen_k, params.num_heads_k, params.batch,
-                                     params.v_row_stride, params.v_head_stride, params.v_batch_stride)};
+    const FwdWsParams<Traits> ws{
+        params,
+        View::template load<typename Traits::SmemLayoutQ, TileQ>(params.q_ptr, params.seqlen_q, params.head_dim,
+                                                                 params.num_heads, params.batch, params.q_row_stride,
+                                                                 params.q_head_stride, params.q_batch_stride),
+        View::template load<typename Traits::SmemLayoutKV, TileK>(params.k_ptr, params.seqlen_k, params.head_dim,
+                                                                  params.num_heads_k, params.batch, params.k_row_stride,
+                                                                  params.k_head_stride, params.k_batch_stride),
+        View::template load<typename Traits::SmemLayoutV, TileV>(params.v_ptr, params.seqlen_k, params.head_dim_v,
+                                                                 params.num_heads_k, params.batch, params.v_row_stride,
+                                                                 params.v_head_stride, params.v_batch_stride)};
     // Persistent: a CTA takes all of an SM's registers (setmaxnreg hands them to its warpgroups).
     const WsSchedule<Traits::kBlockM, kCausal> schedule(params.seqlen_q, params.batch, params.num_heads);
     return launch_persistent<&flash_fwd_sm90_ws_kernel<Traits, kCausal, kMod, kSink>, Traits::kNThreads,
@@ -121,6 +126,24 @@ cudaError_t run_plain_mod(const FwdParams& params, const Run& run) {
 // kVariants: the variants kernel (window, softcap, ALiBi, dropout; kCausal too), else a plain one.
 template <typename Element, int kHeadDim, bool kCausal, bool kVariants>
 cudaError_t run_fwd(const FwdParams& params, cudaStream_t stream) {
+    if (params.head_dim_v != params.head_dim) {
+        // A V narrower than Q and K that the plan left unpadded (Plan::head_dim_v): the narrow-V kernel, which the
+        // plans pick for plain calls on the warp-specialized kernel only.
+#if defined(FLASH_ATTN2_SM90A) && !defined(FLASH_FWD_TILE_M)
+        if constexpr (narrow_v_shape(kHeadDim).exists() && !kVariants) {
+            constexpr NarrowVShape kNarrow = narrow_v_shape(kHeadDim);
+            if (params.family == KernelFamily::kWgmma && params.warp_specialized && !params.short_key_tiles &&
+                plain_mod_of(params) == PlainMod::kNone && params.head_dim_v <= kNarrow.head_dim_v) {
+                return params.learnable_sink_ptr != nullptr
+                           ? run_fwd_sm90_ws<Element, kHeadDim, kCausal, PlainMod::kNone, true, kNarrow.ws_tile,
+                                             kNarrow.head_dim_v>(params, stream)
+                           : run_fwd_sm90_ws<Element, kHeadDim, kCausal, PlainMod::kNone, false, kNarrow.ws_tile,
+                                             kNarrow.head_dim_v>(params, stream);
+            }
+        }
+#endif
+        return cudaErrorInvalidConfiguration;
+    }
 #if defined(FLASH_ATTN2_SM90A) && !defined(FLASH_FWD_TILE_M)
     if (params.family == KernelFamily::kWgmma) {
         constexpr TileSet kSet = kFwdTileSet<KernelFamily::kWgmma, kHeadDim>;

@@ -81,6 +81,9 @@ struct FwdParams {
     const int* __restrict__ seqlens_k_ptr;  // nullptr, or (batch,) int32: sequence b's keys end at cache row
                                             // seqlens_k_ptr[b] + seqlen_k_new (fwd_kvcache's cache_seqlens)
     int seqlen_k_new;  // keys this call appends (kvcache_prep.cu wrote them before the kernel)
+    // v's and out's head dim, a multiple of 8: head_dim, or less in a call whose kernel has a narrower V than Q
+    // and K (Plan::head_dim_v). Here, in the padding before leftpad_k_ptr, so that no later field moves.
+    int head_dim_v;
     const int* __restrict__ leftpad_k_ptr;  // nullptr, or (batch,) int32: sequence b's keys start at this row
     const int* __restrict__ kv_batch_idx_ptr;  // nullptr, or (batch,) int32: sequence b reads this batch row of the
                                                // cache
@@ -122,6 +125,8 @@ constexpr PlainMod plain_mod_of(const FwdParams& params) {
 static_assert(sizeof(KernelFamily) == sizeof(bool) && alignof(KernelFamily) == alignof(bool));
 static_assert(offsetof(FwdParams, warp_specialized) + 1 == offsetof(FwdParams, num_splits),
               "the one-byte choices fill the padding before num_splits, so no later field moves");
+static_assert(offsetof(FwdParams, head_dim_v) + sizeof(int) == offsetof(FwdParams, leftpad_k_ptr),
+              "head_dim_v fills the padding before leftpad_k_ptr, so no later field moves");
 
 // Query rows per block of the mma.sync backward kernels lie in [kBwdMinBlockM, kBwdMaxBlockM]: the host sizes
 // the deterministic-mode semaphores (mma.sync, and the warp-specialized Hopper kernel's 64 and 128 rows) for the

@@ -319,12 +319,42 @@ constexpr int fwd_wgmma_smem_bytes(int head_dim, int block_m, int block_n, int c
 // The warp-specialized wgmma forward (FwdSm90WsKernelTraits::SharedStorage): Q, stages of K and of V, and a
 // buffer of its own for the output tile where that fits the 227 KiB (the next tile's Q can then load while this
 // tile's output is stored), each a multiple of 1 KiB, then the mbarriers, which round the whole up by one more KiB.
-constexpr bool fwd_ws_separate_o(int head_dim, int block_m, int block_n, int stages) {
-    return (2 * block_m * head_dim + 2 * stages * block_n * head_dim) * kElementBytes + 1024 <= kSmem227KiB;
+// V and the output have head_dim_v columns, Q and K head_dim.
+constexpr bool fwd_ws_separate_o(int head_dim, int head_dim_v, int block_m, int block_n, int stages) {
+    return (block_m * (head_dim + head_dim_v) + stages * block_n * (head_dim + head_dim_v)) * kElementBytes + 1024 <=
+           kSmem227KiB;
+}
+constexpr int fwd_ws_smem_bytes(int head_dim, int head_dim_v, int block_m, int block_n, int stages) {
+    const int o_elems = fwd_ws_separate_o(head_dim, head_dim_v, block_m, block_n, stages) ? block_m * head_dim_v : 0;
+    return (block_m * head_dim + stages * block_n * (head_dim + head_dim_v) + o_elems) * kElementBytes + 1024;
 }
 constexpr int fwd_ws_smem_bytes(int head_dim, int block_m, int block_n, int stages) {
-    const int o_elems = fwd_ws_separate_o(head_dim, block_m, block_n, stages) ? block_m * head_dim : 0;
-    return (block_m * head_dim + 2 * stages * block_n * head_dim + o_elems) * kElementBytes + 1024;
+    return fwd_ws_smem_bytes(head_dim, head_dim, block_m, block_n, stages);
+}
+
+// ---- Kernels whose V is narrower than Q and K ----
+
+// A call whose V has fewer columns than Q and K (DeepSeek's MLA: 192 and 128) runs, where a kernel of its own
+// exists, with V at that kernel's V head dim; every other such call runs at Q's head dim with V zero-padded to it
+// (the host pads). Such a kernel is the warp-specialized Hopper forward of the Q/K head dim's launchers, for the
+// calls that kernel serves with no variant (plan.cpp): against V padded to 192, a third less P V work, a third
+// less V traffic and shared memory, and the output accumulator of head dim 128, whose registers allow 128-key
+// blocks on two consumer warpgroups (two stages: 209 KiB with the output staged in Q's buffer).
+struct NarrowVShape {
+    int head_dim = 0;  // the kernel head dim of Q and K; 0: no such kernel
+    int head_dim_v = 0;  // V's, which holds every V of at most that many columns
+    TileShape ws_tile;  // the warp-specialized forward's tile
+
+    constexpr bool exists() const { return head_dim > 0; }
+};
+constexpr NarrowVShape kNarrowVShapes[] = {{192, 128, ws_tile(128, 128)}};
+
+// The narrow-V kernel of Q/K kernel head dim head_dim; !exists() where there is none.
+constexpr NarrowVShape narrow_v_shape(int head_dim) {
+    for (const NarrowVShape& shape : kNarrowVShapes) {
+        if (shape.head_dim == head_dim) { return shape; }
+    }
+    return {};
 }
 
 // The Hopper backward's kernels (flash_bwd_sm90_kernel.h): head dims up to 128 run the narrow one, whose
@@ -462,5 +492,20 @@ constexpr bool tile_sets_fit_their_budgets() {
     return true;
 }
 static_assert(tile_sets_fit_their_budgets(), "a tile set's kernels fit its shared-memory budget");
+
+constexpr bool narrow_v_shapes_are_sound() {
+    for (const NarrowVShape& shape : kNarrowVShapes) {
+        const TileShape& ws = shape.ws_tile;
+        if (!(shape.head_dim_v < shape.head_dim &&
+              tile_set(KernelFamily::kWgmma, Pass::kFwd, shape.head_dim, kSmem227KiB).ws_tile.exists() &&
+              ws.block_m % 64 == 0 && ws.stages >= 2 &&
+              fwd_ws_smem_bytes(shape.head_dim, shape.head_dim_v, ws.block_m, ws.block_n, ws.stages) <= kSmem227KiB)) {
+            return false;
+        }
+    }
+    return true;
+}
+static_assert(narrow_v_shapes_are_sound(),
+              "a narrow-V kernel is a warp-specialized forward of a head dim that has one, within 227 KiB");
 
 }  // namespace flash

@@ -230,9 +230,10 @@ def flash_attn_func(
 
     head_dim may be any size up to 256; sizes that are not a multiple of 8 are zero-padded internally. v may have a
     head dim of its own, head_dim_v, also up to 256 (DeepSeek's 192 for q and k, 128 for v): out and dv then have
-    head_dim_v. A forward with q and k of head dim 161-192 and v of at most 128 runs on a kernel of its own on
-    Hopper (without softcap or dropout); every other such call runs at the wider of the two head dims, the narrower
-    tensors zero-padded into copies (exact; the padded columns cost their share of the work).
+    head_dim_v. A forward with q and k of head dim 161-192 and v of at most 128 runs on kernels of their own
+    (dense calls with no window, softcap, ALiBi or dropout that the plan does not split into key ranges; on Hopper
+    those with more than 64 query rows); every other such call, and the backward, runs at the wider of the two head
+    dims, the narrower tensors zero-padded into copies (exact; the padded columns cost their share of the work).
 
     Returns:
         out (batch, seqlen_q, nheads, head_dim_v), or (out, softmax_lse, S_dmask) with return_attn_probs, where

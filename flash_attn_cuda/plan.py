@@ -200,9 +200,9 @@ def plan(
     its ``smem`` exceeds ``max_smem``: a call of these sizes would then be refused before its launch.
 
     ``head_dim_v``: V's head dim where it is narrower than ``head_dim`` (a multiple of 8; None: ``head_dim``). Such
-    a forward runs on a kernel of its own where one exists (``narrow_v``: Q/K head dim 192 with V's at most 128 on
-    Hopper's warp-specialized kernel, without softcap or dropout), and otherwise with V zero-padded to ``head_dim``,
-    as does the backward.
+    a forward runs on a kernel of its own where one exists (``narrow_v``: Q/K kernel head dim 192 with V's at most
+    128, plain calls that are not split into key ranges, on Hopper's warp-specialized kernel or the mma.sync one),
+    and otherwise with V zero-padded to ``head_dim``, as does the backward.
     """
     text = torch.ops.flash_attn2.plan(
         pass_,

@@ -24,7 +24,7 @@ from test_variants_gpu import draw_rng_state, forced_family, require_kernels
 
 from flash_attn_cuda import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from flash_attn_cuda.dropout import keep_mask
-from flash_attn_cuda.plan import force_plan, plan
+from flash_attn_cuda.plan import force_plan, override_string, plan
 from flash_attn_cuda.reference import attention_ref, kvcache_ref
 
 pytestmark = [pytest.mark.gpu, requires_gpu, pytest.mark.usefixtures("seeded_exact_reference")]
@@ -253,14 +253,13 @@ def test_mismatched_head_dims_are_refused():
 def test_opcheck_narrower_v(kernel):
     # The ops take a V narrower than Q and K: the forward's output has V's head dim whether a kernel of its own runs
     # it (Hopper, 192 and 128) or the op pads V, and the backward's dv too (the fake implementations say as much).
-    force = family(kernel, 192, 128, torch.bfloat16)
+    # The ops take the plan's choices as an argument (force_plan reaches them through the public functions only).
+    override = override_string(**family(kernel, 192, 128, torch.bfloat16))
     q, k = (rand(2, 130, 4, 192, dtype=torch.bfloat16).requires_grad_() for _ in range(2))
     v = rand(2, 130, 4, 128, dtype=torch.bfloat16).requires_grad_()
-    with force_plan(**force):
-        torch.library.opcheck(torch.ops.flash_attn2.fwd.default, (q, k, v, 0.125, True))
-        out, lse = torch.ops.flash_attn2.fwd(q.detach(), k.detach(), v.detach(), 0.125, True)
-        assert out.shape == (2, 130, 4, 128) and out.is_contiguous()
-        dout = torch.randn_like(out)
-        torch.library.opcheck(
-            torch.ops.flash_attn2.bwd.default, (dout, q.detach(), k.detach(), v.detach(), out, lse, 0.125, True, False)
-        )
+    torch.library.opcheck(torch.ops.flash_attn2.fwd.default, (q, k, v, 0.125, True, False, 0, override))
+    out, lse = torch.ops.flash_attn2.fwd(q.detach(), k.detach(), v.detach(), 0.125, True, False, 0, override)
+    assert out.shape == (2, 130, 4, 128) and out.is_contiguous()
+    dout = torch.randn_like(out)
+    bwd_args = (dout, q.detach(), k.detach(), v.detach(), out, lse, 0.125, True, False, override)
+    torch.library.opcheck(torch.ops.flash_attn2.bwd.default, bwd_args)

@@ -1165,6 +1165,21 @@ def test_narrow_v_forward(head_dim, head_dim_v, causal):
 
 
 @pytest.mark.parametrize(
+    "gpu, override",
+    [(A100, ""), (H200, "kernel=mma_sync"), ({"arch": 86, "num_sms": 84}, ""), (H200, "max_smem=101376")],
+    ids=["a100", "h200-mma-sync", "sm86", "h200-99kib"],
+)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_narrow_v_forward_mma_sync(gpu, override, causal):
+    # The mma.sync forward's narrow-V kernel runs the head dim's own tile (64 x 64 on four warps in both sets), V's
+    # buffer at 128 columns: 64 KiB.
+    args = dict(batch=2, seqlen_q=2048, seqlen_k=2048, nheads=16, nheads_k=16, head_dim=192, causal=causal)
+    p = plan("fwd", **args, head_dim_v=128, override=override, **gpu)
+    assert p.narrow_v and p.kernel == "mma_sync", p
+    assert (p.block_m, p.block_n, p.smem, p.num_splits) == (64, 64, 65536, 1), p
+
+
+@pytest.mark.parametrize(
     "case",
     [
         "v_too_wide",
@@ -1173,16 +1188,15 @@ def test_narrow_v_forward(head_dim, head_dim_v, causal):
         "dropout",
         "window",
         "varlen",
-        "mma_sync",
-        "a100",
         "ws_off",
         "short_queries",
+        "split",
         "backward",
     ],
 )
 def test_narrow_v_elsewhere_pads_v(case):
-    # Every call the narrow-V kernel does not serve runs with V zero-padded to Q's head dim (narrow_v false): its
-    # variants and the backward have no narrow-V form, and the other kernels none at all.
+    # Every call the narrow-V kernels do not serve runs with V zero-padded to Q's head dim (narrow_v false): their
+    # variants, key splits and the backward have no narrow-V form, and Hopper's other kernels none at all.
     args = dict(batch=2, seqlen_q=2048, seqlen_k=2048, nheads=16, nheads_k=16, head_dim=192, head_dim_v=128)
     pass_, extra = "fwd", dict(H200)
     if case == "v_too_wide":
@@ -1197,14 +1211,15 @@ def test_narrow_v_elsewhere_pads_v(case):
         extra["window_size"] = (256, 0)
     elif case == "varlen":
         extra["varlen"] = True
-    elif case == "mma_sync":
-        extra["override"] = "kernel=mma_sync"
-    elif case == "a100":
-        extra = dict(A100)
     elif case == "ws_off":
         extra["override"] = "ws=0"
     elif case == "short_queries":
         args["seqlen_q"] = 64
+    elif case == "split":
+        # A grid of one query block against 8k keys: split-KV on the mma.sync kernels.
+        args.update(batch=1, seqlen_q=64, seqlen_k=8192, nheads=1, nheads_k=1)
+        extra = dict(A100)
+        assert plan("fwd", **args, **extra).num_splits > 1
     else:
         pass_ = "bwd"
     p = plan(pass_, **args, **extra)

@@ -228,16 +228,18 @@ void plan_fwd(const Problem& p, const Target& t, int forced_splits, const PlanOv
     };
     // It computes whole key ranges: a call that its tile would split keeps the other kernel.
     plan.warp_specialized = ws_serves && choose(o.warp_specialized, ws_pays) && splits_for(ws) == 1;
+    // A V narrower than Q and K: the head dim's narrow-V kernel where one holds it (narrow_v_shape), for calls with
+    // no variant (it has no softcap or dropout form) whose keys its tile does not split; Hopper's only on the
+    // warp-specialized kernel's regular tile, the mma.sync one on the set's tile.
+    const NarrowVShape narrow = narrow_v_shape(plan.kernel_head_dim);
+    const bool narrow_v_call = p.head_dim_v < p.head_dim && narrow.exists() && p.head_dim_v <= narrow.head_dim_v &&
+                               !plan.variants && p.plain_mod == PlainMod::kNone;
     plan.short_key_tile = set.short_tile.exists() &&
                           choose(o.short_keys, paged_decode || (!plan.warp_specialized &&
                                                                 p.seqlen_k <= (plan.causal ? kFwdShortKeysMaxCausal
                                                                                            : kFwdShortKeysMax)));
     if (plan.warp_specialized) {
-        // A V narrower than Q and K: the head dim's narrow-V kernel where one holds it, for calls with no variant
-        // (it has no softcap or dropout form) on the regular tile, whose keys it does not split either.
-        const NarrowVShape narrow = narrow_v_shape(plan.kernel_head_dim);
-        plan.narrow_v = p.head_dim_v < p.head_dim && narrow.exists() && p.head_dim_v <= narrow.head_dim_v &&
-                        !ws_short && p.plain_mod == PlainMod::kNone && splits_for(narrow.ws_tile) == 1;
+        plan.narrow_v = narrow_v_call && !ws_short && splits_for(narrow.ws_tile) == 1;
         const TileShape run = plan.narrow_v ? narrow.ws_tile : ws;
         plan.short_key_tile = ws_short;
         plan.block_m = run.block_m;
@@ -251,8 +253,11 @@ void plan_fwd(const Problem& p, const Target& t, int forced_splits, const PlanOv
     const TileShape tile = plan.short_key_tile ? set.short_tile : set.tile_for(plan.causal, plan.variants);
     plan.block_m = tile.block_m;
     plan.block_n = tile.block_n;
-    plan.smem_bytes = kernel_smem_bytes(set, tile, false);
     plan.num_splits = splits_for(tile);
+    plan.narrow_v = narrow_v_call && plan.family == KernelFamily::kMmaSync && plan.num_splits == 1;
+    plan.smem_bytes = plan.narrow_v
+                          ? fwd_mma_sync_smem_bytes(plan.kernel_head_dim, narrow.head_dim_v, tile.block_m, tile.block_n)
+                          : kernel_smem_bytes(set, tile, false);
 }
 
 void plan_bwd(const Problem& p, const Target& t, const PlanOverride& o, Plan& plan) {

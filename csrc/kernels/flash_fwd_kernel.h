@@ -35,6 +35,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const _
     constexpr int kBlockM = Traits::kBlockM;
     constexpr int kBlockN = Traits::kBlockN;
     constexpr int kHeadDim = Traits::kHeadDim;
+    constexpr int kHeadDimV = Traits::kHeadDimV;
+    static_assert(!kVariants || kHeadDimV == kHeadDim,
+                  "the variants kernel (paged caches among them) has one head dim");
     const int tidx = threadIdx.x;
 
     const FwdTile<kBlockM, kBlockN, kCausal, kVariants> tile(params);
@@ -45,21 +48,22 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const _
     const ScoreMod<Element> score_mod(params, tile.batch_idx, binfo);
     const Dropout dropout(params, tile.batch_idx, tile.head_idx);
 
-    const auto gQKV = tile.template gmem_qkv<Element, kHeadDim>(params);
+    const auto gQKV = tile.template gmem_qkv<Element, kHeadDim, kHeadDimV>(params);
     Tensor gQ = get<0>(gQKV);  // (kBlockM, kHeadDim)
     Tensor gK = get<1>(gQKV);  // (kBlockN, kHeadDim, n)
-    Tensor gV = get<2>(gQKV);  // (kBlockN, kHeadDim, n)
+    Tensor gV = get<2>(gQKV);  // (kBlockN, kHeadDimV, n)
 
     extern __shared__ __align__(128) char smem[];
     Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)),
                             typename Traits::SmemLayoutQ{});  // (kBlockM, kHeadDim)
     Tensor sK = make_tensor(sQ.data() + size(sQ), typename Traits::SmemLayoutKV{});  // (kBlockN, kHeadDim)
-    Tensor sV = make_tensor(sK.data() + size(sK), typename Traits::SmemLayoutKV{});  // (kBlockN, kHeadDim)
-    Tensor sVt = make_tensor(sV.data(), typename Traits::SmemLayoutVt{});  // (kHeadDim, kBlockN)
+    Tensor sV = make_tensor(sK.data() + size(sK), typename Traits::SmemLayoutV{});  // (kBlockN, kHeadDimV)
+    Tensor sVt = make_tensor(sV.data(), typename Traits::SmemLayoutVt{});  // (kHeadDimV, kBlockN)
 
     // Positions inside a tile, for predicates and masks.
     Tensor cQ = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});   // (kBlockM, kHeadDim)
     Tensor cKV = make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{});  // (kBlockN, kHeadDim)
+    Tensor cV = make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDimV>>{});  // (kBlockN, kHeadDimV)
     Tensor cS = make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{});    // (kBlockM, kBlockN)
 
     typename Traits::GmemTiledCopyQKV gmem_tiled_copy;
@@ -69,16 +73,22 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const _
     Tensor tQcQ = gmem_thr_copy.partition_S(cQ);     // (CPY, CPY_M, CPY_K)
     Tensor tKgK = gmem_thr_copy.partition_S(gK);     // (CPY, CPY_N, CPY_K, n)
     Tensor tKsK = gmem_thr_copy.partition_D(sK);     // (CPY, CPY_N, CPY_K)
-    Tensor tVgV = gmem_thr_copy.partition_S(gV);     // (CPY, CPY_N, CPY_K, n)
-    Tensor tVsV = gmem_thr_copy.partition_D(sV);     // (CPY, CPY_N, CPY_K)
     Tensor tKVcKV = gmem_thr_copy.partition_S(cKV);  // (CPY, CPY_N, CPY_K)
+    typename Traits::GmemTiledCopyV gmem_tiled_copy_v;  // GmemTiledCopyQKV where V has Q's and K's head dim
+    auto gmem_thr_copy_v = gmem_tiled_copy_v.get_thread_slice(tidx);
+    Tensor tVgV = gmem_thr_copy_v.partition_S(gV);  // (CPY, CPY_N, CPY_K, n)
+    Tensor tVsV = gmem_thr_copy_v.partition_D(sV);  // (CPY, CPY_N, CPY_K)
+    Tensor tVcV = gmem_thr_copy_v.partition_S(cV);  // (CPY, CPY_N, CPY_K)
+    // V's columns: head_dim where V has Q's and K's, which the host then also gives head_dim_v (one value, so that
+    // V's predicates and K's are the same ones).
+    const int v_cols = kHeadDimV == kHeadDim ? params.head_dim : params.head_dim_v;
 
     typename Traits::TiledMma tiled_mma;
     auto thr_mma = tiled_mma.get_thread_slice(tidx);
     Tensor tSrQ = register_fragment_A<Element>(tiled_mma, sQ);    // (MMA, MMA_M, MMA_K)
     Tensor tSrK = register_fragment_B<Element>(tiled_mma, sK);    // (MMA, MMA_N, MMA_K)
     Tensor tOrVt = register_fragment_B<Element>(tiled_mma, sVt);  // (MMA, MMA_N over head_dim, MMA_K over keys)
-    Tensor acc_o = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (MMA, MMA_M, MMA_N)
+    Tensor acc_o = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kHeadDimV>>{});  // (MMA, MMA_M, MMA_N)
     clear(acc_o);
     Tensor tScS = thr_mma.partition_C(cS);  // (MMA, MMA_M, MMA_N)
     Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol_layout(tScS.layout()));  // (rows, cols)
@@ -108,8 +118,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const _
                 return;
             }
         }
-        copy_zfill(gmem_tiled_copy, tSrc(_, _, _, n_block), tDst, tKVcKV, binfo.seqlen_k - n_block * kBlockN,
-                   params.head_dim);
+        if constexpr (decltype(is_v)::value) {
+            copy_zfill(gmem_tiled_copy_v, tSrc(_, _, _, n_block), tDst, tVcV, binfo.seqlen_k - n_block * kBlockN,
+                       v_cols);
+        } else {
+            copy_zfill(gmem_tiled_copy, tSrc(_, _, _, n_block), tDst, tKVcKV, binfo.seqlen_k - n_block * kBlockN,
+                       params.head_dim);
+        }
     };
 
     // Key blocks run from the last to the first, so the tiles that need masking (the sequence end
@@ -121,7 +136,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const _
     if (n_block >= n_block_begin) { load_kv(tKgK, tKsK, n_block, std::false_type{}); }
     cp_async_fence();
 
-    Tensor acc_o_rc = as_rowcol(acc_o);  // (rows, kHeadDim cols)
+    Tensor acc_o_rc = as_rowcol(acc_o);  // (rows, kHeadDimV cols)
     OnlineSoftmax<decltype(size<0>(acc_o_rc))::value> softmax(params.softmax_scale_log2);
 
     // One key block: S = Q K^T, the mask when kMasked (std::true_type or std::false_type), the online softmax, and
@@ -176,11 +191,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const _
     Tensor lse = kVariants ? softmax.finalize(acc_o_rc, params.score_scale, params.dropout_keep_scale)
                            : softmax.finalize(acc_o_rc, kSoftcap ? params.score_scale : params.softmax_scale,
                                               kDropout ? params.dropout_keep_scale : 1.f);
-    Tensor cO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (kBlockM, kHeadDim)
+    Tensor cO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDimV>>{});  // (kBlockM, kHeadDimV)
     Tensor tOcO = thr_mma.partition_C(cO);  // (MMA, MMA_M, MMA_N), positions of acc_o's values
     Tensor tOcO_rc = make_tensor(tOcO.data(), acc_rowcol_layout(tOcO.layout()));  // (rows, cols)
     tile.fold_row_mod(params, acc_o_rc, lse, tOcO_rc);
-    Tensor sO = make_tensor(sQ.data(), typename Traits::SmemLayoutO{});  // (kBlockM, kHeadDim)
+    Tensor sO = make_tensor(sQ.data(), typename Traits::SmemLayoutO{});  // (kBlockM, kHeadDimV)
     tile.template epilogue<typename Traits::GmemTiledCopyO>(params, acc_o_rc, tOcO_rc, lse, sO, [&] {
         Tensor rO = convert_fragment<Element>(acc_o);
         auto smem_tiled_copy_O = make_tiled_copy_C(typename Traits::SmemCopyAtomO{}, tiled_mma);

@@ -120,16 +120,16 @@ struct FwdTile {
     }
 
     // The CTA's query block and its key/value sequence in global memory, as (gQ, gK, gV): gQ (kBlockM,
-    // kHeadDim), gK and gV (kBlockN, kHeadDim, n). Tiles may run past seqlen or head_dim; those positions
-    // are predicated.
-    template <class Element, int kHeadDim>
+    // kHeadDim), gK (kBlockN, kHeadDim, n) and gV (kBlockN, kHeadDimV, n). Tiles may run past seqlen or head_dim;
+    // those positions are predicated.
+    template <class Element, int kHeadDim, int kHeadDimV = kHeadDim>
     __forceinline__ __device__ auto gmem_qkv(const FwdParams& params) const {
         Tensor mQ = binfo.q_view<Element>(params, batch_idx, head_idx);    // (seqlen_q, head_dim)
         Tensor mK = binfo.k_view<Element>(params, binfo.k_batch, head_idx_k);  // (seqlen_k, head_dim)
         Tensor mV = binfo.v_view<Element>(params, binfo.k_batch, head_idx_k);  // (seqlen_k, head_dim)
         return make_tuple(local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0)),
                           local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0)),
-                          local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0)));
+                          local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDimV>>{}, make_coord(_, 0)));
     }
 
     // Loads key block n_block of K, V or both from a paged cache into shared memory with cp.async, as copy_zfill

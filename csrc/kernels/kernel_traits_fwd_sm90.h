@@ -197,6 +197,11 @@ struct FwdSm90WsKernelTraits : FwdSm90Operands<Element_, kHeadDim_, kBlockM_, kB
     // has read it, and the next tile's Q loads while this tile's output is stored. Otherwise (head dims 192 and 256)
     // the output stages in Q's buffer, which the next Q may fill only after the store.
     static constexpr bool kSeparateO = kQBytes + kOBytes + kStages * (kKStageBytes + kVStageBytes) + 1024 <= 227 * 1024;
+    // Staged in Q's buffer, a warpgroup's output rows must land on its own Q rows, which only its own S GEMMs read,
+    // while the others may still read theirs: the same swizzle atom, tiled the same way, puts row r of both at the
+    // same place.
+    static_assert(kSeparateO || std::is_same_v<SmemAtomV, SmemAtom>,
+                  "an output staged in Q's buffer needs Q's swizzle atom (V's head dim a multiple of 64 where Q's is)");
 
     template <bool kWithO, int kDummy = 0>
     struct OBuffer {

@@ -36,12 +36,13 @@ constexpr TileShape fwd_mma_sync_tile() {
     return kFwdTileSet<KernelFamily::kMmaSync, kHeadDim, kBudget>.tile_for(kCausal, kVariants);
 }
 
-// The mma.sync kernel of kTile.
-template <typename Element, int kHeadDim, bool kCausal, bool kVariants, PlainMod kMod, TileShape kTile>
+// The mma.sync kernel of kTile, V of kHeadDimV columns.
+template <typename Element, int kHeadDim, bool kCausal, bool kVariants, PlainMod kMod, TileShape kTile,
+          int kHeadDimV = kHeadDim>
 cudaError_t run_fwd_mma_sync(const FwdParams& params, cudaStream_t stream) {
-    using Traits = FwdKernelTraits<Element, kHeadDim, kTile.block_m, kTile.block_n, kTile.warps>;
+    using Traits = FwdKernelTraits<Element, kHeadDim, kTile.block_m, kTile.block_n, kTile.warps, kHeadDimV>;
     static_assert(sizeof(Element) == kElementBytes);
-    static_assert(Traits::kSmemBytes == fwd_mma_sync_smem_bytes(kHeadDim, kTile.block_m, kTile.block_n),
+    static_assert(Traits::kSmemBytes == fwd_mma_sync_smem_bytes(kHeadDim, kHeadDimV, kTile.block_m, kTile.block_n),
                   "the plans check a GPU's shared memory by the formula");
     const dim3 grid(fwd_grid_x(params, Traits::kBlockM), params.batch, params.num_heads);
     return launch_kernel<&flash_fwd_kernel<Traits, kCausal, kVariants, kMod>, Traits::kNThreads, Traits::kSmemBytes>(
@@ -49,7 +50,7 @@ cudaError_t run_fwd_mma_sync(const FwdParams& params, cudaStream_t stream) {
 }
 
 // The mma.sync kernel of the plan's tile set (FwdParams::mma_sync_tile_set).
-template <typename Element, int kHeadDim, bool kCausal, bool kVariants, PlainMod kMod>
+template <typename Element, int kHeadDim, bool kCausal, bool kVariants, PlainMod kMod, int kHeadDimV = kHeadDim>
 cudaError_t run_fwd_mma_sync_set(const FwdParams& params, cudaStream_t stream) {
     constexpr TileShape kTile = fwd_mma_sync_tile<kHeadDim, kCausal, kVariants, kSmem163KiB>();
     constexpr TileShape kSmallTile = fwd_mma_sync_tile<kHeadDim, kCausal, kVariants, kSmem99KiB>();
@@ -58,10 +59,10 @@ cudaError_t run_fwd_mma_sync_set(const FwdParams& params, cudaStream_t stream) {
                                kSmallTile.warps == kTile.warps;
     if constexpr (!kSameTile) {
         if (params.mma_sync_tile_set == MmaSyncTileSet::k99KiB) {
-            return run_fwd_mma_sync<Element, kHeadDim, kCausal, kVariants, kMod, kSmallTile>(params, stream);
+            return run_fwd_mma_sync<Element, kHeadDim, kCausal, kVariants, kMod, kSmallTile, kHeadDimV>(params, stream);
         }
     }
-    return run_fwd_mma_sync<Element, kHeadDim, kCausal, kVariants, kMod, kTile>(params, stream);
+    return run_fwd_mma_sync<Element, kHeadDim, kCausal, kVariants, kMod, kTile, kHeadDimV>(params, stream);
 }
 
 // The Hopper kernel with kTile, a tile of the wgmma set (its regular or short-key tile).
@@ -127,21 +128,26 @@ cudaError_t run_plain_mod(const FwdParams& params, const Run& run) {
 template <typename Element, int kHeadDim, bool kCausal, bool kVariants>
 cudaError_t run_fwd(const FwdParams& params, cudaStream_t stream) {
     if (params.head_dim_v != params.head_dim) {
-        // A V narrower than Q and K that the plan left unpadded (Plan::head_dim_v): the narrow-V kernel, which the
-        // plans pick for plain calls on the warp-specialized kernel only.
-#if defined(FLASH_ATTN2_SM90A) && !defined(FLASH_FWD_TILE_M)
+        // A V narrower than Q and K that the plan left unpadded (Plan::narrow_v): the narrow-V kernels, which the
+        // plans pick for plain calls without key splits, on Hopper's warp-specialized kernel only.
         if constexpr (narrow_v_shape(kHeadDim).exists() && !kVariants) {
             constexpr NarrowVShape kNarrow = narrow_v_shape(kHeadDim);
-            if (params.family == KernelFamily::kWgmma && params.warp_specialized && !params.short_key_tiles &&
-                plain_mod_of(params) == PlainMod::kNone && params.head_dim_v <= kNarrow.head_dim_v) {
+            const bool plain = plain_mod_of(params) == PlainMod::kNone && params.num_splits == 1 &&
+                               params.head_dim_v <= kNarrow.head_dim_v;
+#if defined(FLASH_ATTN2_SM90A) && !defined(FLASH_FWD_TILE_M)
+            if (plain && params.family == KernelFamily::kWgmma && params.warp_specialized && !params.short_key_tiles) {
                 return params.learnable_sink_ptr != nullptr
                            ? run_fwd_sm90_ws<Element, kHeadDim, kCausal, PlainMod::kNone, true, kNarrow.ws_tile,
                                              kNarrow.head_dim_v>(params, stream)
                            : run_fwd_sm90_ws<Element, kHeadDim, kCausal, PlainMod::kNone, false, kNarrow.ws_tile,
                                              kNarrow.head_dim_v>(params, stream);
             }
-        }
 #endif
+            if (plain && params.family == KernelFamily::kMmaSync) {
+                return run_fwd_mma_sync_set<Element, kHeadDim, kCausal, false, PlainMod::kNone, kNarrow.head_dim_v>(
+                    params, stream);
+            }
+        }
         return cudaErrorInvalidConfiguration;
     }
 #if defined(FLASH_ATTN2_SM90A) && !defined(FLASH_FWD_TILE_M)

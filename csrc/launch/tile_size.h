@@ -277,9 +277,12 @@ constexpr TileSet tile_set_for(KernelFamily family, Pass pass, int head_dim, int
 // elements of kElementBytes (fp16 and bf16 alike).
 constexpr int kElementBytes = 2;
 
-// mma.sync forward: Q, and one K and one V block (FwdKernelTraits).
+// mma.sync forward: Q, and one K and one V block (FwdKernelTraits), V of head_dim_v columns.
+constexpr int fwd_mma_sync_smem_bytes(int head_dim, int head_dim_v, int block_m, int block_n) {
+    return (block_m * head_dim + block_n * (head_dim + head_dim_v)) * kElementBytes;
+}
 constexpr int fwd_mma_sync_smem_bytes(int head_dim, int block_m, int block_n) {
-    return (block_m * head_dim + 2 * block_n * head_dim) * kElementBytes;
+    return fwd_mma_sync_smem_bytes(head_dim, head_dim, block_m, block_n);
 }
 
 // mma.sync backward (BwdKernelTraits): K, V, P and dS (P and dS inside V's buffer when V is held in
@@ -336,10 +339,11 @@ constexpr int fwd_ws_smem_bytes(int head_dim, int block_m, int block_n, int stag
 
 // A call whose V has fewer columns than Q and K (DeepSeek's MLA: 192 and 128) runs, where a kernel of its own
 // exists, with V at that kernel's V head dim; every other such call runs at Q's head dim with V zero-padded to it
-// (the host pads). Such a kernel is the warp-specialized Hopper forward of the Q/K head dim's launchers, for the
-// calls that kernel serves with no variant (plan.cpp): against V padded to 192, a third less P V work, a third
-// less V traffic and shared memory, and the output accumulator of head dim 128, whose registers allow 128-key
-// blocks on two consumer warpgroups (two stages: 209 KiB with the output staged in Q's buffer).
+// (the host pads). The Q/K head dim's launchers hold two such kernels, for plain calls (no variant) that the plan
+// does not split (plan.cpp): the warp-specialized Hopper forward on ws_tile, and the mma.sync forward on the head
+// dim's own tiles. Against V padded to 192: a third less P V work, V traffic and V shared memory; on Hopper the
+// output accumulator of head dim 128 leaves the registers for 128-key blocks on two consumer warpgroups (two
+// stages: 209 KiB with the output staged in Q's buffer).
 struct NarrowVShape {
     int head_dim = 0;  // the kernel head dim of Q and K; 0: no such kernel
     int head_dim_v = 0;  // V's, which holds every V of at most that many columns

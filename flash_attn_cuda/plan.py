@@ -87,7 +87,7 @@ class Plan:
     staggered: bool  # backward: the Hopper wide kernel's key blocks start at their own query blocks (stagger)
     smem: int  # bytes of dynamic shared memory per block that the kernel is launched with
     tile_budget: int  # bytes per block the tile set that runs is made for: 166912 or 101376 (mma.sync), 232448
-    narrow_v: bool  # forward: a V narrower than Q and K runs unpadded on a kernel of its own (else V is padded)
+    narrow_v: bool  # a V narrower than Q and K runs unpadded on a kernel of its own (else V is padded)
 
 
 def override_string(
@@ -200,9 +200,9 @@ def plan(
     its ``smem`` exceeds ``max_smem``: a call of these sizes would then be refused before its launch.
 
     ``head_dim_v``: V's head dim where it is narrower than ``head_dim`` (a multiple of 8; None: ``head_dim``). Such
-    a forward runs on a kernel of its own where one exists (``narrow_v``: Q/K kernel head dim 192 with V's at most
-    128, plain calls that are not split into key ranges, on Hopper's warp-specialized kernel or the mma.sync one),
-    and otherwise with V zero-padded to ``head_dim``, as does the backward.
+    a call runs on a kernel of its own where one exists (``narrow_v``: Q/K kernel head dim 192 with V's at most 128,
+    plain calls; forwards that are not split into key ranges, on Hopper's warp-specialized kernel or the mma.sync
+    one; backwards on Hopper's kernel), and otherwise with V zero-padded to ``head_dim``.
     """
     text = torch.ops.flash_attn2.plan(
         pass_,

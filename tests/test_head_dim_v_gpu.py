@@ -1,8 +1,8 @@
 """GPU tests of V with a head dim of its own (d_v != d_qk, DeepSeek's multi-head latent attention: 192 and 128).
 
 Such calls run at one head dim, the wider of the two, with the narrower side zero-padded (interface._common_head_dim,
-and the ops for a narrower V), except a Hopper forward of Q/K head dim 161-192 with a V of at most 128, which runs a
-kernel of its own (test_narrow_v_kernel): out and dv have V's head dim, dq and dk Q's. Checked against the float32
+and the ops for a narrower V), except plain calls of Q/K head dim 161-192 with a V of at most 128, which run kernels of
+their own (test_narrow_v_kernel). Either way out and dv have V's head dim, dq and dk Q's. Checked against the float32
 reference with the correctness rule (tests/conftest.py), forward and backward, on both kernel families: dense and
 varlen, GQA, causal both ways, dropout, deterministic mode, and flash_attn_with_kvcache appending k and v of their own
 head dims to dense and paged caches.
@@ -114,15 +114,19 @@ def test_dense(d_qk, d_v, kernel, dtype, causal):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("d_qk, d_v", [(192, 128), (176, 96)])
-def test_narrow_v_kernel(d_qk, d_v, dtype, causal, sink):
-    # The narrow-V kernel (Q/K kernel head dim 192, V's 128; a V of 96 columns loads zero-filled to 128): several key
-    # and query blocks with ragged ends both ways, GQA, with and without a learnable sink; the backward runs with V
-    # padded.
+@pytest.mark.parametrize("kernel", ["wgmma", "mma_sync"])
+def test_narrow_v_kernel(kernel, d_qk, d_v, dtype, causal, sink):
+    # The narrow-V kernels (Q/K kernel head dim 192, V's 128; a V of 96 columns loads zero-filled to 128), forward
+    # and backward: several key and query blocks with ragged ends both ways, GQA, with and without a learnable sink.
     require_kernels(192, dtype)
+    force = forced_family(kernel, 192, dtype)
     b, h, hk = 2, 6, 2
     for sq, sk in ((1000, 1000), (257, 777), (777, 257)):
         sizes = dict(batch=b, seqlen_q=sq, seqlen_k=sk, nheads=h, nheads_k=hk, head_dim=192, causal=causal)
-        if not plan("fwd", **sizes, head_dim_v=d_v, dtype=dtype).narrow_v:
+        override = override_string(**force)
+        if not all(
+            plan(pass_, **sizes, head_dim_v=d_v, dtype=dtype, override=override).narrow_v for pass_ in ("fwd", "bwd")
+        ):
             pytest.skip("no narrow-V kernel runs on this GPU or build")
         q = rand(b, sq, h, d_qk, dtype=dtype)
         k = rand(b, sk, hk, d_qk, dtype=dtype)
@@ -131,8 +135,11 @@ def test_narrow_v_kernel(d_qk, d_v, dtype, causal, sink):
         dout = rand(b, sq, h, d_v, dtype=dtype)
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
         poison_allocator(q.device)
-        out, lse, _ = flash_attn_func(*leaves, causal=causal, return_attn_probs=True, learnable_sink=learnable_sink)
-        ours = (out, lse, *torch.autograd.grad(out, leaves, dout))
+        with force_plan(**force):
+            out, lse, _ = flash_attn_func(
+                *leaves, causal=causal, return_attn_probs=True, learnable_sink=learnable_sink
+            )
+            ours = (out, lse, *torch.autograd.grad(out, leaves, dout))
 
         def attend(q, k, v, upcast, dropped=True, learnable_sink=learnable_sink):
             return attention_ref(q, k, v, None, causal, upcast=upcast, learnable_sink=learnable_sink)

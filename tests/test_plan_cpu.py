@@ -1191,12 +1191,12 @@ def test_narrow_v_forward_mma_sync(gpu, override, causal):
         "ws_off",
         "short_queries",
         "split",
-        "backward",
+        "backward_window",
     ],
 )
 def test_narrow_v_elsewhere_pads_v(case):
     # Every call the narrow-V kernels do not serve runs with V zero-padded to Q's head dim (narrow_v false): their
-    # variants, key splits and the backward have no narrow-V form, and Hopper's other kernels none at all.
+    # variants and key splits have no narrow-V form, and Hopper's other forward kernels none at all.
     args = dict(batch=2, seqlen_q=2048, seqlen_k=2048, nheads=16, nheads_k=16, head_dim=192, head_dim_v=128)
     pass_, extra = "fwd", dict(H200)
     if case == "v_too_wide":
@@ -1222,8 +1222,43 @@ def test_narrow_v_elsewhere_pads_v(case):
         assert plan("fwd", **args, **extra).num_splits > 1
     else:
         pass_ = "bwd"
+        extra["window_size"] = (256, 0)
     p = plan(pass_, **args, **extra)
     assert not p.narrow_v, p
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["plain", "deterministic"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim, head_dim_v", [(192, 128), (176, 64)])
+def test_narrow_v_backward(head_dim, head_dim_v, causal, deterministic):
+    # Hopper's wide backward has a narrow-V form at Q/K kernel head dim 192 (V's 128) on its own 64 x 64 tile: Q and
+    # dO in two stages, K, V, P and dS and the LSE and D, 137 KiB against 161 KiB with V at 192.
+    args = dict(batch=2, seqlen_q=2048, seqlen_k=2048, nheads=16, nheads_k=16, head_dim=head_dim, causal=causal,
+                deterministic=deterministic)
+    p = plan("bwd", **args, head_dim_v=head_dim_v, **H200)
+    assert p.narrow_v and p.kernel == "wgmma" and not p.warp_specialized, p
+    assert (p.kernel_head_dim, p.block_m, p.block_n, p.smem) == (192, 64, 64, 140288), p
+    uniform = plan("bwd", **args, **H200)
+    assert not uniform.narrow_v and uniform.smem == 164864, uniform
+
+
+@pytest.mark.parametrize(
+    "gpu, override, tile, smem",
+    [
+        (A100, "", (64, 64), 140288),
+        (H200, "kernel=mma_sync", (64, 64), 140288),
+        ({"arch": 86, "num_sms": 84}, "", (64, 32), 70144),
+    ],
+    ids=["a100", "h200-mma-sync", "sm86"],
+)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_narrow_v_backward_mma_sync(gpu, override, tile, smem, causal):
+    # The mma.sync backward's narrow-V kernel runs the set's tile with dO and V at 128 columns: on 163 KiB two Q
+    # stages (137 KiB; 161 KiB with V at 192), on 99 KiB one (68.5 KiB; 80.5 KiB).
+    args = dict(batch=2, seqlen_q=2048, seqlen_k=2048, nheads=16, nheads_k=16, head_dim=192, causal=causal)
+    p = plan("bwd", **args, head_dim_v=128, override=override, **gpu)
+    assert p.narrow_v and p.kernel == "mma_sync", p
+    assert ((p.block_m, p.block_n), p.smem) == (tile, smem), p
 
 
 def test_narrow_v_plan_argument_checked():

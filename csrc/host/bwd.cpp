@@ -61,11 +61,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> bwd_impl(const Tensor& dout, const Te
     const bool nothing_to_do = q.numel() == 0 || k.numel() == 0 ||
                                (varlen != nullptr && (batch == 0 || seqlen_q == 0 || varlen->max_seqlen_k == 0));
     if (nothing_to_do) { return {gradient(q, true), gradient(k, true), gradient(v, true), sink_gradient(true)}; }
-    // A V narrower than Q and K: the backward runs at Q's head dim, with v, out and dout zero-padded to it (v's and
-    // out's added columns are zero, so dout's add nothing to dP = dO V^T or D = rowsum(dO * O)), and dv is cut back
-    // to v's columns.
+    // A V narrower than Q and K, where no narrow-V kernel runs it (Plan::narrow_v): the backward runs at Q's head
+    // dim, with v, out and dout zero-padded to it (v's and out's added columns are zero, so dout's add nothing to
+    // dP = dO V^T or D = rowsum(dO * O)), and dv is cut back to v's columns.
     const int64_t head_dim_v = v.size(3);
-    const bool pad_v = head_dim_v < head_dim;
+    const bool pad_v = head_dim_v < head_dim && !plan.narrow_v;
     auto widen = [&](const Tensor& t) {
         return pad_v ? torch::stable::pad(t, {int64_t(0), head_dim - head_dim_v}) : t;
     };
@@ -98,8 +98,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> bwd_impl(const Tensor& dout, const Te
     // packed); per-query-head slices of a GQA call are fp32, summed below so each gradient is rounded once.
     const ScalarType dkv_dtype = plan.dkv_fp32_slices ? ScalarType::Float : dtype;
     const int64_t dkv_heads = nheads / plan.heads_per_cta;
+    const int64_t dv_cols = plan.narrow_v ? head_dim_v : head_dim;
     const Tensor dk_heads = empty_operand(batch_k, seqlen_k, dkv_heads, head_dim, dkv_dtype, device, varlen != nullptr);
-    const Tensor dv_heads = empty_operand(batch_k, seqlen_k, dkv_heads, head_dim, dkv_dtype, device, varlen != nullptr);
+    const Tensor dv_heads = empty_operand(batch_k, seqlen_k, dkv_heads, dv_cols, dkv_dtype, device, varlen != nullptr);
     if (varlen != nullptr) {
         zero_async(dk_heads, stream);
         zero_async(dv_heads, stream);
@@ -135,6 +136,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> bwd_impl(const Tensor& dout, const Te
     params.dk_batch_stride = varlen != nullptr ? 0 : dk_view.stride[0];
     params.dk_row_stride = dk_view.stride[1];
     params.dk_head_stride = dk_view.stride[2];
+    const View4 dv_view = view4(dv_heads);
+    params.dv_batch_stride = varlen != nullptr ? 0 : dv_view.stride[0];
+    params.dv_row_stride = dv_view.stride[1];
+    params.dv_head_stride = dv_view.stride[2];
     params.dkv_fp32 = plan.dkv_fp32_slices;
     params.heads_per_cta = plan.heads_per_cta;
     params.key_blocks_per_cta = plan.key_blocks_per_cta;
@@ -158,9 +163,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> bwd_impl(const Tensor& dout, const Te
     if (!plan.dkv_fp32_slices) { return {dq, dk_heads, v_columns(dv_heads), dsink}; }
     const int64_t heads_per_kv = nheads / nheads_k;
     auto sum_group = [&](const Tensor& heads) {
+        const int64_t cols = heads.size(heads.dim() - 1);
         const Tensor grouped = varlen != nullptr
-                                   ? torch::stable::view(heads, {seqlen_k, nheads_k, heads_per_kv, head_dim})
-                                   : torch::stable::view(heads, {batch_k, seqlen_k, nheads_k, heads_per_kv, head_dim});
+                                   ? torch::stable::view(heads, {seqlen_k, nheads_k, heads_per_kv, cols})
+                                   : torch::stable::view(heads, {batch_k, seqlen_k, nheads_k, heads_per_kv, cols});
         const Tensor summed = torch::stable::sum(grouped, std::vector<int64_t>{-2}, false, ScalarType::Float);
         return torch::stable::to(summed, dtype);
     };

@@ -315,6 +315,17 @@ void plan_bwd(const Problem& p, const Target& t, const PlanOverride& o, Plan& pl
     const bool wide_unmasked = wgmma && !bwd_sm90_narrow(hd) && !plan.causal && !plan.variants;
     const bool stagger_fits = !p.deterministic || ceil_div(p.seqlen_k, plan.block_n) <= std::max(t.num_sms, 1);
     plan.staggered = wide_unmasked && stagger_fits && choose(o.stagger, p.deterministic);
+    // A V narrower than Q and K: the narrow-V form of the kernel that runs (Hopper's wide one, or the mma.sync one on
+    // the set's tile) where the head dim has one (narrow_v_shape), for calls with no variant.
+    const NarrowVShape narrow = narrow_v_shape(hd);
+    plan.narrow_v = p.head_dim_v < p.head_dim && narrow.exists() && p.head_dim_v <= narrow.head_dim_v &&
+                    !plan.variants;
+    if (plan.narrow_v) {
+        plan.smem_bytes = wgmma ? bwd_wgmma_smem_bytes(hd, narrow.head_dim_v, tile.block_m, tile.block_n, false)
+                                : bwd_mma_sync_smem_bytes(hd, narrow.head_dim_v, tile.block_m, tile.block_n,
+                                                          tile.v_in_regs, set.smem_budget);
+        return;
+    }
     // A CTA that walks several key blocks launches with its second K/V buffer, and so does one that adds dQ through
     // shared memory in its place.
     plan.smem_bytes = kernel_smem_bytes(

@@ -134,8 +134,8 @@ struct Plan {
     int smem_bytes;  // dynamic shared memory per block of the kernel that runs, as launched (tile_size.h)
     int tile_budget;  // the shared-memory budget of the tile set that runs (tile_size.h): mma.sync 163 KiB or
                       // 99 KiB, wgmma 227 KiB
-    bool narrow_v;  // forward: a V narrower than Q and K runs unpadded on the head dim's narrow-V kernel
-                    // (narrow_v_shape, FwdParams::head_dim_v); otherwise the host pads such a V to Q's head dim
+    bool narrow_v;  // a V narrower than Q and K runs unpadded on the head dim's narrow-V kernel (narrow_v_shape,
+                    // FwdParams::head_dim_v); otherwise the host pads such a V to Q's head dim
 };
 
 // Largest num_splits a call may force (run_fwd_combine merges at most 128 partials).

@@ -92,7 +92,7 @@ struct BlockInfo {
     }
     template <typename Element>
     __forceinline__ __device__ auto dv_view(const BwdParams& p, int b, int h) const {
-        return view<Element>(p.dv_ptr, b * p.dk_batch_stride + h * p.dk_head_stride, k_start, seqlen_k, p.dk_row_stride,
+        return view<Element>(p.dv_ptr, b * p.dv_batch_stride + h * p.dv_head_stride, k_start, seqlen_k, p.dv_row_stride,
                              p);
     }
 

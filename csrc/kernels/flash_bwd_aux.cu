@@ -29,9 +29,9 @@ __global__ void __launch_bounds__(kThreads) dot_do_o_kernel(const __grid_constan
     const bool valid = s < binfo.seqlen_q;
     float sum = 0.f;
     if (valid) {
-        const auto dout = binfo.do_view<Element>(params, b, h);  // (seqlen_q, head_dim)
-        const auto out = binfo.o_view<Element>(params, b, h);    // (seqlen_q, head_dim)
-        for (int col = lane * kVec; col < params.head_dim; col += kLanesPerRow * kVec) {
+        const auto dout = binfo.do_view<Element>(params, b, h);  // (seqlen_q, head_dim_v)
+        const auto out = binfo.o_view<Element>(params, b, h);    // (seqlen_q, head_dim_v)
+        for (int col = lane * kVec; col < params.head_dim_v; col += kLanesPerRow * kVec) {
             const auto d = *reinterpret_cast<const cutlass::Array<Element, kVec>*>(&dout(s, col));
             const auto o = *reinterpret_cast<const cutlass::Array<Element, kVec>*>(&out(s, col));
 #pragma unroll

@@ -31,8 +31,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
     constexpr int kBlockM = Traits::kBlockM;
     constexpr int kBlockN = Traits::kBlockN;
     constexpr int kHeadDim = Traits::kHeadDim;
+    constexpr int kHeadDimV = Traits::kHeadDimV;
     constexpr int kStagesQ = Traits::kStagesQ;
     constexpr int kQElems = Traits::kSmemQElems;
+    constexpr int kdOElems = Traits::kSmemdOElems;
     constexpr int kDqChunk = Traits::kDqChunk;
 
     // Deterministic causal runs key blocks from the last (fewest query blocks) to the first; see accumulate_dq.
@@ -62,22 +64,22 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
                        tidx * dq_accum_vec();
 
     Tensor mQ = binfo.q_view<Element>(params, batch_idx, head_idx);      // (seqlen_q, head_dim)
-    Tensor mdO = binfo.do_view<Element>(params, batch_idx, head_idx);    // (seqlen_q, head_dim)
+    Tensor mdO = binfo.do_view<Element>(params, batch_idx, head_idx);    // (seqlen_q, head_dim_v)
     Tensor mK = binfo.k_view<Element>(params, batch_idx, head_idx_k);    // (seqlen_k, head_dim)
-    Tensor mV = binfo.v_view<Element>(params, batch_idx, head_idx_k);    // (seqlen_k, head_dim)
+    Tensor mV = binfo.v_view<Element>(params, batch_idx, head_idx_k);    // (seqlen_k, head_dim_v)
     Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, 0));    // (kBlockM, kHeadDim, m)
-    Tensor gdO = local_tile(mdO, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, 0));  // (kBlockM, kHeadDim, m)
+    Tensor gdO = local_tile(mdO, Shape<Int<kBlockM>, Int<kHeadDimV>>{}, make_coord(_, 0));  // (kBlockM, kHeadDimV, m)
     Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));  // (kBlockN, kHeadDim)
-    Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));  // (kBlockN, kHeadDim)
+    Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDimV>>{}, make_coord(n_block, 0));  // (kBlockN, kHeadDimV)
 
     // Shared memory: Q and dO (kStagesQ stages each), K, V, P, dS, then the LSE and D rows of each stage. With V
     // in registers, P and dS take V's buffer once V has been read from it.
     extern __shared__ __align__(128) char smem[];
     Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)),
                             typename Traits::SmemLayoutQ{});  // (kBlockM, kHeadDim)
-    Tensor sdO = make_tensor(sQ.data() + kStagesQ * kQElems, typename Traits::SmemLayoutQ{});  // (kBlockM, kHeadDim)
-    Tensor sK = make_tensor(sdO.data() + kStagesQ * kQElems, typename Traits::SmemLayoutKV{});  // (kBlockN, kHeadDim)
-    Tensor sV = make_tensor(sK.data() + size(sK), typename Traits::SmemLayoutKV{});  // (kBlockN, kHeadDim)
+    Tensor sdO = make_tensor(sQ.data() + kStagesQ * kQElems, typename Traits::SmemLayoutdO{});  // (kBlockM, kHeadDimV)
+    Tensor sK = make_tensor(sdO.data() + kStagesQ * kdOElems, typename Traits::SmemLayoutKV{});  // (kBlockN, kHeadDim)
+    Tensor sV = make_tensor(sK.data() + size(sK), typename Traits::SmemLayoutV{});  // (kBlockN, kHeadDimV)
     Tensor sP = make_tensor(Traits::kVInRegs ? sV.data() : sV.data() + size(sV),
                             typename Traits::SmemLayoutPdS{});  // (kBlockM, kBlockN)
     Tensor sdS = make_tensor(sP.data() + size(sP), typename Traits::SmemLayoutPdS{});  // (kBlockM, kBlockN)
@@ -85,36 +87,42 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
     float* s_lse = reinterpret_cast<float*>(raw_pointer_cast(rows_start.get()));  // (kStagesQ, kBlockM)
     float* s_dsum = s_lse + kStagesQ * kBlockM;  // (kStagesQ, kBlockM)
     Tensor sQt = make_tensor(sQ.data(), typename Traits::SmemLayoutQt{});  // (kHeadDim, kBlockM)
-    Tensor sdOt = make_tensor(sdO.data(), typename Traits::SmemLayoutQt{});  // (kHeadDim, kBlockM)
+    Tensor sdOt = make_tensor(sdO.data(), typename Traits::SmemLayoutdOt{});  // (kHeadDimV, kBlockM)
     Tensor sKt = make_tensor(sK.data(), typename Traits::SmemLayoutKt{});  // (kHeadDim, kBlockN)
     Tensor sPt = make_tensor(sP.data(), typename Traits::SmemLayoutPdSt{});  // (kBlockN, kBlockM)
     Tensor sdSt = make_tensor(sdS.data(), typename Traits::SmemLayoutPdSt{});  // (kBlockN, kBlockM)
 
     Tensor cQ = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (kBlockM, kHeadDim)
+    Tensor cdO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDimV>>{});  // (kBlockM, kHeadDimV)
     Tensor cKV = make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{});  // (kBlockN, kHeadDim)
+    Tensor cV = make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDimV>>{});  // (kBlockN, kHeadDimV)
     Tensor cS = make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{});  // (kBlockM, kBlockN)
 
-    // Global -> shared copies.
+    // Global -> shared copies: Q and K at kHeadDim, dO and V at kHeadDimV (the same copy where those are equal).
     typename Traits::GmemTiledCopyLoad gmem_tiled_copy;
+    typename Traits::GmemTiledCopyLoadV gmem_tiled_copy_v;
     auto gmem_thr_copy = gmem_tiled_copy.get_thread_slice(tidx);
+    auto gmem_thr_copy_v = gmem_tiled_copy_v.get_thread_slice(tidx);
     Tensor tQgQ = gmem_thr_copy.partition_S(gQ);  // (CPY, CPY_M, CPY_K, m)
     Tensor tQsQ = gmem_thr_copy.partition_D(sQ);  // (CPY, CPY_M, CPY_K)
-    Tensor tdOgdO = gmem_thr_copy.partition_S(gdO);  // (CPY, CPY_M, CPY_K, m)
-    Tensor tdOsdO = gmem_thr_copy.partition_D(sdO);  // (CPY, CPY_M, CPY_K)
+    Tensor tdOgdO = gmem_thr_copy_v.partition_S(gdO);  // (CPY, CPY_M, CPY_K, m)
+    Tensor tdOsdO = gmem_thr_copy_v.partition_D(sdO);  // (CPY, CPY_M, CPY_K)
     Tensor tQcQ = gmem_thr_copy.partition_S(cQ);  // (CPY, CPY_M, CPY_K)
+    Tensor tdOcdO = gmem_thr_copy_v.partition_S(cdO);  // (CPY, CPY_M, CPY_K)
     Tensor tKgK = gmem_thr_copy.partition_S(gK);  // (CPY, CPY_N, CPY_K)
     Tensor tKsK = gmem_thr_copy.partition_D(sK);  // (CPY, CPY_N, CPY_K)
-    Tensor tVgV = gmem_thr_copy.partition_S(gV);  // (CPY, CPY_N, CPY_K)
-    Tensor tVsV = gmem_thr_copy.partition_D(sV);  // (CPY, CPY_N, CPY_K)
+    Tensor tVgV = gmem_thr_copy_v.partition_S(gV);  // (CPY, CPY_N, CPY_K)
+    Tensor tVsV = gmem_thr_copy_v.partition_D(sV);  // (CPY, CPY_N, CPY_K)
     Tensor tKVcKV = gmem_thr_copy.partition_S(cKV);  // (CPY, CPY_N, CPY_K)
+    Tensor tVcV = gmem_thr_copy_v.partition_S(cV);  // (CPY, CPY_N, CPY_K)
 
     static_assert(Traits::kNThreads >= 2 * kBlockM);
     auto load_q_do = [&](int m_block, int stage) {
         const int rows_left = binfo.seqlen_q - m_block * kBlockM;
         Tensor tQsQ_stage = at_stage<kQElems>(tQsQ, stage);
-        Tensor tdOsdO_stage = at_stage<kQElems>(tdOsdO, stage);
+        Tensor tdOsdO_stage = at_stage<kdOElems>(tdOsdO, stage);
         copy_zfill(gmem_tiled_copy, tQgQ(_, _, _, m_block), tQsQ_stage, tQcQ, rows_left, params.head_dim);
-        copy_zfill(gmem_tiled_copy, tdOgdO(_, _, _, m_block), tdOsdO_stage, tQcQ, rows_left, params.head_dim);
+        copy_zfill(gmem_tiled_copy_v, tdOgdO(_, _, _, m_block), tdOsdO_stage, tdOcdO, rows_left, params.head_dim_v);
         // LSE by the first kBlockM threads, D by the next kBlockM; rows past seqlen_q read as 0.
         if (tidx < 2 * kBlockM) {
             const int row = tidx % kBlockM;
@@ -151,27 +159,34 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
     Tensor tPsP = thr_copy_store_sdp.partition_D(sP);
     Tensor tPsdS = thr_copy_store_sdp.partition_D(sdS);
 
-    // dV += P^T dO and dK += dS^T Q, (kBlockN, kHeadDim).
+    // dV += P^T dO, (kBlockN, kHeadDimV), and dK += dS^T Q, (kBlockN, kHeadDim): mma_dv is mma_dkv's type where
+    // the head dims are equal.
     typename Traits::TiledMmadKV mma_dkv;
+    typename Traits::TiledMmadV mma_dv;
     auto thr_mma_dkv = mma_dkv.get_thread_slice(tidx);
+    auto thr_mma_dv = mma_dv.get_thread_slice(tidx);
     auto copy_a_dkv = make_tiled_copy_A(typename Traits::SmemCopyAtomT{}, mma_dkv);
     auto copy_b_dkv = make_tiled_copy_B(typename Traits::SmemCopyAtomT{}, mma_dkv);
+    auto copy_a_dv = make_tiled_copy_A(typename Traits::SmemCopyAtomT{}, mma_dv);
+    auto copy_b_dv = make_tiled_copy_B(typename Traits::SmemCopyAtomT{}, mma_dv);
     auto thr_copy_a_dkv = copy_a_dkv.get_thread_slice(tidx);
     auto thr_copy_b_dkv = copy_b_dkv.get_thread_slice(tidx);
-    Tensor tKVrPt = register_fragment_A<Element>(mma_dkv, sPt);  // (MMA, MMA_N, MMA_K over queries)
+    auto thr_copy_a_dv = copy_a_dv.get_thread_slice(tidx);
+    auto thr_copy_b_dv = copy_b_dv.get_thread_slice(tidx);
+    Tensor tKVrPt = register_fragment_A<Element>(mma_dv, sPt);  // (MMA, MMA_N, MMA_K over queries)
     Tensor tKVrdSt = register_fragment_A<Element>(mma_dkv, sdSt);  // (MMA, MMA_N, MMA_K)
-    Tensor tKVrdOt = register_fragment_B<Element>(mma_dkv, sdOt);  // (MMA, MMA_D, MMA_K)
+    Tensor tKVrdOt = register_fragment_B<Element>(mma_dv, sdOt);  // (MMA, MMA_DV, MMA_K)
     Tensor tKVrQt = register_fragment_B<Element>(mma_dkv, sQt);  // (MMA, MMA_D, MMA_K)
-    Tensor tKVsPt = thr_copy_a_dkv.partition_S(sPt);
+    Tensor tKVsPt = thr_copy_a_dv.partition_S(sPt);
     Tensor tKVsdSt = thr_copy_a_dkv.partition_S(sdSt);
-    Tensor tKVsdOt = thr_copy_b_dkv.partition_S(sdOt);
+    Tensor tKVsdOt = thr_copy_b_dv.partition_S(sdOt);
     Tensor tKVsQt = thr_copy_b_dkv.partition_S(sQt);
-    Tensor tKVrPt_view = thr_copy_a_dkv.retile_D(tKVrPt);
+    Tensor tKVrPt_view = thr_copy_a_dv.retile_D(tKVrPt);
     Tensor tKVrdSt_view = thr_copy_a_dkv.retile_D(tKVrdSt);
-    Tensor tKVrdOt_view = thr_copy_b_dkv.retile_D(tKVrdOt);
+    Tensor tKVrdOt_view = thr_copy_b_dv.retile_D(tKVrdOt);
     Tensor tKVrQt_view = thr_copy_b_dkv.retile_D(tKVrQt);
     Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});  // (MMA, MMA_N, MMA_D)
-    Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});  // (MMA, MMA_N, MMA_D)
+    Tensor acc_dv = partition_fragment_C(mma_dv, Shape<Int<kBlockN>, Int<kHeadDimV>>{});  // (MMA, MMA_N, MMA_DV)
     clear(acc_dk);
     clear(acc_dv);
 
@@ -193,7 +208,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
 
     const int k_rows_left = binfo.seqlen_k - n_block * kBlockN;
     copy_zfill(gmem_tiled_copy, tKgK, tKsK, tKVcKV, k_rows_left, params.head_dim);
-    copy_zfill(gmem_tiled_copy, tVgV, tVsV, tKVcKV, k_rows_left, params.head_dim);
+    copy_zfill(gmem_tiled_copy_v, tVgV, tVsV, tVcV, k_rows_left, params.head_dim_v);
     if (m_block_begin < m_block_end) { load_q_do(m_block_begin, 0); }
     cp_async_fence();
     if constexpr (Traits::kVInRegs) {
@@ -223,7 +238,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
         clear(acc_s);
         clear(acc_dp);
         Tensor tSsQ_stage = at_stage<kQElems>(tSsQ, stage);
-        Tensor tSsdO_stage = at_stage<kQElems>(tSsdO, stage);
+        Tensor tSsdO_stage = at_stage<kdOElems>(tSsdO, stage);
         gemm_smem_smem(mma_sdp, acc_s, tSrQ, tSrK, tSsQ_stage, tSsK, copy_a_sdp, copy_b_sdp, tSrQ_view, tSrK_view);
         if constexpr (Traits::kVInRegs) {
             gemm_smem_reg(mma_sdp, acc_dp, tSrdO, tSrV, tSsdO_stage, copy_a_sdp, tSrdO_view);
@@ -325,17 +340,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
         constexpr int kDqChunks = kHeadDim / kDqChunk;
         constexpr int kDqChunksFirst = kStagesQ == 2 ? kDqChunks : kDqChunks - 1;
         static_assert(kDqChunksFirst <= 1);
-        Tensor tKVsdOt_stage = at_stage<kQElems>(tKVsdOt, stage);
+        Tensor tKVsdOt_stage = at_stage<kdOElems>(tKVsdOt, stage);
         Tensor tKVsQt_stage = at_stage<kQElems>(tKVsQt, stage);
         if constexpr (kDqChunksFirst == 1) {
             wait_dq_turn();
             Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kDqChunk>>{});  // (MMA, MMA_M, MMA_D)
             dq_gemm(acc_dq, 0);
             constexpr auto kDvSteps = size<2>(tKVrPt);
-            gemm_smem_smem(mma_dkv, acc_dv, tKVrPt, tKVrdOt, tKVsPt, tKVsdOt_stage, copy_a_dkv, copy_b_dkv, tKVrPt_view,
+            gemm_smem_smem(mma_dv, acc_dv, tKVrPt, tKVrdOt, tKVsPt, tKVsdOt_stage, copy_a_dv, copy_b_dv, tKVrPt_view,
                            tKVrdOt_view, [&](int k) { add_dq(acc_dq, 0, k, kDvSteps); });
         } else {
-            gemm_smem_smem(mma_dkv, acc_dv, tKVrPt, tKVrdOt, tKVsPt, tKVsdOt_stage, copy_a_dkv, copy_b_dkv, tKVrPt_view,
+            gemm_smem_smem(mma_dv, acc_dv, tKVrPt, tKVrdOt, tKVsPt, tKVsdOt_stage, copy_a_dv, copy_b_dv, tKVrPt_view,
                            tKVrdOt_view);
         }
         if constexpr (kDqChunksFirst == kDqChunks) { pass_dq_turn(); }
@@ -374,12 +389,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
     // GQA slices are summed over each group on the host: kept in fp32 so the sum is rounded once.
     if (params.dkv_fp32) {
         Tensor tKVcdKV = thr_mma_dkv.partition_C(cKV);
+        Tensor tKVcdV = thr_mma_dv.partition_C(cV);
         Tensor gdK = local_tile(binfo.dk_view<float>(params, batch_idx, head_idx), Shape<Int<kBlockN>, Int<kHeadDim>>{},
                                 make_coord(n_block, 0));  // (kBlockN, kHeadDim)
-        Tensor gdV = local_tile(binfo.dv_view<float>(params, batch_idx, head_idx), Shape<Int<kBlockN>, Int<kHeadDim>>{},
-                                make_coord(n_block, 0));  // (kBlockN, kHeadDim)
+        Tensor gdV = local_tile(binfo.dv_view<float>(params, batch_idx, head_idx), Shape<Int<kBlockN>, Int<kHeadDimV>>{},
+                                make_coord(n_block, 0));  // (kBlockN, kHeadDimV)
         store_acc<float>(acc_dk, tKVcdKV, gdK, k_rows_left, params.head_dim, params.softmax_scale);
-        store_acc<float>(acc_dv, tKVcdKV, gdV, k_rows_left, params.head_dim,
+        store_acc<float>(acc_dv, tKVcdV, gdV, k_rows_left, params.head_dim_v,
                          kVariants ? params.dropout_keep_scale : 1.f);
         return;
     }
@@ -397,20 +413,25 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
     Tensor rdV = convert_fragment<Element>(acc_dv);
     auto smem_tiled_copy = make_tiled_copy_C(typename Traits::SmemCopyAtomStore{}, mma_dkv);
     auto smem_thr_copy = smem_tiled_copy.get_thread_slice(tidx);
+    auto smem_tiled_copy_v = make_tiled_copy_C(typename Traits::SmemCopyAtomStore{}, mma_dv);
+    auto smem_thr_copy_v = smem_tiled_copy_v.get_thread_slice(tidx);
     copy(smem_tiled_copy, smem_thr_copy.retile_S(rdK), smem_thr_copy.partition_D(sK));
-    copy(smem_tiled_copy, smem_thr_copy.retile_S(rdV), smem_thr_copy.partition_D(sV));
+    copy(smem_tiled_copy_v, smem_thr_copy_v.retile_S(rdV), smem_thr_copy_v.partition_D(sV));
     __syncthreads();
     typename Traits::GmemTiledCopyStore gmem_tiled_copy_store;
+    typename Traits::GmemTiledCopyStoreV gmem_tiled_copy_store_v;
     auto gmem_thr_copy_store = gmem_tiled_copy_store.get_thread_slice(tidx);
+    auto gmem_thr_copy_store_v = gmem_tiled_copy_store_v.get_thread_slice(tidx);
     Tensor gdK = local_tile(binfo.dk_view<Element>(params, batch_idx, head_idx), Shape<Int<kBlockN>, Int<kHeadDim>>{},
                             make_coord(n_block, 0));  // (kBlockN, kHeadDim)
-    Tensor gdV = local_tile(binfo.dv_view<Element>(params, batch_idx, head_idx), Shape<Int<kBlockN>, Int<kHeadDim>>{},
-                            make_coord(n_block, 0));  // (kBlockN, kHeadDim)
-    Tensor tdKVcdKV = gmem_thr_copy_store.partition_D(cKV);  // (CPY, CPY_N, CPY_D)
+    Tensor gdV = local_tile(binfo.dv_view<Element>(params, batch_idx, head_idx), Shape<Int<kBlockN>, Int<kHeadDimV>>{},
+                            make_coord(n_block, 0));  // (kBlockN, kHeadDimV)
+    Tensor tdKcdK = gmem_thr_copy_store.partition_D(cKV);  // (CPY, CPY_N, CPY_D)
+    Tensor tdVcdV = gmem_thr_copy_store_v.partition_D(cV);  // (CPY, CPY_N, CPY_DV)
     copy_to_gmem(gmem_tiled_copy_store, gmem_thr_copy_store.partition_S(sK), gmem_thr_copy_store.partition_D(gdK),
-                 tdKVcdKV, k_rows_left, params.head_dim);
-    copy_to_gmem(gmem_tiled_copy_store, gmem_thr_copy_store.partition_S(sV), gmem_thr_copy_store.partition_D(gdV),
-                 tdKVcdKV, k_rows_left, params.head_dim);
+                 tdKcdK, k_rows_left, params.head_dim);
+    copy_to_gmem(gmem_tiled_copy_store_v, gmem_thr_copy_store_v.partition_S(sV),
+                 gmem_thr_copy_store_v.partition_D(gdV), tdVcdV, k_rows_left, params.head_dim_v);
 }
 
 // dq = softmax_scale * dq_accum for one query block of one (sequence, query head), from dq_accum in the dQ

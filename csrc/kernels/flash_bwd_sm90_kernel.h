@@ -55,7 +55,9 @@ struct BwdSm90Block {
     static constexpr int kBlockM = Traits::kBlockM;
     static constexpr int kBlockN = Traits::kBlockN;
     static constexpr int kHeadDim = Traits::kHeadDim;
+    static constexpr int kHeadDimV = Traits::kHeadDimV;
     static constexpr int kQElems = Traits::kSmemQElems;
+    static constexpr int kdOElems = Traits::kSmemdOElems;
     static_assert(Traits::kNThreads >= 2 * kBlockM, "one thread per LSE and per D value of a query block");
     // Whether key blocks may start their walks at their own query blocks (BwdParams::stagger): the wide kernel's
     // plain non-causal form, where every key block walks the same query blocks. The narrow kernel walks from its
@@ -121,8 +123,8 @@ struct BwdSm90Block {
         step_end = steps_of(m_block_begin);
         q_base = reinterpret_cast<Element*>(smem_raw);
         do_base = q_base + Traits::kStagesQ * kQElems;
-        k_base = do_base + Traits::kStagesQ * kQElems;
-        scratch_base = k_base + 2 * Traits::kSmemKVElems;
+        k_base = do_base + Traits::kStagesQ * kdOElems;
+        scratch_base = k_base + Traits::kSmemKVElems + Traits::kSmemVElems;
         s_lse = reinterpret_cast<float*>(scratch_base + Traits::kSmemScratchElems);
         s_dsum = s_lse + Traits::kStagesQ * kBlockM;
         s_dq = reinterpret_cast<float*>(smem_raw + Traits::kSmemBytesOneKV);
@@ -191,49 +193,48 @@ struct BwdSm90Block {
         return smem(q_base + stage * kQElems, typename Traits::SmemLayoutQ{});
     }     // (kBlockM, kHeadDim)
     __forceinline__ __device__ auto sdO(int stage) const {
-        return smem(do_base + stage * kQElems, typename Traits::SmemLayoutQ{});
-    }   // (kBlockM, kHeadDim)
+        return smem(do_base + stage * kdOElems, typename Traits::SmemLayoutdO{});
+    }   // (kBlockM, kHeadDimV)
     __forceinline__ __device__ auto sQt(int stage) const {
         return smem(q_base + stage * kQElems, typename Traits::SmemLayoutQt{});
     }   // (kHeadDim, kBlockM)
     __forceinline__ __device__ auto sdOt(int stage) const {
-        return smem(do_base + stage * kQElems, typename Traits::SmemLayoutQt{});
-    } // (kHeadDim, kBlockM)
-    static constexpr int kKV1Offset = Traits::kSmemBytesOneKV / int(sizeof(Element)) - 2 * Traits::kStagesQ * kQElems;
+        return smem(do_base + stage * kdOElems, typename Traits::SmemLayoutdOt{});
+    } // (kHeadDimV, kBlockM)
+    static constexpr int kKV1Offset =
+        Traits::kSmemBytesOneKV / int(sizeof(Element)) - Traits::kStagesQ * (kQElems + kdOElems);
     __forceinline__ __device__ Element* k_stage(int s) const { return k_base + s * kKV1Offset; }
     __forceinline__ __device__ auto sK(int s) const {
         return smem(k_stage(s), typename Traits::SmemLayoutKV{});
     }    // (kBlockN, kHeadDim)
     __forceinline__ __device__ auto sV(int s) const {
-        return smem(k_stage(s) + Traits::kSmemKVElems, typename Traits::SmemLayoutKV{});
-    }  // (kBlockN, kHeadDim)
+        return smem(k_stage(s) + Traits::kSmemKVElems, typename Traits::SmemLayoutV{});
+    }  // (kBlockN, kHeadDimV)
     __forceinline__ __device__ auto sKt(int s) const {
         return smem(k_stage(s), typename Traits::SmemLayoutKt{});
     }   // (kHeadDim, kBlockN)
 
-    // Block `block` of kRows rows of two (seqlen, head_dim) views, mA and mB, into the shared-memory tiles sA and
-    // sB with GmemTiledCopy; rows past seqlen and columns past head_dim read as 0.
-    template <class GmemTiledCopy, int kRows, class ViewA, class ViewB, class SmemA, class SmemB>
-    __forceinline__ __device__ static void load_pair(const ViewA& mA, const ViewB& mB, int block, const SmemA& sA,
-                                                     const SmemB& sB, int seqlen, int head_dim, int thread) {
+    // Block `block` of kRows rows of a (seqlen, head_dim) view mA into the shared-memory tile sA, (kRows, kCols),
+    // with GmemTiledCopy; rows past seqlen and columns past head_dim read as 0.
+    template <class GmemTiledCopy, int kRows, int kCols, class View, class Smem>
+    __forceinline__ __device__ static void load_tile(const View& mA, int block, const Smem& sA, int seqlen,
+                                                     int head_dim, int thread) {
         GmemTiledCopy gmem_tiled_copy;
         auto gmem_thr_copy = gmem_tiled_copy.get_thread_slice(thread);
-        Tensor gA = local_tile(mA, Shape<Int<kRows>, Int<kHeadDim>>{}, make_coord(block, 0));  // (kRows, kHeadDim)
-        Tensor gB = local_tile(mB, Shape<Int<kRows>, Int<kHeadDim>>{}, make_coord(block, 0));  // (kRows, kHeadDim)
+        Tensor gA = local_tile(mA, Shape<Int<kRows>, Int<kCols>>{}, make_coord(block, 0));  // (kRows, kCols)
         Tensor tAcA = gmem_thr_copy.partition_S(
-            make_identity_tensor(Shape<Int<kRows>, Int<kHeadDim>>{}));  // (CPY, CPY_R, CPY_K)
+            make_identity_tensor(Shape<Int<kRows>, Int<kCols>>{}));  // (CPY, CPY_R, CPY_K)
         Tensor tAsA = gmem_thr_copy.partition_D(sA);  // (CPY, CPY_R, CPY_K)
-        Tensor tBsB = gmem_thr_copy.partition_D(sB);  // (CPY, CPY_R, CPY_K)
-        const int rows_left = seqlen - block * kRows;
-        copy_zfill(gmem_tiled_copy, gmem_thr_copy.partition_S(gA), tAsA, tAcA, rows_left, head_dim);
-        copy_zfill(gmem_tiled_copy, gmem_thr_copy.partition_S(gB), tBsB, tAcA, rows_left, head_dim);
+        copy_zfill(gmem_tiled_copy, gmem_thr_copy.partition_S(gA), tAsA, tAcA, seqlen - block * kRows, head_dim);
     }
 
     // K and V of key block n into K/V stage s.
     __forceinline__ __device__ void load_kv(const BwdParams& params, int n, int s, int thread) const {
-        load_pair<typename Traits::GmemTiledCopyLoad, kBlockN>(binfo.k_view<Element>(params, batch_idx, head_idx_k),
-                                                               binfo.v_view<Element>(params, batch_idx, head_idx_k), n,
-                                                               sK(s), sV(s), binfo.seqlen_k, params.head_dim, thread);
+        load_tile<typename Traits::GmemTiledCopyLoad, kBlockN, kHeadDim>(
+            binfo.k_view<Element>(params, batch_idx, head_idx_k), n, sK(s), binfo.seqlen_k, params.head_dim, thread);
+        load_tile<typename Traits::GmemTiledCopyLoadV, kBlockN, kHeadDimV>(
+            binfo.v_view<Element>(params, batch_idx, head_idx_k), n, sV(s), binfo.seqlen_k, params.head_dim_v,
+            thread);
     }
 
     // Q, dO, LSE and D of step `step` into stage. Rows past seqlen_q read as 0, LSE and D included: with
@@ -243,9 +244,12 @@ struct BwdSm90Block {
                                               int thread) const {
         const int head_idx = step.head;
         const int m_block = step.m_block;
-        load_pair<typename Traits::GmemTiledCopyQ, kBlockM>(
-            binfo.q_view<Element>(params, batch_idx, head_idx), binfo.do_view<Element>(params, batch_idx, head_idx),
-            m_block, sQ(stage), sdO(stage), binfo.seqlen_q, params.head_dim, thread);
+        load_tile<typename Traits::GmemTiledCopyQ, kBlockM, kHeadDim>(binfo.q_view<Element>(params, batch_idx, head_idx),
+                                                                      m_block, sQ(stage), binfo.seqlen_q,
+                                                                      params.head_dim, thread);
+        load_tile<typename Traits::GmemTiledCopydO, kBlockM, kHeadDimV>(
+            binfo.do_view<Element>(params, batch_idx, head_idx), m_block, sdO(stage), binfo.seqlen_q,
+            params.head_dim_v, thread);
         const int rows_left = binfo.seqlen_q - m_block * kBlockM;
         // LSE by the first kBlockM threads, D by the next kBlockM.
         if (thread < 2 * kBlockM) {
@@ -453,53 +457,66 @@ struct BwdSm90Block {
     // GEMMs of the key block are done: stmatrix in, 16 B stores out. Stored straight from the accumulators
     // (4 B per thread and store, half of each 32 B sector) they kept short-query CTAs waiting on a full store
     // queue. fp32 outputs (GQA slices per query head) would not fit the buffer and keep the direct stores.
-    template <class TiledMma, class Acc>
-    __forceinline__ __device__ void store_dk_dv(const BwdParams& params, const TiledMma& mma_dkv, Acc& acc_dk,
-                                                Acc& acc_dv, int thread) const {
+    // mma_dk and mma_dv partition the accumulators: one MMA for both, or dV's of kHeadDimV columns.
+    template <class MmadK, class AccdK, class MmadV, class AccdV>
+    __forceinline__ __device__ void store_dk_dv(const BwdParams& params, const MmadK& mma_dk, AccdK& acc_dk,
+                                                const MmadV& mma_dv, AccdV& acc_dv, int thread) const {
         // No step waited for this key block's K and V when it had none; the wide kernel exits right after.
         if (step_end == step_begin) { cp_async_wait<0>(); }
-        auto thr_mma = mma_dkv.get_thread_slice(thread);
-        Tensor cdKV = make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{});  // (kBlockN, kHeadDim)
+        const float dv_scale = kVariants ? params.dropout_keep_scale : 1.f;  // dV summed kept P unscaled
         if (params.dkv_fp32) {
-            Tensor tdKVcdKV = thr_mma.partition_C(cdKV);  // (MMA, MMA_N, MMA_D)
-            auto gdKV = [&](auto view) {
-                return local_tile(view, Shape<Int<kBlockN>, Int<kHeadDim>>{},
-                                  make_coord(n_block, 0));  // (kBlockN, kHeadDim)
-            };
-            Tensor gdK = gdKV(binfo.dk_view<float>(params, batch_idx, dkv_head));
-            Tensor gdV = gdKV(binfo.dv_view<float>(params, batch_idx, dkv_head));
-            store_acc<float>(acc_dk, tdKVcdKV, gdK, k_rows_left(), params.head_dim, params.softmax_scale);
-            store_acc<float>(acc_dv, tdKVcdKV, gdV, k_rows_left(), params.head_dim,
-                             kVariants ? params.dropout_keep_scale : 1.f);
+            store_fp32<kHeadDim>(mma_dk, acc_dk, binfo.dk_view<float>(params, batch_idx, dkv_head), params.head_dim,
+                                 params.softmax_scale, thread);
+            store_fp32<kHeadDimV>(mma_dv, acc_dv, binfo.dv_view<float>(params, batch_idx, dkv_head),
+                                  params.head_dim_v, dv_scale, thread);
             return;
         }
         __syncthreads();  // every warpgroup's wgmmas that read this K/V buffer have completed
-        CUTE_UNROLL
-        for (int i = 0; i < size(acc_dk); ++i) { acc_dk(i) *= params.softmax_scale; }
-        if constexpr (kVariants) {
-            CUTE_UNROLL
-            for (int i = 0; i < size(acc_dv); ++i) {
-                acc_dv(i) *= params.dropout_keep_scale;
-            }  // it summed kept P unscaled
-        }
-        Tensor rdK = convert_fragment<Element>(acc_dk);
-        Tensor rdV = convert_fragment<Element>(acc_dv);
-        auto smem_tiled_copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_dkv);
-        auto smem_thr_copy = smem_tiled_copy.get_thread_slice(thread);
-        copy(smem_tiled_copy, smem_thr_copy.retile_S(rdK), smem_thr_copy.partition_D(sK(kv_stage)));
-        copy(smem_tiled_copy, smem_thr_copy.retile_S(rdV), smem_thr_copy.partition_D(sV(kv_stage)));
+        stage_in_smem(mma_dk, acc_dk, params.softmax_scale, sK(kv_stage), thread);
+        stage_in_smem(mma_dv, acc_dv, dv_scale, sV(kv_stage), thread);
         __syncthreads();
-        typename Traits::GmemTiledCopyStore gmem_tiled_copy;
+        store_staged<typename Traits::GmemTiledCopyStore, kHeadDim>(
+            sK(kv_stage), binfo.dk_view<Element>(params, batch_idx, dkv_head), params.head_dim, thread);
+        store_staged<typename Traits::GmemTiledCopyStoreV, kHeadDimV>(
+            sV(kv_stage), binfo.dv_view<Element>(params, batch_idx, dkv_head), params.head_dim_v, thread);
+    }
+    template <class MmadKV, class Acc>
+    __forceinline__ __device__ void store_dk_dv(const BwdParams& params, const MmadKV& mma_dkv, Acc& acc_dk,
+                                                Acc& acc_dv, int thread) const {
+        store_dk_dv(params, mma_dkv, acc_dk, mma_dkv, acc_dv, thread);
+    }
+
+    // store_dk_dv's parts. acc, (kBlockN, kCols) partitioned by mma, times scale straight into the fp32 view's
+    // key block n_block, its columns up to cols.
+    template <int kCols, class Mma, class Acc, class View>
+    __forceinline__ __device__ void store_fp32(const Mma& mma, const Acc& acc, const View& view, int cols, float scale,
+                                               int thread) const {
+        Tensor tcC = mma.get_thread_slice(thread).partition_C(
+            make_identity_tensor(Shape<Int<kBlockN>, Int<kCols>>{}));  // (MMA, MMA_N, MMA_D)
+        Tensor gC = local_tile(view, Shape<Int<kBlockN>, Int<kCols>>{}, make_coord(n_block, 0));  // (kBlockN, kCols)
+        store_acc<float>(acc, tcC, gC, k_rows_left(), cols, scale);
+    }
+    // acc times scale, as Element, into the shared-memory tile sC of its shape with stmatrix.
+    template <class Mma, class Acc, class Smem>
+    __forceinline__ __device__ static void stage_in_smem(const Mma& mma, Acc& acc, float scale, const Smem& sC,
+                                                         int thread) {
+        CUTE_UNROLL
+        for (int i = 0; i < size(acc); ++i) { acc(i) *= scale; }
+        Tensor rC = convert_fragment<Element>(acc);
+        auto smem_tiled_copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma);
+        auto smem_thr_copy = smem_tiled_copy.get_thread_slice(thread);
+        copy(smem_tiled_copy, smem_thr_copy.retile_S(rC), smem_thr_copy.partition_D(sC));
+    }
+    // The staged tile sC, (kBlockN, kCols), into the view's key block n_block with 16 B stores, its columns up to
+    // cols.
+    template <class GmemTiledCopy, int kCols, class Smem, class View>
+    __forceinline__ __device__ void store_staged(const Smem& sC, const View& view, int cols, int thread) const {
+        GmemTiledCopy gmem_tiled_copy;
         auto gmem_thr_copy = gmem_tiled_copy.get_thread_slice(thread);
-        Tensor tdKVcdKV = gmem_thr_copy.partition_D(cdKV);  // (CPY, CPY_N, CPY_D)
-        Tensor gdK = local_tile(binfo.dk_view<Element>(params, batch_idx, dkv_head),
-                                Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));  // (kBlockN, kHeadDim)
-        Tensor gdV = local_tile(binfo.dv_view<Element>(params, batch_idx, dkv_head),
-                                Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));  // (kBlockN, kHeadDim)
-        copy_to_gmem(gmem_tiled_copy, gmem_thr_copy.partition_S(sK(kv_stage)), gmem_thr_copy.partition_D(gdK), tdKVcdKV,
-                     k_rows_left(), params.head_dim);
-        copy_to_gmem(gmem_tiled_copy, gmem_thr_copy.partition_S(sV(kv_stage)), gmem_thr_copy.partition_D(gdV), tdKVcdKV,
-                     k_rows_left(), params.head_dim);
+        Tensor tcC = gmem_thr_copy.partition_D(make_identity_tensor(Shape<Int<kBlockN>, Int<kCols>>{}));  // (CPY, N, D)
+        Tensor gC = local_tile(view, Shape<Int<kBlockN>, Int<kCols>>{}, make_coord(n_block, 0));  // (kBlockN, kCols)
+        copy_to_gmem(gmem_tiled_copy, gmem_thr_copy.partition_S(sC), gmem_thr_copy.partition_D(gC), tcC,
+                     k_rows_left(), cols);
     }
 };
 
@@ -698,6 +715,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     constexpr int kBlockM = Traits::kBlockM;
     constexpr int kBlockN = Traits::kBlockN;
     constexpr int kHeadDim = Traits::kHeadDim;
+    constexpr int kHeadDimV = Traits::kHeadDimV;
 
     extern __shared__ __align__(1024) char smem_bwd_sm90[];  // 128 B swizzle atoms repeat every 1 KiB
     const BwdSm90Block<Traits, kCausal, kVariants> blk(params, smem_bwd_sm90);
@@ -718,10 +736,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     typename Traits::TiledMmaSdP mma_sdp;
     auto smem_tiled_copy_pds = make_tiled_copy_C(typename Traits::SmemCopyAtomPdS{}, mma_sdp);
 
-    // dV and dK, (kBlockN, kHeadDim), each warpgroup half the head dim, held in registers across the loop.
+    // dK, (kBlockN, kHeadDim), and dV, (kBlockN, kHeadDimV), each warpgroup half the head dim, held in registers
+    // across the loop.
     typename Traits::TiledMmadKV mma_dkv;
+    typename Traits::TiledMmadV mma_dv;
     Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});  // (MMA, MMA_N, MMA_D)
-    Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});  // (MMA, MMA_N, MMA_D)
+    Tensor acc_dv = partition_fragment_C(mma_dv, Shape<Int<kBlockN>, Int<kHeadDimV>>{});  // (MMA, MMA_N, MMA_DV)
     clear(acc_dk);
     clear(acc_dv);
 
@@ -791,11 +811,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (MMA, MMA_M, MMA_D)
         warpgroup_gemm_issue</*kZeroInit=*/true>(mma_dq, tQrdS, tQrKt, acc_dq);
         auto thr_mma_dkv = mma_dkv.get_thread_slice(loop_tidx);
-        Tensor tKVrPt = thr_mma_dkv.make_fragment_A(thr_mma_dkv.partition_A(sPt));  // (MMA, MMA_N, MMA_K)
+        auto thr_mma_dv = mma_dv.get_thread_slice(loop_tidx);
+        Tensor tKVrPt = thr_mma_dv.make_fragment_A(thr_mma_dv.partition_A(sPt));  // (MMA, MMA_N, MMA_K)
         Tensor tKVrdSt = thr_mma_dkv.make_fragment_A(thr_mma_dkv.partition_A(sdSt));  // (MMA, MMA_N, MMA_K)
-        Tensor tKVrdOt = thr_mma_dkv.make_fragment_B(thr_mma_dkv.partition_B(blk.sdOt(stage)));  // (MMA, MMA_D, MMA_K)
+        Tensor tKVrdOt = thr_mma_dv.make_fragment_B(thr_mma_dv.partition_B(blk.sdOt(stage)));  // (MMA, MMA_DV, MMA_K)
         Tensor tKVrQt = thr_mma_dkv.make_fragment_B(thr_mma_dkv.partition_B(blk.sQt(stage)));  // (MMA, MMA_D, MMA_K)
-        warpgroup_gemm_issue</*kZeroInit=*/false>(mma_dkv, tKVrPt, tKVrdOt, acc_dv);
+        warpgroup_gemm_issue</*kZeroInit=*/false>(mma_dv, tKVrPt, tKVrdOt, acc_dv);
         warpgroup_gemm_issue</*kZeroInit=*/false>(mma_dkv, tKVrdSt, tKVrQt, acc_dk);
         warpgroup_wait_for<2>(acc_dq);
         blk.add_dq(params, thr_mma_dq, acc_dq, step, loop_tidx);
@@ -804,7 +825,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         warpgroup_fence_operand(acc_dk);
     }
     blk.end_dq_turns(params, tidx);
-    blk.store_dk_dv(params, mma_dkv, acc_dk, acc_dv, tidx);
+    blk.store_dk_dv(params, mma_dkv, acc_dk, mma_dv, acc_dv, tidx);
 #endif
 }
 

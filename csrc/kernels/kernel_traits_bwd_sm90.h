@@ -15,14 +15,18 @@ namespace flash {
 
 using namespace cute;
 
-// What both Hopper backward kernels share: two warpgroups, Q and dO in kStagesQ stages of (kBlockM, kHeadDim),
-// K and V of (kBlockN, kHeadDim), swizzled with the head dim contiguous (kSmemRowElems), plus transposed views.
-template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kSmemRowElems_>
+// What both Hopper backward kernels share: two warpgroups, Q and dO in kStagesQ stages of (kBlockM, kHeadDim) and
+// (kBlockM, kHeadDimV), K and V of (kBlockN, kHeadDim) and (kBlockN, kHeadDimV), swizzled with the head dim
+// contiguous (kSmemRowElems, kSmemRowElemsV), plus transposed views. kHeadDimV is below kHeadDim only in the wide
+// kernel's narrow-V form (tile_size.h, NarrowVShape).
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kSmemRowElems_, int kHeadDimV_ = kHeadDim_,
+          int kSmemRowElemsV_ = kSmemRowElems_>
 struct BwdSm90BaseTraits {
     using Element = Element_;
     using ElementAccum = float;
 
     static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kHeadDimV = kHeadDimV_;
     static constexpr int kBlockM = kBlockM_;
     static constexpr int kBlockN = kBlockN_;
     static constexpr int kNWarpgroups = 2;
@@ -30,36 +34,52 @@ struct BwdSm90BaseTraits {
     // Elements per 8-row swizzle atom row of Q, dO, K and V: 64 (128 B swizzle), 32 (64 B) or 16 (32 B). Each
     // kernel picks the widest whose atoms tile every head-dim slice its warpgroups read.
     static constexpr int kSmemRowElems = kSmemRowElems_;
-    static_assert(kHeadDim % kSmemRowElems == 0, "shared-memory rows of whole swizzle atoms");
+    static constexpr int kSmemRowElemsV = kSmemRowElemsV_;  // likewise for dO and V
+    static_assert(kHeadDim % kSmemRowElems == 0 && kHeadDimV % kSmemRowElemsV == 0,
+                  "shared-memory rows of whole swizzle atoms");
+    static_assert(kHeadDimV <= kHeadDim);
 
     using KeysAlongM = Layout<Shape<Int<kNWarpgroups>, _1, _1>>;  // warpgroups split GEMM M
     using SplitN = Layout<Shape<_1, Int<kNWarpgroups>, _1>>;      // warpgroups split GEMM N
 
-    using SmemAtom = std::conditional_t<
-        kSmemRowElems == 64, GMMA::Layout_K_SW128_Atom<Element>,
-        std::conditional_t<kSmemRowElems == 32, GMMA::Layout_K_SW64_Atom<Element>, GMMA::Layout_K_SW32_Atom<Element>>>;
-    using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));   // also dO
-    using SmemLayoutKV = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));  // K and V
-    // Transposed views: (kHeadDim, kBlockM) of Q and dO, (kHeadDim, kBlockN) of K.
+    template <int kRowElems>
+    using SmemAtomOf = std::conditional_t<
+        kRowElems == 64, GMMA::Layout_K_SW128_Atom<Element>,
+        std::conditional_t<kRowElems == 32, GMMA::Layout_K_SW64_Atom<Element>, GMMA::Layout_K_SW32_Atom<Element>>>;
+    using SmemAtom = SmemAtomOf<kSmemRowElems>;
+    using SmemAtomV = SmemAtomOf<kSmemRowElemsV>;
+    using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+    using SmemLayoutdO = decltype(tile_to_shape(SmemAtomV{}, Shape<Int<kBlockM>, Int<kHeadDimV>>{}));
+    using SmemLayoutKV = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));  // K
+    using SmemLayoutV = decltype(tile_to_shape(SmemAtomV{}, Shape<Int<kBlockN>, Int<kHeadDimV>>{}));
+    // Transposed views: (kHeadDim, kBlockM) of Q, (kHeadDimV, kBlockM) of dO, (kHeadDim, kBlockN) of K.
     using SmemLayoutQt = decltype(composition(
         SmemLayoutQ{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockM>>{}, Stride<Int<kBlockM>, _1>{})));
+    using SmemLayoutdOt = decltype(composition(
+        SmemLayoutdO{}, make_layout(Shape<Int<kHeadDimV>, Int<kBlockM>>{}, Stride<Int<kBlockM>, _1>{})));
     using SmemLayoutKt = decltype(composition(
         SmemLayoutKV{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Stride<Int<kBlockN>, _1>{})));
 
     static constexpr int kSmemQElems = cosize_v<SmemLayoutQ>;
-    static constexpr int kSmemKVElems = cosize_v<SmemLayoutKV>;
+    static constexpr int kSmemdOElems = cosize_v<SmemLayoutdO>;
+    static constexpr int kSmemKVElems = cosize_v<SmemLayoutKV>;  // K's
+    static constexpr int kSmemVElems = cosize_v<SmemLayoutV>;
     static constexpr int kStagesQ = 2;  // Q, dO, LSE and D of the next query block load during this one
 
     // Shared memory with one buffer of K and V and scratch_elems more elements for the kernel's own tiles.
     static constexpr int smem_bytes(int scratch_elems) {
-        return (2 * kStagesQ * kSmemQElems + 2 * kSmemKVElems + scratch_elems) * int(sizeof(Element)) +
+        return (kStagesQ * (kSmemQElems + kSmemdOElems) + kSmemKVElems + kSmemVElems + scratch_elems) *
+                   int(sizeof(Element)) +
                2 * kStagesQ * kBlockM * int(sizeof(float));
     }
 
     using GmemTiledCopyLoad = typename FwdSm90KernelTraits<Element, kHeadDim, 128, 64, 1>::GmemTiledCopyQKV;
+    using GmemTiledCopyLoadV = typename FwdSm90KernelTraits<Element, kHeadDimV, 128, 64, 1>::GmemTiledCopyQKV;
     static_assert(FwdSm90KernelTraits<Element, kHeadDim, 128, 64, 1>::kNThreads == kNThreads);
-    using GmemTiledCopyQ = GmemTiledCopyLoad;  // Q and dO
-    using GmemTiledCopyStore = typename FwdSm90KernelTraits<Element, kHeadDim, 128, 64, 1>::GmemTiledCopyO;  // dK, dV
+    using GmemTiledCopyQ = GmemTiledCopyLoad;  // Q
+    using GmemTiledCopydO = GmemTiledCopyLoadV;
+    using GmemTiledCopyStore = typename FwdSm90KernelTraits<Element, kHeadDim, 128, 64, 1>::GmemTiledCopyO;  // dK
+    using GmemTiledCopyStoreV = typename FwdSm90KernelTraits<Element, kHeadDimV, 128, 64, 1>::GmemTiledCopyO;  // dV
     static constexpr bool kDqTransposed = false;  // whether dQ is computed as dQ^T = K^T dS^T (BwdSm90KernelTraits)
     // Whether dQ reaches dq_accum through shared memory by bulk reductions, and the floats of each of its tiles
     // (BwdSm90KernelTraits).
@@ -153,6 +173,7 @@ struct BwdSm90KernelTraits
                                  Layout<Shape<_16, Int<Base::kNThreads / 16>>, Stride<Int<Base::kNThreads / 16>, _1>>{},
                                  Layout<Shape<_1, _8>>{})),
         typename Base::GmemTiledCopyLoad>;
+    using GmemTiledCopydO = GmemTiledCopyQ;
 
     static constexpr int kSmemScratchElems = cosize_v<SmemLayoutdSt>;
     // Two K/V buffers: a CTA that walks several key blocks (BwdParams::key_blocks_per_cta) loads the next
@@ -252,26 +273,39 @@ constexpr int kBwdWideSmemRowElems = (kHeadDim / 2) % 64 == 0   ? 64
                                      : (kHeadDim / 2) % 32 == 0 ? 32
                                                                 : 16;
 
-template <typename Element_, int kHeadDim_>
-struct BwdSm90WideKernelTraits : BwdSm90BaseTraits<Element_, kHeadDim_, 64, 64, kBwdWideSmemRowElems<kHeadDim_>> {
-    using Base = BwdSm90BaseTraits<Element_, kHeadDim_, 64, 64, kBwdWideSmemRowElems<kHeadDim_>>;
+// With kHeadDimV below kHeadDim (a narrow-V shape, tile_size.h), dO, V, dP's reduction and dV are kHeadDimV wide:
+// against V padded to kHeadDim, a third less dP and dV work at (192, 128), and 16 KiB less shared memory.
+template <typename Element_, int kHeadDim_, int kHeadDimV_ = kHeadDim_>
+struct BwdSm90WideKernelTraits
+    : BwdSm90BaseTraits<Element_, kHeadDim_, 64, 64, kBwdWideSmemRowElems<kHeadDim_>, kHeadDimV_,
+                        kBwdWideSmemRowElems<kHeadDimV_>> {
+    using Base = BwdSm90BaseTraits<Element_, kHeadDim_, 64, 64, kBwdWideSmemRowElems<kHeadDim_>, kHeadDimV_,
+                                   kBwdWideSmemRowElems<kHeadDimV_>>;
     using typename Base::Element;
     using typename Base::ElementAccum;
     using typename Base::SmemAtom;
     static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kHeadDimV = kHeadDimV_;
     static constexpr int kBlockM = 64;
     static constexpr int kBlockN = 64;
     static constexpr int kHalfD = kHeadDim / Base::kNWarpgroups;
-    static_assert(kHalfD % Base::kSmemRowElems == 0, "each warpgroup's half of dO^T, Q^T and K^T is whole atoms");
+    static constexpr int kHalfDV = kHeadDimV / Base::kNWarpgroups;
+    static_assert(kHalfD % Base::kSmemRowElems == 0 && kHalfDV % Base::kSmemRowElemsV == 0,
+                  "each warpgroup's half of dO^T, Q^T and K^T is whole atoms");
 
     // S and dP: (kBlockM, kBlockN), operands K-major in shared memory.
     using TiledMmaSdP = decltype(make_tiled_mma(
         SM90::GMMA::ss_op_selector<Element, Element, ElementAccum,
                                    Shape<Int<kBlockM>, Int<kBlockN / 2>, Int<kHeadDim>>>(),
         typename Base::SplitN{}));
-    // dV and dK: (kBlockN, kHeadDim); A = P^T or dS^T (key contiguous), B = dO^T or Q^T (head dim contiguous).
+    // dK: (kBlockN, kHeadDim); A = dS^T (key contiguous), B = Q^T (head dim contiguous).
     using TiledMmadKV = decltype(make_tiled_mma(
         SM90::GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<Int<kBlockN>, Int<kHalfD>, Int<kBlockM>>,
+                                   GMMA::Major::MN, GMMA::Major::MN>(),
+        typename Base::SplitN{}));
+    // dV: (kBlockN, kHeadDimV); A = P^T, B = dO^T. The same MMA as dK's where V is as wide as K.
+    using TiledMmadV = decltype(make_tiled_mma(
+        SM90::GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<Int<kBlockN>, Int<kHalfDV>, Int<kBlockM>>,
                                    GMMA::Major::MN, GMMA::Major::MN>(),
         typename Base::SplitN{}));
     // dQ = dS K: (kBlockM, kHeadDim); A = dS K-major, B = K^T head-dim contiguous.

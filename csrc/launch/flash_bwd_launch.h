@@ -32,15 +32,17 @@ constexpr TileShape bwd_mma_sync_tile() {
     return kBwdTileSet<KernelFamily::kMmaSync, kHeadDim, kBudget>.tile_for(kCausal);
 }
 
-// The mma.sync kernel of the set of kBudget, then its dQ conversion (dq_accum in its fragment order).
-template <typename Element, int kHeadDim, bool kCausal, bool kVariants, int kBudget>
+// The mma.sync kernel of the set of kBudget, V of kHeadDimV columns, then its dQ conversion (dq_accum in its fragment
+// order).
+template <typename Element, int kHeadDim, bool kCausal, bool kVariants, int kBudget, int kHeadDimV = kHeadDim>
 cudaError_t run_bwd_mma_sync(const BwdParams& params, cudaStream_t stream) {
     constexpr TileShape kTile = bwd_mma_sync_tile<kHeadDim, kCausal, kBudget>();
     static_assert(kTile.block_m >= kBwdMinBlockM && kTile.block_m <= kBwdMaxBlockM);
-    using Traits = BwdKernelTraits<Element, kHeadDim, kTile.block_m, kTile.block_n, kBudget, kTile.v_in_regs>;
+    using Traits =
+        BwdKernelTraits<Element, kHeadDim, kTile.block_m, kTile.block_n, kBudget, kTile.v_in_regs, kHeadDimV>;
     static_assert(sizeof(Element) == kElementBytes);
-    static_assert(Traits::kSmemBytes ==
-                      bwd_mma_sync_smem_bytes(kHeadDim, kTile.block_m, kTile.block_n, kTile.v_in_regs, kBudget),
+    static_assert(Traits::kSmemBytes == bwd_mma_sync_smem_bytes(kHeadDim, kHeadDimV, kTile.block_m, kTile.block_n,
+                                                                kTile.v_in_regs, kBudget),
                   "the plans check a GPU's shared memory by the formula, for the budget the kernel is tuned for");
     // Key blocks along x: in deterministic mode a key block waits on its neighbour of the same (batch,
     // head) with the next lower CTA index, which must therefore be scheduled first.
@@ -80,9 +82,11 @@ cudaError_t launch_bwd_sm90(const BwdParams& params, cudaStream_t stream) {
                   "the host sets key_blocks_per_cta by it");
     static_assert(sizeof(typename Traits::Element) == kElementBytes);
     constexpr int kHeadDim = Traits::kHeadDim;
-    static_assert(Traits::kSmemBytesOneKV == bwd_wgmma_smem_bytes(kHeadDim, kTile.block_m, kTile.block_n, false) &&
+    constexpr int kHeadDimV = Traits::kHeadDimV;
+    static_assert(Traits::kSmemBytesOneKV ==
+                          bwd_wgmma_smem_bytes(kHeadDim, kHeadDimV, kTile.block_m, kTile.block_n, false) &&
                       Traits::kSmemBytes ==
-                          bwd_wgmma_smem_bytes(kHeadDim, kTile.block_m, kTile.block_n, Traits::kStagesKV > 1),
+                          bwd_wgmma_smem_bytes(kHeadDim, kHeadDimV, kTile.block_m, kTile.block_n, Traits::kStagesKV > 1),
                   "the plans check a GPU's shared memory by the formula");
     if (params.key_blocks_per_cta < 1 || (Traits::kStagesKV == 1 && params.key_blocks_per_cta != 1)) {
         return cudaErrorNotSupported;
@@ -160,6 +164,29 @@ cudaError_t run_bwd_sm90_ws(const BwdParams& params, cudaStream_t stream) {
 // kVariants: as in run_fwd.
 template <typename Element, int kHeadDim, bool kCausal, bool kVariants>
 cudaError_t run_bwd(const BwdParams& params, cudaStream_t stream) {
+    if (params.head_dim_v != params.head_dim) {
+        // A V narrower than Q and K that the plan left unpadded (Plan::narrow_v): the narrow-V forms of the wide
+        // Hopper kernel and of the mma.sync one (both budgets' tiles), which the plans pick for plain calls.
+        if constexpr (narrow_v_shape(kHeadDim).exists() && !kVariants) {
+            constexpr NarrowVShape kNarrow = narrow_v_shape(kHeadDim);
+            if (params.head_dim_v > kNarrow.head_dim_v) { return cudaErrorInvalidConfiguration; }
+#if defined(FLASH_ATTN2_SM90A) && !defined(FLASH_BWD_TILE_M)
+            static_assert(kBwdSm90Kind<kHeadDim> == BwdSm90Kind::kWide);
+            if (params.family == KernelFamily::kWgmma) {
+                using Traits = BwdSm90WideKernelTraits<Element, kHeadDim, kNarrow.head_dim_v>;
+                return launch_bwd_sm90<Traits, &flash_bwd_sm90_wide_kernel<Traits, kCausal, false>,
+                                       kBwdTileSet<KernelFamily::kWgmma, kHeadDim>.tile_for(kCausal)>(params, stream);
+            }
+#endif
+            if (params.heads_per_cta != 1 || params.key_blocks_per_cta != 1) { return cudaErrorNotSupported; }
+            if (params.mma_sync_tile_set == MmaSyncTileSet::k99KiB) {
+                return run_bwd_mma_sync<Element, kHeadDim, kCausal, false, kSmem99KiB, kNarrow.head_dim_v>(params,
+                                                                                                           stream);
+            }
+            return run_bwd_mma_sync<Element, kHeadDim, kCausal, false, kSmem163KiB, kNarrow.head_dim_v>(params, stream);
+        }
+        return cudaErrorInvalidConfiguration;
+    }
 #if defined(FLASH_ATTN2_SM90A) && !defined(FLASH_BWD_TILE_M)
     if (params.family == KernelFamily::kWgmma) {
         constexpr TileSet kSet = kBwdTileSet<KernelFamily::kWgmma, kHeadDim>;

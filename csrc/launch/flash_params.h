@@ -149,7 +149,7 @@ struct BwdParams : FwdParams {
     void* __restrict__ dq_ptr;  // dq_accum * scale, at the dq_*_stride strides
     void* __restrict__ dk_ptr;  // (batch, seqlen_k, num_heads / heads_per_cta, head_dim): one slice per
                                 // query head, or per key/value head when heads_per_cta > 1
-    void* __restrict__ dv_ptr;  // likewise
+    void* __restrict__ dv_ptr;  // likewise, head_dim_v wide
     bool dkv_fp32;  // dk_ptr and dv_ptr hold fp32 (per-query-head GQA slices, summed on the
                     // host), else the input dtype
     int heads_per_cta;  // query heads one CTA walks: 1, or num_heads / num_heads_k (Hopper
@@ -169,9 +169,12 @@ struct BwdParams : FwdParams {
     index_t dq_batch_stride;  // same three for dq (0 for varlen)
     index_t dq_row_stride;
     index_t dq_head_stride;
-    index_t dk_batch_stride;  // same three for dk and dv (allocated alike)
+    index_t dk_batch_stride;  // same three for dk (0 for varlen)
     index_t dk_row_stride;
     index_t dk_head_stride;
+    index_t dv_batch_stride;  // and for dv, whose head dim is head_dim_v
+    index_t dv_row_stride;
+    index_t dv_head_stride;
 
     int dq_accum_seqlen;  // dense: seqlen_q rounded up to whole kBwdMaxBlockM blocks; varlen: total_q + batch *
                           // kBwdMaxBlockM

@@ -287,24 +287,30 @@ constexpr int fwd_mma_sync_smem_bytes(int head_dim, int block_m, int block_n) {
 
 // mma.sync backward (BwdKernelTraits): K, V, P and dS (P and dS inside V's buffer when V is held in
 // registers), plus per query stage Q and dO and the fp32 LSE and D of their rows. Two stages (the next query
-// block loads while this one computes) where they fit the budget, else one.
-constexpr int bwd_mma_sync_stage_bytes(int head_dim, int block_m) {
-    return 2 * block_m * head_dim * kElementBytes + 2 * block_m * 4;
+// block loads while this one computes) where they fit the budget, else one. V and dO are head_dim_v wide (a
+// narrow-V kernel's; head_dim elsewhere).
+constexpr int bwd_mma_sync_stage_bytes(int head_dim, int head_dim_v, int block_m) {
+    return block_m * (head_dim + head_dim_v) * kElementBytes + 2 * block_m * 4;
 }
-constexpr int bwd_mma_sync_fixed_bytes(int head_dim, int block_m, int block_n, bool v_in_regs) {
-    return (2 * block_n * head_dim + (v_in_regs ? 0 : 2 * block_m * block_n)) * kElementBytes;
+constexpr int bwd_mma_sync_fixed_bytes(int head_dim, int head_dim_v, int block_m, int block_n, bool v_in_regs) {
+    return (block_n * (head_dim + head_dim_v) + (v_in_regs ? 0 : 2 * block_m * block_n)) * kElementBytes;
 }
-constexpr int bwd_mma_sync_q_stages(int head_dim, int block_m, int block_n, bool v_in_regs, int smem_budget) {
-    return bwd_mma_sync_fixed_bytes(head_dim, block_m, block_n, v_in_regs) +
-                       2 * bwd_mma_sync_stage_bytes(head_dim, block_m) <=
+constexpr int bwd_mma_sync_q_stages(int head_dim, int head_dim_v, int block_m, int block_n, bool v_in_regs,
+                                    int smem_budget) {
+    return bwd_mma_sync_fixed_bytes(head_dim, head_dim_v, block_m, block_n, v_in_regs) +
+                       2 * bwd_mma_sync_stage_bytes(head_dim, head_dim_v, block_m) <=
                    smem_budget
                ? 2
                : 1;
 }
+constexpr int bwd_mma_sync_smem_bytes(int head_dim, int head_dim_v, int block_m, int block_n, bool v_in_regs,
+                                      int smem_budget) {
+    return bwd_mma_sync_fixed_bytes(head_dim, head_dim_v, block_m, block_n, v_in_regs) +
+           bwd_mma_sync_q_stages(head_dim, head_dim_v, block_m, block_n, v_in_regs, smem_budget) *
+               bwd_mma_sync_stage_bytes(head_dim, head_dim_v, block_m);
+}
 constexpr int bwd_mma_sync_smem_bytes(int head_dim, int block_m, int block_n, bool v_in_regs, int smem_budget) {
-    return bwd_mma_sync_fixed_bytes(head_dim, block_m, block_n, v_in_regs) +
-           bwd_mma_sync_q_stages(head_dim, block_m, block_n, v_in_regs, smem_budget) *
-               bwd_mma_sync_stage_bytes(head_dim, block_m);
+    return bwd_mma_sync_smem_bytes(head_dim, head_dim, block_m, block_n, v_in_regs, smem_budget);
 }
 
 // wgmma forward (FwdSm90KernelTraits): Q, and stages of (K, V) blocks. Three stages keep two key blocks in
@@ -339,9 +345,9 @@ constexpr int fwd_ws_smem_bytes(int head_dim, int block_m, int block_n, int stag
 
 // A call whose V has fewer columns than Q and K (DeepSeek's MLA: 192 and 128) runs, where a kernel of its own
 // exists, with V at that kernel's V head dim; every other such call runs at Q's head dim with V zero-padded to it
-// (the host pads). The Q/K head dim's launchers hold two such kernels, for plain calls (no variant) that the plan
-// does not split (plan.cpp): the warp-specialized Hopper forward on ws_tile, and the mma.sync forward on the head
-// dim's own tiles. Against V padded to 192: a third less P V work, V traffic and V shared memory; on Hopper the
+// (the host pads). The Q/K head dim's launchers hold such kernels for plain calls (no variant; plan.cpp): forward,
+// the warp-specialized Hopper kernel on ws_tile and the mma.sync kernel on the head dim's own tiles, for calls whose
+// keys the plan does not split; backward, Hopper's wide kernel and the mma.sync kernel on their own tiles. Against V padded to 192: a third less P V work, V traffic and V shared memory; on Hopper the
 // output accumulator of head dim 128 leaves the registers for 128-key blocks on two consumer warpgroups (two
 // stages: 209 KiB with the output staged in Q's buffer).
 struct NarrowVShape {
@@ -374,14 +380,16 @@ constexpr bool bwd_sm90_dq_through_smem(int head_dim, int block_m) {
 }
 
 // wgmma backward (BwdSm90BaseTraits::smem_bytes and its two kernels' traits): two stages of Q and dO with the
-// fp32 LSE and D of their rows, one K and V buffer, and scratch: dS^T (narrow) or P and dS (wide). The narrow
-// kernel rounds that to 1 KiB (where swizzle atoms repeat) and puts a tail past it that holds its second K/V buffer
-// (a CTA that walks several key blocks) or its two fp32 dQ tiles (one that adds dQ through shared memory), so
-// that a launch that needs neither (second_kv_buffer false) takes the smaller size.
-constexpr int bwd_wgmma_smem_bytes(int head_dim, int block_m, int block_n, bool second_kv_buffer) {
+// fp32 LSE and D of their rows, one K and V buffer, and scratch: dS^T (narrow) or P and dS (wide). dO and V are
+// head_dim_v wide (the wide kernel's narrow-V form). The narrow kernel rounds that to 1 KiB (where swizzle atoms
+// repeat) and puts a tail past it that holds its second K/V buffer (a CTA that walks several key blocks) or its two
+// fp32 dQ tiles (one that adds dQ through shared memory), so that a launch that needs neither (second_kv_buffer
+// false) takes the smaller size.
+constexpr int bwd_wgmma_smem_bytes(int head_dim, int head_dim_v, int block_m, int block_n, bool second_kv_buffer) {
     const bool narrow = bwd_sm90_narrow(head_dim);
     const int scratch_elems = narrow ? block_n * block_m : 2 * block_m * block_n;
-    const int one_kv = (2 * 2 * block_m * head_dim + 2 * block_n * head_dim + scratch_elems) * kElementBytes +
+    const int one_kv = (2 * block_m * (head_dim + head_dim_v) + block_n * (head_dim + head_dim_v) + scratch_elems) *
+                           kElementBytes +
                        2 * 2 * block_m * 4;
     if (!narrow) { return one_kv; }
     const int one_kv_rounded = (one_kv + 1023) / 1024 * 1024;
@@ -389,6 +397,9 @@ constexpr int bwd_wgmma_smem_bytes(int head_dim, int block_m, int block_n, bool 
     const int kv = 2 * block_n * head_dim * kElementBytes;
     const int tail = kv > dq_tiles ? kv : dq_tiles;
     return second_kv_buffer ? one_kv_rounded + tail : one_kv_rounded;
+}
+constexpr int bwd_wgmma_smem_bytes(int head_dim, int block_m, int block_n, bool second_kv_buffer) {
+    return bwd_wgmma_smem_bytes(head_dim, head_dim, block_m, block_n, second_kv_buffer);
 }
 
 // The warp-specialized wgmma backward (BwdSm90WsKernelTraits::SharedStorage): two stages of Q and dO, K and V, two
@@ -502,7 +513,7 @@ constexpr bool narrow_v_shapes_are_sound() {
         const TileShape& ws = shape.ws_tile;
         if (!(shape.head_dim_v < shape.head_dim &&
               tile_set(KernelFamily::kWgmma, Pass::kFwd, shape.head_dim, kSmem227KiB).ws_tile.exists() &&
-              ws.block_m % 64 == 0 && ws.stages >= 2 &&
+              ws.block_m % 64 == 0 && ws.stages >= 2 && !bwd_sm90_narrow(shape.head_dim) &&
               fwd_ws_smem_bytes(shape.head_dim, shape.head_dim_v, ws.block_m, ws.block_n, ws.stages) <= kSmem227KiB)) {
             return false;
         }
@@ -510,6 +521,7 @@ constexpr bool narrow_v_shapes_are_sound() {
     return true;
 }
 static_assert(narrow_v_shapes_are_sound(),
-              "a narrow-V kernel is a warp-specialized forward of a head dim that has one, within 227 KiB");
+              "a narrow-V kernel is a warp-specialized forward of a head dim that has one, within 227 KiB, and a "
+              "head dim of the wide Hopper backward");
 
 }  // namespace flash

@@ -136,9 +136,7 @@ def test_narrow_v_kernel(kernel, d_qk, d_v, dtype, causal, sink):
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
         poison_allocator(q.device)
         with force_plan(**force):
-            out, lse, _ = flash_attn_func(
-                *leaves, causal=causal, return_attn_probs=True, learnable_sink=learnable_sink
-            )
+            out, lse, _ = flash_attn_func(*leaves, causal=causal, return_attn_probs=True, learnable_sink=learnable_sink)
             ours = (out, lse, *torch.autograd.grad(out, leaves, dout))
 
         def attend(q, k, v, upcast, dropped=True, learnable_sink=learnable_sink):

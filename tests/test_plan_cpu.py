@@ -1233,8 +1233,16 @@ def test_narrow_v_elsewhere_pads_v(case):
 def test_narrow_v_backward(head_dim, head_dim_v, causal, deterministic):
     # Hopper's wide backward has a narrow-V form at Q/K kernel head dim 192 (V's 128) on its own 64 x 64 tile: Q and
     # dO in two stages, K, V, P and dS and the LSE and D, 137 KiB against 161 KiB with V at 192.
-    args = dict(batch=2, seqlen_q=2048, seqlen_k=2048, nheads=16, nheads_k=16, head_dim=head_dim, causal=causal,
-                deterministic=deterministic)
+    args = dict(
+        batch=2,
+        seqlen_q=2048,
+        seqlen_k=2048,
+        nheads=16,
+        nheads_k=16,
+        head_dim=head_dim,
+        causal=causal,
+        deterministic=deterministic,
+    )
     p = plan("bwd", **args, head_dim_v=head_dim_v, **H200)
     assert p.narrow_v and p.kernel == "wgmma" and not p.warp_specialized, p
     assert (p.kernel_head_dim, p.block_m, p.block_n, p.smem) == (192, 64, 64, 140288), p

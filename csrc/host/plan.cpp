@@ -318,8 +318,7 @@ void plan_bwd(const Problem& p, const Target& t, const PlanOverride& o, Plan& pl
     // A V narrower than Q and K: the narrow-V form of the kernel that runs (Hopper's wide one, or the mma.sync one on
     // the set's tile) where the head dim has one (narrow_v_shape), for calls with no variant.
     const NarrowVShape narrow = narrow_v_shape(hd);
-    plan.narrow_v = p.head_dim_v < p.head_dim && narrow.exists() && p.head_dim_v <= narrow.head_dim_v &&
-                    !plan.variants;
+    plan.narrow_v = p.head_dim_v < p.head_dim && narrow.exists() && p.head_dim_v <= narrow.head_dim_v && !plan.variants;
     if (plan.narrow_v) {
         plan.smem_bytes = wgmma ? bwd_wgmma_smem_bytes(hd, narrow.head_dim_v, tile.block_m, tile.block_n, false)
                                 : bwd_mma_sync_smem_bytes(hd, narrow.head_dim_v, tile.block_m, tile.block_n,

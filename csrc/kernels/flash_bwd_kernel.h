@@ -392,8 +392,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
         Tensor tKVcdV = thr_mma_dv.partition_C(cV);
         Tensor gdK = local_tile(binfo.dk_view<float>(params, batch_idx, head_idx), Shape<Int<kBlockN>, Int<kHeadDim>>{},
                                 make_coord(n_block, 0));  // (kBlockN, kHeadDim)
-        Tensor gdV = local_tile(binfo.dv_view<float>(params, batch_idx, head_idx), Shape<Int<kBlockN>, Int<kHeadDimV>>{},
-                                make_coord(n_block, 0));  // (kBlockN, kHeadDimV)
+        Tensor gdV = local_tile(binfo.dv_view<float>(params, batch_idx, head_idx),
+                                Shape<Int<kBlockN>, Int<kHeadDimV>>{}, make_coord(n_block, 0));  // (kBlockN, kHeadDimV)
         store_acc<float>(acc_dk, tKVcdKV, gdK, k_rows_left, params.head_dim, params.softmax_scale);
         store_acc<float>(acc_dv, tKVcdV, gdV, k_rows_left, params.head_dim_v,
                          kVariants ? params.dropout_keep_scale : 1.f);
@@ -430,8 +430,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
     Tensor tdVcdV = gmem_thr_copy_store_v.partition_D(cV);  // (CPY, CPY_N, CPY_DV)
     copy_to_gmem(gmem_tiled_copy_store, gmem_thr_copy_store.partition_S(sK), gmem_thr_copy_store.partition_D(gdK),
                  tdKcdK, k_rows_left, params.head_dim);
-    copy_to_gmem(gmem_tiled_copy_store_v, gmem_thr_copy_store_v.partition_S(sV),
-                 gmem_thr_copy_store_v.partition_D(gdV), tdVcdV, k_rows_left, params.head_dim_v);
+    copy_to_gmem(gmem_tiled_copy_store_v, gmem_thr_copy_store_v.partition_S(sV), gmem_thr_copy_store_v.partition_D(gdV),
+                 tdVcdV, k_rows_left, params.head_dim_v);
 }
 
 // dq = softmax_scale * dq_accum for one query block of one (sequence, query head), from dq_accum in the dQ

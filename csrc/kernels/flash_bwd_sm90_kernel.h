@@ -201,8 +201,8 @@ struct BwdSm90Block {
     __forceinline__ __device__ auto sdOt(int stage) const {
         return smem(do_base + stage * kdOElems, typename Traits::SmemLayoutdOt{});
     } // (kHeadDimV, kBlockM)
-    static constexpr int kKV1Offset =
-        Traits::kSmemBytesOneKV / int(sizeof(Element)) - Traits::kStagesQ * (kQElems + kdOElems);
+    static constexpr int kKV1Offset = Traits::kSmemBytesOneKV / int(sizeof(Element)) -
+                                      Traits::kStagesQ * (kQElems + kdOElems);
     __forceinline__ __device__ Element* k_stage(int s) const { return k_base + s * kKV1Offset; }
     __forceinline__ __device__ auto sK(int s) const {
         return smem(k_stage(s), typename Traits::SmemLayoutKV{});
@@ -233,8 +233,7 @@ struct BwdSm90Block {
         load_tile<typename Traits::GmemTiledCopyLoad, kBlockN, kHeadDim>(
             binfo.k_view<Element>(params, batch_idx, head_idx_k), n, sK(s), binfo.seqlen_k, params.head_dim, thread);
         load_tile<typename Traits::GmemTiledCopyLoadV, kBlockN, kHeadDimV>(
-            binfo.v_view<Element>(params, batch_idx, head_idx_k), n, sV(s), binfo.seqlen_k, params.head_dim_v,
-            thread);
+            binfo.v_view<Element>(params, batch_idx, head_idx_k), n, sV(s), binfo.seqlen_k, params.head_dim_v, thread);
     }
 
     // Q, dO, LSE and D of step `step` into stage. Rows past seqlen_q read as 0, LSE and D included: with
@@ -244,12 +243,12 @@ struct BwdSm90Block {
                                               int thread) const {
         const int head_idx = step.head;
         const int m_block = step.m_block;
-        load_tile<typename Traits::GmemTiledCopyQ, kBlockM, kHeadDim>(binfo.q_view<Element>(params, batch_idx, head_idx),
-                                                                      m_block, sQ(stage), binfo.seqlen_q,
-                                                                      params.head_dim, thread);
+        load_tile<typename Traits::GmemTiledCopyQ, kBlockM, kHeadDim>(
+            binfo.q_view<Element>(params, batch_idx, head_idx), m_block, sQ(stage), binfo.seqlen_q, params.head_dim,
+            thread);
         load_tile<typename Traits::GmemTiledCopydO, kBlockM, kHeadDimV>(
-            binfo.do_view<Element>(params, batch_idx, head_idx), m_block, sdO(stage), binfo.seqlen_q,
-            params.head_dim_v, thread);
+            binfo.do_view<Element>(params, batch_idx, head_idx), m_block, sdO(stage), binfo.seqlen_q, params.head_dim_v,
+            thread);
         const int rows_left = binfo.seqlen_q - m_block * kBlockM;
         // LSE by the first kBlockM threads, D by the next kBlockM.
         if (thread < 2 * kBlockM) {
@@ -467,8 +466,8 @@ struct BwdSm90Block {
         if (params.dkv_fp32) {
             store_fp32<kHeadDim>(mma_dk, acc_dk, binfo.dk_view<float>(params, batch_idx, dkv_head), params.head_dim,
                                  params.softmax_scale, thread);
-            store_fp32<kHeadDimV>(mma_dv, acc_dv, binfo.dv_view<float>(params, batch_idx, dkv_head),
-                                  params.head_dim_v, dv_scale, thread);
+            store_fp32<kHeadDimV>(mma_dv, acc_dv, binfo.dv_view<float>(params, batch_idx, dkv_head), params.head_dim_v,
+                                  dv_scale, thread);
             return;
         }
         __syncthreads();  // every warpgroup's wgmmas that read this K/V buffer have completed
@@ -515,8 +514,8 @@ struct BwdSm90Block {
         auto gmem_thr_copy = gmem_tiled_copy.get_thread_slice(thread);
         Tensor tcC = gmem_thr_copy.partition_D(make_identity_tensor(Shape<Int<kBlockN>, Int<kCols>>{}));  // (CPY, N, D)
         Tensor gC = local_tile(view, Shape<Int<kBlockN>, Int<kCols>>{}, make_coord(n_block, 0));  // (kBlockN, kCols)
-        copy_to_gmem(gmem_tiled_copy, gmem_thr_copy.partition_S(sC), gmem_thr_copy.partition_D(gC), tcC,
-                     k_rows_left(), cols);
+        copy_to_gmem(gmem_tiled_copy, gmem_thr_copy.partition_S(sC), gmem_thr_copy.partition_D(gC), tcC, k_rows_left(),
+                     cols);
     }
 };
 

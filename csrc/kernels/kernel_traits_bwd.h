@@ -107,8 +107,8 @@ struct BwdKernelTraits {
     static constexpr int kSmemVElems = cosize_v<SmemLayoutV>;
     static constexpr int kSmemPdSElems = cosize_v<SmemLayoutPdS>;
     // Per stage: Q and dO tiles, then the LSE and D of their rows (fp32).
-    static constexpr int kSmemStageBytes =
-        (kSmemQElems + kSmemdOElems) * int(sizeof(Element)) + 2 * kBlockM * int(sizeof(float));
+    static constexpr int kSmemStageBytes = (kSmemQElems + kSmemdOElems) * int(sizeof(Element)) +
+                                           2 * kBlockM * int(sizeof(float));
     static_assert(!kVInRegs || 2 * kSmemPdSElems <= kSmemVElems, "P and dS must fit in V's buffer");
     static constexpr int kSmemFixedBytes = (kSmemKVElems + kSmemVElems + (kVInRegs ? 0 : 2 * kSmemPdSElems)) *
                                            int(sizeof(Element));
@@ -128,14 +128,16 @@ struct BwdKernelTraits {
     template <int kCols>
     static constexpr int kGmemThreadsPerRowOf = FwdTraits::template smem_row_elems<kCols> / 8;
     template <int kCols>
-    using GmemThreadLayoutOf = Layout<Shape<Int<kNThreads / kGmemThreadsPerRowOf<kCols>>, Int<kGmemThreadsPerRowOf<kCols>>>,
-                                      Stride<Int<kGmemThreadsPerRowOf<kCols>>, _1>>;
+    using GmemThreadLayoutOf =
+        Layout<Shape<Int<kNThreads / kGmemThreadsPerRowOf<kCols>>, Int<kGmemThreadsPerRowOf<kCols>>>,
+               Stride<Int<kGmemThreadsPerRowOf<kCols>>, _1>>;
     static constexpr int kGmemThreadsPerRow = kGmemThreadsPerRowOf<kHeadDim>;
     using GmemThreadLayout = GmemThreadLayoutOf<kHeadDim>;
     using GmemTiledCopyLoad = decltype(make_tiled_copy(Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint128_t>, Element>{},
                                                        GmemThreadLayout{}, Layout<Shape<_1, _8>>{}));
-    using GmemTiledCopyLoadV = decltype(make_tiled_copy(Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint128_t>, Element>{},
-                                                        GmemThreadLayoutOf<kHeadDimV>{}, Layout<Shape<_1, _8>>{}));
+    using GmemTiledCopyLoadV = decltype(make_tiled_copy(
+        Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint128_t>, Element>{}, GmemThreadLayoutOf<kHeadDimV>{},
+        Layout<Shape<_1, _8>>{}));
     // dK and dV leave through shared memory (K's and V's buffers), 16 B per thread and access.
     using GmemTiledCopyStore = decltype(make_tiled_copy(Copy_Atom<UniversalCopy<uint128_t>, Element>{},
                                                         GmemThreadLayout{}, Layout<Shape<_1, _8>>{}));

@@ -83,11 +83,11 @@ cudaError_t launch_bwd_sm90(const BwdParams& params, cudaStream_t stream) {
     static_assert(sizeof(typename Traits::Element) == kElementBytes);
     constexpr int kHeadDim = Traits::kHeadDim;
     constexpr int kHeadDimV = Traits::kHeadDimV;
-    static_assert(Traits::kSmemBytesOneKV ==
-                          bwd_wgmma_smem_bytes(kHeadDim, kHeadDimV, kTile.block_m, kTile.block_n, false) &&
-                      Traits::kSmemBytes ==
-                          bwd_wgmma_smem_bytes(kHeadDim, kHeadDimV, kTile.block_m, kTile.block_n, Traits::kStagesKV > 1),
-                  "the plans check a GPU's shared memory by the formula");
+    static_assert(
+        Traits::kSmemBytesOneKV == bwd_wgmma_smem_bytes(kHeadDim, kHeadDimV, kTile.block_m, kTile.block_n, false) &&
+            Traits::kSmemBytes ==
+                bwd_wgmma_smem_bytes(kHeadDim, kHeadDimV, kTile.block_m, kTile.block_n, Traits::kStagesKV > 1),
+        "the plans check a GPU's shared memory by the formula");
     if (params.key_blocks_per_cta < 1 || (Traits::kStagesKV == 1 && params.key_blocks_per_cta != 1)) {
         return cudaErrorNotSupported;
     }

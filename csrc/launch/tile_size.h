@@ -347,9 +347,10 @@ constexpr int fwd_ws_smem_bytes(int head_dim, int block_m, int block_n, int stag
 // exists, with V at that kernel's V head dim; every other such call runs at Q's head dim with V zero-padded to it
 // (the host pads). The Q/K head dim's launchers hold such kernels for plain calls (no variant; plan.cpp): forward,
 // the warp-specialized Hopper kernel on ws_tile and the mma.sync kernel on the head dim's own tiles, for calls whose
-// keys the plan does not split; backward, Hopper's wide kernel and the mma.sync kernel on their own tiles. Against V padded to 192: a third less P V work, V traffic and V shared memory; on Hopper the
-// output accumulator of head dim 128 leaves the registers for 128-key blocks on two consumer warpgroups (two
-// stages: 209 KiB with the output staged in Q's buffer).
+// keys the plan does not split; backward, Hopper's wide kernel and the mma.sync kernel on their own tiles. Against V
+// padded to 192: a third less P V work, V traffic and V shared memory; on Hopper the output accumulator of head dim 128
+// leaves the registers for 128-key blocks on two consumer warpgroups (two stages: 209 KiB with the output staged in Q's
+// buffer).
 struct NarrowVShape {
     int head_dim = 0;  // the kernel head dim of Q and K; 0: no such kernel
     int head_dim_v = 0;  // V's, which holds every V of at most that many columns

@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import (
     MIN_ROWS_ON_TWO_KEYS,
+    SMEM_99KIB,
     check_results,
     cu_seqlens,
     gradient_floors,
@@ -114,13 +115,17 @@ def test_dense(d_qk, d_v, kernel, dtype, causal):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("d_qk, d_v", [(192, 128), (176, 96)])
-@pytest.mark.parametrize("kernel", ["wgmma", "mma_sync"])
+@pytest.mark.parametrize("kernel", ["wgmma", "mma_sync", "mma_sync_99kib"])
 def test_narrow_v_kernel(kernel, d_qk, d_v, dtype, causal, sink):
     # The narrow-V kernels (Q/K kernel head dim 192, V's 128; a V of 96 columns loads zero-filled to 128), forward
-    # and backward: several key and query blocks with ragged ends both ways, GQA, with and without a learnable sink.
-    # One key range per query block: the forward's narrow-V kernels compute whole key ranges.
+    # and backward: several key and query blocks with ragged ends both ways, GQA, with and without a learnable sink;
+    # the mma.sync ones also on the tiles of a GPU with 99 KiB of shared memory per block. One key range per query
+    # block: the forward's narrow-V kernels compute whole key ranges.
     require_kernels(192, dtype)
-    force = forced_family(kernel, 192, dtype)
+    if kernel == "mma_sync_99kib":
+        force = {**forced_family("mma_sync", 192, dtype), "max_smem": SMEM_99KIB}
+    else:
+        force = forced_family(kernel, 192, dtype)
     b, h, hk = 2, 6, 2
     for sq, sk in ((1000, 1000), (257, 777), (777, 257)):
         sizes = dict(batch=b, seqlen_q=sq, seqlen_k=sk, nheads=h, nheads_k=hk, head_dim=192, causal=causal)

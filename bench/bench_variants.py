@@ -14,8 +14,8 @@ sections:
                  against SDPA with dropout. seqlen 2048 and 8192 (--quick: 8192), causal and not.
   sink           learnable_sink, fp32 (nheads,) logits that require grad, against the same call without one: the
                  overhead. Hidden size 2048: head dim 64 (32 heads) and 128 (16 heads), causal and not; and head
-                 dim 64 with gpt-oss's sliding window, window_size=(128, 0), causal, both calls windowed. seqlen
-                 2048 and 8192 (--quick: 8192).
+                 dim 64 with gpt-oss's sliding window, window_size=(128, 0), causal, both calls windowed. The
+                 anchor grid's seqlens, 512 to 16384 (--quick: 8192).
 
     python bench/bench_variants.py                       # all four sections -> variants_<gpu-slug>.{json,md,png}
     python bench/bench_variants.py --quick --rounds 3    # fewer shapes
@@ -46,8 +46,9 @@ TOKENS, NHEADS, HDIM = 16384, 16, 128
 SOFTCAP, DROPOUT_P = 30.0, 0.1
 WINDOWS = (((1024, 0), True), ((512, 512), False))  # (window_size, causal)
 # The sink section's shapes: the anchor grid's head dims at one hidden size (nheads = SINK_HIDDEN // hdim), and
-# gpt-oss's sliding window, (128, 0) with causal, at head dim 64.
+# gpt-oss's sliding window, (128, 0) with causal, at head dim 64, over the anchor grid's seqlens.
 SINK_HIDDEN, SINK_HDIMS, SINK_WINDOW = 2048, (64, 128), (128, 0)
+SINK_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 SINK_SEED = 0  # the sink's logits: the same for every group of a head count, and from run to run
 # Appended sections go last: bench_group seeds each group's data with its section's index.
 SECTIONS = ("window", "softcap_alibi", "dropout", "sink")
@@ -181,7 +182,7 @@ def build_groups(args):
                 for causal in (False, True):
                     add(section, seqlen, causal)
     if "sink" in args.sections:
-        seqlens = [8192] if args.quick else [2048, 8192]
+        seqlens = [8192] if args.quick else list(SINK_SEQLENS)
         for hdim in SINK_HDIMS:
             for seqlen in seqlens:
                 for causal in (False, True):

@@ -274,7 +274,7 @@ constexpr int kBwdWideSmemRowElems = (kHeadDim / 2) % 64 == 0   ? 64
                                                                 : 16;
 
 // With kHeadDimV below kHeadDim (a narrow-V shape, tile_size.h), dO, V, dP's reduction and dV are kHeadDimV wide:
-// against V padded to kHeadDim, a third less dP and dV work at (192, 128), and 16 KiB less shared memory.
+// against V padded to kHeadDim, a third less dP and dV work at (192, 128), and 24 KiB less shared memory.
 template <typename Element_, int kHeadDim_, int kHeadDimV_ = kHeadDim_>
 struct BwdSm90WideKernelTraits : BwdSm90BaseTraits<Element_, kHeadDim_, 64, 64, kBwdWideSmemRowElems<kHeadDim_>,
                                                    kHeadDimV_, kBwdWideSmemRowElems<kHeadDimV_>> {

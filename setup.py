@@ -32,9 +32,10 @@ Environment knobs:
   FLASH_ATTN2_BWD_TILE     "M,N" forces one backward tile on every kernel (tile tuning only)
 """
 
-import itertools
+import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -44,7 +45,7 @@ from setuptools import find_packages, setup
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "csrc"))
-from generate import DTYPES, HEAD_DIMS, MASKS, PASSES, kernel_name  # noqa: E402
+from generate import DTYPES, HEAD_DIMS, HOPPER_BWD_MMA_SYNC_HEAD_DIMS, kernel_files, part_family  # noqa: E402
 
 # The package version without its local tag; the one place it is set.
 BASE_VERSION = "0.2.0"
@@ -53,9 +54,10 @@ TORCH_TARGET_VERSION = (2, 11)
 # The oldest CPython the limited-API build runs on (-DPy_LIMITED_API, the wheel's cp310-abi3 tag).
 PY_LIMITED_API = (3, 10)
 
-# Peak resident memory of one nvcc job on one instantiation (sm_80 + sm_90a + PTX), with margin: 6.07 GiB measured
-# for the head-dim-96 backward files on an H200 host (nvcc 13.0; docs/design-notes.md, 'nvcc memory per job').
-GB_PER_NVCC_JOB = 6.5
+# Peak resident memory of one nvcc job, with margin: 5.34 GiB measured for the head-dim-64 variants backward's
+# mma.sync file (sm_80 + sm_90a + PTX) on a 16-core H100 host (nvcc 13.0; docs/design-notes.md, 'One kernel family
+# per translation unit').
+GB_PER_NVCC_JOB = 6.0
 
 SASS_ARCHS = ("80", "86", "89", "90", "100", "120")
 PTX_ARCHS = ("80", "86", "89", "90", "100", "120")
@@ -115,13 +117,16 @@ def kernel_selection():
     return [h for h in HEAD_DIMS if h in hdims], [d for d in DTYPES if d in dtypes]
 
 
-def kernel_sources(hdims, dtypes):
+def kernel_sources(hdims, dtypes, with_wgmma):
+    """(path, pass, head dim, family) of the generated kernel files to compile."""
     sources = []
-    for pass_, hdim, dtype, mask in itertools.product(PASSES, hdims, dtypes, MASKS):
-        path = Path("csrc") / "generated" / "instantiations" / f"{kernel_name(pass_, hdim, dtype, mask)}.cu"
-        if not (ROOT / path).is_file():
-            raise RuntimeError(f"{path} is missing; run `python csrc/generate.py`")
-        sources.append(str(path))
+    for path, (pass_, hdim, dtype, _, part) in kernel_files().items():
+        family = part_family(pass_, part)
+        if hdim not in hdims or dtype not in dtypes or (family == "wgmma" and not with_wgmma):
+            continue
+        if not path.is_file():
+            raise RuntimeError(f"{path.relative_to(ROOT)} is missing; run `python csrc/generate.py`")
+        sources.append((str(path.relative_to(ROOT)), pass_, hdim, family))
     return sources
 
 
@@ -143,6 +148,36 @@ def sass_target(arch: str) -> str:
     return "90a" if arch == "90" else arch
 
 
+def gencodes(archs, ptx_archs):
+    """nvcc's -gencode flags for SASS of `archs` and PTX of `ptx_archs`."""
+    flags = [f"-gencode=arch=compute_{t},code=sm_{t}" for t in map(sass_target, archs)]
+    # Portable PTX (compute_90, not the arch-specific compute_90a), which the driver JIT-compiles for GPUs newer
+    # than it. The kernels it holds are the ones this arch's pass compiles: the mma.sync ones.
+    flags += [f"-gencode=arch=compute_{arch},code=compute_{arch}" for arch in ptx_archs]
+    return flags
+
+
+def mma_sync_sm90_from_ptx(pass_, head_dim, archs, ptx_archs) -> bool:
+    """Whether Hopper runs one pass's mma.sync kernels of a head dim from the PTX (JIT-compiled at their first
+    launch, then cached by the driver) rather than from sm_90a SASS of their own: where the build embeds PTX that
+    Hopper can run, for the kernels Hopper runs only when told to (FLASH_ATTN2_DISABLE_WGMMA=1, a max_smem
+    override): every forward, and the backward at head dims outside HOPPER_BWD_MMA_SYNC_HEAD_DIMS. Their sm_90a
+    pass would cost a third of their files' compile. The others keep their SASS: Hopper runs them in deterministic
+    mode, and on sm_90 they add dQ with vector reductions, which compute_80 PTX cannot hold (docs/design-notes.md,
+    'One kernel family per translation unit')."""
+    runs_by_default = pass_ == "bwd" and head_dim in HOPPER_BWD_MMA_SYNC_HEAD_DIMS
+    return "90" in archs and not runs_by_default and any(int(arch) <= 90 for arch in ptx_archs)
+
+
+def family_gencodes(pass_, head_dim, family, archs, ptx_archs):
+    """The -gencode flags of one kernel's family's file: the wgmma kernels are sm_90a code only; the mma.sync ones
+    run on every arch, on Hopper from the PTX where mma_sync_sm90_from_ptx says so."""
+    if family == "wgmma":
+        return gencodes(["90"], [])
+    skip_90 = mma_sync_sm90_from_ptx(pass_, head_dim, archs, ptx_archs)
+    return gencodes([arch for arch in archs if not (arch == "90" and skip_90)], ptx_archs)
+
+
 def nvcc_flags(archs, ptx_archs, nvcc_threads):
     flags = [
         "-O3",
@@ -157,13 +192,7 @@ def nvcc_flags(archs, ptx_archs, nvcc_threads):
         "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
         f"--threads={nvcc_threads}",
     ]
-    for arch in archs:
-        target = sass_target(arch)
-        flags.append(f"-gencode=arch=compute_{target},code=sm_{target}")
-    for arch in ptx_archs:
-        # Portable PTX (compute_90, not the arch-specific compute_90a), which the driver JIT-compiles for GPUs
-        # newer than it. The kernels it holds are the ones this arch's pass compiles: the mma.sync ones.
-        flags.append(f"-gencode=arch=compute_{arch},code=compute_{arch}")
+    flags += gencodes(archs, ptx_archs)
     if "90" in archs:
         flags.append("-DFLASH_ATTN2_SM90A")
     tile = os.environ.get("FLASH_ATTN2_FWD_TILE")  # "M,N,WARPS": tile-tuning builds only
@@ -333,15 +362,20 @@ def build_extensions():
         for room in ("host", "launch", "generated")
         for path in (ROOT / "csrc" / room).glob("*.cpp")
     )
+    # The kernel files, each with its family's archs.
+    kernels = kernel_sources(hdims, dtypes, with_wgmma="90" in archs)
+    file_gencodes = {
+        os.path.abspath(path): family_gencodes(pass_, hdim, family, archs, ptx_archs)
+        for path, pass_, hdim, family in kernels
+    }
     sources = [
+        *(path for path, *_ in kernels),
         *host,
         "csrc/launch/build_info.cu",
         "csrc/kernels/flash_bwd_aux.cu",
         "csrc/kernels/flash_fwd_combine.cu",
         "csrc/kernels/kvcache_prep.cu",
     ]
-    fixed_sources = len(sources)
-    sources += kernel_sources(hdims, dtypes)
 
     # Stable ABI only: in torch >= 2.14 TORCH_TARGET_VERSION also turns every non-stable header into an #error.
     # Py_LIMITED_API: torch's BuildExtension adds the same define (same spelling) for py_limited_api extensions.
@@ -352,7 +386,7 @@ def build_extensions():
     # -fvisibility=hidden: the stable ABI's types are hidden, and so are ours then; only PyInit__C is exported.
     cxx_flags = ["-O3", "-std=c++20", "-fvisibility=hidden", *abi_flags, py_limited, "-include", glibc_symver]
     print(
-        f"flash_attn_cuda {version}: archs={archs} ptx={ptx_archs} kernels={len(sources) - fixed_sources} "
+        f"flash_attn_cuda {version}: archs={archs} ptx={ptx_archs} kernel files={len(kernels)} "
         f"MAX_JOBS={os.environ['MAX_JOBS']}"
     )
 
@@ -365,6 +399,11 @@ def build_extensions():
             "TORCH_TARGET_VERSION": "{}.{}".format(*TORCH_TARGET_VERSION),
             "ARCHS": tuple(sass_target(a) for a in archs),
             "PTX_ARCHS": tuple(ptx_archs),
+            # The head dims of each pass whose mma.sync kernels Hopper runs from the PTX (mma_sync_sm90_from_ptx).
+            "MMA_SYNC_SM90_FROM_PTX": {
+                pass_: tuple(h for h in hdims if mma_sync_sm90_from_ptx(pass_, h, archs, ptx_archs))
+                for pass_ in ("fwd", "bwd")
+            },
             "HEAD_DIMS": tuple(hdims),
             "DTYPES": tuple(dtypes),
             "AUTOGRAD_TORCH": autograd_minors,
@@ -390,7 +429,21 @@ def build_extensions():
         "-Wl,--strip-debug",
     ]
     ext.libraries = []
-    return [ext, *autograd_exts], version
+    return [ext, *autograd_exts], version, file_gencodes
+
+
+def per_file_nvcc(build_temp: Path, file_gencodes: dict, wrapped) -> str:
+    """The PYTORCH_NVCC command that gives each kernel file its family's -gencode flags (csrc/nvcc_per_file.py):
+    torch's build passes one set of flags to every CUDA source. It runs `wrapped`, a PYTORCH_NVCC of the caller's
+    own (ccache, say), or else nvcc."""
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    build_temp.mkdir(parents=True, exist_ok=True)
+    map_path = build_temp.resolve() / "nvcc_gencodes.json"
+    map_path.write_text(json.dumps(file_gencodes, indent=1))
+    command = shlex.split(wrapped) if wrapped else [os.path.join(CUDA_HOME, "bin", "nvcc")]
+    wrapper = ROOT / "csrc" / "nvcc_per_file.py"
+    return shlex.join([sys.executable, str(wrapper), str(map_path), json.dumps(command)])
 
 
 def main():
@@ -399,7 +452,7 @@ def main():
         setup(version=BASE_VERSION, packages=packages)
         return
     require_torch()
-    ext_modules, version = build_extensions()
+    ext_modules, version, file_gencodes = build_extensions()
     from torch.utils.cpp_extension import BuildExtension
 
     # The compile progress: ninja prints its status line (NINJA_STATUS) before each command line as the command
@@ -412,7 +465,16 @@ def main():
         def build_extension(self, ext):
             if name_in_status:
                 os.environ["NINJA_STATUS"] = f"{ext.name}: compiled %f/%t files (%e s): "
-            super().build_extension(ext)
+            saved = os.environ.get("PYTORCH_NVCC")
+            if ext.name == "flash_attn_cuda._C":
+                os.environ["PYTORCH_NVCC"] = per_file_nvcc(Path(self.build_temp), file_gencodes, saved)
+            try:
+                super().build_extension(ext)
+            finally:
+                if saved is None:
+                    os.environ.pop("PYTORCH_NVCC", None)
+                else:
+                    os.environ["PYTORCH_NVCC"] = saved
 
     setup(
         version=version,

@@ -50,6 +50,7 @@ BUILD_FIELDS = {
     "TORCH_TARGET_VERSION": "torch_target_version",
     "ARCHS": "archs",
     "PTX_ARCHS": "ptx_archs",
+    "MMA_SYNC_SM90_FROM_PTX": "mma_sync_sm90_from_ptx",
     "HEAD_DIMS": "head_dims",
     "DTYPES": "dtypes",
 }
@@ -80,6 +81,8 @@ def load_build_info(path=None):
     info = {}
     for field, key in BUILD_FIELDS.items():
         value = getattr(module, field, None)
+        if isinstance(value, dict):
+            value = {k: list(v) if isinstance(v, (tuple, list)) else v for k, v in value.items()}
         info[key] = list(value) if isinstance(value, (tuple, list)) else value
     return info
 
@@ -260,7 +263,8 @@ def describe_image(image):
 # The GPU classes the library is made for: (capability, examples, opt-in shared memory per block in KiB). The
 # mma.sync kernels run everywhere, with the tile set of the GPU's shared memory (99 KiB, else 163 KiB); Hopper runs
 # the wgmma kernels from sm_90a SASS, and the mma.sync ones in deterministic mode (backward) or without sm_90a
-# SASS.
+# SASS. A build may leave out the sm_90a SASS of the mma.sync kernels that Hopper runs only under an override
+# (MMA_SYNC_SM90_FROM_PTX: head dims per pass), which it then JIT-compiles from the PTX.
 GPU_CLASSES = (
     ((8, 0), "A100, A30", 163),
     ((8, 6), "A10, A40, RTX 30xx", 99),
@@ -271,9 +275,11 @@ GPU_CLASSES = (
 )
 
 
-def class_images(archs, ptx_archs):
+def class_images(archs, ptx_archs, mma_sync_sm90_from_ptx=None):
     """One dict per GPU_CLASSES entry: its capability, examples, the kernel image this build runs on it (or None)
-    and the text that says so."""
+    and the text that says so. mma_sync_sm90_from_ptx: {pass: head dims} whose mma.sync kernels Hopper runs from
+    the PTX, where the build says."""
+    from_ptx = {pass_: list(dims) for pass_, dims in (mma_sync_sm90_from_ptx or {}).items() if dims}
     rows = []
     for capability, examples, smem_kib in GPU_CLASSES:
         image = kernel_image(capability, archs, ptx_archs)
@@ -281,6 +287,13 @@ def class_images(archs, ptx_archs):
             mma_sync = "mma.sync, 163 KiB tiles"
             hopper_sass = image is not None and tuple(image) == ("sass", "90a")
             tiles = f"wgmma; {mma_sync} in deterministic mode" if hopper_sass else mma_sync
+            ptx_image = kernel_image(capability, [], ptx_archs)
+            if hopper_sass and from_ptx and ptx_image is not None:
+                which = " and ".join(
+                    f"{'forward' if p == 'fwd' else 'backward'} at head dims {', '.join(map(str, dims))}"
+                    for p, dims in from_ptx.items()
+                )
+                tiles += f"; under an override, the mma.sync {which} from {describe_image(ptx_image)}"
         else:
             tiles = f"mma.sync, {smem_kib} KiB tiles"
         rows.append(
@@ -477,7 +490,9 @@ def collect():
         facts["extension"]["autograd"] = getattr(getattr(package, "_ops", None), "AUTOGRAD", None)
         facts["warnings"] += version_problems(build, runtime)
     if build is not None and build.get("archs") is not None:
-        facts["gpu_classes"] = class_images(build["archs"], build.get("ptx_archs") or [])
+        facts["gpu_classes"] = class_images(
+            build["archs"], build.get("ptx_archs") or [], build.get("mma_sync_sm90_from_ptx")
+        )
     try:
         facts["gpus"] = gpu_facts(build)
     except Exception as exc:  # a driver that torch cannot initialise

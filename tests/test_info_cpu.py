@@ -28,6 +28,7 @@ CUDA_VERSION = "13.0"              # nvcc's version
 TORCH_TARGET_VERSION = "2.11"      # oldest torch the stable-ABI build runs on
 ARCHS = ("80", "90a")              # SASS archs
 PTX_ARCHS = ("80",)                # embedded PTX
+MMA_SYNC_SM90_FROM_PTX = {"fwd": (64, 128), "bwd": (256,)}
 HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 DTYPES = ("fp16", "bf16")
 """
@@ -39,6 +40,7 @@ BUILD = {
     "torch_target_version": "2.11",
     "archs": ["80", "90a"],
     "ptx_archs": ["80"],
+    "mma_sync_sm90_from_ptx": {"fwd": [64, 128], "bwd": [256]},
     "head_dims": [32, 64, 96, 128, 160, 192, 224, 256],
     "dtypes": ["fp16", "bf16"],
 }
@@ -149,6 +151,12 @@ def test_class_images():
     # Hopper without sm_90a SASS runs the mma.sync kernels, JIT-compiled from the PTX (sm_80 SASS is for sm_8x).
     rows = {row["capability"]: row for row in info.class_images(["80"], ["80"])}
     assert rows["9.0"]["image"] == ["ptx", "80"] and "wgmma" not in rows["9.0"]["text"], rows["9.0"]
+    # The release build leaves out the sm_90a SASS of the mma.sync kernels that Hopper runs only under an
+    # override, and says which run from the PTX.
+    rows = {row["capability"]: row for row in info.class_images(["80", "90a"], ["80"], {"fwd": (64,), "bwd": ()})}
+    assert rows["9.0"]["image"] == ["sass", "90a"], rows["9.0"]
+    assert "wgmma" in rows["9.0"]["text"] and "forward at head dims 64 from compute_80 PTX" in rows["9.0"]["text"]
+    assert "PTX" not in info.class_images(["80", "90a"], ["80"], {"fwd": (), "bwd": ()})[4]["text"]
     # A Hopper-only build has nothing for the others.
     rows = {row["capability"]: row for row in info.class_images(["90a"], [])}
     assert rows["8.6"]["image"] is None and rows["8.6"]["text"] == "no kernel image in this build"

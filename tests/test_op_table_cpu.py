@@ -2,6 +2,7 @@
 the fakes and autograd that _ops.py derives from it behave as the ops do. No GPU needed."""
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -145,3 +146,66 @@ def test_public_variants_follow_the_schema():
 
     for name in ("fwd", "bwd", "varlen_fwd", "varlen_bwd"):
         assert OPS[name]["args"][-len(Variants._fields) :] == Variants._fields, name
+
+
+def test_each_kernel_file_holds_one_family():
+    # A kernel's translation units each include one family's launchers, so that the build can compile each for
+    # that family's archs alone; exactly one of them, the mma.sync one, registers the kernel's launcher.
+    generator = load_generator()
+    files = generator.kernel_files()
+    assert len(files) == sum(len(generator.PARTS[p]) for p, *_ in generator.kernels())
+    for path, (pass_, _, _, _, part) in files.items():
+        text = path.read_text()
+        family = generator.part_family(pass_, part)
+        other = "sm90" if family == "mma_sync" else "mma_sync"
+        assert f"flash_{pass_}_launch_{other}.h" not in text, path.name
+        assert ("FLASH_REGISTER_KERNEL" in text) == (part == "mma_sync"), path.name
+        assert ("EXTENDED_MMA_SHAPES" in text) <= (family == "wgmma"), path.name
+
+
+def test_nvcc_per_file_replaces_the_gencodes_of_mapped_files(tmp_path):
+    # csrc/nvcc_per_file.py, setup.py's PYTORCH_NVCC: a mapped source gets its own -gencode flags in place of
+    # torch's, any other keeps them; the other arguments pass through in order.
+    import json
+    import subprocess
+
+    mapped = tmp_path / "a_wgmma.cu"
+    gencode_map = tmp_path / "map.json"
+    gencode_map.write_text(json.dumps({str(mapped): ["-gencode=arch=compute_90a,code=sm_90a"]}))
+    # The wrapped command: a Python one that prints the arguments it gets.
+    echo = json.dumps([sys.executable, "-c", "import sys, json; print(json.dumps(sys.argv[1:]))"])
+
+    def run(source):
+        # As torch writes it: "-c" twice.
+        args = ["-O3", "-gencode=arch=compute_80,code=sm_80", "-c", "-c", str(source), "-o", "x.o", "-DX"]
+        out = subprocess.run(
+            [sys.executable, str(CSRC / "nvcc_per_file.py"), str(gencode_map), echo, *args],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return json.loads(out.stdout)
+
+    expected = ["-O3", "-c", "-c", str(mapped), "-o", "x.o", "-DX", "-gencode=arch=compute_90a,code=sm_90a"]
+    assert run(mapped) == expected
+    other = tmp_path / "b.cu"
+    assert run(other) == ["-O3", "-gencode=arch=compute_80,code=sm_80", "-c", "-c", str(other), "-o", "x.o", "-DX"]
+
+
+def test_nvcc_per_file_logs_each_compile(tmp_path):
+    # FLASH_ATTN2_BUILD_LOG: one JSON line per compile, with its time and peak memory, and the compiler's exit
+    # status passed on.
+    import json
+    import subprocess
+
+    gencode_map = tmp_path / "map.json"
+    gencode_map.write_text("{}")
+    log = tmp_path / "build.jsonl"
+    failing = json.dumps([sys.executable, "-c", "import sys; sys.exit(3)"])
+    result = subprocess.run(
+        [sys.executable, str(CSRC / "nvcc_per_file.py"), str(gencode_map), failing, "-c", "-c", "k.cu", "-o", "k.o"],
+        env={**os.environ, "FLASH_ATTN2_BUILD_LOG": str(log)},
+    )
+    assert result.returncode == 3
+    (record,) = [json.loads(line) for line in log.read_text().splitlines()]
+    assert record["source"] == "k.cu" and record["seconds"] >= 0 and record["peak_gib"] > 0

@@ -129,6 +129,30 @@ def test_deterministic_backward_on_hopper_runs_the_warp_specialized_kernel(seqle
 VARIANT_FLAGS = ({"window_size": (64, 0)}, {"softcap": 30.0}, {"alibi": True}, {"dropout": True})
 
 
+def test_hopper_runs_the_mma_sync_backward_by_default_only_where_the_build_says():
+    # The release build leaves out the sm_90a SASS of the mma.sync backward at head dims outside
+    # HOPPER_BWD_MMA_SYNC_HEAD_DIMS (csrc/generate.py, read by setup.py): Hopper must never pick it there unless
+    # told to, in any mode; at the head dims listed it does somewhere (deterministic mode), or the list is stale.
+    import importlib.util
+    from pathlib import Path
+
+    generate = Path(__file__).resolve().parent.parent / "csrc" / "generate.py"
+    if not generate.is_file():
+        pytest.skip("no csrc/ next to the tests")
+    spec = importlib.util.spec_from_file_location("flash_attn_generate_lists", generate)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    listed = set(module.HOPPER_BWD_MMA_SYNC_HEAD_DIMS)
+    for head_dim in _kernel_list.HEAD_DIMS:
+        kernels = set()
+        for causal, deterministic, variant, (seqlen_q, seqlen_k), nheads_k in itertools.product(
+            (False, True), (False, True), ({}, *VARIANT_FLAGS), ((512, 512), (1, 70000), (70000, 70000)), (8, 1)
+        ):
+            sizes = dict(seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads_k=nheads_k, head_dim=head_dim)
+            kernels.add(make("bwd", causal=causal, deterministic=deterministic, **sizes, **variant).kernel)
+        assert ("mma_sync" in kernels) == (head_dim in listed), (head_dim, kernels)
+
+
 @pytest.mark.parametrize("head_dim", [160, 192, 224, 256])
 def test_deterministic_backward_wide_head_dims_run_the_wide_kernel(head_dim):
     # Forced to Hopper: its key blocks take turns too, variants included.

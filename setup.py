@@ -8,6 +8,9 @@ The version is BASE_VERSION plus a PEP 440 local tag naming the CUDA major of th
 with what; `python -m flash_attn_cuda.info` prints it). `make wheel` (tools/build_wheel.sh) builds and repairs
 a wheel.
 
+Each kernel is two generated files, one per kernel family, each compiled for that family's archs only
+(family_gencodes; csrc/nvcc_per_file.py applies them).
+
 The build compiles against the torch installed in the Python that runs it: `pip install --no-build-isolation -v
 -e .` (pip's isolated build environment holds no torch; without the flag this script stops and says so, see
 docs/design-notes.md, "Isolated builds"). -v lets pip show the build's output, among it ninja's progress,
@@ -28,6 +31,7 @@ Environment knobs:
   MAX_JOBS                 parallel compile jobs; default from free memory and cores
   NVCC_THREADS             nvcc --threads (parallel arch passes per file), default 1
   FLASH_ATTN2_PTXAS_VERBOSE=1  print registers and spills per kernel
+  FLASH_ATTN2_BUILD_LOG    a file to append one JSON line per kernel file compiled: its time and peak memory
   FLASH_ATTN2_FWD_TILE     "M,N,WARPS" forces one forward tile on every kernel (tile tuning only)
   FLASH_ATTN2_BWD_TILE     "M,N" forces one backward tile on every kernel (tile tuning only)
 """

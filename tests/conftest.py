@@ -5,9 +5,12 @@ under pytest's default import mode.
 """
 
 import functools
+import importlib.util
 import itertools
 import math
 import os
+import sys
+from pathlib import Path
 from typing import NamedTuple
 
 import pytest
@@ -23,6 +26,25 @@ from flash_attn_cuda.reference import attention_ref, dropout_keep_scale, visible
 # or dtype added there reaches every test.
 
 KERNEL_HEAD_DIMS = list(_kernel_list.HEAD_DIMS)
+
+# The source tree's csrc/, where the generator and its lists live (absent next to an installed package's tests).
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+
+
+def load_generator():
+    """csrc/generate.py as a module (its kernel list, op table and file layout), or a skip without csrc/."""
+    if not (CSRC / "generate.py").is_file():
+        pytest.skip("no csrc/ next to the tests")
+    sys.path.insert(0, str(CSRC))
+    try:
+        spec = importlib.util.spec_from_file_location("flash_attn_generate", CSRC / "generate.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(CSRC))
+    return module
+
+
 DTYPE_IDS = list(_kernel_list.DTYPES)
 _TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 DTYPES = [_TORCH_DTYPES[name] for name in DTYPE_IDS]

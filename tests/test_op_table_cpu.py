@@ -1,29 +1,15 @@
 """The op table (csrc/op_table.py): the generated files are current, the registered schemas are the table's, and
 the fakes and autograd that _ops.py derives from it behave as the ops do. No GPU needed."""
 
-import importlib.util
+import json
 import os
+import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import CSRC, load_generator
 from torch._subclasses.fake_tensor import FakeTensorMode
-
-CSRC = Path(__file__).resolve().parent.parent / "csrc"
-
-
-def load_generator():
-    if not (CSRC / "generate.py").is_file():
-        pytest.skip("no csrc/ next to the tests")
-    sys.path.insert(0, str(CSRC))
-    try:
-        spec = importlib.util.spec_from_file_location("flash_attn_generate", CSRC / "generate.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(CSRC))
-    return module
 
 
 def test_generated_files_are_current():
@@ -166,9 +152,6 @@ def test_each_kernel_file_holds_one_family():
 def test_nvcc_per_file_replaces_the_gencodes_of_mapped_files(tmp_path):
     # csrc/nvcc_per_file.py, setup.py's PYTORCH_NVCC: a mapped source gets its own -gencode flags in place of
     # torch's, any other keeps them; the other arguments pass through in order.
-    import json
-    import subprocess
-
     mapped = tmp_path / "a_wgmma.cu"
     gencode_map = tmp_path / "map.json"
     gencode_map.write_text(json.dumps({str(mapped): ["-gencode=arch=compute_90a,code=sm_90a"]}))
@@ -195,9 +178,6 @@ def test_nvcc_per_file_replaces_the_gencodes_of_mapped_files(tmp_path):
 def test_nvcc_per_file_logs_each_compile(tmp_path):
     # FLASH_ATTN2_BUILD_LOG: one JSON line per compile, with its time and peak memory, and the compiler's exit
     # status passed on.
-    import json
-    import subprocess
-
     gencode_map = tmp_path / "map.json"
     gencode_map.write_text("{}")
     log = tmp_path / "build.jsonl"

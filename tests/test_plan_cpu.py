@@ -11,6 +11,7 @@ import itertools
 
 import pytest
 import torch
+from conftest import load_generator
 
 import flash_attn_cuda
 from flash_attn_cuda import _kernel_list, flash_attn_func, flash_attn_varlen_func
@@ -133,16 +134,7 @@ def test_hopper_runs_the_mma_sync_backward_by_default_only_where_the_build_says(
     # The release build leaves out the sm_90a SASS of the mma.sync backward at head dims outside
     # HOPPER_BWD_MMA_SYNC_HEAD_DIMS (csrc/generate.py, read by setup.py): Hopper must never pick it there unless
     # told to, in any mode; at the head dims listed it does somewhere (deterministic mode), or the list is stale.
-    import importlib.util
-    from pathlib import Path
-
-    generate = Path(__file__).resolve().parent.parent / "csrc" / "generate.py"
-    if not generate.is_file():
-        pytest.skip("no csrc/ next to the tests")
-    spec = importlib.util.spec_from_file_location("flash_attn_generate_lists", generate)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    listed = set(module.HOPPER_BWD_MMA_SYNC_HEAD_DIMS)
+    listed = set(load_generator().HOPPER_BWD_MMA_SYNC_HEAD_DIMS)
     for head_dim in _kernel_list.HEAD_DIMS:
         kernels = set()
         for causal, deterministic, variant, (seqlen_q, seqlen_k), nheads_k in itertools.product(

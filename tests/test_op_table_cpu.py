@@ -3,6 +3,7 @@ the fakes and autograd that _ops.py derives from it behave as the ops do. No GPU
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -146,7 +147,35 @@ def test_each_kernel_file_holds_one_family():
         other = "sm90" if family == "mma_sync" else "mma_sync"
         assert f"flash_{pass_}_launch_{other}.h" not in text, path.name
         assert ("FLASH_REGISTER_KERNEL" in text) == (part == "mma_sync"), path.name
-        assert ("EXTENDED_MMA_SHAPES" in text) <= (family == "wgmma"), path.name
+
+
+def test_no_source_includes_cutes_extended_wgmma_shapes():
+    # CuTe's extended wgmma shapes header adds 16-23 s of front end to each file that includes it; the shapes the
+    # kernels need come from kernels/wgmma_ops.h instead.
+    sources = [p for p in CSRC.rglob("*") if p.suffix in (".h", ".cu", ".cpp", ".hpp")]
+    assert sources
+    for path in sources:
+        assert "CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED" not in path.read_text(), path
+
+
+def test_generated_wgmma_shapes_hold_one_fma_per_shape_and_dtype():
+    # Each shape's wgmma, per dtype: N / 2 accumulator registers, as many in-out operands, the descriptors after.
+    generator = load_generator()
+    text = generator.WGMMA_SHAPES_H.read_text()
+    blocks = text.split("template <cute::SM90::GMMA::Major kMajorA, cute::SM90::GMMA::Major kMajorB>\nstruct")[1:]
+    assert len(blocks) == len(generator.WGMMA_SS_SHAPES_N) * len(generator.DTYPES)
+    seen = set()
+    for block in blocks:
+        element, n = re.search(r"WgmmaSsFma<([\w:]+), (\d+), kMajorA, kMajorB>", block).groups()
+        n = int(n)
+        dtype = next(d for d, e in generator.DTYPES.items() if e == element)
+        ptx_type = generator.WGMMA_TYPES[dtype]
+        assert f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_type}.{ptx_type} " in block
+        assert block.count('"+f"(') == n // 2 and block.count("float& ") == n // 2
+        assert f'"%{n // 2}, %{n // 2 + 1}, p, 1, 1, %{n // 2 + 3}, %{n // 2 + 4};' in block
+        assert f"setp.ne.b32 p, %{n // 2 + 2}, 0;" in block
+        seen.add((dtype, n))
+    assert seen == {(d, n) for d in generator.DTYPES for n in generator.WGMMA_SS_SHAPES_N}
 
 
 def test_nvcc_per_file_replaces_the_gencodes_of_mapped_files(tmp_path):

@@ -9,6 +9,7 @@
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_types.h>
 
+#include "kernels/wgmma_ops.h"
 #include "kernels/kernel_traits_fwd_sm90.h"  // the global-copy atoms and the TMA view both passes share
 
 namespace flash {
@@ -110,17 +111,15 @@ constexpr int kBwdNarrowSmemRowElems = kHeadDim % 64 == 0 ? 64 : 16;
 template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kNWarpgroups, bool kTransposed>
 auto bwd_sm90_tiled_mma_dq() {
     if constexpr (kTransposed) {
-        return make_tiled_mma(
-            SM90::GMMA::ss_op_selector<Element, Element, float,
-                                       Shape<Int<kHeadDim / kNWarpgroups>, Int<kBlockM>, Int<kBlockN>>, GMMA::Major::MN,
-                                       GMMA::Major::MN>(),
-            Layout<Shape<Int<kNWarpgroups>, _1, _1>>{});
+        return make_tiled_mma(wgmma_ss_op_selector<Element, Element, float,
+                                                   Shape<Int<kHeadDim / kNWarpgroups>, Int<kBlockM>, Int<kBlockN>>,
+                                                   GMMA::Major::MN, GMMA::Major::MN>(),
+                              Layout<Shape<Int<kNWarpgroups>, _1, _1>>{});
     } else {
-        return make_tiled_mma(
-            SM90::GMMA::ss_op_selector<Element, Element, float,
-                                       Shape<Int<kBlockM>, Int<kHeadDim / kNWarpgroups>, Int<kBlockN>>, GMMA::Major::MN,
-                                       GMMA::Major::MN>(),
-            Layout<Shape<_1, Int<kNWarpgroups>, _1>>{});
+        return make_tiled_mma(wgmma_ss_op_selector<Element, Element, float,
+                                                   Shape<Int<kBlockM>, Int<kHeadDim / kNWarpgroups>, Int<kBlockN>>,
+                                                   GMMA::Major::MN, GMMA::Major::MN>(),
+                              Layout<Shape<_1, Int<kNWarpgroups>, _1>>{});
     }
 }
 
@@ -145,7 +144,7 @@ struct BwdSm90KernelTraits
 
     // S^T = K Q^T and dP^T = V dO^T: (kBlockN, kBlockM), operands K-major in shared memory.
     using TiledMmaSdP = decltype(make_tiled_mma(
-        SM90::GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<Int<kBlockN>, Int<kBlockM>, Int<kHeadDim>>>(),
+        wgmma_ss_op_selector<Element, Element, ElementAccum, Shape<Int<kBlockN>, Int<kBlockM>, Int<kHeadDim>>>(),
         typename Base::KeysAlongM{}));
     // dV += P^T dO and dK += dS^T Q: (kBlockN, kHeadDim), A from registers, B (dO^T, Q^T) head-dim contiguous.
     using TiledMmadKV = decltype(make_tiled_mma(
@@ -294,23 +293,22 @@ struct BwdSm90WideKernelTraits : BwdSm90BaseTraits<Element_, kHeadDim_, 64, 64, 
 
     // S and dP: (kBlockM, kBlockN), operands K-major in shared memory.
     using TiledMmaSdP = decltype(make_tiled_mma(
-        SM90::GMMA::ss_op_selector<Element, Element, ElementAccum,
-                                   Shape<Int<kBlockM>, Int<kBlockN / 2>, Int<kHeadDim>>>(),
+        wgmma_ss_op_selector<Element, Element, ElementAccum, Shape<Int<kBlockM>, Int<kBlockN / 2>, Int<kHeadDim>>>(),
         typename Base::SplitN{}));
     // dK: (kBlockN, kHeadDim); A = dS^T (key contiguous), B = Q^T (head dim contiguous).
     using TiledMmadKV = decltype(make_tiled_mma(
-        SM90::GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<Int<kBlockN>, Int<kHalfD>, Int<kBlockM>>,
-                                   GMMA::Major::MN, GMMA::Major::MN>(),
+        wgmma_ss_op_selector<Element, Element, ElementAccum, Shape<Int<kBlockN>, Int<kHalfD>, Int<kBlockM>>,
+                             GMMA::Major::MN, GMMA::Major::MN>(),
         typename Base::SplitN{}));
     // dV: (kBlockN, kHeadDimV); A = P^T, B = dO^T. The same MMA as dK's where V is as wide as K.
     using TiledMmadV = decltype(make_tiled_mma(
-        SM90::GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<Int<kBlockN>, Int<kHalfDV>, Int<kBlockM>>,
-                                   GMMA::Major::MN, GMMA::Major::MN>(),
+        wgmma_ss_op_selector<Element, Element, ElementAccum, Shape<Int<kBlockN>, Int<kHalfDV>, Int<kBlockM>>,
+                             GMMA::Major::MN, GMMA::Major::MN>(),
         typename Base::SplitN{}));
     // dQ = dS K: (kBlockM, kHeadDim); A = dS K-major, B = K^T head-dim contiguous.
     using TiledMmadQ = decltype(make_tiled_mma(
-        SM90::GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<Int<kBlockM>, Int<kHalfD>, Int<kBlockN>>,
-                                   GMMA::Major::K, GMMA::Major::MN>(),
+        wgmma_ss_op_selector<Element, Element, ElementAccum, Shape<Int<kBlockM>, Int<kHalfD>, Int<kBlockN>>,
+                             GMMA::Major::K, GMMA::Major::MN>(),
         typename Base::SplitN{}));
 
     using SmemLayoutP = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},

@@ -13,6 +13,7 @@
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_types.h>
 
+#include "kernels/wgmma_ops.h"
 #include "launch/flash_params.h"
 
 namespace flash {
@@ -41,7 +42,7 @@ struct FwdSm90Operands {
     using WarpgroupLayout = Layout<Shape<Int<kNWarpgroups>, _1, _1>>;
     // S = Q K^T: both operands in shared memory, head dim contiguous (K-major).
     using TiledMmaS = decltype(make_tiled_mma(
-        SM90::GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>>(),
+        wgmma_ss_op_selector<Element, Element, ElementAccum, Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>>(),
         WarpgroupLayout{}));
     // O += P V: P from registers, V^T read from V's buffer, where the head dim (O's N) is contiguous.
     using TiledMmaO = decltype(make_tiled_mma(

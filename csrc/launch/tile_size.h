@@ -117,8 +117,8 @@ constexpr int kBwdSm90ShortBlockM = 16;
 //
 // The warp-specialized wgmma forward's tiles (ws_tile): 64 query rows per consumer warpgroup, two warpgroups of 240
 // registers, or three of 160 at head dims 32 and 64 (192 rows), where the accumulators leave room; two stages of K
-// and V in wgmma N shapes that CuTe offers without its extended-shapes header. Head dim 256 takes 80-key blocks,
-// FlashAttention-3's choice there: two stages of them and Q fill the 227 KiB (the output stages in Q's buffer).
+// and V in blocks of 64, 96 or 128 keys, wgmma N shapes of CuTe's default set. Head dim 256 takes 80-key blocks
+// (kernels/wgmma_ops.h serves that N), FlashAttention-3's choice there: two stages of them and Q fill the 227 KiB (the output stages in Q's buffer).
 // Head dim 128's 128-key blocks beat 192-key ones at 1k keys and trailed them by 1-4% from 2k (design notes). Head
 // dim 64 on 128 x 128 (two warpgroups) was about as fast as 192 x 128 up to 1k keys, and 6-11% slower from 4k
 // non-causal (design notes).

@@ -118,10 +118,10 @@ constexpr int kBwdSm90ShortBlockM = 16;
 // The warp-specialized wgmma forward's tiles (ws_tile): 64 query rows per consumer warpgroup, two warpgroups of 240
 // registers, or three of 160 at head dims 32 and 64 (192 rows), where the accumulators leave room; two stages of K
 // and V in blocks of 64, 96 or 128 keys, wgmma N shapes of CuTe's default set. Head dim 256 takes 80-key blocks
-// (kernels/wgmma_ops.h serves that N), FlashAttention-3's choice there: two stages of them and Q fill the 227 KiB (the output stages in Q's buffer).
-// Head dim 128's 128-key blocks beat 192-key ones at 1k keys and trailed them by 1-4% from 2k (design notes). Head
-// dim 64 on 128 x 128 (two warpgroups) was about as fast as 192 x 128 up to 1k keys, and 6-11% slower from 4k
-// non-causal (design notes).
+// (kernels/wgmma_ops.h serves that N), FlashAttention-3's choice there: two stages of them and Q fill the 227 KiB
+// (the output stages in Q's buffer). Head dim 128's 128-key blocks beat 192-key ones at 1k keys and trailed them
+// by 1-4% from 2k (design notes). Head dim 64 on 128 x 128 (two warpgroups) was about as fast as 192 x 128 up to
+// 1k keys, and 6-11% slower from 4k non-causal (design notes).
 // Under a causal mask it has a short-key tile of its own (ws_short_tile): 128 x 128 on two consumer warpgroups,
 // which computes fewer masked scores on the diagonal than the 192-row tile and splits a tile's few key blocks
 // among fewer warpgroups of unequal work. Against the 192-row tile (H100, docs/design-notes.md): 47% faster at 512

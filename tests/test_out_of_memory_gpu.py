@@ -72,8 +72,9 @@ def test_out_of_memory_raises(pass_, deterministic, python_autograd):
         env["FLASH_ATTN2_PYTHON_AUTOGRAD"] = "1"
     # Run from the directory that holds the imported package, so the subprocess imports the same build.
     cwd = os.path.dirname(os.path.dirname(flash_attn_cuda.__file__))
+    # -X faulthandler: a crash prints the Python frame it happened under into the report.
     result = subprocess.run(
-        [sys.executable, "-c", SCRIPT, pass_, "1" if deterministic else "0"],
+        [sys.executable, "-X", "faulthandler", "-c", SCRIPT, pass_, "1" if deterministic else "0"],
         env=env,
         cwd=cwd,
         capture_output=True,

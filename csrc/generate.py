@@ -3,7 +3,8 @@
 Each kernel is one (pass, head dim, dtype, mask). This file writes, from the lists below:
 - csrc/generated/instantiations/<name>_<part>.cu, each kernel's translation units (PARTS);
 - csrc/generated/kernel_list.h, the head dims and the kernel names for the C++ side (registry, plans, errors);
-- flash_attn_cuda/_kernel_list.py, the same for Python (kernel_available, tests).
+- flash_attn_cuda/_kernel_list.py, the same for Python (kernel_available, tests);
+- csrc/generated/wgmma_shapes.h, the wgmma instructions of WGMMA_SS_SHAPES_N (kernels/wgmma_ops.h).
 and from the op table (see there): csrc/generated/op_args.h, csrc/generated/ops.h,
 csrc/generated/ops_registration.cpp and flash_attn_cuda/_op_table.py.
 setup.py imports this module to pick the files to compile (FLASH_ATTN2_HDIMS, FLASH_ATTN2_DTYPES).
@@ -406,29 +407,27 @@ struct WgmmaSsFma<{element}, {n}, kMajorA, kMajorB> {{
 def wgmma_shapes_h() -> str:
     specializations = []
     for n in WGMMA_SS_SHAPES_N:
-        regs = n // 2
         assert n % 8 == 0 and 8 <= n <= 256, n
+        regs = n // 2  # accumulator floats per thread
+        names = [f"d{i:03d}" for i in range(regs)]
+        params = ",\n".join(" " * 37 + ", ".join(f"float& {x}" for x in names[i : i + 6]) for i in range(0, regs, 6))
+        operands = [f"%{i}" for i in range(regs)]
+        registers = "\n".join(
+            '            "'
+            + ("{" if i == 0 else " ")
+            + ", ".join(operands[i : i + 8])
+            + ("}, " if i + 8 >= regs else ",")
+            + '"'
+            for i in range(0, regs, 8)
+        )
+        outputs = "\n".join(
+            "            "
+            + (": " if i == 0 else "  ")
+            + ", ".join(f'"+f"({x})' for x in names[i : i + 8])
+            + ("" if i + 8 >= regs else ",")
+            for i in range(0, regs, 8)
+        )
         for dtype, element in DTYPES.items():
-            names = [f"d{i:03d}" for i in range(regs)]
-            params = ",\n".join(
-                " " * 37 + ", ".join(f"float& {x}" for x in names[i : i + 6]) for i in range(0, regs, 6)
-            )
-            operands = [f"%{i}" for i in range(regs)]
-            registers = "\n".join(
-                '            "'
-                + ("{" if i == 0 else " ")
-                + ", ".join(operands[i : i + 8])
-                + ("}, " if i + 8 >= regs else ",")
-                + '"'
-                for i in range(0, regs, 8)
-            )
-            outputs = "\n".join(
-                "            "
-                + (": " if i == 0 else "  ")
-                + ", ".join(f'"+f"({x})' for x in names[i : i + 8])
-                + ("" if i + 8 >= regs else ",")
-                for i in range(0, regs, 8)
-            )
             specializations.append(
                 WGMMA_FMA_TEMPLATE.format(
                     element=element,

@@ -57,6 +57,12 @@ BASE_VERSION = "0.2.0"
 TORCH_TARGET_VERSION = (2, 11)
 # The oldest CPython the limited-API build runs on (-DPy_LIMITED_API, the wheel's cp310-abi3 tag).
 PY_LIMITED_API = (3, 10)
+# Leads every extension's link line: libstdc++ as a shared library, the C++ runtime that libtorch uses, also
+# where the compiler links it statically by default (-static-libstdc++ in a wrapper or its specs; g++ then adds its
+# own -lstdc++ after the user's libraries, where nothing is left for it to resolve). An extension with a runtime of
+# its own can crash the process when an error it raises is caught in libtorch (csrc/cxx_runtime.py); each built
+# library is checked after its link.
+SHARED_CXX_RUNTIME = ("-lstdc++",)
 
 # Peak resident memory of one nvcc job, with margin: 5.34 GiB measured for the head-dim-64 variants backward's
 # mma.sync file (sm_80 + sm_90a + PTX) on a 16-core H100 host (nvcc 13.0; docs/design-notes.md, 'One kernel family
@@ -333,7 +339,14 @@ def autograd_extensions(glibc_symver: str, py_limited: str):
                 },
                 # Only for the DT_NEEDED entries: the symbols resolve at load time against the torch already in
                 # the process, which is the version the headers came from (_ops.py loads no other).
-                extra_link_args=["-Wl,--as-needed", f"-L{torch_lib}", "-ltorch_cpu", "-lc10", "-Wl,--strip-debug"],
+                extra_link_args=[
+                    *SHARED_CXX_RUNTIME,
+                    "-Wl,--as-needed",
+                    f"-L{torch_lib}",
+                    "-ltorch_cpu",
+                    "-lc10",
+                    "-Wl,--strip-debug",
+                ],
                 py_limited_api=True,
                 language="c++",
             )
@@ -426,6 +439,7 @@ def build_extensions():
     # shim's). libdl stays needed whatever: it defines dlsym on glibc < 2.34 (csrc/host/compat/glibc_symver.h).
     # --strip-debug drops the debug info that Python's CFLAGS (-g) ask for.
     ext.extra_link_args = [
+        *SHARED_CXX_RUNTIME,
         "-Wl,--as-needed",
         *(f"-l{lib}" for lib in ext.libraries),
         "-Wl,--no-as-needed",
@@ -434,6 +448,21 @@ def build_extensions():
     ]
     ext.libraries = []
     return [ext, *autograd_exts], version, file_gencodes
+
+
+def require_shared_cxx_runtime(library: Path):
+    """Stops the build if `library` was linked with a C++ runtime of its own despite SHARED_CXX_RUNTIME (a toolchain
+    whose search path finds only a static libstdc++, say)."""
+    from cxx_runtime import carries_cxx_runtime
+
+    if carries_cxx_runtime(library):
+        compiler = os.environ.get("CXX", "c++")
+        sys.exit(
+            f"error: {library.name} holds a C++ runtime of its own: the C++ compiler ({compiler}) linked libstdc++ "
+            "into it statically. The extension must use libtorch's shared libstdc++, or an error it raises can "
+            "crash Python instead of raising. Point CXX at a g++ that links libstdc++ as a shared library (the "
+            "system's /usr/bin/g++, say) and build again."
+        )
 
 
 def per_file_nvcc(build_temp: Path, file_gencodes: dict, wrapped) -> str:
@@ -479,6 +508,7 @@ def main():
                     os.environ.pop("PYTORCH_NVCC", None)
                 else:
                     os.environ["PYTORCH_NVCC"] = saved
+            require_shared_cxx_runtime(Path(self.get_ext_fullpath(ext.name)))
 
     setup(
         version=version,

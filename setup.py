@@ -57,11 +57,13 @@ BASE_VERSION = "0.2.0"
 TORCH_TARGET_VERSION = (2, 11)
 # The oldest CPython the limited-API build runs on (-DPy_LIMITED_API, the wheel's cp310-abi3 tag).
 PY_LIMITED_API = (3, 10)
-# Leads every extension's link line: libstdc++ as a shared library, the C++ runtime that libtorch uses, also
-# where the compiler links it statically by default (-static-libstdc++ in a wrapper or its specs; g++ then adds its
-# own -lstdc++ after the user's libraries, where nothing is left for it to resolve). An extension with a runtime of
-# its own can crash the process when an error it raises is caught in libtorch (csrc/cxx_runtime.py); each built
-# library is checked after its link.
+# Ends every extension's link line: libstdc++ as a shared library, the C++ runtime that libtorch uses, also where
+# the compiler links it statically by default (-static-libstdc++ in a wrapper or its specs; g++ adds its own
+# -lstdc++ after these arguments, where nothing is left for it to resolve). An extension with a runtime of its own
+# can crash the process when an error it raises is caught in libtorch (csrc/cxx_runtime.py); each built library is
+# checked after its link. Last, after torch's libraries: libc10 exports some of the C++ library's newer symbols
+# (a C++20 std::stringbuf::str(), say), which then bind there, unversioned, as they do without this argument; bound
+# to libstdc++ itself they would need GLIBCXX_3.4.29, newer than manylinux_2_28 allows.
 SHARED_CXX_RUNTIME = ("-lstdc++",)
 
 # Peak resident memory of one nvcc job, with margin: 5.34 GiB measured for the head-dim-64 variants backward's
@@ -340,12 +342,12 @@ def autograd_extensions(glibc_symver: str, py_limited: str):
                 # Only for the DT_NEEDED entries: the symbols resolve at load time against the torch already in
                 # the process, which is the version the headers came from (_ops.py loads no other).
                 extra_link_args=[
-                    *SHARED_CXX_RUNTIME,
                     "-Wl,--as-needed",
                     f"-L{torch_lib}",
                     "-ltorch_cpu",
                     "-lc10",
                     "-Wl,--strip-debug",
+                    *SHARED_CXX_RUNTIME,
                 ],
                 py_limited_api=True,
                 language="c++",
@@ -439,12 +441,12 @@ def build_extensions():
     # shim's). libdl stays needed whatever: it defines dlsym on glibc < 2.34 (csrc/host/compat/glibc_symver.h).
     # --strip-debug drops the debug info that Python's CFLAGS (-g) ask for.
     ext.extra_link_args = [
-        *SHARED_CXX_RUNTIME,
         "-Wl,--as-needed",
         *(f"-l{lib}" for lib in ext.libraries),
         "-Wl,--no-as-needed",
         "-l:libdl.so.2",
         "-Wl,--strip-debug",
+        *SHARED_CXX_RUNTIME,
     ]
     ext.libraries = []
     return [ext, *autograd_exts], version, file_gencodes

@@ -49,7 +49,8 @@ def test_check_tells_a_static_runtime_from_the_shared_one(tmp_path, checker):
     if static is None:
         pytest.skip("this g++ has no static libstdc++")
     assert checker.carries_cxx_runtime(static) is True
-    # setup.py's remedy: an explicit -lstdc++ ahead of the compiler's own wins over -static-libstdc++.
+    # setup.py's remedy: an explicit -lstdc++ among the arguments, ahead of the compiler's own, wins over
+    # -static-libstdc++.
     remedied = link(tmp_path, "remedied", "-lstdc++", "-static-libstdc++")
     assert remedied is not None
     assert checker.carries_cxx_runtime(remedied) is False

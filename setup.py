@@ -57,14 +57,6 @@ BASE_VERSION = "0.2.0"
 TORCH_TARGET_VERSION = (2, 11)
 # The oldest CPython the limited-API build runs on (-DPy_LIMITED_API, the wheel's cp310-abi3 tag).
 PY_LIMITED_API = (3, 10)
-# Ends every extension's link line: libstdc++ as a shared library, the C++ runtime that libtorch uses, also where
-# the compiler links it statically by default (-static-libstdc++ in a wrapper or its specs; g++ adds its own
-# -lstdc++ after these arguments, where nothing is left for it to resolve). An extension with a runtime of its own
-# can crash the process when an error it raises is caught in libtorch (csrc/cxx_runtime.py); each built library is
-# checked after its link. Last, after torch's libraries: libc10 exports some of the C++ library's newer symbols
-# (a C++20 std::stringbuf::str(), say), which then bind there, unversioned, as they do without this argument; bound
-# to libstdc++ itself they would need GLIBCXX_3.4.29, newer than manylinux_2_28 allows.
-SHARED_CXX_RUNTIME = ("-lstdc++",)
 
 # Peak resident memory of one nvcc job, with margin: 5.34 GiB measured for the head-dim-64 variants backward's
 # mma.sync file (sm_80 + sm_90a + PTX) on a 16-core H100 host (nvcc 13.0; docs/design-notes.md, 'One kernel family
@@ -297,7 +289,37 @@ def torch_minor_of(torch_dir: Path) -> str:
     return f"{match[1]}.{match[2]}"
 
 
-def autograd_extensions(glibc_symver: str, py_limited: str):
+def shared_cxx_runtime_args() -> list[str]:
+    """The link arguments that end each extension's link line so that it uses libstdc++ as a shared library, the C++
+    runtime that libtorch uses, also where the compiler links it statically by default (-static-libstdc++ in a
+    wrapper or its specs; g++ adds its own -lstdc++ after these arguments, where nothing is left for it to resolve).
+    An extension with a runtime of its own can crash the process when an error it raises is caught in libtorch
+    (csrc/cxx_runtime.py); each built library is checked after its link. "-lstdc++" where the compiler's search
+    path finds the shared library that way, else the shared library by its file name, "-l:libstdc++.so.6" (a
+    toolchain whose own directory holds only the static one): the first that links a throwing test library
+    without a runtime of its own. Last on the line, after torch's libraries: libc10 exports some of the C++
+    library's newer symbols (a C++20 std::stringbuf::str(), say), which then bind there, unversioned, as they do
+    without these arguments; bound to libstdc++ itself they would need GLIBCXX_3.4.29, newer than manylinux_2_28
+    allows."""
+    import tempfile
+
+    from cxx_runtime import carries_cxx_runtime
+
+    compiler = shlex.split(os.environ.get("CXX", "c++"))
+    candidates = (["-lstdc++"], ["-l:libstdc++.so.6"])
+    with tempfile.TemporaryDirectory() as tmp:
+        source = Path(tmp) / "throw.cpp"
+        source.write_text('#include <stdexcept>\nextern "C" void fail() { throw std::runtime_error("x"); }\n')
+        for args in candidates:
+            library = Path(tmp) / "throw.so"
+            command = [*compiler, "-shared", "-fPIC", str(source), "-o", str(library), *args]
+            if subprocess.run(command, capture_output=True).returncode == 0 and not carries_cxx_runtime(library):
+                return args
+    # Neither: the check after the link names the problem.
+    return candidates[0]
+
+
+def autograd_extensions(glibc_symver: str, py_limited: str, cxx_runtime_args: list[str]):
     """The C++ autograd libraries, one per torch minor version (csrc/host/autograd/autograd.cpp): the stable ABI has
     no autograd, so each is built against that version's own headers and loaded only into it. Returns
     (extensions, the torch minor versions they serve)."""
@@ -347,7 +369,7 @@ def autograd_extensions(glibc_symver: str, py_limited: str):
                     "-ltorch_cpu",
                     "-lc10",
                     "-Wl,--strip-debug",
-                    *SHARED_CXX_RUNTIME,
+                    *cxx_runtime_args,
                 ],
                 py_limited_api=True,
                 language="c++",
@@ -409,7 +431,8 @@ def build_extensions():
         f"MAX_JOBS={os.environ['MAX_JOBS']}"
     )
 
-    autograd_exts, autograd_minors = autograd_extensions(glibc_symver, py_limited)
+    cxx_runtime_args = shared_cxx_runtime_args()
+    autograd_exts, autograd_minors = autograd_extensions(glibc_symver, py_limited, cxx_runtime_args)
     write_build_info(
         {
             "VERSION": version,
@@ -446,15 +469,15 @@ def build_extensions():
         "-Wl,--no-as-needed",
         "-l:libdl.so.2",
         "-Wl,--strip-debug",
-        *SHARED_CXX_RUNTIME,
+        *cxx_runtime_args,
     ]
     ext.libraries = []
     return [ext, *autograd_exts], version, file_gencodes
 
 
 def require_shared_cxx_runtime(library: Path):
-    """Stops the build if `library` was linked with a C++ runtime of its own despite SHARED_CXX_RUNTIME (a toolchain
-    whose search path finds only a static libstdc++, say)."""
+    """Stops the build if `library` was linked with a C++ runtime of its own despite shared_cxx_runtime_args (a
+    toolchain that cannot link libstdc++ as a shared library, say)."""
     from cxx_runtime import carries_cxx_runtime
 
     if carries_cxx_runtime(library):

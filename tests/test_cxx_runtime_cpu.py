@@ -68,3 +68,23 @@ def test_built_extensions_use_the_shared_runtime(checker):
         pytest.skip("no built extension")
     for library in libraries:
         assert checker.carries_cxx_runtime(library) is False, library.name
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++")
+def test_setup_links_the_shared_runtime_where_the_toolchain_finds_only_the_static_one(tmp_path, monkeypatch):
+    # A toolchain like one seen on a GPU host: its g++ links libstdc++ statically, and its own library directory
+    # (searched first, through -B) holds only libstdc++.a, so that -lstdc++ finds the static library there.
+    setup_py = CSRC.parent / "setup.py"
+    static = subprocess.run(["g++", "-print-file-name=libstdc++.a"], capture_output=True, text=True).stdout.strip()
+    if not setup_py.is_file() or not Path(static).is_file():
+        pytest.skip("no setup.py next to the tests, or no static libstdc++")
+    toolchain = tmp_path / "toolchain"
+    toolchain.mkdir()
+    (toolchain / "libstdc++.a").symlink_to(static)
+    monkeypatch.setenv("CXX", f"g++ -static-libstdc++ -B{toolchain}/")
+    spec = importlib.util.spec_from_file_location("flash_attn_setup", setup_py)
+    setup = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(setup)
+    assert setup.shared_cxx_runtime_args() == ["-l:libstdc++.so.6"]
+    monkeypatch.setenv("CXX", "g++")
+    assert setup.shared_cxx_runtime_args() == ["-lstdc++"]

@@ -1,6 +1,6 @@
-"""The extensions share libtorch's C++ runtime (csrc/cxx_runtime.py, setup.py's SHARED_CXX_RUNTIME): the check that
-setup.py runs after each link, on small libraries linked both ways, and on the extensions of this build. No GPU
-needed."""
+"""The extensions share libtorch's C++ runtime (csrc/cxx_runtime.py, setup.py's shared_cxx_runtime_args): the check
+that setup.py runs after each link, on small libraries linked both ways and on the extensions of this build, and
+the link argument setup.py chooses. No GPU needed."""
 
 import importlib.util
 import shutil

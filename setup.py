@@ -49,7 +49,7 @@ from setuptools import find_packages, setup
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "csrc"))
-from generate import DTYPES, HEAD_DIMS, HOPPER_BWD_MMA_SYNC_HEAD_DIMS, kernel_files, part_family  # noqa: E402
+from generate import DTYPES, HEAD_DIMS, HOPPER_BWD_MMA_SYNC_HEAD_DIMS, kernel_files  # noqa: E402
 
 # The package version without its local tag; the one place it is set.
 BASE_VERSION = "0.2.0"
@@ -122,15 +122,14 @@ def kernel_selection():
 
 
 def kernel_sources(hdims, dtypes, with_wgmma):
-    """(path, pass, head dim, family) of the generated kernel files to compile."""
+    """(path, pass, head dim, Part) of the generated kernel files to compile (csrc/generate.py, kernel_parts)."""
     sources = []
     for path, (pass_, hdim, dtype, _, part) in kernel_files().items():
-        family = part_family(pass_, part)
-        if hdim not in hdims or dtype not in dtypes or (family == "wgmma" and not with_wgmma):
+        if hdim not in hdims or dtype not in dtypes or (part.family == "wgmma" and not with_wgmma):
             continue
         if not path.is_file():
             raise RuntimeError(f"{path.relative_to(ROOT)} is missing; run `python csrc/generate.py`")
-        sources.append((str(path.relative_to(ROOT)), pass_, hdim, family))
+        sources.append((str(path.relative_to(ROOT)), pass_, hdim, part))
     return sources
 
 
@@ -161,24 +160,25 @@ def gencodes(archs, ptx_archs):
     return flags
 
 
-def mma_sync_sm90_from_ptx(pass_, head_dim, archs, ptx_archs) -> bool:
+def mma_sync_sm90_from_ptx(pass_, head_dim, archs, ptx_archs, hopper_default=True) -> bool:
     """Whether Hopper runs one pass's mma.sync kernels of a head dim from the PTX (JIT-compiled at their first
     launch, then cached by the driver) rather than from sm_90a SASS of their own: where the build embeds PTX that
     Hopper can run, for the kernels Hopper runs only when told to (FLASH_ATTN2_DISABLE_WGMMA=1, a max_smem
-    override): every forward, and the backward at head dims outside HOPPER_BWD_MMA_SYNC_HEAD_DIMS. Their sm_90a
-    pass would cost a third of their files' compile. The others keep their SASS: Hopper runs them in deterministic
-    mode, and on sm_90 they add dQ with vector reductions, which compute_80 PTX cannot hold (docs/design-notes.md,
-    'One kernel family per translation unit')."""
-    runs_by_default = pass_ == "bwd" and head_dim in HOPPER_BWD_MMA_SYNC_HEAD_DIMS
+    override): every forward, the backward at head dims outside HOPPER_BWD_MMA_SYNC_HEAD_DIMS, and the backward's
+    99 KiB tile set where it has a unit of its own (hopper_default false: csrc/generate.py, Part). Their sm_90a pass
+    would cost a third of their files' compile. The others keep their SASS: Hopper runs them in deterministic mode,
+    and on sm_90 they add dQ with vector reductions, which compute_80 PTX cannot hold (docs/design-notes.md, 'One
+    kernel family per translation unit')."""
+    runs_by_default = pass_ == "bwd" and head_dim in HOPPER_BWD_MMA_SYNC_HEAD_DIMS and hopper_default
     return "90" in archs and not runs_by_default and any(int(arch) <= 90 for arch in ptx_archs)
 
 
-def family_gencodes(pass_, head_dim, family, archs, ptx_archs):
-    """The -gencode flags of one kernel's family's file: the wgmma kernels are sm_90a code only; the mma.sync ones
+def family_gencodes(pass_, head_dim, part, archs, ptx_archs):
+    """The -gencode flags of one kernel file (its Part): the wgmma kernels are sm_90a code only; the mma.sync ones
     run on every arch, on Hopper from the PTX where mma_sync_sm90_from_ptx says so."""
-    if family == "wgmma":
+    if part.family == "wgmma":
         return gencodes(["90"], [])
-    skip_90 = mma_sync_sm90_from_ptx(pass_, head_dim, archs, ptx_archs)
+    skip_90 = mma_sync_sm90_from_ptx(pass_, head_dim, archs, ptx_archs, part.hopper_default)
     return gencodes([arch for arch in archs if not (arch == "90" and skip_90)], ptx_archs)
 
 
@@ -406,8 +406,8 @@ def build_extensions():
     # The kernel files, each with its family's archs.
     kernels = kernel_sources(hdims, dtypes, with_wgmma="90" in archs)
     file_gencodes = {
-        os.path.abspath(path): family_gencodes(pass_, hdim, family, archs, ptx_archs)
-        for path, pass_, hdim, family in kernels
+        os.path.abspath(path): family_gencodes(pass_, hdim, part, archs, ptx_archs)
+        for path, pass_, hdim, part in kernels
     }
     sources = [
         *(path for path, *_ in kernels),
@@ -441,10 +441,23 @@ def build_extensions():
             "TORCH_TARGET_VERSION": "{}.{}".format(*TORCH_TARGET_VERSION),
             "ARCHS": tuple(sass_target(a) for a in archs),
             "PTX_ARCHS": tuple(ptx_archs),
-            # The head dims of each pass whose mma.sync kernels Hopper runs from the PTX (mma_sync_sm90_from_ptx).
+            # The head dims of each pass whose mma.sync kernels Hopper runs from the PTX (mma_sync_sm90_from_ptx),
+            # and those where some of the backward's 99 KiB tiles do ("bwd_99kib").
             "MMA_SYNC_SM90_FROM_PTX": {
-                pass_: tuple(h for h in hdims if mma_sync_sm90_from_ptx(pass_, h, archs, ptx_archs))
-                for pass_ in ("fwd", "bwd")
+                "fwd": tuple(h for h in hdims if mma_sync_sm90_from_ptx("fwd", h, archs, ptx_archs)),
+                "bwd": tuple(h for h in hdims if mma_sync_sm90_from_ptx("bwd", h, archs, ptx_archs)),
+                "bwd_99kib": tuple(
+                    sorted(
+                        {
+                            h
+                            for _, pass_, h, part in kernels
+                            if pass_ == "bwd"
+                            and not part.hopper_default
+                            and mma_sync_sm90_from_ptx(pass_, h, archs, ptx_archs, hopper_default=False)
+                            and not mma_sync_sm90_from_ptx(pass_, h, archs, ptx_archs)
+                        }
+                    )
+                ),
             },
             "HEAD_DIMS": tuple(hdims),
             "DTYPES": tuple(dtypes),

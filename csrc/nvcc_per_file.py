@@ -36,7 +36,7 @@ def main() -> int:
     returncode = subprocess.call(command + args)
     # ru_maxrss of the children: the largest of nvcc and every compiler process it waited for, in KiB.
     peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    record = {"source": source, "seconds": round(time.monotonic() - start, 1), "peak_gib": round(peak_kib / 2**20, 2)}
+    record = {"source": source, "seconds": round(time.monotonic() - start, 1), "peak_gib": round(peak_kib / 2**20, 3)}
     with open(log, "a") as f:
         f.write(json.dumps(record) + "\n")
     return returncode

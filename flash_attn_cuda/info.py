@@ -289,9 +289,9 @@ def class_images(archs, ptx_archs, mma_sync_sm90_from_ptx=None):
             tiles = f"wgmma; {mma_sync} in deterministic mode" if hopper_sass else mma_sync
             ptx_image = kernel_image(capability, [], ptx_archs)
             if hopper_sass and from_ptx and ptx_image is not None:
+                kernels = {"fwd": "forward", "bwd": "backward", "bwd_99kib": "backward's 99 KiB tiles (some masks)"}
                 which = " and ".join(
-                    f"{'forward' if p == 'fwd' else 'backward'} at head dims {', '.join(map(str, dims))}"
-                    for p, dims in from_ptx.items()
+                    f"{kernels.get(p, p)} at head dims {', '.join(map(str, dims))}" for p, dims in from_ptx.items()
                 )
                 tiles += f"; under an override, the mma.sync {which} from {describe_image(ptx_image)}"
         else:

@@ -140,13 +140,34 @@ def test_each_kernel_file_holds_one_family():
     # that family's archs alone; exactly one of them, the mma.sync one, registers the kernel's launcher.
     generator = load_generator()
     files = generator.kernel_files()
-    assert len(files) == sum(len(generator.PARTS[p]) for p, *_ in generator.kernels())
+    assert len(files) == sum(len(generator.kernel_parts(*k[:2], k[3])) for k in generator.kernels())
     for path, (pass_, _, _, _, part) in files.items():
         text = path.read_text()
-        family = generator.part_family(pass_, part)
-        other = "sm90" if family == "mma_sync" else "mma_sync"
+        other = "sm90" if part.family == "mma_sync" else "mma_sync"
         assert f"flash_{pass_}_launch_{other}.h" not in text, path.name
-        assert ("FLASH_REGISTER_KERNEL" in text) == (part == "mma_sync"), path.name
+        assert ("FLASH_REGISTER_KERNEL" in text) == (part.name == "mma_sync"), path.name
+
+
+def test_each_mma_sync_backward_kernel_compiles_once():
+    # The mma.sync backward's two tile sets compile in one unit or a unit each (kernel_parts); either way each set's
+    # launcher is instantiated in exactly one unit, and the other unit, whose header defines it too, names it extern.
+    generator = load_generator()
+    launchers = ("BWD_MMA_SYNC({args}, flash::kSmem163KiB)", "BWD_MMA_SYNC({args}, flash::kSmem99KiB)")
+    for pass_, head_dim, dtype, mask in generator.kernels():
+        if pass_ != "bwd":
+            continue
+        name = generator.kernel_name(pass_, head_dim, dtype, mask)
+        parts = [p for p in generator.kernel_parts(pass_, head_dim, mask) if p.family == "mma_sync"]
+        texts = [(generator.OUT_DIR / f"{name}_{p.name}.cu").read_text().splitlines() for p in parts]
+        fields = dict(element=generator.DTYPES[dtype], head_dim=head_dim, causal=generator.MASKS[mask][0])
+        fields["args"] = "{element}, {head_dim}, {causal}, ".format(**fields) + generator.MASKS[mask][1]
+        names = [form.format(**fields) for form in launchers]
+        for launcher in names:
+            made = [i for i, lines in enumerate(texts) if "FLASH_INSTANTIATE_" + launcher in lines]
+            assert len(made) == 1, (name, launcher, made)
+            for i, lines in enumerate(texts):
+                assert ("FLASH_EXTERN_" + launcher in lines) == (i != made[0]), (name, launcher, i)
+        assert len(parts) == (1 if (head_dim, mask) not in generator.BWD_MMA_SYNC_SETS_APART else len(names)), name
 
 
 def test_no_source_includes_cutes_extended_wgmma_shapes():

@@ -2,11 +2,14 @@
 // it, and the conversion to dq.
 #pragma once
 
+#include <type_traits>
+
 #include <cute/tensor.hpp>
 
 #include "kernels/block_info.h"
 #include "kernels/global_ops.h"
 #include "launch/flash_params.h"
+#include "kernels/smem_partition.h"
 #include "kernels/utils.h"
 
 namespace flash {
@@ -82,6 +85,22 @@ __forceinline__ __device__ void convert_dq_tile(const BwdParams& params) {
     typename Traits::TiledMmadQ mma_dq;
     auto smem_tiled_copy = make_tiled_copy_C(typename Traits::SmemCopyAtomStore{}, mma_dq);
     auto smem_thr_copy = smem_tiled_copy.get_thread_slice(tidx);
+    // The mma.sync traits' staging store (one thread's register values to its own 4 B of shared memory) has its
+    // partitions built by smem_partition_D from the register view's shape; the Hopper traits' stmatrix spreads a
+    // thread's registers over other threads' rows, which that shape does not describe, and keeps CuTe's.
+    constexpr bool kOwnPartitions = std::is_same_v<typename Traits::SmemCopyAtomStore,
+                                                   Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<32>, Element>>;
+    using AccShape = decltype(shape(partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kDqChunk>>{})));
+    auto tdQsdQ = [&] {
+        if constexpr (kOwnPartitions) {
+            return smem_partition_D<decltype(smem_tiled_copy)>(
+                sdQ_chunks, tidx,
+                append(shape(smem_thr_copy.retile_S(make_tensor<Element>(AccShape{}))),
+                       Int<kHeadDim / kDqChunk>{}));  // (CPY, CPY_M, CPY_D, chunk)
+        } else {
+            return smem_thr_copy.partition_D(sdQ_chunks);  // (CPY, CPY_M, CPY_D, chunk)
+        }
+    }();
     CUTE_UNROLL
     for (int chunk = 0; chunk < kHeadDim / kDqChunk; ++chunk) {
         Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kDqChunk>>{});  // (MMA, MMA_M, MMA_D)
@@ -102,7 +121,7 @@ __forceinline__ __device__ void convert_dq_tile(const BwdParams& params) {
         CUTE_UNROLL
         for (int i = 0; i < size(acc_dq); ++i) { acc_dq(i) *= params.softmax_scale; }
         Tensor rdQ = convert_fragment<Element>(acc_dq);
-        copy(smem_tiled_copy, smem_thr_copy.retile_S(rdQ), smem_thr_copy.partition_D(sdQ_chunks(_, _, chunk)));
+        copy(smem_tiled_copy, smem_thr_copy.retile_S(rdQ), tdQsdQ(_, _, _, chunk));
     }
     __syncthreads();
     typename Traits::GmemTiledCopyStore gmem_tiled_copy_store;
@@ -110,8 +129,16 @@ __forceinline__ __device__ void convert_dq_tile(const BwdParams& params) {
     Tensor gdQ = local_tile(binfo.dq_view<Element>(params, batch_idx, head_idx), Shape<Int<kBlockM>, Int<kHeadDim>>{},
                             make_coord(m_block, 0));  // (kBlockM, kHeadDim)
     Tensor cdQ = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (kBlockM, kHeadDim) -> (row, col)
-    copy_to_gmem(gmem_tiled_copy_store, gmem_thr_copy_store.partition_S(sdQ), gmem_thr_copy_store.partition_D(gdQ),
-                 gmem_thr_copy_store.partition_D(cdQ), rows_left, params.head_dim);
+    Tensor tdQgdQ = gmem_thr_copy_store.partition_D(gdQ);  // (CPY, CPY_M, CPY_D)
+    auto tdQsdQ_store = [&] {
+        if constexpr (kOwnPartitions) {
+            return smem_partition_S<typename Traits::GmemTiledCopyStore>(sdQ, tidx, tdQgdQ);  // (CPY, CPY_M, CPY_D)
+        } else {
+            return gmem_thr_copy_store.partition_S(sdQ);  // (CPY, CPY_M, CPY_D)
+        }
+    }();
+    copy_to_gmem(gmem_tiled_copy_store, tdQsdQ_store, tdQgdQ, gmem_thr_copy_store.partition_D(cdQ), rows_left,
+                 params.head_dim);
 }
 
 }  // namespace flash

@@ -18,6 +18,7 @@
 #include "kernels/kernel_traits_bwd.h"
 #include "kernels/mask.h"
 #include "kernels/score_mod.h"
+#include "kernels/smem_partition.h"
 #include "kernels/utils.h"
 
 namespace flash {
@@ -104,15 +105,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
     auto gmem_thr_copy = gmem_tiled_copy.get_thread_slice(tidx);
     auto gmem_thr_copy_v = gmem_tiled_copy_v.get_thread_slice(tidx);
     Tensor tQgQ = gmem_thr_copy.partition_S(gQ);  // (CPY, CPY_M, CPY_K, m)
-    Tensor tQsQ = gmem_thr_copy.partition_D(sQ);  // (CPY, CPY_M, CPY_K)
+    Tensor tQsQ = smem_partition_D<typename Traits::GmemTiledCopyLoad>(sQ, tidx,
+                                                                       take<0, 3>(shape(tQgQ)));  // (CPY, CPY_M, CPY_K)
     Tensor tdOgdO = gmem_thr_copy_v.partition_S(gdO);  // (CPY, CPY_M, CPY_K, m)
-    Tensor tdOsdO = gmem_thr_copy_v.partition_D(sdO);  // (CPY, CPY_M, CPY_K)
+    Tensor tdOsdO = smem_partition_D<typename Traits::GmemTiledCopyLoadV>(
+        sdO, tidx, take<0, 3>(shape(tdOgdO)));  // (CPY, CPY_M, CPY_K)
     Tensor tQcQ = gmem_thr_copy.partition_S(cQ);  // (CPY, CPY_M, CPY_K)
     Tensor tdOcdO = gmem_thr_copy_v.partition_S(cdO);  // (CPY, CPY_M, CPY_K)
     Tensor tKgK = gmem_thr_copy.partition_S(gK);  // (CPY, CPY_N, CPY_K)
-    Tensor tKsK = gmem_thr_copy.partition_D(sK);  // (CPY, CPY_N, CPY_K)
+    Tensor tKsK = smem_partition_D<typename Traits::GmemTiledCopyLoad>(sK, tidx, tKgK);  // (CPY, CPY_N, CPY_K)
     Tensor tVgV = gmem_thr_copy_v.partition_S(gV);  // (CPY, CPY_N, CPY_K)
-    Tensor tVsV = gmem_thr_copy_v.partition_D(sV);  // (CPY, CPY_N, CPY_K)
+    Tensor tVsV = smem_partition_D<typename Traits::GmemTiledCopyLoadV>(sV, tidx, tVgV);  // (CPY, CPY_N, CPY_K)
     Tensor tKVcKV = gmem_thr_copy.partition_S(cKV);  // (CPY, CPY_N, CPY_K)
     Tensor tVcV = gmem_thr_copy_v.partition_S(cV);  // (CPY, CPY_N, CPY_K)
 
@@ -144,20 +147,21 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
     Tensor tSrdO = register_fragment_A<Element>(mma_sdp, sdO);  // (MMA, MMA_M, MMA_K)
     Tensor tSrK = register_fragment_B<Element>(mma_sdp, sK);  // (MMA, MMA_N, MMA_K)
     Tensor tSrV = register_fragment_B<Element>(mma_sdp, sV);  // (MMA, MMA_N, MMA_K)
-    Tensor tSsQ = thr_copy_a_sdp.partition_S(sQ);
-    Tensor tSsdO = thr_copy_a_sdp.partition_S(sdO);
-    Tensor tSsK = thr_copy_b_sdp.partition_S(sK);
-    Tensor tSsV = thr_copy_b_sdp.partition_S(sV);
-    Tensor tSrQ_view = thr_copy_a_sdp.retile_D(tSrQ);
-    Tensor tSrdO_view = thr_copy_a_sdp.retile_D(tSrdO);
-    Tensor tSrK_view = thr_copy_b_sdp.retile_D(tSrK);
-    Tensor tSrV_view = thr_copy_b_sdp.retile_D(tSrV);
+    Tensor tSrQ_view = thr_copy_a_sdp.retile_D(tSrQ);  // (CPY, CPY_M, CPY_K)
+    Tensor tSrdO_view = thr_copy_a_sdp.retile_D(tSrdO);  // (CPY, CPY_M, CPY_K)
+    Tensor tSrK_view = thr_copy_b_sdp.retile_D(tSrK);  // (CPY, CPY_N, CPY_K)
+    Tensor tSrV_view = thr_copy_b_sdp.retile_D(tSrV);  // (CPY, CPY_N, CPY_K)
+    Tensor tSsQ = smem_partition_S<decltype(copy_a_sdp)>(sQ, tidx, tSrQ_view);  // (CPY, CPY_M, CPY_K)
+    Tensor tSsdO = smem_partition_S<decltype(copy_a_sdp)>(sdO, tidx, tSrdO_view);  // (CPY, CPY_M, CPY_K)
+    Tensor tSsK = smem_partition_S<decltype(copy_b_sdp)>(sK, tidx, tSrK_view);  // (CPY, CPY_N, CPY_K)
+    Tensor tSsV = smem_partition_S<decltype(copy_b_sdp)>(sV, tidx, tSrV_view);  // (CPY, CPY_N, CPY_K)
     Tensor tScS = thr_mma_sdp.partition_C(cS);  // (MMA, MMA_M, MMA_N) positions in the tile
     Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol_layout(tScS.layout()));  // (rows, cols)
     auto copy_store_sdp = make_tiled_copy_C(typename Traits::SmemCopyAtomStore{}, mma_sdp);
     auto thr_copy_store_sdp = copy_store_sdp.get_thread_slice(tidx);
-    Tensor tPsP = thr_copy_store_sdp.partition_D(sP);
-    Tensor tPsdS = thr_copy_store_sdp.partition_D(sdS);
+    using StoreViewSdP = decltype(shape(thr_copy_store_sdp.retile_S(make_tensor<Element>(shape(tScS)))));
+    Tensor tPsP = smem_partition_D<decltype(copy_store_sdp)>(sP, tidx, StoreViewSdP{});  // (CPY, CPY_M, CPY_N)
+    Tensor tPsdS = smem_partition_D<decltype(copy_store_sdp)>(sdS, tidx, StoreViewSdP{});  // (CPY, CPY_M, CPY_N)
 
     // dV += P^T dO, (kBlockN, kHeadDimV), and dK += dS^T Q, (kBlockN, kHeadDim): mma_dv is mma_dkv's type where
     // the head dims are equal.
@@ -177,14 +181,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
     Tensor tKVrdSt = register_fragment_A<Element>(mma_dkv, sdSt);  // (MMA, MMA_N, MMA_K)
     Tensor tKVrdOt = register_fragment_B<Element>(mma_dv, sdOt);  // (MMA, MMA_DV, MMA_K)
     Tensor tKVrQt = register_fragment_B<Element>(mma_dkv, sQt);  // (MMA, MMA_D, MMA_K)
-    Tensor tKVsPt = thr_copy_a_dv.partition_S(sPt);
-    Tensor tKVsdSt = thr_copy_a_dkv.partition_S(sdSt);
-    Tensor tKVsdOt = thr_copy_b_dv.partition_S(sdOt);
-    Tensor tKVsQt = thr_copy_b_dkv.partition_S(sQt);
-    Tensor tKVrPt_view = thr_copy_a_dv.retile_D(tKVrPt);
-    Tensor tKVrdSt_view = thr_copy_a_dkv.retile_D(tKVrdSt);
-    Tensor tKVrdOt_view = thr_copy_b_dv.retile_D(tKVrdOt);
-    Tensor tKVrQt_view = thr_copy_b_dkv.retile_D(tKVrQt);
+    Tensor tKVrPt_view = thr_copy_a_dv.retile_D(tKVrPt);  // (CPY, CPY_N, CPY_K)
+    Tensor tKVrdSt_view = thr_copy_a_dkv.retile_D(tKVrdSt);  // (CPY, CPY_N, CPY_K)
+    Tensor tKVrdOt_view = thr_copy_b_dv.retile_D(tKVrdOt);  // (CPY, CPY_DV, CPY_K)
+    Tensor tKVrQt_view = thr_copy_b_dkv.retile_D(tKVrQt);  // (CPY, CPY_D, CPY_K)
+    Tensor tKVsPt = smem_partition_S<decltype(copy_a_dv)>(sPt, tidx, tKVrPt_view);  // (CPY, CPY_N, CPY_K)
+    Tensor tKVsdSt = smem_partition_S<decltype(copy_a_dkv)>(sdSt, tidx, tKVrdSt_view);  // (CPY, CPY_N, CPY_K)
+    Tensor tKVsdOt = smem_partition_S<decltype(copy_b_dv)>(sdOt, tidx, tKVrdOt_view);  // (CPY, CPY_DV, CPY_K)
+    Tensor tKVsQt = smem_partition_S<decltype(copy_b_dkv)>(sQt, tidx, tKVrQt_view);  // (CPY, CPY_D, CPY_K)
     Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});  // (MMA, MMA_N, MMA_D)
     Tensor acc_dv = partition_fragment_C(mma_dv, Shape<Int<kBlockN>, Int<kHeadDimV>>{});  // (MMA, MMA_N, MMA_DV)
     clear(acc_dk);
@@ -201,10 +205,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
                                    make_coord(_, 0));  // (kDqChunk, kBlockN, chunk)
     Tensor tQrdS = register_fragment_A<Element>(mma_dq, sdS);  // (MMA, MMA_M, MMA_K over keys)
     Tensor tQrKt = register_fragment_B<Element>(mma_dq, sKt_chunks(_, _, 0));  // (MMA, MMA_D, MMA_K)
-    Tensor tQsdS = thr_copy_a_dq.partition_S(sdS);
-    Tensor tQsKt = thr_copy_b_dq.partition_S(sKt_chunks);  // (CPY, CPY_D, CPY_K, chunk)
-    Tensor tQrdS_view = thr_copy_a_dq.retile_D(tQrdS);
-    Tensor tQrKt_view = thr_copy_b_dq.retile_D(tQrKt);
+    Tensor tQrdS_view = thr_copy_a_dq.retile_D(tQrdS);  // (CPY, CPY_M, CPY_K)
+    Tensor tQrKt_view = thr_copy_b_dq.retile_D(tQrKt);  // (CPY, CPY_D, CPY_K)
+    Tensor tQsdS = smem_partition_S<decltype(copy_a_dq)>(sdS, tidx, tQrdS_view);  // (CPY, CPY_M, CPY_K)
+    Tensor tQsKt = smem_partition_S<decltype(copy_b_dq)>(
+        sKt_chunks, tidx, append(shape(tQrKt_view), Int<kHeadDim / kDqChunk>{}));  // (CPY, CPY_D, CPY_K, chunk)
 
     const int k_rows_left = binfo.seqlen_k - n_block * kBlockN;
     copy_zfill(gmem_tiled_copy, tKgK, tKsK, tKVcKV, k_rows_left, params.head_dim);
@@ -415,8 +420,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
     auto smem_thr_copy = smem_tiled_copy.get_thread_slice(tidx);
     auto smem_tiled_copy_v = make_tiled_copy_C(typename Traits::SmemCopyAtomStore{}, mma_dv);
     auto smem_thr_copy_v = smem_tiled_copy_v.get_thread_slice(tidx);
-    copy(smem_tiled_copy, smem_thr_copy.retile_S(rdK), smem_thr_copy.partition_D(sK));
-    copy(smem_tiled_copy_v, smem_thr_copy_v.retile_S(rdV), smem_thr_copy_v.partition_D(sV));
+    Tensor tdKrdK = smem_thr_copy.retile_S(rdK);  // (CPY, CPY_N, CPY_D)
+    Tensor tdVrdV = smem_thr_copy_v.retile_S(rdV);  // (CPY, CPY_N, CPY_DV)
+    copy(smem_tiled_copy, tdKrdK, smem_partition_D<decltype(smem_tiled_copy)>(sK, tidx, tdKrdK));
+    copy(smem_tiled_copy_v, tdVrdV, smem_partition_D<decltype(smem_tiled_copy_v)>(sV, tidx, tdVrdV));
     __syncthreads();
     typename Traits::GmemTiledCopyStore gmem_tiled_copy_store;
     typename Traits::GmemTiledCopyStoreV gmem_tiled_copy_store_v;
@@ -428,10 +435,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_kernel(const _
                             make_coord(n_block, 0));  // (kBlockN, kHeadDimV)
     Tensor tdKcdK = gmem_thr_copy_store.partition_D(cKV);  // (CPY, CPY_N, CPY_D)
     Tensor tdVcdV = gmem_thr_copy_store_v.partition_D(cV);  // (CPY, CPY_N, CPY_DV)
-    copy_to_gmem(gmem_tiled_copy_store, gmem_thr_copy_store.partition_S(sK), gmem_thr_copy_store.partition_D(gdK),
+    Tensor tdKgdK = gmem_thr_copy_store.partition_D(gdK);  // (CPY, CPY_N, CPY_D)
+    Tensor tdVgdV = gmem_thr_copy_store_v.partition_D(gdV);  // (CPY, CPY_N, CPY_DV)
+    copy_to_gmem(gmem_tiled_copy_store, smem_partition_S<typename Traits::GmemTiledCopyStore>(sK, tidx, tdKgdK), tdKgdK,
                  tdKcdK, k_rows_left, params.head_dim);
-    copy_to_gmem(gmem_tiled_copy_store_v, gmem_thr_copy_store_v.partition_S(sV), gmem_thr_copy_store_v.partition_D(gdV),
-                 tdVcdV, k_rows_left, params.head_dim_v);
+    copy_to_gmem(gmem_tiled_copy_store_v, smem_partition_S<typename Traits::GmemTiledCopyStoreV>(sV, tidx, tdVgdV),
+                 tdVgdV, tdVcdV, k_rows_left, params.head_dim_v);
 }
 
 // dq = softmax_scale * dq_accum for one query block of one (sequence, query head), from dq_accum in the dQ

@@ -25,12 +25,16 @@ cudaError_t run_bwd_on_wgmma(const BwdParams& params, cudaStream_t stream);
 
 }  // namespace flash
 
-// One family's backward of one (dtype, head dim, mask), compiled in the generated file that names it.
-#define FLASH_INSTANTIATE_BWD_MMA_SYNC(ELEMENT, HEAD_DIM, CAUSAL, VARIANTS)                                   \
-    template cudaError_t flash::run_bwd_on_mma_sync<ELEMENT, HEAD_DIM, CAUSAL, VARIANTS, flash::kSmem163KiB>( \
-        const flash::BwdParams&, cudaStream_t);                                                               \
-    template cudaError_t flash::run_bwd_on_mma_sync<ELEMENT, HEAD_DIM, CAUSAL, VARIANTS, flash::kSmem99KiB>(  \
-        const flash::BwdParams&, cudaStream_t);
+// One family's backward of one (dtype, head dim, mask), compiled in the generated file that names it: the mma.sync
+// one, per tile set (BUDGET), in one file or a file per set (csrc/generate.py, kernel_parts). Each file names what
+// the others compile with the EXTERN forms, so that it does not compile those kernels again.
+#define FLASH_BWD_MMA_SYNC_LAUNCHER(ELEMENT, HEAD_DIM, CAUSAL, VARIANTS, BUDGET)                                 \
+    cudaError_t flash::run_bwd_on_mma_sync<ELEMENT, HEAD_DIM, CAUSAL, VARIANTS, BUDGET>(const flash::BwdParams&, \
+                                                                                        cudaStream_t)
+#define FLASH_INSTANTIATE_BWD_MMA_SYNC(ELEMENT, HEAD_DIM, CAUSAL, VARIANTS, BUDGET) \
+    template FLASH_BWD_MMA_SYNC_LAUNCHER(ELEMENT, HEAD_DIM, CAUSAL, VARIANTS, BUDGET);
+#define FLASH_EXTERN_BWD_MMA_SYNC(ELEMENT, HEAD_DIM, CAUSAL, VARIANTS, BUDGET) \
+    extern template FLASH_BWD_MMA_SYNC_LAUNCHER(ELEMENT, HEAD_DIM, CAUSAL, VARIANTS, BUDGET);
 #define FLASH_INSTANTIATE_BWD_WGMMA(ELEMENT, HEAD_DIM, CAUSAL, VARIANTS)                                       \
     template cudaError_t flash::run_bwd_on_wgmma<ELEMENT, HEAD_DIM, CAUSAL, VARIANTS>(const flash::BwdParams&, \
                                                                                       cudaStream_t);

@@ -2,5 +2,6 @@
 #include "launch/flash_bwd_launch.h"
 #include "launch/flash_bwd_launch_mma_sync.h"
 
-FLASH_INSTANTIATE_BWD_MMA_SYNC(cutlass::half_t, 160, true, false)
+FLASH_INSTANTIATE_BWD_MMA_SYNC(cutlass::half_t, 160, true, false, flash::kSmem163KiB)
+FLASH_INSTANTIATE_BWD_MMA_SYNC(cutlass::half_t, 160, true, false, flash::kSmem99KiB)
 FLASH_REGISTER_KERNEL(run_bwd, cutlass::half_t, false, 160, true, false, bwd_hdim160_fp16_causal)

@@ -2,5 +2,6 @@
 #include "launch/flash_bwd_launch.h"
 #include "launch/flash_bwd_launch_mma_sync.h"
 
-FLASH_INSTANTIATE_BWD_MMA_SYNC(cutlass::half_t, 192, true, false)
+FLASH_INSTANTIATE_BWD_MMA_SYNC(cutlass::half_t, 192, true, false, flash::kSmem163KiB)
+FLASH_EXTERN_BWD_MMA_SYNC(cutlass::half_t, 192, true, false, flash::kSmem99KiB)
 FLASH_REGISTER_KERNEL(run_bwd, cutlass::half_t, false, 192, true, false, bwd_hdim192_fp16_causal)

@@ -2,5 +2,6 @@
 #include "launch/flash_bwd_launch.h"
 #include "launch/flash_bwd_launch_mma_sync.h"
 
-FLASH_INSTANTIATE_BWD_MMA_SYNC(cutlass::bfloat16_t, 224, true, false)
+FLASH_INSTANTIATE_BWD_MMA_SYNC(cutlass::bfloat16_t, 224, true, false, flash::kSmem163KiB)
+FLASH_INSTANTIATE_BWD_MMA_SYNC(cutlass::bfloat16_t, 224, true, false, flash::kSmem99KiB)
 FLASH_REGISTER_KERNEL(run_bwd, cutlass::bfloat16_t, true, 224, true, false, bwd_hdim224_bf16_causal)

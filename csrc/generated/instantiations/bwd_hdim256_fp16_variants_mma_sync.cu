@@ -2,5 +2,6 @@
 #include "launch/flash_bwd_launch.h"
 #include "launch/flash_bwd_launch_mma_sync.h"
 
-FLASH_INSTANTIATE_BWD_MMA_SYNC(cutlass::half_t, 256, true, true)
+FLASH_INSTANTIATE_BWD_MMA_SYNC(cutlass::half_t, 256, true, true, flash::kSmem163KiB)
+FLASH_EXTERN_BWD_MMA_SYNC(cutlass::half_t, 256, true, true, flash::kSmem99KiB)
 FLASH_REGISTER_KERNEL(run_bwd, cutlass::half_t, false, 256, true, true, bwd_hdim256_fp16_variants)

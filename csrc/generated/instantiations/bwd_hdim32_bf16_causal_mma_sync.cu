@@ -2,5 +2,6 @@
 #include "launch/flash_bwd_launch.h"
 #include "launch/flash_bwd_launch_mma_sync.h"
 
-FLASH_INSTANTIATE_BWD_MMA_SYNC(cutlass::bfloat16_t, 32, true, false)
+FLASH_INSTANTIATE_BWD_MMA_SYNC(cutlass::bfloat16_t, 32, true, false, flash::kSmem163KiB)
+FLASH_INSTANTIATE_BWD_MMA_SYNC(cutlass::bfloat16_t, 32, true, false, flash::kSmem99KiB)
 FLASH_REGISTER_KERNEL(run_bwd, cutlass::bfloat16_t, true, 32, true, false, bwd_hdim32_bf16_causal)

@@ -214,23 +214,27 @@ CUTE_HOST_DEVICE auto smem_partition(const SmemTensor& tile, int tidx, ViewShape
     return make_tensor(tile.data() + base, P::thread_layout(tidx, base));
 }
 
+namespace smem_partition_detail {
+// A register view given as the register tensor or as its shape: its shape.
+template <class View>
+CUTE_HOST_DEVICE auto view_shape(const View& view) {
+    if constexpr (is_tensor<View>::value) {
+        return shape(view);
+    } else {
+        return view;
+    }
+}
+}  // namespace smem_partition_detail
+
 // Source side (ThrCopy::partition_S) and destination side (ThrCopy::partition_D), the register view given as the
 // register tensor or its shape.
 template <class TiledCopy, class SmemTensor, class View>
 CUTE_HOST_DEVICE auto smem_partition_S(const SmemTensor& tile, int tidx, const View& view) {
-    if constexpr (is_tensor<View>::value) {
-        return smem_partition<true, TiledCopy>(tile, tidx, shape(view));
-    } else {
-        return smem_partition<true, TiledCopy>(tile, tidx, view);
-    }
+    return smem_partition<true, TiledCopy>(tile, tidx, smem_partition_detail::view_shape(view));
 }
 template <class TiledCopy, class SmemTensor, class View>
 CUTE_HOST_DEVICE auto smem_partition_D(const SmemTensor& tile, int tidx, const View& view) {
-    if constexpr (is_tensor<View>::value) {
-        return smem_partition<false, TiledCopy>(tile, tidx, shape(view));
-    } else {
-        return smem_partition<false, TiledCopy>(tile, tidx, view);
-    }
+    return smem_partition<false, TiledCopy>(tile, tidx, smem_partition_detail::view_shape(view));
 }
 
 }  // namespace flash

@@ -14,7 +14,7 @@ Each kernel is two generated files, one per kernel family, each compiled for tha
 The build compiles against the torch installed in the Python that runs it: `pip install --no-build-isolation -v
 -e .` (pip's isolated build environment holds no torch; without the flag this script stops and says so, see
 docs/design-notes.md, "Isolated builds"). -v lets pip show the build's output, among it ninja's progress,
-"flash_attn_cuda._C: compiled K/N files (T s)" as each file finishes; pip shows nothing of it otherwise.
+"flash_attn_cuda: compiled K/N files (T s)" as each file finishes; pip shows nothing of it otherwise.
 
 Environment knobs:
   CUTLASS_PATH             CUTLASS checkout to use (its include/ directory is searched)
@@ -48,8 +48,9 @@ from pathlib import Path
 from setuptools import find_packages, setup
 
 ROOT = Path(__file__).resolve().parent
+MMA_SYNC_INCLUDE = ROOT / "csrc" / "mma_sync_include"
 sys.path.insert(0, str(ROOT / "csrc"))
-from generate import DTYPES, HEAD_DIMS, HOPPER_BWD_MMA_SYNC_HEAD_DIMS, kernel_files  # noqa: E402
+from generate import DTYPES, HEAD_DIMS, kernel_files  # noqa: E402
 
 # The package version without its local tag; the one place it is set.
 BASE_VERSION = "0.2.0"
@@ -160,26 +161,43 @@ def gencodes(archs, ptx_archs):
     return flags
 
 
-def mma_sync_sm90_from_ptx(pass_, head_dim, archs, ptx_archs, hopper_default=True) -> bool:
-    """Whether Hopper runs one pass's mma.sync kernels of a head dim from the PTX (JIT-compiled at their first
-    launch, then cached by the driver) rather than from sm_90a SASS of their own: where the build embeds PTX that
-    Hopper can run, for the kernels Hopper runs only when told to (FLASH_ATTN2_DISABLE_WGMMA=1, a max_smem
-    override): every forward, the backward at head dims outside HOPPER_BWD_MMA_SYNC_HEAD_DIMS, and the backward's
-    99 KiB tile set where it has a unit of its own (hopper_default false: csrc/generate.py, Part). Their sm_90a pass
-    would cost a third of their files' compile. The others keep their SASS: Hopper runs them in deterministic mode,
-    and on sm_90 they add dQ with vector reductions, which compute_80 PTX cannot hold (docs/design-notes.md, 'One
-    kernel family per translation unit')."""
-    runs_by_default = pass_ == "bwd" and head_dim in HOPPER_BWD_MMA_SYNC_HEAD_DIMS and hopper_default
-    return "90" in archs and not runs_by_default and any(int(arch) <= 90 for arch in ptx_archs)
+def mma_sync_sm90_from_ptx(archs, ptx_archs) -> bool:
+    """Whether Hopper runs the mma.sync kernels from the PTX (JIT-compiled at their first launch, then cached by
+    the driver) rather than from sm_90a SASS of their own: wherever the build embeds PTX that Hopper can run.
+    Hopper runs them only in deterministic mode, for the backward calls its wgmma kernels cannot order
+    (HOPPER_BWD_MMA_SYNC_HEAD_DIMS in csrc/generate.py), and when told to (FLASH_ATTN2_DISABLE_WGMMA=1, a max_smem
+    override); their sm_90a pass would cost the release build a tenth of its time (docs/design-notes.md, 'The
+    release build within ten minutes')."""
+    return "90" in archs and any(int(arch) <= 90 for arch in ptx_archs)
 
 
-def family_gencodes(pass_, head_dim, part, archs, ptx_archs):
+def family_gencodes(part, archs, ptx_archs):
     """The -gencode flags of one kernel file (its Part): the wgmma kernels are sm_90a code only; the mma.sync ones
     run on every arch, on Hopper from the PTX where mma_sync_sm90_from_ptx says so."""
     if part.family == "wgmma":
         return gencodes(["90"], [])
-    skip_90 = mma_sync_sm90_from_ptx(pass_, head_dim, archs, ptx_archs, part.hopper_default)
+    skip_90 = mma_sync_sm90_from_ptx(archs, ptx_archs)
     return gencodes([arch for arch in archs if not (arch == "90" and skip_90)], ptx_archs)
+
+
+def family_includes(part):
+    """The include directories that go ahead of all others for one kernel file: the mma.sync units' overlay, which
+    leaves out CuTe's Hopper and Blackwell atom headers (csrc/mma_sync_include/README.md)."""
+    return [str(MMA_SYNC_INCLUDE)] if part.family == "mma_sync" else []
+
+
+# The kernel classes (pass, family) in the order of their mean compile time in a release build on a 16-core host
+# (nvcc 13.0, docs/building.md): mma.sync backward 53 s (head dims 160-256), wgmma forward 42 s, mma.sync forward
+# 40 s, wgmma backward 33 s.
+COMPILE_CLASS_ORDER = (("bwd", "mma_sync"), ("fwd", "wgmma"), ("fwd", "mma_sync"), ("bwd", "wgmma"))
+
+
+def compile_rank(pass_, part, file_gencodes) -> tuple:
+    """A sort key that puts a kernel file's compile earlier the longer it is expected to take, so that the build's
+    last minutes are not spent on a few long files: files with more machine-code passes first (each pass costs
+    about as much as the first), then by class (COMPILE_CLASS_ORDER)."""
+    passes = sum(1 for flag in file_gencodes if ",code=sm_" in flag)
+    return (-passes, COMPILE_CLASS_ORDER.index((pass_, part.family)))
 
 
 def nvcc_flags(archs, ptx_archs, nvcc_threads):
@@ -403,12 +421,16 @@ def build_extensions():
         for room in ("host", "launch", "generated")
         for path in (ROOT / "csrc" / room).glob("*.cpp")
     )
-    # The kernel files, each with its family's archs.
+    # The kernel files, each with its family's archs and include overlay, longest compile first.
     kernels = kernel_sources(hdims, dtypes, with_wgmma="90" in archs)
-    file_gencodes = {
-        os.path.abspath(path): family_gencodes(pass_, hdim, part, archs, ptx_archs)
+    file_flags = {
+        os.path.abspath(path): {
+            "gencode": family_gencodes(part, archs, ptx_archs),
+            "include": family_includes(part),
+        }
         for path, pass_, hdim, part in kernels
     }
+    kernels.sort(key=lambda k: compile_rank(k[1], k[3], file_flags[os.path.abspath(k[0])]["gencode"]))
     sources = [
         *(path for path, *_ in kernels),
         *host,
@@ -441,23 +463,9 @@ def build_extensions():
             "TORCH_TARGET_VERSION": "{}.{}".format(*TORCH_TARGET_VERSION),
             "ARCHS": tuple(sass_target(a) for a in archs),
             "PTX_ARCHS": tuple(ptx_archs),
-            # The head dims of each pass whose mma.sync kernels Hopper runs from the PTX (mma_sync_sm90_from_ptx),
-            # and those where some of the backward's 99 KiB tiles do ("bwd_99kib").
+            # The head dims of each pass whose mma.sync kernels Hopper runs from the PTX (mma_sync_sm90_from_ptx).
             "MMA_SYNC_SM90_FROM_PTX": {
-                "fwd": tuple(h for h in hdims if mma_sync_sm90_from_ptx("fwd", h, archs, ptx_archs)),
-                "bwd": tuple(h for h in hdims if mma_sync_sm90_from_ptx("bwd", h, archs, ptx_archs)),
-                "bwd_99kib": tuple(
-                    sorted(
-                        {
-                            h
-                            for _, pass_, h, part in kernels
-                            if pass_ == "bwd"
-                            and not part.hopper_default
-                            and mma_sync_sm90_from_ptx(pass_, h, archs, ptx_archs, hopper_default=False)
-                            and not mma_sync_sm90_from_ptx(pass_, h, archs, ptx_archs)
-                        }
-                    )
-                ),
+                pass_: tuple(hdims) if mma_sync_sm90_from_ptx(archs, ptx_archs) else () for pass_ in ("fwd", "bwd")
             },
             "HEAD_DIMS": tuple(hdims),
             "DTYPES": tuple(dtypes),
@@ -485,7 +493,7 @@ def build_extensions():
         *cxx_runtime_args,
     ]
     ext.libraries = []
-    return [ext, *autograd_exts], version, file_gencodes
+    return [ext, *autograd_exts], version, file_flags
 
 
 def require_shared_cxx_runtime(library: Path):
@@ -503,15 +511,15 @@ def require_shared_cxx_runtime(library: Path):
         )
 
 
-def per_file_nvcc(build_temp: Path, file_gencodes: dict, wrapped) -> str:
-    """The PYTORCH_NVCC command that gives each kernel file its family's -gencode flags (csrc/nvcc_per_file.py):
-    torch's build passes one set of flags to every CUDA source. It runs `wrapped`, a PYTORCH_NVCC of the caller's
-    own (ccache, say), or else nvcc."""
+def per_file_nvcc(build_temp: Path, file_flags: dict, wrapped) -> str:
+    """The PYTORCH_NVCC command that gives each kernel file its family's -gencode flags and include overlay
+    (csrc/nvcc_per_file.py): torch's build passes one set of flags to every CUDA source. It runs `wrapped`, a
+    PYTORCH_NVCC of the caller's own (ccache, say), or else nvcc."""
     from torch.utils.cpp_extension import CUDA_HOME
 
     build_temp.mkdir(parents=True, exist_ok=True)
-    map_path = build_temp.resolve() / "nvcc_gencodes.json"
-    map_path.write_text(json.dumps(file_gencodes, indent=1))
+    map_path = build_temp.resolve() / "nvcc_flags.json"
+    map_path.write_text(json.dumps(file_flags, indent=1))
     command = shlex.split(wrapped) if wrapped else [os.path.join(CUDA_HOME, "bin", "nvcc")]
     wrapper = ROOT / "csrc" / "nvcc_per_file.py"
     return shlex.join([sys.executable, str(wrapper), str(map_path), json.dumps(command)])
@@ -523,36 +531,77 @@ def main():
         setup(version=BASE_VERSION, packages=packages)
         return
     require_torch()
-    ext_modules, version, file_gencodes = build_extensions()
+    ext_modules, version, file_flags = build_extensions()
+    import copy
+    from concurrent.futures import ThreadPoolExecutor
+
+    from setuptools.command.build_ext import build_ext
     from torch.utils.cpp_extension import BuildExtension
 
-    # The compile progress: ninja prints its status line (NINJA_STATUS) before each command line as the command
-    # finishes (torch runs ninja -v; output to a pipe, as under pip, gets one line per file), here naming the
-    # extension: "flash_attn_cuda._C: compiled 12/100 files (734.2 s): nvcc ...". A NINJA_STATUS of the caller's
-    # own is left as it is.
-    name_in_status = "NINJA_STATUS" not in os.environ
+    kernels_ext = "flash_attn_cuda._C"
+    # The order build_extensions() gave _C's sources (longest compile first), which setuptools' sorting by name
+    # would undo: torch's ninja file lists the sources in the order they reach the compiler, and ninja starts
+    # them in that order.
+    source_order = {os.path.abspath(path): i for i, path in enumerate(ext_modules[0].sources)}
 
-    class BuildExtensionWithProgress(BuildExtension.with_options(use_ninja=True)):
-        def build_extension(self, ext):
-            if name_in_status:
-                os.environ["NINJA_STATUS"] = f"{ext.name}: compiled %f/%t files (%e s): "
-            saved = os.environ.get("PYTORCH_NVCC")
-            if ext.name == "flash_attn_cuda._C":
-                os.environ["PYTORCH_NVCC"] = per_file_nvcc(Path(self.build_temp), file_gencodes, saved)
+    class ParallelOrderedBuild(build_ext):
+        """Comes after torch's BuildExtension in the class order, so that its build_extensions runs once torch has
+        put its ninja writer in self.compiler.compile: it puts the sources back in their order, and compiles the
+        C++ autograd libraries in a thread of their own while the kernels compile (one file each, which would
+        otherwise run alone after the kernels)."""
+
+        def build_extensions(self):
+            self.check_extensions_list(self.extensions)
+            ninja_compile = self.compiler.compile
+
+            def compile_in_order(sources, *args, **kwargs):
+                ordered = sorted(sources, key=lambda path: source_order.get(os.path.abspath(path), len(source_order)))
+                return ninja_compile(ordered, *args, **kwargs)
+
+            self.compiler.compile = compile_in_order
+            # ninja's status line, printed before each command line as it finishes (torch runs ninja -v; output
+            # to a pipe, as under pip, gets one line per file): "flash_attn_cuda: compiled 12/100 files (734.2
+            # s): nvcc ...". A NINJA_STATUS of the caller's own is left as it is. Both are set once, before the
+            # threads start: each ninja run takes a copy of the environment.
+            saved = {name: os.environ.get(name) for name in ("NINJA_STATUS", "PYTORCH_NVCC")}
+            if saved["NINJA_STATUS"] is None:
+                os.environ["NINJA_STATUS"] = "flash_attn_cuda: compiled %f/%t files (%e s): "
+            # Only _C has CUDA sources, so only its compiles go through the per-file wrapper.
+            os.environ["PYTORCH_NVCC"] = per_file_nvcc(Path(self.build_temp), file_flags, saved["PYTORCH_NVCC"])
             try:
-                super().build_extension(ext)
+                others = [ext for ext in self.extensions if ext.name != kernels_ext]
+                with ThreadPoolExecutor(max_workers=1) as pool:
+                    done = [pool.submit(self.build_apart, ext) for ext in others]
+                    for ext in self.extensions:
+                        if ext.name == kernels_ext:
+                            self.build_extension(ext)
+                    for future in done:
+                        future.result()
             finally:
-                if saved is None:
-                    os.environ.pop("PYTORCH_NVCC", None)
-                else:
-                    os.environ["PYTORCH_NVCC"] = saved
+                for name, value in saved.items():
+                    if value is None:
+                        os.environ.pop(name, None)
+                    else:
+                        os.environ[name] = value
+
+        def build_apart(self, ext):
+            # A directory of its own: torch's build writes build.ninja into the temp directory it compiles in.
+            command = copy.copy(self)
+            command.build_temp = os.path.join(self.build_temp, ext.name.rsplit(".", 1)[-1])
+            command.build_extension(ext)
+
+        def build_extension(self, ext):
+            super().build_extension(ext)
             require_shared_cxx_runtime(Path(self.get_ext_fullpath(ext.name)))
+
+    class BuildExtensionInOrder(BuildExtension.with_options(use_ninja=True), ParallelOrderedBuild):
+        pass
 
     setup(
         version=version,
         packages=packages,
         ext_modules=ext_modules,
-        cmdclass={"build_ext": BuildExtensionWithProgress},
+        cmdclass={"build_ext": BuildExtensionInOrder},
         options={"bdist_wheel": {"py_limited_api": "cp{}{}".format(*PY_LIMITED_API)}},
     )
 

@@ -42,8 +42,8 @@ WGMMA_TYPES = {"fp16": "f16", "bf16": "bf16"}
 # Head dims whose backward Hopper may run on the mma.sync kernel without being told to: those of the narrow wgmma
 # backward (bwd_sm90_narrow in launch/tile_size.h), whose deterministic mode leaves the variants, the head dims
 # without a warp-specialized tile and the longest causal calls to it (can_run in host/plan.cpp). The wide kernel
-# of the others orders dQ itself, so there the mma.sync backward runs only under an override, and the release
-# build leaves its sm_90a SASS out (setup.py, family_gencodes). A CPU test checks this against the plans.
+# of the others orders dQ itself, so there the mma.sync backward runs only under an override. A CPU test checks
+# this against the plans. The release build runs both from the PTX on Hopper (setup.py, mma_sync_sm90_from_ptx).
 HOPPER_BWD_MMA_SYNC_HEAD_DIMS = (32, 64, 96, 128)
 
 CSRC = Path(__file__).resolve().parent
@@ -58,11 +58,11 @@ AUTOGRAD_PAIRS_H = CSRC / "generated" / "autograd_pairs.h"
 WGMMA_SHAPES_H = CSRC / "generated" / "wgmma_shapes.h"
 
 # Each kernel's translation units, by pass: Part(name, family, what the unit instantiates, how the registering unit
-# names it where its header also defines it, whether Hopper runs it unasked). A unit holds one family's kernels, so
+# names it where its header also defines it). A unit holds one family's kernels, so
 # that the build compiles it for that family's archs only (setup.py: wgmma for sm_90a alone; see
 # docs/design-notes.md, 'Build time and memory'). The first part also registers the kernel's launcher, which picks
 # the plan's family and tile set at run time (launch/flash_<pass>_launch.h).
-Part = collections.namedtuple("Part", "name family instantiation extern hopper_default", defaults=(None, True))
+Part = collections.namedtuple("Part", "name family instantiation extern", defaults=(None,))
 PARTS = {
     "fwd": (
         Part("mma_sync", "mma_sync", "FLASH_INSTANTIATE_FWD(run_fwd_on_mma_sync, {args})"),
@@ -80,8 +80,7 @@ PARTS = {
 }
 # The mma.sync backward kernels, (head dim, mask), whose two tile sets compile in units of their own: together each
 # of these takes a compile past 4 GB (3,906,250 KiB), apart each stays within it (docs/design-notes.md, 'Shared-memory
-# partitions built without CuTe's partition algebra'). The 99 KiB set's unit is not one Hopper runs unasked (the 163
-# KiB set serves it), so where the build embeds PTX its sm_90a SASS is left out.
+# partitions built without CuTe's partition algebra').
 BWD_MMA_SYNC_SETS_APART = frozenset(
     [(64, "variants"), (128, "variants")] + [(head_dim, mask) for head_dim in (96, 192, 256) for mask in MASKS]
 )
@@ -96,7 +95,6 @@ BWD_MMA_SYNC_99 = Part(
     "mma_sync",
     "FLASH_INSTANTIATE_BWD_MMA_SYNC({args}, flash::kSmem99KiB)",
     "FLASH_EXTERN_BWD_MMA_SYNC({args}, flash::kSmem99KiB)",
-    hopper_default=False,
 )
 HEADERS = {"mma_sync": "flash_{pass_}_launch_mma_sync.h", "wgmma": "flash_{pass_}_launch_sm90.h"}
 

@@ -262,9 +262,9 @@ def describe_image(image):
 
 # The GPU classes the library is made for: (capability, examples, opt-in shared memory per block in KiB). The
 # mma.sync kernels run everywhere, with the tile set of the GPU's shared memory (99 KiB, else 163 KiB); Hopper runs
-# the wgmma kernels from sm_90a SASS, and the mma.sync ones in deterministic mode (backward) or without sm_90a
-# SASS. A build may leave out the sm_90a SASS of the mma.sync kernels that Hopper runs only under an override
-# (MMA_SYNC_SM90_FROM_PTX: head dims per pass), which it then JIT-compiles from the PTX.
+# the wgmma kernels from sm_90a SASS, and the mma.sync ones for the backward calls of deterministic mode that its
+# wgmma kernels cannot order, or when told to. A build that embeds PTX Hopper can run leaves out the mma.sync
+# kernels' sm_90a SASS (MMA_SYNC_SM90_FROM_PTX: head dims per pass), and Hopper JIT-compiles them from the PTX.
 GPU_CLASSES = (
     ((8, 0), "A100, A30", 163),
     ((8, 6), "A10, A40, RTX 30xx", 99),
@@ -289,11 +289,11 @@ def class_images(archs, ptx_archs, mma_sync_sm90_from_ptx=None):
             tiles = f"wgmma; {mma_sync} in deterministic mode" if hopper_sass else mma_sync
             ptx_image = kernel_image(capability, [], ptx_archs)
             if hopper_sass and from_ptx and ptx_image is not None:
-                kernels = {"fwd": "forward", "bwd": "backward", "bwd_99kib": "backward's 99 KiB tiles (some masks)"}
+                kernels = {"fwd": "forward", "bwd": "backward"}
                 which = " and ".join(
                     f"{kernels.get(p, p)} at head dims {', '.join(map(str, dims))}" for p, dims in from_ptx.items()
                 )
-                tiles += f"; under an override, the mma.sync {which} from {describe_image(ptx_image)}"
+                tiles += f"; the mma.sync {which} from {describe_image(ptx_image)}"
         else:
             tiles = f"mma.sync, {smem_kib} KiB tiles"
         rows.append(

@@ -202,16 +202,19 @@ def test_generated_wgmma_shapes_hold_one_fma_per_shape_and_dtype():
 
 def test_nvcc_per_file_replaces_the_gencodes_of_mapped_files(tmp_path):
     # csrc/nvcc_per_file.py, setup.py's PYTORCH_NVCC: a mapped source gets its own -gencode flags in place of
-    # torch's, any other keeps them; the other arguments pass through in order.
-    mapped = tmp_path / "a_wgmma.cu"
+    # torch's and its include directories ahead of all others, any other source keeps torch's flags; the other
+    # arguments pass through in order.
+    mapped = tmp_path / "a_mma_sync.cu"
     gencode_map = tmp_path / "map.json"
-    gencode_map.write_text(json.dumps({str(mapped): ["-gencode=arch=compute_90a,code=sm_90a"]}))
+    gencode_map.write_text(
+        json.dumps({str(mapped): {"gencode": ["-gencode=arch=compute_90a,code=sm_90a"], "include": ["/overlay"]}})
+    )
     # The wrapped command: a Python one that prints the arguments it gets.
     echo = json.dumps([sys.executable, "-c", "import sys, json; print(json.dumps(sys.argv[1:]))"])
 
     def run(source):
         # As torch writes it: "-c" twice.
-        args = ["-O3", "-gencode=arch=compute_80,code=sm_80", "-c", "-c", str(source), "-o", "x.o", "-DX"]
+        args = ["-I/torch", "-O3", "-gencode=arch=compute_80,code=sm_80", "-c", "-c", str(source), "-o", "x.o", "-DX"]
         out = subprocess.run(
             [sys.executable, str(CSRC / "nvcc_per_file.py"), str(gencode_map), echo, *args],
             capture_output=True,
@@ -220,10 +223,15 @@ def test_nvcc_per_file_replaces_the_gencodes_of_mapped_files(tmp_path):
         )
         return json.loads(out.stdout)
 
-    expected = ["-O3", "-c", "-c", str(mapped), "-o", "x.o", "-DX", "-gencode=arch=compute_90a,code=sm_90a"]
+    expected = [
+        *("-I/overlay", "-I/torch", "-O3", "-c", "-c", str(mapped), "-o", "x.o", "-DX"),
+        "-gencode=arch=compute_90a,code=sm_90a",
+    ]
     assert run(mapped) == expected
     other = tmp_path / "b.cu"
-    assert run(other) == ["-O3", "-gencode=arch=compute_80,code=sm_80", "-c", "-c", str(other), "-o", "x.o", "-DX"]
+    assert run(other) == [
+        *("-I/torch", "-O3", "-gencode=arch=compute_80,code=sm_80", "-c", "-c", str(other), "-o", "x.o", "-DX")
+    ]
 
 
 def test_nvcc_per_file_logs_each_compile(tmp_path):

@@ -535,7 +535,6 @@ def main():
     import copy
     from concurrent.futures import ThreadPoolExecutor
 
-    from setuptools.command.build_ext import build_ext
     from torch.utils.cpp_extension import BuildExtension
 
     kernels_ext = "flash_attn_cuda._C"
@@ -543,41 +542,48 @@ def main():
     # would undo: torch's ninja file lists the sources in the order they reach the compiler, and ninja starts
     # them in that order.
     source_order = {os.path.abspath(path): i for i, path in enumerate(ext_modules[0].sources)}
+    built_apart = set()
 
-    class ParallelOrderedBuild(build_ext):
-        """Comes after torch's BuildExtension in the class order, so that its build_extensions runs once torch has
-        put its ninja writer in self.compiler.compile: it puts the sources back in their order, and compiles the
-        C++ autograd libraries in a thread of their own while the kernels compile (one file each, which would
-        otherwise run alone after the kernels)."""
+    class BuildExtensionInOrder(BuildExtension.with_options(use_ninja=True)):
+        """torch's extension build, which puts its ninja writer in self.compiler.compile before setuptools builds
+        the extensions one by one. _C's turn comes first: it puts _C's sources back in their order, starts the C++
+        autograd libraries in a thread of their own (one file each, which would otherwise compile alone after the
+        kernels), compiles the kernels, then waits for the libraries; their own turns find them built."""
 
-        def build_extensions(self):
-            self.check_extensions_list(self.extensions)
+        def build_extension(self, ext):
+            if ext.name == kernels_ext:
+                self.build_kernels_and_the_rest(ext)
+            elif ext.name not in built_apart:
+                super().build_extension(ext)
+            require_shared_cxx_runtime(Path(self.get_ext_fullpath(ext.name)))
+
+        def build_kernels_and_the_rest(self, ext):
             ninja_compile = self.compiler.compile
 
             def compile_in_order(sources, *args, **kwargs):
                 ordered = sorted(sources, key=lambda path: source_order.get(os.path.abspath(path), len(source_order)))
                 return ninja_compile(ordered, *args, **kwargs)
 
-            self.compiler.compile = compile_in_order
             # ninja's status line, printed before each command line as it finishes (torch runs ninja -v; output
             # to a pipe, as under pip, gets one line per file): "flash_attn_cuda: compiled 12/100 files (734.2
-            # s): nvcc ...". A NINJA_STATUS of the caller's own is left as it is. Both are set once, before the
-            # threads start: each ninja run takes a copy of the environment.
+            # s): nvcc ...". A NINJA_STATUS of the caller's own is left as it is. Both are set before the thread
+            # starts: each ninja run takes a copy of the environment.
             saved = {name: os.environ.get(name) for name in ("NINJA_STATUS", "PYTORCH_NVCC")}
             if saved["NINJA_STATUS"] is None:
                 os.environ["NINJA_STATUS"] = "flash_attn_cuda: compiled %f/%t files (%e s): "
             # Only _C has CUDA sources, so only its compiles go through the per-file wrapper.
             os.environ["PYTORCH_NVCC"] = per_file_nvcc(Path(self.build_temp), file_flags, saved["PYTORCH_NVCC"])
+            self.compiler.compile = compile_in_order
             try:
-                others = [ext for ext in self.extensions if ext.name != kernels_ext]
                 with ThreadPoolExecutor(max_workers=1) as pool:
-                    done = [pool.submit(self.build_apart, ext) for ext in others]
-                    for ext in self.extensions:
-                        if ext.name == kernels_ext:
-                            self.build_extension(ext)
-                    for future in done:
+                    rest = [other for other in self.extensions if other.name != kernels_ext]
+                    done = [pool.submit(self.build_apart, other) for other in rest]
+                    super().build_extension(ext)
+                    for other, future in zip(rest, done):
                         future.result()
+                        built_apart.add(other.name)
             finally:
+                self.compiler.compile = ninja_compile
                 for name, value in saved.items():
                     if value is None:
                         os.environ.pop(name, None)
@@ -585,17 +591,12 @@ def main():
                         os.environ[name] = value
 
         def build_apart(self, ext):
-            # A directory of its own: torch's build writes build.ninja into the temp directory it compiles in.
+            # A copy of this command with a temp directory of its own: torch's build writes build.ninja into the
+            # directory it compiles in. It shares the compiler, whose ninja writer takes that directory as an
+            # argument.
             command = copy.copy(self)
             command.build_temp = os.path.join(self.build_temp, ext.name.rsplit(".", 1)[-1])
-            command.build_extension(ext)
-
-        def build_extension(self, ext):
-            super().build_extension(ext)
-            require_shared_cxx_runtime(Path(self.get_ext_fullpath(ext.name)))
-
-    class BuildExtensionInOrder(BuildExtension.with_options(use_ninja=True), ParallelOrderedBuild):
-        pass
+            BuildExtension.build_extension(command, ext)
 
     setup(
         version=version,

@@ -22,7 +22,7 @@ rm -rf build/lib.* build/bdist.*
 start=$(date +%s)
 # pip -v passes the build's output on (indented by two spaces). All of it goes to build.log; shown are the lines
 # that say what is built (setup.py's summary, which each build hook prints: shown once) and how far the compile
-# is (ninja's status as setup.py sets it, "flash_attn_cuda._C: compiled K/N files (T s)", cut before the command).
+# is (ninja's status as setup.py sets it, "flash_attn_cuda: compiled K/N files (T s)", cut before the command).
 if ! "$PYTHON" -m pip wheel --no-build-isolation --no-deps -v -w dist . 2>&1 | tee build.log |
     awk '/^ *flash_attn_cuda [0-9]/ { sub(/^ */, ""); if (!seen[$0]++) print; fflush() }
          /^ *flash_attn_cuda[._A-Za-z0-9]*: compiled / { sub(/^ */, ""); sub(/\): .*/, ")"); print; fflush() }'; then

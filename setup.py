@@ -8,8 +8,10 @@ The version is BASE_VERSION plus a PEP 440 local tag naming the CUDA major of th
 with what; `python -m flash_attn_cuda.info` prints it). `make wheel` (tools/build_wheel.sh) builds and repairs
 a wheel.
 
-Each kernel is two generated files, one per kernel family, each compiled for that family's archs only
-(family_gencodes; csrc/nvcc_per_file.py applies them).
+Each kernel is two or three generated files, one per kernel family (and per tile set for some mma.sync backward
+kernels), each compiled for that family's archs only (family_gencodes), the mma.sync ones with a header overlay
+that spares them CuTe's other-arch atoms (family_includes); csrc/nvcc_per_file.py applies both. They compile
+longest first (compile_rank), beside the C++ autograd libraries.
 
 The build compiles against the torch installed in the Python that runs it: `pip install --no-build-isolation -v
 -e .` (pip's isolated build environment holds no torch; without the flag this script stops and says so, see
@@ -165,8 +167,8 @@ def mma_sync_sm90_from_ptx(archs, ptx_archs) -> bool:
     the driver) rather than from sm_90a SASS of their own: wherever the build embeds PTX that Hopper can run.
     Hopper runs them only in deterministic mode, for the backward calls its wgmma kernels cannot order
     (HOPPER_BWD_MMA_SYNC_HEAD_DIMS in csrc/generate.py), and when told to (FLASH_ATTN2_DISABLE_WGMMA=1, a max_smem
-    override); their sm_90a pass would cost the release build a tenth of its time (docs/design-notes.md, 'The
-    release build within ten minutes')."""
+    override); the sm_90a pass of the backward ones at head dims 32 to 128 took as long as their sm_80 pass
+    (docs/design-notes.md, 'The release build within ten minutes')."""
     return "90" in archs and any(int(arch) <= 90 for arch in ptx_archs)
 
 
@@ -185,9 +187,11 @@ def family_includes(part):
     return [str(MMA_SYNC_INCLUDE)] if part.family == "mma_sync" else []
 
 
-# The kernel classes (pass, family) in the order of their mean compile time in a release build on a 16-core host
-# (nvcc 13.0, docs/building.md): mma.sync backward 53 s (head dims 160-256), wgmma forward 42 s, mma.sync forward
-# 40 s, wgmma backward 33 s.
+# The kernel classes (pass, family) in the order of their mean compile time per unit in a release build on a
+# 16-core host before the mma.sync units lost their sm_90a pass and parsed less (nvcc 13.0): mma.sync backward 53 s
+# (head dims 160-256), wgmma forward 42 s, mma.sync forward 40 s, wgmma backward 33 s. In the build measured since
+# (docs/building.md): 33.4 s, 34.7 s, 30.1 s and 27.8 s, the longest units the wgmma forward's at head dims 192
+# and 256 (54-57 s), and the last compile ended 10 s after the sum over 16 jobs allows.
 COMPILE_CLASS_ORDER = (("bwd", "mma_sync"), ("fwd", "wgmma"), ("fwd", "mma_sync"), ("bwd", "wgmma"))
 
 

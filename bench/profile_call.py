@@ -1,5 +1,5 @@
-"""A few calls of one shape, forward or backward, ours or SDPA's FLASH_ATTENTION backend, for Nsight Compute
-(ncu) or Nsight Systems (nsys).
+"""A few calls of one shape, forward or backward, ours or SDPA's FLASH_ATTENTION or CUDNN_ATTENTION backend, for
+Nsight Compute (ncu) or Nsight Systems (nsys).
 
 The timed calls of each implementation lie in an NVTX range named <impl>_<pass> ("ours_bwd", "flash_fwd", ...),
 after --warmup calls outside it, so `ncu --nvtx --nvtx-include "ours_bwd/"` profiles every kernel of those calls
@@ -32,6 +32,9 @@ sys.path.append(os.path.dirname(HERE))  # repo root, after an installed copy
 import common  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# The SDPA backend each of the other implementations names (looked up when a call is made, so that --help and
+# argument errors need no CUDA build of torch).
+SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION"}
 
 
 def parse_args(argv=None):
@@ -47,7 +50,7 @@ def parse_args(argv=None):
         "--impls",
         type=lambda s: s.split(","),
         default=["ours"],
-        help="comma-separated, from ours,flash, run in this order (default ours)",
+        help="comma-separated, from ours,flash,cudnn, run in this order (default ours)",
     )
     p.add_argument("--shape", help="b,seqlen_q,seqlen_k,heads,head_dim (replaces --tokens/--hidden/--seqlen/--hdim)")
     p.add_argument("--nheads-k", type=int, default=None, help="key/value heads (default: heads)")
@@ -68,8 +71,8 @@ def parse_args(argv=None):
     )
     p.add_argument("--num-splits", type=int, default=0, help="ours: force the forward's key splits (0: heuristic)")
     a = p.parse_args(argv)
-    if not a.impls or set(a.impls) - {"ours", "flash"}:
-        p.error("--impls takes ours and/or flash")
+    if not a.impls or set(a.impls) - set(SDPA_BACKENDS) - {"ours"}:
+        p.error("--impls takes ours, flash and/or cudnn")
     if a.shape:
         try:
             a.b, a.sq, a.sk, a.h, a.d = (int(x) for x in a.shape.split(","))
@@ -145,10 +148,11 @@ def make_call(impl, args):
         # backward's dout likewise, in the output's layout.
         inputs = tuple(common.sdpa_view(t, requires_grad=grad) for t in (q, k, v))
         gqa = {"enable_gqa": True} if args.hk != args.h else {}
+        backend = getattr(SDPBackend, SDPA_BACKENDS[impl])
         # SDPA aligns its causal mask top-left, ours bottom-right: the same when seqlen_q == seqlen_k.
 
         def fwd():
-            with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            with sdpa_kernel([backend]):
                 return F.scaled_dot_product_attention(*inputs, is_causal=args.causal, **gqa)
 
     if not grad:

@@ -1,5 +1,5 @@
-"""A few calls of one shape, forward or backward, ours or SDPA's FLASH_ATTENTION or CUDNN_ATTENTION backend, for
-Nsight Compute (ncu) or Nsight Systems (nsys).
+"""A few calls of one shape, forward or backward, ours, SDPA's FLASH_ATTENTION or CUDNN_ATTENTION backend, or
+FlashAttention-4 (the flash-attn-4 package), for Nsight Compute (ncu) or Nsight Systems (nsys).
 
 The timed calls of each implementation lie in an NVTX range named <impl>_<pass> ("ours_bwd", "flash_fwd", ...),
 after --warmup calls outside it, so `ncu --nvtx --nvtx-include "ours_bwd/"` profiles every kernel of those calls
@@ -50,7 +50,7 @@ def parse_args(argv=None):
         "--impls",
         type=lambda s: s.split(","),
         default=["ours"],
-        help="comma-separated, from ours,flash,cudnn, run in this order (default ours)",
+        help="comma-separated, from ours,flash,cudnn,fa4, run in this order (default ours)",
     )
     p.add_argument("--shape", help="b,seqlen_q,seqlen_k,heads,head_dim (replaces --tokens/--hidden/--seqlen/--hdim)")
     p.add_argument("--nheads-k", type=int, default=None, help="key/value heads (default: heads)")
@@ -71,8 +71,8 @@ def parse_args(argv=None):
     )
     p.add_argument("--num-splits", type=int, default=0, help="ours: force the forward's key splits (0: heuristic)")
     a = p.parse_args(argv)
-    if not a.impls or set(a.impls) - set(SDPA_BACKENDS) - {"ours"}:
-        p.error("--impls takes ours, flash and/or cudnn")
+    if not a.impls or set(a.impls) - set(SDPA_BACKENDS) - {"ours", "fa4"}:
+        p.error("--impls takes ours, flash, cudnn and/or fa4")
     if a.shape:
         try:
             a.b, a.sq, a.sk, a.h, a.d = (int(x) for x in a.shape.split(","))
@@ -141,6 +141,15 @@ def make_call(impl, args):
 
         def fwd():
             return flash_attn_func(*inputs, causal=args.causal, deterministic=args.deterministic)
+    elif impl == "fa4":
+        from flash_attn.cute import flash_attn_func as fa4_func
+
+        # On the same (b, s, h, d) tensors as ours; it returns (out, lse).
+        inputs = tuple(t.requires_grad_(grad) for t in (q, k, v))
+
+        def fwd():
+            out = fa4_func(*inputs, causal=args.causal)
+            return out[0] if isinstance(out, tuple) else out
     else:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -163,7 +172,7 @@ def make_call(impl, args):
 
         return call
     out = fwd()
-    dout = torch.randn_like(out) if impl == "ours" else common.sdpa_grad(out)
+    dout = common.sdpa_grad(out) if impl in SDPA_BACKENDS else torch.randn_like(out)
     return lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True)
 
 

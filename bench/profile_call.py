@@ -185,6 +185,10 @@ def main(argv=None):
         f"{args.d}) {args.dtype} causal={args.causal}",
         flush=True,
     )
+    if args.pass_ == "bwd":
+        # Autograd runs a CUDA backward on a worker thread of its own, outside the NVTX range this thread pushes;
+        # on the calling thread, the range holds the backward's kernels.
+        torch.autograd.set_multithreading_enabled(False)
     for impl in args.impls:
         with forced(args) if impl == "ours" else contextlib.nullcontext():
             if impl == "ours":

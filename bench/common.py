@@ -326,7 +326,42 @@ def summary_markdown(rows, ref=REF, other="flash", seqlens=(2048, 8192, 16384)):
         f"Geometric mean of {key}: {fmt_num(g_pick, '{:.3f}')} over the {n_pick} cells above, "
         f"{fmt_num(g_all, '{:.3f}')} over all {n_all} measured shapes.",
     ]
+    lines += ratio_lines(rows, ref)
     return "\n".join(lines)
+
+
+# The implementations a Hopper user would otherwise pick: where a run has more than one, each cell is also held
+# against the faster of them in that cell.
+LEADERS = ("cudnn", "fa4")
+
+
+def ratio_lines(rows, ref=REF, leaders=LEADERS, floor=0.90):
+    """Geometric mean, lowest and highest of ref's speed over every other implementation of the rows, and over
+    the faster of `leaders` in each cell where more than one of them ran, with the cells below `floor`."""
+    impls = sorted({k for r in rows for k, v in r["tflops"].items() if v and k != ref})
+    parts = []
+    for k in impls:
+        vals = [r["tflops"][ref] / r["tflops"][k] for r in rows if r["tflops"].get(ref) and r["tflops"].get(k)]
+        if vals:
+            parts.append(f"{k} {geomean(vals):.3f} ({min(vals):.3f}-{max(vals):.3f}, {len(vals)} cells)")
+    lines = (
+        ["", f"Speed of {ref} over each, geometric mean (lowest-highest): " + "; ".join(parts) + "."] if parts else []
+    )
+    ran = [k for k in leaders if any(r["tflops"].get(k) for r in rows)]
+    if len(ran) > 1:
+        vals = []
+        for r in rows:
+            theirs = [r["tflops"][k] for k in ran if r["tflops"].get(k)]
+            if r["tflops"].get(ref) and len(theirs) == len(ran):
+                vals.append(r["tflops"][ref] / max(theirs))
+        if vals:
+            below = sum(1 for v in vals if v < floor)
+            lines += [
+                "",
+                f"{ref} over the faster of {' and '.join(ran)} in each cell: {geomean(vals):.3f} "
+                f"({min(vals):.3f}-{max(vals):.3f}) over {len(vals)} cells, {below} below {floor:.2f}.",
+            ]
+    return lines
 
 
 def plot_report(path, meta, rows, impls, peak=None):

@@ -83,16 +83,16 @@ __forceinline__ __device__ void compute_p(STensor& s, const CoordTensor& coords,
             }
         });
     };
-    if constexpr (kHide == HideP::kInExp && kVariants) {
-        // The variants kernels visit every tile with one step body, and a window's two edges made the test two
-        // compares, a predicate op and a predicated exp a value, in every tile: most tiles cross neither edge.
+    if constexpr (kHide == HideP::kInExp) {
+        // The kernels visit every tile with one step body, where the test was compares, a predicate op, a constant
+        // reload and a predicated exp a value (ptxas if-converts it), in every tile: most tiles cross no edge.
         if (mask.may_hide_past_diagonal()) {
             exp_loop(std::true_type{});
         } else {
             exp_loop(std::false_type{});
         }
     } else {
-        exp_loop(std::bool_constant<kHide == HideP::kInExp>{});
+        exp_loop(std::false_type{});
     }
     if constexpr (kHide == HideP::kInExp) { mask.template hide_keys_past_end<kQueryIsRow>(s, coords); }
 }

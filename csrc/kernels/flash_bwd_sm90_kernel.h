@@ -523,13 +523,14 @@ struct BwdSm90Block {
 // S^T = K Q^T and dP^T = V dO^T (tSrK, tSrV: the key block's K and V as their A operands; sQ, sdO: the step's Q and
 // dO, sQt, sdOt their transposed views), runs under_score_gemms() while they compute, then P^T from the LSE
 // (lse_stage: the step's query rows), dV += P^T dO, dS^T = P^T (dP^T - D) (dsum_stage) into shared memory (sdSt)
-// for the dQ GEMM, and dK += dS^T Q, scaled by the tile mask `mask` and the variants of score_mod for query head
-// `head`. hide_queries_past_end: query rows past the sequence end hold another sequence's rows (see
-// TileMask::hide_queries_past_end; not in the variants' fused softcap form). It returns with the dV and dK GEMMs in
-// flight, and P^T and dS^T in the registers they read, which the caller fences once it has waited for them. Threads:
-// the two warpgroups, loop_tidx of their 256.
-template <class Traits, bool kVariants, class Element, class Mask, class MmaSdP, class MmadKV, class SmemCopydSt,
-          class FragKV, class SmemQ, class SmemQt, class SmemdSt, class AccdKV, class UnderScoreGemms>
+// for the dQ GEMM, and dK += dS^T Q (its first kDkSteps K steps, -1: all), scaled by the tile mask `mask` and the
+// variants of score_mod for query head `head`. hide_queries_past_end: query rows past the sequence end hold another
+// sequence's rows (see TileMask::hide_queries_past_end; not in the variants' fused softcap form). It returns with
+// the dV and dK GEMMs in flight, and P^T and dS^T in the registers they read, which the caller fences once it has
+// waited for them. Threads: the two warpgroups, loop_tidx of their 256.
+template <class Traits, bool kVariants, int kDkSteps = -1, class Element, class Mask, class MmaSdP, class MmadKV,
+          class SmemCopydSt, class FragKV, class SmemQ, class SmemQt, class SmemdSt, class AccdKV,
+          class UnderScoreGemms>
 __forceinline__ __device__ auto bwd_narrow_step_scores(
     const BwdParams& params, const ScoreMod<Element>& score_mod, const Mask& mask, int batch_idx, int head,
     MmaSdP& mma_sdp, MmadKV& mma_dkv, const SmemCopydSt& smem_tiled_copy_dst, FragKV& tSrK, FragKV& tSrV,
@@ -601,7 +602,9 @@ __forceinline__ __device__ auto bwd_narrow_step_scores(
     cutlass::arch::fence_view_async_shared();
 
     Tensor tKVrQt = thr_mma_dkv.make_fragment_B(thr_mma_dkv.partition_B(sQt));  // (MMA, MMA_D, MMA_K)
-    warpgroup_gemm_issue</*kZeroInit=*/false>(mma_dkv, tKVrdSt, tKVrQt, acc_dk);
+    if constexpr (kDkSteps != 0) {
+        warpgroup_gemm_issue</*kZeroInit=*/false, 0, kDkSteps>(mma_dkv, tKVrdSt, tKVrQt, acc_dk);
+    }
     return cute::make_tuple(rPt, rdSt);
 }
 

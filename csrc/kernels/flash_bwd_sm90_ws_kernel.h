@@ -316,6 +316,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});  // (MMA, MMA_N, MMA_D)
     // dQ = dS K, (kBlockM, kHeadDim) per step.
     typename Traits::TiledMmadQ mma_dq;
+    // dK's K steps (query rows, 16 a wgmma) issued before the step's barrier; the rest follow the dQ GEMM, so that
+    // the tensor cores have dK's work while the dQ tile is stored (docs/design-notes.md, 'dK's GEMM behind dQ's').
+    constexpr int kDkStepsFirst = 0;
 
     int steps_done = 0;
     int tiles_done = 0;
@@ -343,7 +346,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
             Barrier::wait(&storage.q_full[stage], slot.phase);
             const TileMask<kBlockM, kBlockN, kCausal> mask(tile.bounds, step.m_block, tile.n_block);
-            auto [rPt, rdSt] = bwd_narrow_step_scores<typename Traits::Base, /*kVariants=*/false>(
+            auto [rPt, rdSt] = bwd_narrow_step_scores<typename Traits::Base, /*kVariants=*/false, kDkStepsFirst>(
                 params, score_mod, mask, tile.batch_idx, step.head, mma_sdp, mma_dkv, smem_tiled_copy_dst, tSrK, tSrV,
                 sQ, sdO, sQt, sdOt, storage.lse[stage], storage.dsum[stage], sdSt, acc_dk, acc_dv, loop_tidx, [] {},
                 /*hide_queries_past_end=*/varlen);
@@ -357,12 +360,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             Tensor tQrKt = thr_mma_dq.make_fragment_B(thr_mma_dq.partition_B(sKt));  // (MMA, MMA_D, MMA_K)
             Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (MMA, MMA_M, MMA_D)
             warpgroup_gemm_issue</*kZeroInit=*/true>(mma_dq, tQrdS, tQrKt, acc_dq);
-            warpgroup_wait_for<0>(acc_dq);  // with dV's and dK's GEMMs, the step's last reads of Q and dO
-            warpgroup_fence_operand(acc_dv);
-            warpgroup_fence_operand(acc_dk);
-            warpgroup_fence_operand(rPt);
-            warpgroup_fence_operand(rdSt);
-            if (releases) { Barrier::arrive(&storage.q_empty[stage]); }
+            // The rest of dK's K steps behind dQ's, so that the tensor cores have work while the dQ tile is stored.
+            auto thr_mma_dkv = mma_dkv.get_thread_slice(loop_tidx);
+            Tensor tKVrdSt = make_tensor(rdSt.data(), gmma_acc_as_a_operand_layout(rdSt.layout()));  // (MMA, N, K)
+            Tensor tKVrQt = thr_mma_dkv.make_fragment_B(thr_mma_dkv.partition_B(sQt));  // (MMA, MMA_D, MMA_K)
+            constexpr int kDkSteps = decltype(size<2>(tKVrdSt))::value;
+            static_assert(0 <= kDkStepsFirst && kDkStepsFirst < kDkSteps);
+            warpgroup_gemm_issue</*kZeroInit=*/false, kDkStepsFirst>(mma_dkv, tKVrdSt, tKVrQt, acc_dk);
+            warpgroup_wait_for<1>(acc_dq);  // dQ (and dV, and dK's first steps) complete
 
             // The dQ tile in fragment order (dq_accum.h), four values a 16 B store, each warp 512 consecutive bytes,
             // for the producer's bulk reduction.
@@ -377,6 +382,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             cutlass::arch::fence_view_async_shared();  // the bulk reduction reads them through the async proxy
             __syncwarp();
             if (releases) { Barrier::arrive(&storage.dq_full[dq_slot.stage]); }
+            warpgroup_wait<0>();  // dK's last steps: the step's last reads of Q
+            warpgroup_fence_operand(acc_dv);
+            warpgroup_fence_operand(acc_dk);
+            warpgroup_fence_operand(rPt);
+            warpgroup_fence_operand(rdSt);
+            if (releases) { Barrier::arrive(&storage.q_empty[stage]); }
         });
         steps_done += tile.steps;
         ++tiles_done;

@@ -107,12 +107,20 @@ template <int kHeadDim>
 constexpr int kBwdNarrowSmemRowElems = kHeadDim % 64 == 0 ? 64 : 16;
 
 // dQ = dS K: (kBlockM, kHeadDim / 2) per warpgroup; dS read from dS^T (query contiguous), K^T head-dim
-// contiguous. Transposed, dQ^T = K^T dS^T: (kHeadDim / 2, kBlockM) per warpgroup, the same operands.
+// contiguous. Transposed, dQ^T = K^T dS^T: (kHeadDim / 2, kBlockM) per warpgroup, the same operands. Where the
+// query block gives each warpgroup 64 rows (128 rows, head dims up to 64), the warpgroups split the rows instead:
+// (64, kHeadDim) each, one wgmma of N = kHeadDim a K step, where a split head dim would take two of half the N
+// and read each dS slice twice.
 template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kNWarpgroups, bool kTransposed>
 auto bwd_sm90_tiled_mma_dq() {
     if constexpr (kTransposed) {
         return make_tiled_mma(wgmma_ss_op_selector<Element, Element, float,
                                                    Shape<Int<kHeadDim / kNWarpgroups>, Int<kBlockM>, Int<kBlockN>>,
+                                                   GMMA::Major::MN, GMMA::Major::MN>(),
+                              Layout<Shape<Int<kNWarpgroups>, _1, _1>>{});
+    } else if constexpr (kBlockM == 64 * kNWarpgroups) {
+        return make_tiled_mma(wgmma_ss_op_selector<Element, Element, float,
+                                                   Shape<Int<kBlockM / kNWarpgroups>, Int<kHeadDim>, Int<kBlockN>>,
                                                    GMMA::Major::MN, GMMA::Major::MN>(),
                               Layout<Shape<Int<kNWarpgroups>, _1, _1>>{});
     } else {

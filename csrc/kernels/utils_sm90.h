@@ -41,9 +41,15 @@ __forceinline__ __device__ auto gmma_acc_as_a_operand_layout(Layout acc) {
 // for: the caller later runs warpgroup_wait<N>() (N = batches it lets stay in flight) and fences acc.
 // kZeroInit starts from acc = 0 without clearing registers. A register-sourced A must stay untouched
 // until its batch has completed.
-template <bool kZeroInit, class TiledMma, class TensorA, class TensorB, class TensorC>
+// The K steps [kBegin, kEnd) only (kEnd = -1: to the last), so that one GEMM can be issued as two batches with other
+// work between them.
+template <bool kZeroInit, int kBegin = 0, int kEnd = -1, class TiledMma, class TensorA, class TensorB, class TensorC>
 __forceinline__ __device__ void warpgroup_gemm_issue(TiledMma& tiled_mma, TensorA& tCrA, const TensorB& tCrB,
                                                      TensorC& acc) {
+    constexpr int kSteps = decltype(size<2>(tCrA))::value;
+    constexpr int kLast = kEnd < 0 ? kSteps : kEnd;
+    static_assert(0 <= kBegin && kBegin < kLast && kLast <= kSteps);
+    static_assert(!kZeroInit || kBegin == 0, "only the first batch can start from zero");
     // A is either wgmma shared-memory descriptors or register values.
     constexpr bool kARegisters = !is_same_v<typename TensorA::value_type, GMMA::DescriptorIterator::value_type>;
     if constexpr (kARegisters) { warpgroup_fence_operand(tCrA); }
@@ -51,7 +57,7 @@ __forceinline__ __device__ void warpgroup_gemm_issue(TiledMma& tiled_mma, Tensor
     warpgroup_arrive();
     if constexpr (kZeroInit) { tiled_mma.accumulate_ = GMMA::ScaleOut::Zero; }
     CUTE_UNROLL
-    for (int k = 0; k < size<2>(tCrA); ++k) {
+    for (int k = kBegin; k < kLast; ++k) {
         cute::gemm(tiled_mma, tCrA(_, _, k), tCrB(_, _, k), acc);
         tiled_mma.accumulate_ = GMMA::ScaleOut::One;
     }

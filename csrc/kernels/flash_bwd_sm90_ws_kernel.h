@@ -364,8 +364,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             auto thr_mma_dkv = mma_dkv.get_thread_slice(loop_tidx);
             Tensor tKVrdSt = make_tensor(rdSt.data(), gmma_acc_as_a_operand_layout(rdSt.layout()));  // (MMA, N, K)
             Tensor tKVrQt = thr_mma_dkv.make_fragment_B(thr_mma_dkv.partition_B(sQt));  // (MMA, MMA_D, MMA_K)
-            constexpr int kDkSteps = decltype(size<2>(tKVrdSt))::value;
-            static_assert(0 <= kDkStepsFirst && kDkStepsFirst < kDkSteps);
             warpgroup_gemm_issue</*kZeroInit=*/false, kDkStepsFirst>(mma_dkv, tKVrdSt, tKVrQt, acc_dk);
             warpgroup_wait_for<1>(acc_dq);  // dQ (and dV, and dK's first steps) complete
 

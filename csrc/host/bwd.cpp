@@ -92,7 +92,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> bwd_impl(const Tensor& dout, const Te
                                 ? empty_cuda({nheads, dq_accum_seqlen, kernel_head_dim}, ScalarType::Float, device)
                                 : empty_cuda({batch, nheads, dq_accum_seqlen, kernel_head_dim}, ScalarType::Float,
                                              device);
-    zero_async(dq_accum, stream);
     const Tensor dq = gradient(q, varlen != nullptr);
     // dK and dV: one slice per query head, or per key/value head when CTAs walk whole groups (or the heads are
     // packed); per-query-head slices of a GQA call are fp32, summed below so each gradient is rounded once.
@@ -105,12 +104,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> bwd_impl(const Tensor& dout, const Te
         zero_async(dk_heads, stream);
         zero_async(dv_heads, stream);
     }
-    std::optional<Tensor> dq_semaphore;  // std::optional: a default-constructed Tensor costs a shim call
-    if (deterministic) {
-        dq_semaphore = empty_cuda({batch, nheads, (seqlen_q + kBwdMinBlockM - 1) / kBwdMinBlockM}, ScalarType::Int,
-                                  device);
-        zero_async(*dq_semaphore, stream);
-    }
+    // The launcher zeroes dq_accum where its kernel needs it, and the flags of the kernel that stores instead
+    // (BwdParams::dq_semaphore_ptr); deterministic mode's are zeroed here.
+    const Tensor dq_semaphore = empty_cuda({batch, nheads, (seqlen_q + kBwdMinBlockM - 1) / kBwdMinBlockM},
+                                           ScalarType::Int, device);
+    if (deterministic) { zero_async(dq_semaphore, stream); }
 
     BwdParams params{};
     const LseView lse_k = pack_gqa_lse(lse_view(lse), group);
@@ -125,6 +123,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> bwd_impl(const Tensor& dout, const Te
     params.dsum_ptr = static_cast<float*>(dsum.data_ptr());
     params.sink_grad_rows_ptr = variants.sink() ? static_cast<float*>(sink_grad_rows->data_ptr()) : nullptr;
     params.dq_accum_ptr = static_cast<float*>(dq_accum.data_ptr());
+    params.dq_accum_bytes = dq_accum.numel() * int64_t(sizeof(float));
     const View4 dq_k = pack_gqa(view4(dq), group);
     params.dq_ptr = dq_k.ptr;
     params.dq_batch_stride = varlen != nullptr ? 0 : dq_k.stride[0];
@@ -145,7 +144,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> bwd_impl(const Tensor& dout, const Te
     params.key_blocks_per_cta = plan.key_blocks_per_cta;
     params.short_query_tiles = plan.short_query_tile;
     params.stagger = plan.staggered;
-    params.dq_semaphore_ptr = deterministic ? static_cast<int*>(dq_semaphore->data_ptr()) : nullptr;
+    params.dq_semaphore_ptr = static_cast<int*>(dq_semaphore.data_ptr());
+    params.dq_semaphore_bytes = dq_semaphore.numel() * int64_t(sizeof(int));
     params.dq_accum_seqlen = static_cast<int>(dq_accum_seqlen);
     params.dq_accum_head_dim = kernel_head_dim;
     params.deterministic = deterministic;

@@ -7,6 +7,7 @@
 #include <cute/tensor.hpp>
 
 #include "kernels/block_info.h"
+#include "kernels/dq_turns.h"
 #include "kernels/global_ops.h"
 #include "launch/flash_params.h"
 #include "kernels/smem_partition.h"
@@ -60,7 +61,9 @@ __forceinline__ __device__ void red_add_dq_if(bool add, float* dst, const AccTen
 // Traits: the main kernel's (kBlockM, kHeadDim, kDqChunk, kNThreads, TiledMmadQ, Element), with SmemLayoutQ for one
 // (kBlockM, kHeadDim) tile, SmemCopyAtomStore (registers to it, for TiledMmadQ's fragments) and GmemTiledCopyStore;
 // one CTA of kNThreads per (query block, sequence, query head), with kSmemQElems elements of shared memory.
-template <class Traits>
+// kFlagged: where the kernel stored each query block's first tile (BwdParams::dq_accum_stored), a block whose
+// flag shows no key block holds no values, and its dq is zeros.
+template <class Traits, bool kFlagged = false>
 __forceinline__ __device__ void convert_dq_tile(const BwdParams& params) {
     using Element = typename Traits::Element;
     constexpr int kBlockM = Traits::kBlockM;
@@ -76,6 +79,10 @@ __forceinline__ __device__ void convert_dq_tile(const BwdParams& params) {
     if (rows_left <= 0) { return; }
     const float* src = params.dq_accum_ptr + binfo.dq_accum_row(params, batch_idx, head_idx) * kHeadDim +
                        m_block * (kBlockM * kHeadDim) + tidx * kVec;
+    bool written = true;
+    if constexpr (kFlagged) {
+        written = !params.dq_accum_stored || *dq_turn_flag<kBlockM>(params, batch_idx, head_idx, m_block) != 0;
+    }
 
     extern __shared__ __align__(128) char smem[];
     Tensor sdQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)),
@@ -109,13 +116,13 @@ __forceinline__ __device__ void convert_dq_tile(const BwdParams& params) {
         for (int g = 0; g < size(acc_dq) / kVec; ++g) {
             const float* group = chunk_src + g * Traits::kNThreads * kVec;
             if constexpr (kVec == 4) {
-                const float4 v = *reinterpret_cast<const float4*>(group);
+                const float4 v = written ? *reinterpret_cast<const float4*>(group) : make_float4(0.f, 0.f, 0.f, 0.f);
                 acc_dq(4 * g) = v.x;
                 acc_dq(4 * g + 1) = v.y;
                 acc_dq(4 * g + 2) = v.z;
                 acc_dq(4 * g + 3) = v.w;
             } else {
-                acc_dq(g) = *group;
+                acc_dq(g) = written ? *group : 0.f;
             }
         }
         CUTE_UNROLL

@@ -5,6 +5,13 @@
 // until it equals its turn, adds, and once the addition has landed sets it to turn + 1.
 //
 // No key block may wait for one that cannot run until it finishes: each kernel's order says why its waits end.
+//
+// The warp-specialized kernel also writes dq_accum without a zeroing pass before it (BwdParams::dq_accum_stored):
+// of the key blocks that see a query block, the first to add stores its dQ tile instead, and the others add
+// theirs once that store has landed. In deterministic mode the first is the one of turn 0. Otherwise the flag,
+// zeroed per call as well, counts the key blocks that have reached the query block in its low bits, and
+// kDqStored marks the first one's store as landed. Either way a flag still 0 after the kernel means that no key
+// block sees the query block, and the dQ conversion writes zeros there.
 #pragma once
 
 #include "kernels/global_ops.h"
@@ -37,6 +44,25 @@ __forceinline__ __device__ void wait_dq_turn(const int* flag, int turn) {
 __forceinline__ __device__ void pass_dq_turn(int* flag, int turn) {
     fence_proxy_async_global();
     store_release(flag, turn + 1);
+}
+
+// Without deterministic mode: set in a query block's flag once its first key block's store has landed.
+constexpr int kDqStored = 1 << 30;
+
+// Counts this key block in; true for the first to reach the query block, which stores its tile.
+__forceinline__ __device__ bool dq_arrive_first(int* flag) { return atomicAdd(flag, 1) == 0; }
+
+// The first key block's store is complete (waited for with bulk_wait): the others may add.
+__forceinline__ __device__ void mark_dq_stored(int* flag) {
+    fence_proxy_async_global();
+    or_release(flag, kDqStored);
+}
+
+// Spins until the first key block's store has landed. It never waits for a key block that is not running: the
+// first took its place in the count just before storing.
+__forceinline__ __device__ void wait_dq_stored(const int* flag) {
+    while ((load_acquire(flag) & kDqStored) == 0) {}
+    fence_proxy_async_global();
 }
 
 }  // namespace flash

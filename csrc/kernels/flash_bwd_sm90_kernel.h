@@ -838,7 +838,7 @@ __global__ void __launch_bounds__(Traits::kNThreads)
     flash_bwd_sm90_convert_dq_kernel(const __grid_constant__ BwdParams params) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     static_assert(!Traits::kDqTransposed);
-    convert_dq_tile<Traits>(params);
+    convert_dq_tile<Traits, /*kFlagged=*/true>(params);
 #endif
 }
 

@@ -255,7 +255,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             cp_async_wait<0>();  // no copy lands in shared memory after the warp exits
         } else if (warp_idx == 2) {
             // Each step's dQ tile into dq_accum, whole: rows past seqlen_q hold exact zeros, and dq_accum pads each
-            // sequence past its last query block. The tile's buffer is released once the reduction has read it.
+            // sequence past its last query block. The first key block to reach a query block stores its tile,
+            // the others add theirs once that store has landed (dq_turns.h), so no pass zeroes dq_accum before
+            // the kernel. The tile's buffer is released once the copy has read it.
             // In deterministic mode it waits for the step's turn (BwdWsTile::dq_turn) before the reduction, and
             // passes the turn of the step before on first, that step's reduction having landed by then: the warp
             // does not wait for the completion of a reduction it just issued, and a CTA's key block runs about a
@@ -277,16 +279,30 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                     float* dq_tile = params.dq_accum_ptr + (tile.binfo.dq_accum_row(params, tile.batch_idx, step.head) +
                                                             index_t(step.m_block) * kBlockM) *
                                                                kHeadDim;
+                    int* flag = dq_turn_flag<kBlockM>(params, tile.batch_idx, step.head, step.m_block);
+                    constexpr int kTileBytes = Traits::kSmemDqTileFloats * int(sizeof(float));
                     Barrier::wait(&storage.dq_full[slot.stage], slot.phase);
+                    bool first;
                     if (params.deterministic) {
                         pass_last_turn();
-                        last_flag = dq_turn_flag<kBlockM>(params, tile.batch_idx, step.head, step.m_block);
+                        last_flag = flag;
                         last_turn = tile.dq_turn(step.m_block, first_high);
                         wait_dq_turn(last_flag, last_turn);
+                        first = last_turn == 0;
+                    } else {
+                        first = dq_arrive_first(flag);
+                        if (!first) { wait_dq_stored(flag); }
                     }
-                    bulk_reduce_add_f32(dq_tile, storage.dq[slot.stage],
-                                        Traits::kSmemDqTileFloats * int(sizeof(float)));
+                    if (first) {
+                        bulk_store(dq_tile, storage.dq[slot.stage], kTileBytes);
+                    } else {
+                        bulk_reduce_add_f32(dq_tile, storage.dq[slot.stage], kTileBytes);
+                    }
                     bulk_commit();
+                    if (first && !params.deterministic) {
+                        bulk_wait<0>();
+                        mark_dq_stored(flag);
+                    }
                     bulk_wait_read<0>();
                     Barrier::arrive(&storage.dq_empty[slot.stage]);
                 });

@@ -1,6 +1,6 @@
 // Global-memory accesses that CuTe's copy atoms do not cover: a one-value zero-filling cp.async, fp32
-// reductions that do not wait for a reply (plain or predicated), acquire/release flags, and a predicated
-// store of an accumulator fragment.
+// reductions that do not wait for a reply (plain or predicated), bulk copies and reductions, acquire/release
+// flags, and a predicated store of an accumulator fragment.
 #pragma once
 
 #include <cstdint>
@@ -72,6 +72,14 @@ __forceinline__ __device__ void bulk_reduce_add_f32(float* dst, const float* sme
                  : "memory");
 }
 
+// A bulk copy of `bytes` (a multiple of 16) from shared to global memory (both 16 B aligned), grouped and waited
+// for as bulk_reduce_add_f32 is.
+__forceinline__ __device__ void bulk_store(void* dst, const void* smem_src, int bytes) {
+    const uint32_t src = cute::cast_smem_ptr_to_uint(smem_src);
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(src), "r"(bytes)
+                 : "memory");
+}
+
 __forceinline__ __device__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 
 template <int N>
@@ -93,6 +101,11 @@ __forceinline__ __device__ int load_acquire(const int* ptr) {
 
 __forceinline__ __device__ void store_release(int* ptr, int value) {
     asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(ptr), "r"(value) : "memory");
+}
+
+// Sets bits of a flag with release order, without a reply.
+__forceinline__ __device__ void or_release(int* ptr, int bits) {
+    asm volatile("red.release.gpu.global.or.b32 [%0], %1;" ::"l"(ptr), "r"(bits) : "memory");
 }
 
 // Writes an accumulator fragment (converted to Element, times scale) to global memory, skipping

@@ -20,6 +20,7 @@ cudaError_t run_bwd(const BwdParams& params, cudaStream_t stream) {
     // Only the Hopper kernels walk several query heads or key blocks per CTA; the plan sets them only for
     // those (built_families).
     if (params.heads_per_cta != 1 || params.key_blocks_per_cta != 1) { return cudaErrorNotSupported; }
+    if (const cudaError_t err = zero_dq_accum(params, stream); err != cudaSuccess) { return err; }
     if (params.mma_sync_tile_set == MmaSyncTileSet::k99KiB) {
         return run_bwd_on_mma_sync<Element, kHeadDim, kCausal, kVariants, kSmem99KiB>(params, stream);
     }

@@ -15,6 +15,13 @@ namespace flash {
 template <KernelFamily kFamily, int kHeadDim, int kBudget = base_smem_budget(kFamily)>
 constexpr TileSet kBwdTileSet = tile_set(kFamily, Pass::kBwd, kHeadDim, kBudget);
 
+// dq_accum zeroed, for a kernel that adds every dQ tile into it (BwdParams::dq_accum_ptr).
+inline cudaError_t zero_dq_accum(const BwdParams& params, cudaStream_t stream) {
+    return params.dq_accum_bytes == 0
+               ? cudaSuccess
+               : cudaMemsetAsync(params.dq_accum_ptr, 0, static_cast<size_t>(params.dq_accum_bytes), stream);
+}
+
 // The backward of one (dtype, head dim, mask) on each family's kernels: the mma.sync kernel of the set of kBudget,
 // and the Hopper kernels. Defined in flash_bwd_launch_mma_sync.h and flash_bwd_launch_sm90.h, instantiated in the
 // generated files.

@@ -71,13 +71,21 @@ cudaError_t launch_bwd_sm90(const BwdParams& params, cudaStream_t stream) {
 // checked), then the narrow kernel's dQ conversion: the consumers are that kernel's threads, so dq_accum is
 // in its fragment order. TMA descriptors of q, dout, k and v are encoded for each call.
 template <typename Element, int kHeadDim, bool kCausal>
-cudaError_t run_bwd_sm90_ws(const BwdParams& params, cudaStream_t stream) {
+cudaError_t run_bwd_sm90_ws(const BwdParams& call_params, cudaStream_t stream) {
     constexpr TileShape kTile = kBwdTileSet<KernelFamily::kWgmma, kHeadDim>.ws_tile;
     using Traits = BwdSm90WsKernelTraits<Element, kHeadDim, kTile.block_m, kTile.block_n>;
     static_assert(sizeof(Element) == kElementBytes);
     static_assert(Traits::kSmemBytes == bwd_ws_smem_bytes(kHeadDim, kTile.block_m, kTile.block_n),
                   "the plans check a GPU's shared memory by the formula");
-    if (params.key_blocks_per_cta != 1 || params.gqa_pack != 1) { return cudaErrorNotSupported; }
+    if (call_params.key_blocks_per_cta != 1 || call_params.gqa_pack != 1) { return cudaErrorNotSupported; }
+    // dq_accum is not zeroed: each query block's first dQ tile is stored, which the flags track (dq_turns.h).
+    BwdParams params = call_params;
+    params.dq_accum_stored = true;
+    if (!params.deterministic) {
+        const cudaError_t err = cudaMemsetAsync(params.dq_semaphore_ptr, 0,
+                                                static_cast<size_t>(params.dq_semaphore_bytes), stream);
+        if (err != cudaSuccess) { return err; }
+    }
     // Variable-length batches: each view is one batch of all the sequences' rows (the kernel offsets each sequence).
     const bool varlen = params.cu_seqlens_q != nullptr;
     const int rows_q = varlen ? params.total_q : params.seqlen_q;
@@ -121,6 +129,13 @@ template <typename Element, int kHeadDim, bool kCausal, bool kVariants>
 cudaError_t run_bwd_on_wgmma(const BwdParams& params, cudaStream_t stream) {
     constexpr TileSet kSet = kBwdTileSet<KernelFamily::kWgmma, kHeadDim>;
     static_assert(kSet.exists(), "every compiled head dim has a wgmma tile set");
+    if constexpr (kSet.ws_tile.exists() && !kVariants) {
+        if (params.warp_specialized && params.head_dim_v == params.head_dim) {
+            return run_bwd_sm90_ws<Element, kHeadDim, kCausal>(params, stream);
+        }
+    }
+    // The other kernels add every dQ tile into dq_accum.
+    if (const cudaError_t err = zero_dq_accum(params, stream); err != cudaSuccess) { return err; }
     if (params.head_dim_v != params.head_dim) {
         // A V narrower than Q and K that the plan left unpadded (Plan::narrow_v): the narrow-V form of the wide
         // kernel, which the plans pick for plain calls.
@@ -133,9 +148,6 @@ cudaError_t run_bwd_on_wgmma(const BwdParams& params, cudaStream_t stream) {
                 params, stream);
         }
         return cudaErrorInvalidConfiguration;
-    }
-    if constexpr (kSet.ws_tile.exists() && !kVariants) {
-        if (params.warp_specialized) { return run_bwd_sm90_ws<Element, kHeadDim, kCausal>(params, stream); }
     }
     if constexpr (kBwdSm90Kind<kHeadDim> == BwdSm90Kind::kNarrow) {
         // Deterministic mode at these head dims runs the warp-specialized kernel or the mma.sync one (the plan).

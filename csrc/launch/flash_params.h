@@ -141,11 +141,14 @@ struct BwdParams : FwdParams {
     float* __restrict__ dsum_ptr;  // (batch, num_heads, seqlen_q) contiguous: rowsum(dout * out), fp32
     float* __restrict__ sink_grad_rows_ptr;  // with a learnable sink: each row's share of the sink's gradient,
                                              // -exp(sink_h - lse) * rowsum(dout * out), laid out as dsum
-    float* __restrict__ dq_accum_ptr;  // fp32, zeroed, rows of dq_accum_head_dim: dense (batch, num_heads,
+    float* __restrict__ dq_accum_ptr;  // fp32, rows of dq_accum_head_dim: dense (batch, num_heads,
                                        // dq_accum_seqlen, .); varlen (num_heads, dq_accum_seqlen, .), where
                                        // sequence b starts at row cu_seqlens_q[b] + b * kBwdMaxBlockM. The
                                        // Hopper kernels keep each query block's rows in (row, column) order,
-                                       // the mma.sync kernel in its fragment order (flash_bwd_kernel.h)
+                                       // the mma.sync kernel in its fragment order (flash_bwd_kernel.h).
+                                       // Zeroed by the launchers whose kernels add every dQ tile into it,
+                                       // all but the warp-specialized Hopper one (dq_turns.h)
+    int64_t dq_accum_bytes;
     void* __restrict__ dq_ptr;  // dq_accum * scale, at the dq_*_stride strides
     void* __restrict__ dk_ptr;  // (batch, seqlen_k, num_heads / heads_per_cta, head_dim): one slice per
                                 // query head, or per key/value head when heads_per_cta > 1
@@ -160,8 +163,10 @@ struct BwdParams : FwdParams {
     bool stagger;  // the wide Hopper kernel without a mask: key block n starts its walk at query block n mod
                    // (query blocks); in deterministic mode only where every key block of a sequence fits
                    // (Plan::staggered, BwdSm90Block::dq_turn)
-    int* dq_semaphore_ptr;  // (batch, num_heads, ceil(seqlen_q / kBwdMinBlockM)) zeroed; deterministic only
-                            // (dq_turns.h for the Hopper kernel)
+    int* dq_semaphore_ptr;  // (batch, num_heads, ceil(seqlen_q / kBwdMinBlockM)): in deterministic mode the
+                            // semaphores (dq_turns.h for the Hopper kernels), zeroed by the host; otherwise
+                            // the warp-specialized Hopper kernel's dQ flags (dq_turns.h), zeroed by its launcher
+    int64_t dq_semaphore_bytes;
 
     index_t do_batch_stride;  // elements between consecutive batches of dout
     index_t do_row_stride;  // elements between consecutive tokens of dout
@@ -181,6 +186,8 @@ struct BwdParams : FwdParams {
     int dq_accum_head_dim;  // the kernel's compile-time head dim (>= head_dim)
 
     bool deterministic;  // key blocks add into dQ in a fixed order (dq_semaphore_ptr)
+    bool dq_accum_stored;  // set by the launcher of a kernel that stores each query block's first dQ tile
+                           // (dq_turns.h): the conversion writes zeros where the flag shows none
     bool short_query_tiles;  // the Hopper kernel runs 16-row query blocks (tile_size.h)
 };
 

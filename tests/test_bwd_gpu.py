@@ -236,7 +236,9 @@ def test_key_blocks_per_cta(b, sq, sk, h, hk, head_dim, causal, key_blocks):
 def test_warp_specialized_backward(b, sq, sk, h, hk, walk, head_dim, causal, dtype):
     # ws=1 runs the warp-specialized Hopper backward (head dims 64 and 128, dense plain calls): odd lengths both
     # ways, causal pairs of key blocks in its persistent schedule, GQA walked per tile or summed from fp32 slices,
-    # one query row (the short-query tile turned off, which would take it), and more tiles than SMs.
+    # one query row (the short-query tile turned off, which would take it), and more tiles than SMs. With a causal
+    # mask and more queries than keys, whole query blocks see no key: no key block stores their dQ tile, and their
+    # dq must come out zero from an unzeroed (poisoned) dq_accum.
     require_fwd_bwd_kernels(head_dim, dtype, causal)
     check_grads(
         rand(b, sq, h, head_dim, dtype=dtype),

@@ -230,15 +230,25 @@ def test_key_blocks_per_cta(b, sq, sk, h, hk, head_dim, causal, key_blocks):
         (3, 1023, 1023, 2, 1, True),
         (1, 1, 700, 4, 4, False),
         (40, 129, 64, 8, 8, False),
+        (2, 2000, 100, 4, 2, True),
     ],
-    ids=["mha-sq<sk", "gqa-walk-sq>sk", "gqa-slices", "mqa-walk-long", "one-query", "more-tiles-than-sms"],
+    ids=[
+        "mha-sq<sk",
+        "gqa-walk-sq>sk",
+        "gqa-slices",
+        "mqa-walk-long",
+        "one-query",
+        "more-tiles-than-sms",
+        "one-key-block-many-queries",
+    ],
 )
 def test_warp_specialized_backward(b, sq, sk, h, hk, walk, head_dim, causal, dtype):
     # ws=1 runs the warp-specialized Hopper backward (head dims 64 and 128, dense plain calls): odd lengths both
     # ways, causal pairs of key blocks in its persistent schedule, GQA walked per tile or summed from fp32 slices,
     # one query row (the short-query tile turned off, which would take it), and more tiles than SMs. With a causal
     # mask and more queries than keys, whole query blocks see no key: no key block stores their dQ tile, and their
-    # dq must come out zero from an unzeroed (poisoned) dq_accum.
+    # dq must come out zero from an unzeroed (poisoned) dq_accum. With one key block under many query blocks, every
+    # step stores a query block's first (and only) dQ tile.
     require_fwd_bwd_kernels(head_dim, dtype, causal)
     check_grads(
         rand(b, sq, h, head_dim, dtype=dtype),
